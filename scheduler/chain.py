@@ -1,0 +1,151 @@
+"""The chain model shared by every planner (seeds 000, 001, 002; DESIGN.md "The chain model").
+
+A chain has L stages plus the loss, indexed ``s = 0 .. L`` (stage ``L`` is the loss); every
+field is a sequence of length ``L + 1``. Times are seconds, sizes bytes.
+
+==========  ==========================================================================
+``fw``      forward time of stage s (u_F)
+``bw``      backward time of stage s (u_B)
+``x``       size of the input activation of stage s (``x[0]`` is the network input)
+``xbar``    size of all the forward of stage s keeps for its backward, output included
+``delta``   size of the gradient w.r.t. ``x[s]`` (made by B s, consumed by B s-1)
+``fw_tmp``  transient memory of the forward of stage s
+``bw_tmp``  transient memory of the backward of stage s
+==========  ==========================================================================
+"""
+from __future__ import annotations
+
+import json
+import math
+import random as _random
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+Number = float  # ints stay ints: exact integer chains are how the DPs are tested
+
+FIELDS: Tuple[str, ...] = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")
+
+
+def _as_tuple(name: str, values: Sequence[Any]) -> Tuple[Number, ...]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"Chain.{name}: expected a sequence of numbers, got {values!r}")
+    out = []
+    for s, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            try:  # numpy scalars and the like
+                v = v.item()
+            except AttributeError:
+                raise ValueError(f"Chain.{name}[{s}]: expected a number, got {v!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"Chain.{name}[{s}]: must be finite and non-negative, got {v!r}")
+        out.append(v)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Per-stage times and sizes of a sequential network (the planners' common input)."""
+
+    fw: Tuple[Number, ...]
+    bw: Tuple[Number, ...]
+    x: Tuple[Number, ...]
+    xbar: Tuple[Number, ...]
+    delta: Tuple[Number, ...]
+    fw_tmp: Tuple[Number, ...] = ()
+    bw_tmp: Tuple[Number, ...] = ()
+    name: str = ""
+    meta: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.fw) if hasattr(self.fw, "__len__") else -1
+        if n < 1:
+            raise ValueError(f"Chain.fw: need at least the loss stage (length >= 1), got {self.fw!r}")
+        for name in FIELDS:
+            raw = getattr(self, name)
+            if name in ("fw_tmp", "bw_tmp") and len(raw) == 0:
+                raw = (0,) * n  # no transient memory given
+            values = _as_tuple(name, raw)
+            if len(values) != n:
+                raise ValueError(
+                    f"Chain.{name}: length {len(values)} but fw has length {n} "
+                    f"(every field has one entry per stage s = 0..L, the loss included)")
+            object.__setattr__(self, name, values)
+
+    # ----------------------------------------------------------------------------- shape
+    @property
+    def L(self) -> int:
+        """Number of stages before the loss."""
+        return len(self.fw) - 1
+
+    def __len__(self) -> int:
+        return len(self.fw)
+
+    @property
+    def is_integer(self) -> bool:
+        """All sizes are integers (what exact-slot DPs and exact tests need)."""
+        return all(isinstance(v, int) for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
+                   for v in getattr(self, f))
+
+    def total_compute(self) -> Number:
+        """Forward plus backward time, each stage once: no schedule is faster."""
+        return sum(self.fw) + sum(self.bw)
+
+    # ------------------------------------------------------------------------ JSON I/O
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {f: list(getattr(self, f)) for f in FIELDS}
+        d["name"] = self.name
+        if self.meta:
+            d["meta"] = self.meta
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Chain":
+        unknown = set(d) - set(FIELDS) - {"name", "meta"}
+        if unknown:
+            raise ValueError(f"Chain: unknown field(s) {sorted(unknown)}")
+        missing = [f for f in ("fw", "bw", "x", "xbar", "delta") if f not in d]
+        if missing:
+            raise ValueError(f"Chain: missing field(s) {missing}")
+        return cls(**{k: d[k] for k in d if k != "meta"}, meta=dict(d.get("meta", {})))
+
+    def to_json(self, path: Optional[str] = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Chain":
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------------ helpers
+    @classmethod
+    def random(cls, L: int, seed: int = 0, max_size: int = 10, max_time: int = 10,
+               tmp: bool = True) -> "Chain":
+        """A random chain of integer times and sizes (for tests and benchmarks)."""
+        if not isinstance(L, int) or L < 0:
+            raise ValueError(f"Chain.random: L must be a non-negative int, got {L!r}")
+        rng = _random.Random(seed)
+        n = L + 1
+
+        def ints(lo: int, hi: int) -> Tuple[int, ...]:
+            return tuple(rng.randint(lo, hi) for _ in range(n))
+
+        x = ints(1, max_size)
+        # what a forward keeps includes its output, so xbar[s] >= x[s+1]
+        xbar = tuple(max(rng.randint(1, 2 * max_size), x[s + 1] if s < L else 0)
+                     for s in range(n))
+        return cls(fw=ints(1, max_time), bw=ints(1, 2 * max_time), x=x, xbar=xbar,
+                   delta=x, fw_tmp=ints(0, max_size // 2) if tmp else (0,) * n,
+                   bw_tmp=ints(0, max_size // 2) if tmp else (0,) * n,
+                   name=f"random-L{L}-seed{seed}")
+
+    def replace(self, **changes: Any) -> "Chain":
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(changes)
+        return Chain(**d)

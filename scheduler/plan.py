@@ -1,0 +1,111 @@
+"""One plan format that every planner emits (DESIGN.md "Plans").
+
+``Plan.ops`` is a list of ``(kind, s)``: ``kind`` one of ``F_all``, ``F_ck``, ``F_none``,
+``B``, ``offload``, ``prefetch``; ``s`` a stage index. ``offload s`` / ``prefetch s`` move
+what is stored as the input of stage ``s``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .chain import Chain
+
+KINDS = ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
+FORWARD_KINDS = ("F_all", "F_ck", "F_none")
+TRANSFER_KINDS = ("offload", "prefetch")
+
+
+class Op(NamedTuple):
+    kind: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.stage}"
+
+
+def _op(item: Any, index: int) -> Op:
+    try:
+        kind, stage = item
+    except (TypeError, ValueError):
+        raise ValueError(f"Plan.ops[{index}]: expected (kind, stage), got {item!r}") from None
+    if kind not in KINDS:
+        raise ValueError(f"Plan.ops[{index}]: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise ValueError(f"Plan.ops[{index}]: stage must be a non-negative int, got {stage!r}")
+    return Op(kind, stage)
+
+
+@dataclass
+class Plan:
+    """A schedule: the ops in order, who made it, and what it should cost."""
+
+    ops: List[Op]
+    planner: str = ""
+    predicted_time: Optional[float] = None
+    predicted_peak: Optional[float] = None
+    meta: Dict[str, Any] = field(default_factory=dict)
+    # the chain it was planned for, so str() can show running memory; not part of identity
+    chain: Optional["Chain"] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.ops = [_op(item, i) for i, item in enumerate(self.ops)]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for op in self.ops if op.kind == kind)
+
+    def describe(self, chain: Optional["Chain"] = None, bandwidth: Optional[float] = None) -> str:
+        """One line per op; with a chain, the memory in use after each op and its end time."""
+        chain = chain if chain is not None else self.chain
+        head = f"Plan[{self.planner or '?'}] {len(self.ops)} ops"
+        if self.predicted_time is not None:
+            head += f", predicted time {self.predicted_time:g}"
+        if self.predicted_peak is not None:
+            head += f", predicted peak {self.predicted_peak:g}"
+        lines = [head]
+        steps = None
+        if chain is not None:
+            from .simulate import simulate  # local: plan.py stays importable on its own
+            steps = simulate(chain, self, bandwidth=bandwidth).steps
+        for i, op in enumerate(self.ops):
+            line = f"{i:5d}  {op.kind:<8} {op.stage:4d}"
+            if steps is not None:
+                st = steps[i]
+                line += f"   mem {st.memory_after:>12g}   peak {st.peak:>12g}   end {st.end:>10g}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    # ------------------------------------------------------------------------ JSON I/O
+    def to_dict(self) -> Dict[str, Any]:
+        return {"planner": self.planner, "predicted_time": self.predicted_time,
+                "predicted_peak": self.predicted_peak, "meta": self.meta,
+                "ops": [[op.kind, op.stage] for op in self.ops]}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+        return cls(ops=[tuple(o) for o in d["ops"]], planner=d.get("planner", ""),
+                   predicted_time=d.get("predicted_time"),
+                   predicted_peak=d.get("predicted_peak"), meta=dict(d.get("meta") or {}))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def plan_of(ops: Iterable[Any], planner: str = "", **kw: Any) -> Plan:
+    """Build a Plan from ``(kind, stage)`` pairs."""
+    return Plan(ops=list(ops), planner=planner, **kw)

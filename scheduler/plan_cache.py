@@ -1,0 +1,55 @@
+"""Plans cached by input signature (the Mimose idea, seed 004): a shape seen before costs
+no re-planning. Used by the swap runtime (per variable-sequence signature) and the chain
+runtime (per input shape and budget). No torch here: keys are any hashable signature.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable, Dict, Generic, Hashable, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+class PlanCache(Generic[T]):
+    """A bounded LRU map from a signature to a plan, counting hits, misses and planning time."""
+
+    def __init__(self, capacity: int = 64):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"PlanCache: capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._plans: "OrderedDict[Hashable, T]" = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.planning_seconds = 0.0
+
+    def get_or_plan(self, key: Hashable, plan: Callable[[], T]) -> T:
+        """The cached plan for ``key``, or ``plan()``'s result, timed and stored."""
+        if key in self._plans:
+            self.hits += 1
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        self.misses += 1
+        start = time.perf_counter()
+        value = plan()
+        self.planning_seconds += time.perf_counter() - start
+        self._plans[key] = value
+        if len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return value
+
+    def get(self, key: Hashable) -> Optional[T]:
+        return self._plans.get(key)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._plans
+
+    def stats(self) -> Dict[str, float]:
+        return {"plans_cached": len(self._plans), "hits": self.hits, "misses": self.misses,
+                "plans_computed": self.misses, "planning_seconds": self.planning_seconds}

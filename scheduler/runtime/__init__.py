@@ -1,0 +1,1 @@
+"""Runtimes that execute plans with torch: the swap runtime and the chain runner."""

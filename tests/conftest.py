@@ -1,0 +1,18 @@
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

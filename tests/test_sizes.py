@@ -1,0 +1,22 @@
+import pytest
+
+from vmalloc.sizes import format_size, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2MiB", 2 << 20), ("40MB", 40_000_000), ("16GiB", 16 << 30), ("1048576", 1 << 20),
+    (4096, 4096), ("1.5KiB", 1536), (" 2 mib ", 2 << 20), ("0", 0), ("3b", 3),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "2XB", "-1", -1, "1.3B", True, None, [1]])
+def test_parse_size_rejects_and_names_the_knob(bad):
+    with pytest.raises(ValueError, match="VMALLOC_WINDOW"):
+        parse_size(bad, "VMALLOC_WINDOW")
+
+
+def test_format_size():
+    assert format_size(3 << 20) == "3.00 MiB"
+    assert format_size(10) == "10 B"

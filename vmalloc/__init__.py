@@ -1,0 +1,15 @@
+"""vmalloc: a chunked virtual-addressing GPU allocator for PyTorch training.
+
+Physical memory comes in fixed-size chunks mapped through the CUDA driver's VMM API into
+contiguous virtual ranges (seed 003, section 4). ``VMALLOC=1`` turns it on with no code
+change; see the README for every knob.
+"""
+from .allocator import Allocator
+from .errors import OutOfMemoryError
+from .report import report
+from .sizes import format_size, parse_size
+from .torch_allocator import enable, is_enabled, stats
+
+__all__ = ["Allocator", "OutOfMemoryError", "enable", "format_size", "is_enabled",
+           "parse_size", "report", "stats"]
+__version__ = "0.1.0"
