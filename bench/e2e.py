@@ -1,0 +1,542 @@
+"""End to end: train past the GPU's memory, side by side with what users use today (issue 8).
+
+Seed 003 Table 1 on our hardware: ResNet-50 (and GPT-2 / BERT-style transformers) under a
+physical budget, images/s (tokens/s) and peak physical memory for plain PyTorch (native
+allocator, with and without ``expandable_segments``), ``save_on_cpu``, torchtune's
+``OffloadActivations``, ``checkpoint_sequential`` (best segment count), the byte-window swap
+runtime (native allocator and vmalloc), the DYNPROG offload plan, rotor and pofo.
+
+    python bench/e2e.py --smoke     # CPU, tiny models, simulated budget: CI runs this (< 1 min)
+    python bench/e2e.py --quick     # GPU, minutes
+    python bench/e2e.py             # GPU, the full grid of the issue
+
+Each allocator needs its own process (PyTorch's allocator is chosen before CUDA starts), so
+on a GPU the parent runs one worker process per allocator and collects their JSON lines.
+Every configuration is first checked against plain training: the loss after ``--check-steps``
+steps, same seed, at the smallest batch, must be bitwise equal for the exact methods (all of
+them here); a mismatch marks the row ``error`` and the run exits non-zero.
+
+Results: ``bench/results/e2e-<gpu>-<date>.json`` (shape in the issue), a table on stdout, and
+``e2e-<gpu>-<date>-throughput.png`` / ``-memory.png`` beside it when matplotlib is present.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from vmalloc.sizes import format_size, parse_size  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+# ------------------------------------------------------------------------------- methods
+# name -> (allocator it needs, what it does). The allocator is a process-wide choice.
+ALLOCATORS = ("native", "expandable", "vmalloc")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    allocator: str
+    kind: str                 # plain | save_on_cpu | torchtune | ckpt_seq | swap | wrap
+    planner: Optional[str] = None
+    exact: bool = True        # the loss must equal plain training's bit for bit
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+METHODS: Tuple[Method, ...] = (
+    Method("native", "native", "plain"),
+    Method("native+expandable", "expandable", "plain"),
+    Method("save_on_cpu", "native", "save_on_cpu"),
+    Method("torchtune-offload", "native", "torchtune"),
+    Method("checkpoint_sequential", "native", "ckpt_seq"),
+    Method("window", "native", "swap", "window"),
+    Method("lms", "native", "swap", "lms"),
+    Method("window+vmalloc", "vmalloc", "swap", "window"),
+    Method("dynprog+vmalloc", "vmalloc", "swap", "dynprog"),
+    Method("rotor", "native", "wrap", "rotor"),
+    Method("rotor+vmalloc", "vmalloc", "wrap", "rotor"),
+    Method("pofo+vmalloc", "vmalloc", "wrap", "pofo"),
+)
+BY_NAME = {m.name: m for m in METHODS}
+
+
+# -------------------------------------------------------------------------------- models
+@dataclass
+class Workload:
+    """A model at one batch size: blocks, an input, targets, and how to count throughput."""
+    model: str
+    batch: int
+    blocks: List[nn.Module]
+    inputs: torch.Tensor
+    unit: str                  # images/s or tokens/s
+    items: int                 # images or tokens per step
+    seed: int
+    targets: Optional[torch.Tensor] = None
+
+
+SMOKE_SIZES = {"resnet": dict(image=32, num_classes=10),
+               "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab=128),
+               "bert": dict(n_layer=2, hidden=64, heads=4, intermediate=128, vocab=128)}
+
+
+def build_workload(model: str, batch: int, device: torch.device, smoke: bool, seed: int,
+                   seq_len: Optional[int] = None) -> Workload:
+    from bench.models import build  # the project's own zoo (no torchvision)
+
+    family = "resnet" if model.startswith("resnet") else model
+    if family not in SMOKE_SIZES:
+        raise ValueError(f"--models: unknown model {model!r} (resnet*, gpt2, bert)")
+    kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
+    if family != "resnet":
+        kw["seq_len"] = seq_len or (32 if smoke else 1024)
+    torch.manual_seed(seed)  # the same weights for every method
+    zm = build(model, batch=batch, device=device, **kw)
+    blocks = [b.to(device) for b in zm.blocks]
+    items = batch if family == "resnet" else batch * kw["seq_len"]
+    return Workload(model, batch, blocks, zm.sample_input(device=device, seed=seed),
+                    "images/s" if family == "resnet" else "tokens/s", items, seed)
+
+
+def loss_of(out: torch.Tensor, wl: Workload) -> torch.Tensor:
+    """Cross entropy against fixed random targets shaped after the output (the same for every
+    method, so losses compare bit for bit)."""
+    if wl.targets is None:
+        g = torch.Generator().manual_seed(wl.seed + 1)
+        wl.targets = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g).to(out.device)
+    if out.dim() < 2:
+        return out.float().mean()
+    return F.cross_entropy(out.float().flatten(0, -2), wl.targets.flatten())
+
+
+# ---------------------------------------------------------------------- running one job
+@dataclass
+class JobResult:
+    model: str
+    method: str
+    batch_size: int
+    throughput: Optional[float]
+    unit: str
+    peak_bytes: Optional[int]
+    budget_bytes: Optional[int]
+    status: str                       # ok | oom | error
+    note: str = ""
+    losses: List[float] = field(default_factory=list)
+
+    def row(self) -> Dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("losses")
+        return d
+
+
+def _is_oom(exc: BaseException) -> bool:
+    from vmalloc.errors import OutOfMemoryError
+    if isinstance(exc, (torch.OutOfMemoryError, OutOfMemoryError)):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
+
+
+@contextlib.contextmanager
+def method_context(method: Method, wl: Workload, budget: Optional[int], device: torch.device,
+                   segments: Optional[int]) -> Iterator[Tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], Dict[str, Any]]]]:
+    """Yield ``(forward, stats)`` running ``wl``'s blocks the way ``method`` trains."""
+    seq = nn.Sequential(*wl.blocks)
+    none: Callable[[], Dict[str, Any]] = dict
+    if method.kind == "plain":
+        yield seq, none
+    elif method.kind == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            yield seq, none
+    elif method.kind == "torchtune":
+        from torchtune.training import OffloadActivations  # ImportError -> row 'error'
+        with OffloadActivations(use_streams=device.type == "cuda"):
+            yield seq, none
+    elif method.kind == "ckpt_seq":
+        from torch.utils.checkpoint import checkpoint_sequential
+        n = segments or max(2, int(math.sqrt(len(wl.blocks))))
+        yield (lambda x: checkpoint_sequential(seq, n, x, use_reentrant=False)), \
+            (lambda: {"segments": n})
+    elif method.kind == "swap":
+        import scheduler
+        window = "2GiB" if device.type == "cuda" else "64KiB"
+        with scheduler.swap(window=window, budget=budget, planner=method.planner,
+                            device=device) as ctx:
+            yield seq, ctx.stats
+    elif method.kind == "wrap":
+        import scheduler
+        bw = 12e9 if method.planner == "pofo" else None
+        model = scheduler.wrap(wl.blocks, budget, planner=method.planner, bandwidth=bw,
+                               sample_input=wl.inputs, track_memory=device.type != "cuda")
+        yield model, model.stats
+    else:  # pragma: no cover - METHODS is closed
+        raise AssertionError(method.kind)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device, stats: Dict[str, Any]) -> Optional[int]:
+    """Peak physical bytes: the allocator's on CUDA (vmalloc answers torch's queries while it
+    is enabled); on the CPU the runtime's own count of saved activation bytes, if it keeps one."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    for key in ("peak_resident_bytes", "last_peak_bytes"):
+        if stats.get(key) is not None:
+            return int(stats[key])
+    return None
+
+
+def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional[int],
+            device: torch.device, steps: int, warmup: int, seed: int,
+            segments: Optional[int] = None) -> JobResult:
+    """Train ``steps`` SGD steps after ``warmup`` ones; time them; never raise."""
+    wl: Optional[Workload] = None
+    try:
+        wl = wl_factory()
+        _reset_peak(device)
+        params = [p for b in wl.blocks for p in b.parameters()]
+        opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        losses: List[float] = []
+        torch.manual_seed(seed)  # dropout draws the same numbers for every method
+        with method_context(method, wl, budget, device, segments) as (forward, stats):
+            t0 = 0.0
+            for step in range(warmup + steps):
+                if step == warmup:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(forward(wl.inputs), wl)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            st = stats()
+        return JobResult(wl.model, method.name, wl.batch, wl.items * steps / elapsed, wl.unit,
+                         _peak(device, st), budget, "ok", losses=losses)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
+        model = wl.model if wl else "?"
+        status = "oom" if _is_oom(exc) else "error"
+        note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return JobResult(model, method.name, wl.batch if wl else 0, None,
+                         wl.unit if wl else "", None, budget, status, note)
+    finally:
+        del wl
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- the grid
+FULL_BATCHES = {"resnet50": [64, 128, 256, 512, 928, 1120, 1248, 1440, 2048],
+                "gpt2": [4, 8, 16, 32, 64], "bert": [8, 16, 32, 64]}
+QUICK_BATCHES = {"resnet50": [64, 512, 1440, 2048]}
+SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2": [2]}
+
+
+@dataclass
+class Grid:
+    models: Dict[str, List[int]]
+    methods: List[Method]
+    budget: Optional[int]
+    steps: int
+    warmup: int
+    check_steps: int
+    seed: int = 0
+    seq_lens: Dict[str, int] = field(default_factory=dict)
+
+
+def _progress(i: int, n: int, text: str) -> None:
+    width = 24
+    done = int(width * i / max(n, 1))
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text[:70]:<70}", end="",
+          file=sys.stderr, flush=True)
+    if i == n:
+        print(file=sys.stderr)
+
+
+def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device) -> List[JobResult]:
+    """Loss check at the smallest batch, then throughput over the batch sizes (in-process)."""
+    rows: List[JobResult] = []
+    jobs = [(m, model, b) for model, batches in grid.models.items() for m in methods
+            for b in batches]
+    total = len(jobs) + len(grid.models) * (len(methods) + 1)
+    done = 0
+    for model, batches in grid.models.items():
+        # 1. the check: every method's losses vs plain training, same seed, smallest batch
+        factory = _factory(model, min(batches), device, grid)
+        reference = run_job(BY_NAME["native"], factory, None, device, grid.check_steps, 0,
+                            grid.seed)
+        done += 1
+        checked: Dict[str, str] = {}
+        for m in methods:
+            _progress(done, total, f"check {model} {m.name}")
+            r = run_job(m, factory, grid.budget, device, grid.check_steps, 0, grid.seed)
+            done += 1
+            if r.status != "ok" or reference.status != "ok":
+                checked[m.name] = f"check not run ({r.status}: {r.note or reference.note})"
+            elif m.exact and r.losses != reference.losses:
+                checked[m.name] = (f"LOSS MISMATCH vs plain training: {r.losses} != "
+                                   f"{reference.losses}")
+            else:
+                checked[m.name] = "loss bitwise equal to plain training"
+        # 2. throughput and peak memory over the batch sizes, under the budget
+        for m in methods:
+            for b in batches:
+                _progress(done, total, f"{model} {m.name} b={b}")
+                r = run_job(m, _factory(model, b, device, grid), grid.budget, device,
+                            grid.steps, grid.warmup, grid.seed)
+                done += 1
+                if checked[m.name].startswith("LOSS MISMATCH"):
+                    r.status, r.note = "error", checked[m.name]
+                elif r.status == "ok":
+                    r.note = checked[m.name]
+                rows.append(r)
+    _progress(total, total, "done")
+    return rows
+
+
+def _factory(model: str, batch: int, device: torch.device, grid: Grid) -> Callable[[], Workload]:
+    return lambda: build_workload(model, batch, device, device.type == "cpu", grid.seed,
+                                  grid.seq_lens.get(model))
+
+
+# ------------------------------------------------------------------------ GPU: workers
+def _set_allocator(allocator: str, budget: Optional[int]) -> None:
+    """Pick this process's CUDA allocator and apply the budget (before any CUDA memory)."""
+    if allocator == "vmalloc":
+        import vmalloc
+        vmalloc.enable(budget=budget)
+    elif budget is not None:
+        if allocator == "expandable":
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    grid = Grid(**json.loads(args.worker_grid))
+    grid.methods = [BY_NAME[n] for n in grid.methods]  # type: ignore[index]
+    _set_allocator(args.worker, grid.budget)
+    rows = run_grid(grid, grid.methods, torch.device("cuda"))
+    for r in rows:
+        print("E2E-ROW " + json.dumps(r.row()), flush=True)
+    return 0
+
+
+def run_workers(grid: Grid, command: str) -> List[JobResult]:
+    rows: List[JobResult] = []
+    for allocator in ALLOCATORS:
+        methods = [m for m in grid.methods if m.allocator == allocator]
+        if not methods:
+            continue
+        spec = dict(grid.__dict__, methods=[m.name for m in methods])
+        env = dict(os.environ)
+        if allocator == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        print(f"-- worker: {allocator} allocator, {len(methods)} methods", file=sys.stderr)
+        proc = subprocess.run([sys.executable, __file__, "--worker", allocator,
+                               "--worker-grid", json.dumps(spec)],
+                              env=env, stdout=subprocess.PIPE, text=True)
+        got = [JobResult(**json.loads(line[len("E2E-ROW "):]))
+               for line in proc.stdout.splitlines() if line.startswith("E2E-ROW ")]
+        if proc.returncode != 0 or not got:
+            got = [JobResult(model, m.name, b, None, "", None, grid.budget, "error",
+                             f"worker for the {allocator} allocator exited {proc.returncode}")
+                   for model, bs in grid.models.items() for m in methods for b in bs]
+        rows += got
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+def meta(device: torch.device, command: str) -> Dict[str, Any]:
+    gpu, driver = "cpu", None
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(0)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True)
+            driver = out.stdout.strip() or None
+        except OSError:
+            driver = None
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__,
+            "date": _dt.date.today().isoformat(), "command": command,
+            "host": platform.node(), "cuda": torch.version.cuda}
+
+
+def table(rows: Sequence[JobResult]) -> str:
+    head = f"{'model':<10} {'method':<22} {'batch':>6} {'throughput':>14} {'peak':>12} {'status':<6} note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tp = f"{r.throughput:,.1f} {r.unit.split('/')[0][:3]}/s" if r.throughput else "-"
+        peak = format_size(r.peak_bytes) if r.peak_bytes is not None else "-"
+        lines.append(f"{r.model:<10} {r.method:<22} {r.batch_size:>6} {tp:>14} {peak:>12} "
+                     f"{r.status:<6} {r.note[:60]}")
+    return "\n".join(lines)
+
+
+def plots(rows: Sequence[JobResult], stem: Path, budget: Optional[int]) -> List[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = []
+    for what, key, ylabel in (("throughput", "throughput", "throughput"),
+                              ("memory", "peak_bytes", "peak physical memory (GiB)")):
+        models = sorted({r.model for r in rows})
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for name in dict.fromkeys(r.method for r in rows if r.model == model):
+                pts = [(r.batch_size, getattr(r, key)) for r in rows
+                       if r.model == model and r.method == name and r.status == "ok"
+                       and getattr(r, key) is not None]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ys = [y / 2**30 for y in ys] if key == "peak_bytes" else ys
+                    ax.plot(xs, ys, marker="o", label=name)
+            if key == "peak_bytes" and budget:
+                ax.axhline(budget / 2**30, color="k", ls="--", lw=1, label="budget")
+            unit = next((r.unit for r in rows if r.model == model and r.unit), "")
+            ax.set(title=model, xlabel="batch size",
+                   ylabel=f"{ylabel} ({unit})" if what == "throughput" else ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = f"{stem}-{what}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+# -------------------------------------------------------------------------------- main
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="CPU, tiny models (CI)")
+    mode.add_argument("--quick", action="store_true", help="GPU, a few batch sizes (minutes)")
+    p.add_argument("--budget", default=None,
+                   help="physical budget (default 16GiB on a GPU; on the CPU half of plain "
+                        "training's saved activations)")
+    p.add_argument("--methods", default=None, help="comma-separated subset of: "
+                   + ", ".join(BY_NAME))
+    p.add_argument("--models", default=None, help="comma-separated model names")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per job")
+    p.add_argument("--check-steps", type=int, default=3, help="steps of the loss check")
+    p.add_argument("--out", default=None, help="results file (default bench/results/"
+                   "e2e-<gpu>-<date>.json)")
+    p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-grid", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.check_steps < 1:
+        p.error(f"--check-steps must be >= 1, got {args.check_steps}")
+    return args
+
+
+def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
+    batches = SMOKE_BATCHES if args.smoke or not cuda else (
+        QUICK_BATCHES if args.quick else FULL_BATCHES)
+    if args.models:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        models = {n: batches.get(n, next(iter(batches.values()))) for n in names}
+    else:
+        models = dict(batches)
+    names = [n.strip() for n in args.methods.split(",")] if args.methods else list(BY_NAME)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {list(BY_NAME)}")
+    methods = [BY_NAME[n] for n in names]
+    if not cuda:  # one process, no CUDA allocator to choose: the vmalloc rows need a GPU
+        methods = [m for m in methods if m.allocator == "native"]
+    budget = parse_size(args.budget, "--budget") if args.budget else (16 << 30 if cuda else None)
+    steps = args.steps or (2 if not cuda else 5 if args.quick else 10)
+    return Grid(models, methods, budget, steps, 1, args.check_steps,
+                seq_lens={} if cuda else {"gpt2": 32})
+
+
+def cpu_budget(grid: Grid) -> int:
+    """On the CPU the budget is simulated: half the activations plain training saves at the
+    largest batch (counted with saved-tensor hooks), so the planners have work to do."""
+    saved = 0
+    for model, batches in grid.models.items():
+        wl = build_workload(model, max(batches), torch.device("cpu"), True, grid.seed,
+                            grid.seq_lens.get(model))
+        seen: Dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_of(nn.Sequential(*wl.blocks)(wl.inputs), wl)
+        saved = max(saved, sum(seen.values()))
+    return max(1, saved // 2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: running the CPU smoke mode (--smoke)", file=sys.stderr)
+        args.smoke = True
+    command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    grid = make_grid(args, cuda)
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and grid.budget is None:
+        grid.budget = cpu_budget(grid)
+    print(f"e2e: {device}, budget {format_size(grid.budget) if grid.budget else 'none'}, "
+          f"{len(grid.methods)} methods, models {grid.models}", file=sys.stderr)
+    rows = run_workers(grid, command) if cuda else run_grid(grid, grid.methods, device)
+    info = meta(device, command.strip())
+    out = Path(args.out) if args.out else RESULTS / (
+        f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": info, "results": [r.row() for r in rows]}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(rows))
+    pngs = plots(rows, out.with_suffix(""), grid.budget)
+    print(f"\nwrote {out}" + "".join(f", {p}" for p in pngs))
+    bad = [r for r in rows if "LOSS MISMATCH" in r.note]
+    if bad:
+        print(f"FAILED: {len(bad)} configuration(s) do not reproduce plain training's loss",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
