@@ -1,4 +1,13 @@
+import os
+import sys
+
 import pytest
+
+# bench/ (the model zoo, bundled chains and traces) is not installed: append the checkout so
+# tests can import it, while an installed vmalloc/scheduler still comes first on sys.path.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 
 def _cuda_available() -> bool:

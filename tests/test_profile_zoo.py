@@ -2,14 +2,10 @@
 import glob
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # bench/ is not installed; append so installed packages still win
-    sys.path.append(ROOT)
 
 from bench.chains import load, names
 from bench.chains.make_chains import configs, make
@@ -17,6 +13,7 @@ from bench.models import ZOO, build
 from scheduler import Chain
 from scheduler.profile import meta_chain
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAINS = sorted(glob.glob(os.path.join(ROOT, "bench", "chains", "*.json")))
 
 
