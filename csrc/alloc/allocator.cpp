@@ -730,8 +730,12 @@ void Allocator::set_budget(size_t bytes) {
 }
 
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->pressure = std::move(cb);
+  // The old callback is destroyed after the lock is released: destroying it may take other locks
+  // (the Python binding's holder takes the GIL).
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->pressure.swap(cb);
+  }
 }
 
 void Allocator::set_trace(bool on) {
@@ -747,7 +751,9 @@ std::vector<TraceEvent> Allocator::take_trace() {
 }
 
 void Allocator::close() {
+  std::function<bool(size_t)> cb;  // dropped at close (breaks callback -> allocator cycles), unlocked
   std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->pressure.swap(cb);
   impl_->close_locked();
 }
 

@@ -117,7 +117,8 @@ class Allocator {
   void set_pressure_callback(std::function<bool(size_t needed)> cb);
   void set_trace(bool on);             // start/stop recording alloc/free events
   std::vector<TraceEvent> take_trace();  // the recorded events (and clears them)
-  void close();                        // return everything to the driver; idempotent
+  void close();                        // return everything to the driver (and drop the pressure
+                                       // callback); idempotent. Later malloc/free throw.
 
   // --- additions beyond the contract ---
   const Config& config() const;
