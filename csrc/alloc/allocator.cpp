@@ -32,10 +32,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <map>
 #include <mutex>
-#include <unordered_map>
 
+#include "alloc/cache_buckets.hpp"
+#include "alloc/ptr_map.hpp"
 #include "alloc/range.hpp"
 #include "alloc/small_bins.hpp"
 #include "alloc/va_space.hpp"
@@ -90,12 +90,12 @@ struct Allocator::Impl {
 
   std::vector<ChunkHandle> free_chunks;        // unmapped, safe for every stream
   size_t chunks_held = 0;                      // physical chunks created and not released
-  std::map<size_t, std::vector<Range*>> cache; // mapped cached ranges by chunk count
+  CacheBuckets cache;                          // mapped cached ranges by chunk count
   Range* lru_head = nullptr;                   // oldest cached range
   Range* lru_tail = nullptr;
   size_t cached_range_chunks = 0;
   size_t slab_chunks = 0;
-  std::unordered_map<uintptr_t, uintptr_t> live;  // address -> Range* | tagged Block*
+  PtrMap live;                                 // address -> Range* | tagged Block*
 
   Stats st;
   bool closed = false;
@@ -154,9 +154,7 @@ struct Allocator::Impl {
 
   // ---- the cache of mapped ranges ----
   void cache_insert(Range* r) {
-    auto& bucket = cache[r->k];
-    r->bucket_pos = bucket.size();
-    bucket.push_back(r);
+    cache.push(r);
     r->lru_prev = lru_tail;
     r->lru_next = nullptr;
     (lru_tail ? lru_tail->lru_next : lru_head) = r;
@@ -164,13 +162,7 @@ struct Allocator::Impl {
     cached_range_chunks += r->k;
   }
   void cache_remove(Range* r) {
-    auto it = cache.find(r->k);
-    auto& bucket = it->second;
-    Range* last = bucket.back();
-    bucket[r->bucket_pos] = last;
-    last->bucket_pos = r->bucket_pos;
-    bucket.pop_back();
-    if (bucket.empty()) cache.erase(it);
+    cache.erase(r);
     (r->lru_prev ? r->lru_prev->lru_next : lru_head) = r->lru_next;
     (r->lru_next ? r->lru_next->lru_prev : lru_tail) = r->lru_prev;
     r->lru_prev = r->lru_next = nullptr;
@@ -360,10 +352,9 @@ struct Allocator::Impl {
   // A range of k mapped chunks for `stream`, or nullptr (missing bytes set).
   Range* acquire(size_t k, uintptr_t stream, size_t& missing, bool& device_full) {
     // 1. exact chunk count, most recently freed first
-    if (auto it = cache.find(k); it != cache.end()) {
-      auto& bucket = it->second;
-      for (size_t i = bucket.size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
-        Range* r = bucket[i];
+    if (std::vector<Range*>* bucket = cache.find(k)) {
+      for (size_t i = bucket->size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
+        Range* r = (*bucket)[i];
         if (ready_for(r, stream)) {
           cache_remove(r);
           drop_events(r);
@@ -375,9 +366,10 @@ struct Allocator::Impl {
     // 2. head of the smallest larger cached range
     if (cfg.split_cached) {
       size_t scanned = 0;
-      for (auto it = cache.upper_bound(k); it != cache.end() && scanned < 16; ++it) {
-        for (size_t i = it->second.size(); i-- > 0 && scanned < 16; ++scanned) {
-          Range* r = it->second[i];
+      for (size_t kk = cache.next_above(k); kk != 0 && scanned < 16; kk = cache.next_above(kk)) {
+        std::vector<Range*>& bucket = *cache.find(kk);
+        for (size_t i = bucket.size(); i-- > 0 && scanned < 16; ++scanned) {
+          Range* r = bucket[i];
           if (!ready_for(r, stream)) continue;
           cache_remove(r);
           Range* tail = new Range;
@@ -457,7 +449,7 @@ struct Allocator::Impl {
     }
     b->requested = n;
     b->id = next_id++;
-    live.emplace(b->addr, tag_block(b));
+    live.insert(b->addr, tag_block(b));
     ++st.num_small_malloc;
     st.small_requested_current += n;
     on_alloc_stats(n, b->size);
@@ -476,7 +468,7 @@ struct Allocator::Impl {
     r->stream = stream;
     r->requested = n;
     r->id = next_id++;
-    live.emplace(r->addr, reinterpret_cast<uintptr_t>(r));
+    live.insert(r->addr, reinterpret_cast<uintptr_t>(r));
     on_alloc_stats(n, k * chunk);
     if (trace_on) record_trace(TraceEvent::kAlloc, r->id, n, stream, r->addr);
     return reinterpret_cast<void*>(r->addr);
@@ -523,13 +515,12 @@ struct Allocator::Impl {
     };
     std::vector<Range*> ranges;
     std::vector<Block*> live_blocks;
-    for (auto& [addr, v] : live) {
-      (void)addr;
+    live.for_each([&](uintptr_t, uintptr_t v) {
       if (is_block(v))
         live_blocks.push_back(as_block(v));
       else
         ranges.push_back(as_range(v));
-    }
+    });
     live.clear();
     std::vector<EventHandle> events;
     small.clear(live_blocks, ranges, events);
@@ -581,7 +572,6 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
   m.chunk = cfg.chunk_size;
   m.small_limit = std::min(cfg.small_threshold, cfg.chunk_size);
   m.va = std::make_unique<VaSpace>(*m.drv, m.chunk, std::max(kDefaultSpanBytes, m.chunk));
-  m.live.reserve(1024);
   m.st.chunk_size = m.chunk;
   m.st.budget = cfg.budget;
   m.st.granularity = m.gran;
@@ -647,12 +637,10 @@ void Allocator::free(void* p) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
-  auto it = m.live.find(addr);
-  if (it == m.live.end())
+  uintptr_t v = 0;
+  if (!m.live.take(addr, v))
     throw std::invalid_argument("ptr: " + hex(addr) +
                                 " is not a live allocation of this allocator (unknown or already freed)");
-  uintptr_t v = it->second;
-  m.live.erase(it);
   if (is_block(v)) {
     Block* b = as_block(v);
     uintptr_t stream = b->slab->stream;
@@ -683,11 +671,10 @@ void Allocator::record_stream(void* p, uintptr_t stream) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
-  auto it = m.live.find(addr);
-  if (it == m.live.end())
-    throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
+  const uintptr_t* found = m.live.find(addr);
+  if (!found) throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
   m.note_stream(stream);
-  uintptr_t v = it->second;
+  uintptr_t v = *found;
   uintptr_t owner = is_block(v) ? as_block(v)->slab->stream : as_range(v)->stream;
   if (stream == owner) return;
   auto& extra = is_block(v) ? as_block(v)->extra_streams : as_range(v)->extra_streams;
@@ -768,9 +755,9 @@ bool Allocator::closed() const {
 size_t Allocator::allocation_size(const void* p) const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
-  auto it = m.live.find(reinterpret_cast<uintptr_t>(p));
-  if (it == m.live.end()) return 0;
-  return is_block(it->second) ? as_block(it->second)->requested : as_range(it->second)->requested;
+  const uintptr_t* v = m.live.find(reinterpret_cast<uintptr_t>(p));
+  if (!v) return 0;
+  return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
 }
 
 size_t backend_granularity(const std::string& backend, int device) {
