@@ -63,6 +63,12 @@ def test_budget_smaller_than_one_chunk():
         Allocator(budget=-5)
 
 
+@pytest.mark.parametrize("slack", [-0.5, "lots", float("nan"), True])
+def test_bad_cache_slack(slack):
+    with pytest.raises(ValueError, match="cache_slack"):
+        Allocator(cache_slack=slack)
+
+
 def test_bad_device():
     with pytest.raises(ValueError, match="device: expected a device index >= 0, got -1"):
         Allocator(device=-1)

@@ -23,6 +23,11 @@ struct Config {
   // --- additions (reuse policy knobs; the defaults are what measured best, see allocator.cpp) ---
   bool split_cached = true;   // serve k chunks from the head of a larger cached mapped range
   bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
+  // Slow path without a budget: new chunks are created only while physical memory stays below
+  // (1 + cache_slack) x the peak of chunks in use; past that, cached chunks are remapped first.
+  // < 0: no such cap. With a budget, chunks are created up to the budget first. prefer_remap
+  // overrides both (cache_slack = 0, budget or not).
+  double cache_slack = 0.25;
 };
 
 // Thrown when a request would take physical memory past the budget (after the pressure callback,
