@@ -41,19 +41,29 @@ class CudaMemory:
     def __init__(self, device: int = 0) -> None:
         import torch
 
-        torch.zeros(1, device=f"cuda:{device}")  # makes the primary context current on this thread
+        torch.zeros(1, device=f"cuda:{device}")  # initializes the driver and the primary context
         self.cu = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        self.ctx = ctypes.c_void_p()
+        self._check(self.cu.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        self._check(self.cu.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev), "cuDevicePrimaryCtxRetain")
 
     def _check(self, r: int, what: str) -> None:
         if r != 0:
             raise RuntimeError(f"{what} failed with CUresult {r}")
 
+    def _current(self) -> None:
+        # Tests call from worker threads too, which have no current context of their own.
+        self._check(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
     def fill(self, ptr: int, n: int, byte: int) -> None:
+        self._current()
         self._check(self.cu.cuMemsetD8_v2(ctypes.c_uint64(ptr), ctypes.c_ubyte(byte), ctypes.c_size_t(n)),
                     "cuMemsetD8")
         self._check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def intact(self, ptr: int, n: int, byte: int, stride: int) -> bool:
+        self._current()
         for off, k in probe_windows(n, stride):
             buf = (ctypes.c_uint8 * k)()
             self._check(self.cu.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(ptr + off), ctypes.c_size_t(k)),
