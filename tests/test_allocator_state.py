@@ -6,6 +6,9 @@ out-of-memory only when the budget truly cannot hold the request (no external fr
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -22,11 +25,20 @@ SMALL_ALIGN = 512
 # Size tiers, picked by a number so that huge requests stay rare (host chunks are real RAM).
 TIERS = [(1, 512)] * 4 + [(513, 64 * KiB)] * 3 + [(64 * KiB, 2 * MiB)] * 3 + \
         [(2 * MiB, 24 * MiB)] * 5 + [(24 * MiB, 200 * MiB)]
-sizes = st.integers(0, len(TIERS) - 1).flatmap(lambda t: st.integers(*TIERS[t]))
 streams = st.sampled_from([0, 1, 2])
 
 
-def make_machine(backend: str, chunk: int, budget: int, small_threshold: int, **policy):
+def size_strategy(cap: int):
+    tiers = [(lo, min(hi, cap)) for lo, hi in TIERS if lo <= cap]
+    return st.integers(0, len(tiers) - 1).flatmap(lambda t: st.integers(*tiers[t]))
+
+
+def make_machine(backend: str, chunk: int, budget: Optional[int], small_threshold: int,
+                 max_size: int = 200 * MiB, **policy):
+    """budget None: no cap; then physical memory must stay within the cache_slack soft cap."""
+    sizes = size_strategy(max_size)
+    slack = 0.0 if policy.get("prefer_remap") else policy.get("cache_slack", 0.25)
+
     class AllocatorMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -35,6 +47,7 @@ def make_machine(backend: str, chunk: int, budget: int, small_threshold: int, **
             self.mem = memory_for(backend)
             self.budget = budget
             self.ceiling = budget  # physical may stay above a budget lowered below live memory
+            self.peak_in_use = 0   # chunks backing live ranges and slabs
             self.live: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, byte)
             self.next_byte = 0
             self.ops = 0
@@ -54,6 +67,7 @@ def make_machine(backend: str, chunk: int, budget: int, small_threshold: int, **
                 s = self.a.stats()
                 assert e.requested == n and e.budget == self.budget
                 # Only a full budget may refuse: live large ranges + slabs + this request > budget.
+                assert self.budget is not None
                 assert self.large_chunks() * chunk + s["small_pool_bytes"] + need > self.budget
                 return
             self.next_byte = self.next_byte % 255 + 1
@@ -81,6 +95,7 @@ def make_machine(backend: str, chunk: int, budget: int, small_threshold: int, **
             assert s["cached_bytes"] == 0
             assert s["physical_current"] == self.large_chunks() * chunk + s["small_pool_bytes"]
 
+        @precondition(lambda self: self.budget is not None)
         @rule(chunks=st.integers(8, 64))
         def set_budget(self, chunks: int) -> None:
             self.budget = chunks * chunk
@@ -113,7 +128,12 @@ def make_machine(backend: str, chunk: int, budget: int, small_threshold: int, **
             # Physical: whole chunks, within the budget, = live ranges + slabs + cache.
             assert s["physical_current"] == chunk * (s["num_chunks_created"] - s["num_chunks_released"])
             assert s["physical_current"] <= s["physical_peak"]
-            assert s["physical_current"] <= self.ceiling
+            in_use = self.large_chunks() + s["small_pool_bytes"] // chunk
+            self.peak_in_use = max(self.peak_in_use, in_use)
+            if self.budget is not None:
+                assert s["physical_current"] <= self.ceiling
+            elif slack is not None and slack >= 0:  # the soft cap of the slow path
+                assert s["physical_current"] <= math.ceil(self.peak_in_use * (1 + slack)) * chunk
             assert s["physical_current"] == large_mapped + s["small_pool_bytes"] + s["cached_bytes"]
             assert s["mapped_current"] <= s["physical_current"]
             assert s["requested_peak"] >= s["requested_current"]
@@ -141,6 +161,10 @@ CONFIGS = {
                  prefer_remap=True),
     # small threshold above the chunk size: small bins capped at one chunk
     "tiny-chunks": dict(chunk=64 * KiB, budget=192 * MiB, small_threshold=MiB),
+    # no budget: the cache_slack soft cap bounds physical memory (sizes capped to keep RAM low)
+    "no-budget": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB),
+    "no-budget-lean": dict(chunk=256 * KiB, budget=None, small_threshold=64 * KiB, max_size=32 * MiB,
+                           prefer_remap=True),
 }
 
 
