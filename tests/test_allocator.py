@@ -124,6 +124,7 @@ def test_design_stats_keys_present(backend):
             "num_chunks_created", "chunk_size"}
     with Allocator(backend, chunk_size=chunk_for(backend)) as a:
         assert keys <= set(a.stats())
+        assert a.total_memory > 0 and a.granularity > 0 and a.chunk_size % a.granularity == 0
 
 
 def test_large_request_maps_ceil_n_over_chunk_chunks(backend):

@@ -785,6 +785,8 @@ size_t Allocator::allocation_size(const void* p) const {
   return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
 }
 
+size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
+
 size_t backend_granularity(const std::string& backend, int device) {
   if (backend == "host") return driver::host_granularity();
   if (backend == "cuda") return driver::cuda_granularity(device);

@@ -130,6 +130,8 @@ class Allocator {
   size_t granularity() const;           // device allocation granularity (bytes)
   bool closed() const;
   size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
+  size_t total_memory() const;          // device memory (cuda) / machine RAM (host), bytes: for
+                                        // memory fractions (torch.cuda.set_per_process_memory_fraction)
 
   struct Impl;
 

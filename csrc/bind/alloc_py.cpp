@@ -160,7 +160,8 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("split_cached", [](const Allocator& a) { return a.config().split_cached; })
       .def_prop_ro("prefer_remap", [](const Allocator& a) { return a.config().prefer_remap; })
       .def_prop_ro("cache_slack", [](const Allocator& a) { return a.config().cache_slack; })
-      .def_prop_ro("granularity", &Allocator::granularity);
+      .def_prop_ro("granularity", &Allocator::granularity)
+      .def_prop_ro("total_memory", &Allocator::total_memory);
 
   m.def("backend_granularity", &vmalloc::backend_granularity, "backend"_a, "device"_a = 0,
         "Allocation granularity of a backend (host: the page size; cuda: cuMemGetAllocationGranularity).");
