@@ -1,0 +1,133 @@
+// vmalloc's native allocator: fixed-size physical chunks mapped back to back into contiguous
+// virtual ranges (seed 003, section 4), plus a small-block sub-allocator for requests below
+// `small_threshold`. This header is the C++ contract other parts build against (the PyTorch C
+// entry points, the swap runtime): keep it stable; only add to it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace vmalloc {
+
+struct Config {
+  std::string backend = "host";        // "host" (memfd + mmap) or "cuda" (driver VMM API)
+  size_t chunk_size = 2u << 20;        // bytes per physical chunk; a multiple of the granularity
+  size_t budget = 0;                   // cap on physical bytes; 0 = none
+  int device = 0;                      // CUDA device ordinal (ignored by the host backend)
+  size_t small_threshold = 1u << 20;   // requests below this come from the small-block bins
+};
+
+// Thrown when a request would take physical memory past the budget (after the pressure callback,
+// if any, had its chance). The allocator stays usable.
+struct OutOfMemory : std::runtime_error {
+  size_t requested;  // bytes asked for by the caller
+  size_t in_use;     // physical bytes held by the allocator when it gave up
+  size_t budget;     // the budget in force
+  OutOfMemory(const std::string& what, size_t requested_, size_t in_use_, size_t budget_)
+      : std::runtime_error(what), requested(requested_), in_use(in_use_), budget(budget_) {}
+};
+
+// A snapshot of the counters. The first block is exactly the DESIGN.md `stats()` keys (bytes
+// unless a count); the rest are extras for reports and benchmarks.
+struct Stats {
+  // --- DESIGN.md keys ---
+  size_t requested_current = 0;       // bytes asked for by live allocations
+  size_t requested_peak = 0;
+  size_t mapped_current = 0;          // bytes of VA handed to live allocations (k * chunk_size for
+                                      // large ones; the rounded block size for small ones)
+  size_t mapped_peak = 0;
+  size_t physical_current = 0;        // physical chunks held (in use + cached), bytes
+  size_t physical_peak = 0;
+  size_t internal_fragmentation = 0;  // mapped_current - requested_current
+  uint64_t num_malloc = 0;
+  uint64_t num_free = 0;
+  uint64_t num_map = 0;               // chunk map operations (one per chunk)
+  uint64_t num_unmap = 0;             // chunk unmap operations (one per chunk)
+  uint64_t num_chunks_created = 0;    // physical chunks ever created
+  size_t chunk_size = 0;
+  // --- extras ---
+  size_t budget = 0;                  // 0 = none
+  size_t granularity = 0;             // device allocation granularity the chunk size respects
+  uint64_t num_chunks_released = 0;   // physical chunks given back to the driver (trim/close)
+  size_t cached_bytes = 0;            // physical bytes held but not backing a live allocation
+  uint64_t num_live = 0;              // live allocations (small + large)
+  uint64_t num_cache_hits = 0;        // large mallocs served by a mapped cached range (no remap)
+  uint64_t num_remaps = 0;            // large mallocs that had to map chunks (slow path)
+  uint64_t num_small_malloc = 0;      // mallocs served by the small-block bins
+  uint64_t num_small_free = 0;
+  size_t small_requested_current = 0; // requested bytes of live small allocations
+  size_t small_pool_bytes = 0;        // physical bytes currently carved into small-block slabs
+  uint64_t num_oom = 0;               // OutOfMemory thrown
+  uint64_t num_pressure_calls = 0;    // pressure callback invocations
+  uint64_t num_stream_waits = 0;      // times a cached range/chunk was held back by pending stream work
+  uint64_t num_va_reserve = 0;        // VA spans reserved from the driver
+  size_t va_reserved = 0;             // bytes of VA reserved
+  double driver_seconds = 0;          // wall time spent in driver calls (create/map/unmap/release)
+};
+
+// One allocation-history event, in the project's trace format (brief contract 2):
+// {"action": "alloc"|"free", "id", "size", "stream", "time"}; `addr` is extra (for snapshots).
+struct TraceEvent {
+  enum Action : uint8_t { kAlloc = 0, kFree = 1 };
+  Action action;
+  uint64_t id;       // pairs an alloc with its free
+  size_t size;       // requested bytes (a free carries the size of its alloc)
+  uintptr_t stream;  // the allocation stream
+  double time;       // seconds since the allocator was constructed (steady clock)
+  uintptr_t addr;    // the address handed out
+  const char* action_name() const { return action == kAlloc ? "alloc" : "free"; }
+};
+
+class Allocator {
+ public:
+  // Throws std::invalid_argument for a bad config (unknown backend, chunk size not a multiple of
+  // the granularity, budget below one chunk, ...) and std::runtime_error for driver failures
+  // (with the driver's error string).
+  explicit Allocator(const Config& cfg);
+  ~Allocator();  // close()s
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // Returns device memory of at least `nbytes` (> 0) bytes, usable on `stream`. 256-byte aligned
+  // (small) / chunk aligned (large). Throws OutOfMemory past the budget, std::invalid_argument for
+  // nbytes == 0, std::runtime_error once closed.
+  void* malloc(size_t nbytes, uintptr_t stream = 0);
+  // Throws std::invalid_argument if `p` is not a live allocation (unknown or already freed).
+  void free(void* p);
+  // `p` is also used on `stream`: its memory is not reused until the work queued on `stream` up to
+  // the free is complete (torch's record_stream).
+  void record_stream(void* p, uintptr_t stream);
+
+  Stats stats() const;
+  size_t trim();                       // release cached chunks to the driver; returns bytes released
+  void set_budget(size_t bytes);       // 0 = none; never frees live memory
+  // Asked before failing with OutOfMemory: `needed` bytes are missing. Return true if it freed
+  // something (the allocator then retries once). Called without the allocator's lock held, so it
+  // may call free()/malloc() on this allocator.
+  void set_pressure_callback(std::function<bool(size_t needed)> cb);
+  void set_trace(bool on);             // start/stop recording alloc/free events
+  std::vector<TraceEvent> take_trace();  // the recorded events (and clears them)
+  void close();                        // return everything to the driver; idempotent
+
+  // --- additions beyond the contract ---
+  const Config& config() const;
+  size_t granularity() const;           // device allocation granularity (bytes)
+  bool closed() const;
+  size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Allocation granularity of a backend/device without building an allocator (the Python face uses
+// it for error messages). Throws std::invalid_argument for an unknown backend.
+size_t backend_granularity(const std::string& backend, int device);
+
+}  // namespace vmalloc
