@@ -1,6 +1,113 @@
-"""Python face of the native allocator (issue 2)."""
+"""Python face of the native allocator (seed 003, section 4; DESIGN.md "The allocator").
+
+``vmalloc.Allocator`` subclasses the C++ class, so ``malloc``/``free`` cost one native call; this
+module only validates arguments (naming the bad parameter and value) and adds the context manager.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .sizes import SizeLike, parse_optional_size, parse_size
+
+try:
+    from . import _core
+except ImportError as exc:  # pragma: no cover - only when the extension was not built
+    raise ImportError(
+        "vmalloc._core is not built: run scripts/dev-build (or pip install .)") from exc
+
+BACKENDS = ("host", "cuda")
 
 
-class Allocator:  # placeholder until issue 2 lands
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("vmalloc.Allocator is not built yet")
+def granularity(backend: str = "host", device: int = 0) -> int:
+    """Allocation granularity in bytes: chunk sizes must be a multiple of it.
+
+    ``host``: the page size (4 KiB here). We do not mirror the GPUs' 2 MiB on the host: the tests
+    use small chunks to keep RAM low, and the host mapping really works at page granularity.
+    ``cuda``: ``cuMemGetAllocationGranularity`` (minimum) for the device, 2 MiB on current GPUs.
+    """
+    _check_backend(backend)
+    return int(_core.backend_granularity(backend, _check_device(device)))
+
+
+def _check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {backend!r} (expected 'host' or 'cuda')")
+    return backend  # type: ignore[return-value]
+
+
+def _check_device(device: object) -> int:
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device: expected a device index >= 0, got {device!r}")
+    return device
+
+
+class Allocator(_core.Allocator):
+    """Chunked virtual-addressing allocator.
+
+    Physical memory comes in ``chunk_size`` chunks; a request of ``n`` bytes at or above
+    ``small_threshold`` maps ``ceil(n / chunk_size)`` chunks back to back into one virtual range,
+    smaller ones are carved from one-chunk slabs. ``budget`` caps the physical bytes held
+    (``None``: no cap); past it ``malloc`` raises :class:`vmalloc.OutOfMemoryError`.
+
+    Parameters
+    ----------
+    backend: ``"host"`` (memfd chunks mapped with mmap; works everywhere) or ``"cuda"``.
+    chunk_size: bytes per chunk (int or size string such as ``"2MiB"``), a multiple of
+        :func:`granularity`. Default 2 MiB.
+    budget: cap on physical bytes (int or size string), at least one chunk; ``None`` = no cap.
+    device: CUDA device index (ignored by the host backend).
+    small_threshold: requests below this many bytes use the small-block bins (default 1 MiB,
+        capped at ``chunk_size``); 0 turns them off.
+    split_cached: reuse the head of a larger cached range without remapping (default on).
+    prefer_remap: on a cache miss, remap cached chunks before creating new ones: least physical
+        memory, more map/unmap calls (default off: grow up to the budget first).
+    """
+
+    def __init__(self, backend: str = "host", chunk_size: SizeLike = 2 << 20,
+                 budget: Optional[SizeLike] = None, device: int = 0, *,
+                 small_threshold: SizeLike = 1 << 20, split_cached: bool = True,
+                 prefer_remap: bool = False) -> None:
+        _check_backend(backend)
+        device = _check_device(device)
+        chunk = parse_size(chunk_size, "chunk_size")
+        if chunk <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size!r}")
+        nbudget = parse_optional_size(budget, "budget")
+        if nbudget is not None and nbudget < chunk:
+            raise ValueError(
+                f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk ({chunk} bytes)")
+        small = parse_size(small_threshold, "small_threshold")
+        # The native constructor checks chunk_size against the device granularity and raises
+        # ValueError naming chunk_size; the cuda backend raises RuntimeError without a driver.
+        super().__init__(backend=backend, chunk_size=chunk, budget=nbudget or 0, device=device,
+                         small_threshold=small, split_cached=bool(split_cached),
+                         prefer_remap=bool(prefer_remap))
+
+    def set_budget(self, budget: Optional[SizeLike]) -> None:
+        """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""
+        nbudget = parse_optional_size(budget, "budget")
+        if nbudget is not None and nbudget < self.chunk_size:
+            raise ValueError(
+                f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk "
+                f"({self.chunk_size} bytes)")
+        super().set_budget(nbudget or 0)
+
+    def set_pressure_callback(self, callback: Optional[Callable[[int], bool]]) -> None:
+        """``callback(missing_bytes) -> bool`` is asked before ``malloc`` raises OutOfMemoryError.
+
+        Return True if it freed memory: the allocator then retries once. It runs without the
+        allocator's lock held, so it may free (or allocate) through this allocator.
+        """
+        super().set_pressure_callback(callback)
+
+    def __enter__(self) -> "Allocator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        budget = self.budget or None
+        return (f"vmalloc.Allocator(backend={self.backend!r}, chunk_size={self.chunk_size}, "
+                f"budget={budget}, device={self.device}) [{state}]")

@@ -20,6 +20,9 @@ struct Config {
   size_t budget = 0;                   // cap on physical bytes; 0 = none
   int device = 0;                      // CUDA device ordinal (ignored by the host backend)
   size_t small_threshold = 1u << 20;   // requests below this come from the small-block bins
+  // --- additions (reuse policy knobs; the defaults are what measured best, see allocator.cpp) ---
+  bool split_cached = true;   // serve k chunks from the head of a larger cached mapped range
+  bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
 };
 
 // Thrown when a request would take physical memory past the budget (after the pressure callback,
@@ -56,8 +59,10 @@ struct Stats {
   uint64_t num_chunks_released = 0;   // physical chunks given back to the driver (trim/close)
   size_t cached_bytes = 0;            // physical bytes held but not backing a live allocation
   uint64_t num_live = 0;              // live allocations (small + large)
-  uint64_t num_cache_hits = 0;        // large mallocs served by a mapped cached range (no remap)
-  uint64_t num_remaps = 0;            // large mallocs that had to map chunks (slow path)
+  uint64_t num_cache_hits = 0;        // range acquisitions (large mallocs and new small-block slabs)
+                                      // served by a mapped cached range, no driver call
+  uint64_t num_remaps = 0;            // range acquisitions that had to map chunks (slow path)
+  uint64_t num_splits = 0;            // cache hits served from the head of a larger cached range
   uint64_t num_small_malloc = 0;      // mallocs served by the small-block bins
   uint64_t num_small_free = 0;
   size_t small_requested_current = 0; // requested bytes of live small allocations

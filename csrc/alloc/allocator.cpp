@@ -1,0 +1,776 @@
+// The allocator core (seed 003, section 4).
+//
+// Large requests (>= small_threshold) take k = ceil(n / chunk_size) physical chunks mapped back to
+// back into one contiguous virtual range, so internal fragmentation per allocation is < chunk_size
+// (Eq. 1) and any free chunk serves any request. A freed range stays mapped in a cache bucketed by
+// chunk count. Reuse paths, in the order tried (nnabla's VirtualCachingAllocator has four; these
+// are the ones we keep, and why):
+//   1. exact: a cached range with the same chunk count is handed back as is — no driver call.
+//   2. split: the head of the smallest larger cached range is handed out and its tail stays
+//      cached as a shorter mapped range — still no driver call. On the mixed-size replay in
+//      bench/alloc_micro.py (policy table) this removes most remaps for a few % more cached VA.
+//   3. fresh mapping: k chunks from the free-chunk pool, newly created chunks (within the budget),
+//      or chunks unmapped from the tails of cached ranges (oldest first) are mapped into a new VA
+//      range. With prefer_remap the cached chunks are taken before new ones are created.
+//   nnabla's fourth path, growing a smaller cached range in place by mapping chunks into the VA
+//   right after it, is not kept: it still maps the missing chunks one by one (the dominant cost of
+//   path 3), it needs the neighbouring VA to be free (rare once spans are shared by many ranges),
+//   and path 3 already reuses that range's chunks when the budget binds.
+// Small requests come from SmallBins (one-chunk slabs carved with 512-byte rounding).
+//
+// Streams: a range or block is reused on the stream it was freed on without waiting (stream
+// order covers it); another stream gets it only after events recorded on every stream that used it
+// are complete. record_stream adds streams. On the host backend events are trivially complete but
+// the bookkeeping is the same.
+//
+// Thread safety: one mutex around all state. The critical sections are a few hundred nanoseconds
+// on the fast paths (PyTorch's caching allocator also uses one mutex per device), the slow path's
+// driver calls are serialized inside the driver anyway, and a single lock makes "never overlap,
+// never leak" easy to see. The pressure callback runs without the lock so it may free memory.
+#include "alloc/allocator.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "alloc/range.hpp"
+#include "alloc/small_bins.hpp"
+#include "alloc/va_space.hpp"
+#include "driver/driver.hpp"
+
+namespace vmalloc {
+
+using driver::ChunkHandle;
+using driver::EventHandle;
+
+namespace {
+
+constexpr size_t kDefaultSpanBytes = size_t(64) << 30;  // VA per reservation (nothing committed)
+constexpr size_t kMaxRequest = size_t(1) << 62;
+
+std::string human(size_t bytes) {
+  char buf[64];
+  if (bytes >= (size_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
+  else if (bytes >= (size_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", double(bytes) / double(size_t(1) << 20));
+  else if (bytes >= 1024)
+    std::snprintf(buf, sizeof buf, "%.2f KiB", double(bytes) / 1024.0);
+  else
+    return std::to_string(bytes) + " bytes";
+  return std::string(buf) + " (" + std::to_string(bytes) + " bytes)";
+}
+
+std::string hex(uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+// Live-map values: a Range* or a Block* with the low bit set (both are heap objects, aligned).
+inline uintptr_t tag_block(Block* b) { return reinterpret_cast<uintptr_t>(b) | 1u; }
+inline bool is_block(uintptr_t v) { return v & 1u; }
+inline Block* as_block(uintptr_t v) { return reinterpret_cast<Block*>(v & ~uintptr_t(1)); }
+inline Range* as_range(uintptr_t v) { return reinterpret_cast<Range*>(v); }
+
+}  // namespace
+
+struct Allocator::Impl {
+  Config cfg;
+  std::unique_ptr<driver::Driver> drv;
+  size_t chunk = 0;
+  size_t gran = 0;
+  size_t small_limit = 0;  // requests below this (and fitting a slab) are small
+  mutable std::mutex mu;
+  std::unique_ptr<VaSpace> va;
+  SmallBins small;
+
+  std::vector<ChunkHandle> free_chunks;        // unmapped, safe for every stream
+  size_t chunks_held = 0;                      // physical chunks created and not released
+  std::map<size_t, std::vector<Range*>> cache; // mapped cached ranges by chunk count
+  Range* lru_head = nullptr;                   // oldest cached range
+  Range* lru_tail = nullptr;
+  size_t cached_range_chunks = 0;
+  size_t slab_chunks = 0;
+  std::unordered_map<uintptr_t, uintptr_t> live;  // address -> Range* | tagged Block*
+
+  Stats st;
+  bool closed = false;
+  bool seen_stream = false;
+  uintptr_t first_stream = 0;
+  bool multistream = false;  // more than one stream seen: record owner events eagerly at free
+
+  bool trace_on = false;
+  std::vector<TraceEvent> trace;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  std::function<bool(size_t)> pressure;
+  uint64_t next_id = 1;
+
+  // ---- driver calls, timed ----
+  template <class F>
+  auto timed(F&& f) -> decltype(f()) {
+    struct T {
+      Stats& st;
+      std::chrono::steady_clock::time_point a = std::chrono::steady_clock::now();
+      ~T() { st.driver_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); }
+    } t{st};
+    return f();
+  }
+
+  void note_stream(uintptr_t s) {
+    if (!seen_stream) {
+      seen_stream = true;
+      first_stream = s;
+    } else if (s != first_stream) {
+      multistream = true;
+    }
+  }
+
+  double now() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  void record_trace(TraceEvent::Action a, uint64_t id, size_t size, uintptr_t stream, uintptr_t addr) {
+    trace.push_back(TraceEvent{a, id, size, stream, now(), addr});
+  }
+
+  // ---- physical chunks ----
+  void on_chunk_created() {
+    ++chunks_held;
+    ++st.num_chunks_created;
+    st.physical_current = chunks_held * chunk;
+    st.physical_peak = std::max(st.physical_peak, st.physical_current);
+  }
+  void release_chunk(ChunkHandle h) {
+    timed([&] { drv->release(h); });
+    --chunks_held;
+    ++st.num_chunks_released;
+    st.physical_current = chunks_held * chunk;
+  }
+  bool budget_allows_one_more() const { return cfg.budget == 0 || (chunks_held + 1) * chunk <= cfg.budget; }
+
+  // ---- the cache of mapped ranges ----
+  void cache_insert(Range* r) {
+    auto& bucket = cache[r->k];
+    r->bucket_pos = bucket.size();
+    bucket.push_back(r);
+    r->lru_prev = lru_tail;
+    r->lru_next = nullptr;
+    (lru_tail ? lru_tail->lru_next : lru_head) = r;
+    lru_tail = r;
+    cached_range_chunks += r->k;
+  }
+  void cache_remove(Range* r) {
+    auto it = cache.find(r->k);
+    auto& bucket = it->second;
+    Range* last = bucket.back();
+    bucket[r->bucket_pos] = last;
+    last->bucket_pos = r->bucket_pos;
+    bucket.pop_back();
+    if (bucket.empty()) cache.erase(it);
+    (r->lru_prev ? r->lru_prev->lru_next : lru_head) = r->lru_next;
+    (r->lru_next ? r->lru_next->lru_prev : lru_tail) = r->lru_prev;
+    r->lru_prev = r->lru_next = nullptr;
+    cached_range_chunks -= r->k;
+  }
+
+  // Drop completed record_stream events; true when none is left.
+  bool prune_extra(Range* r) {
+    auto& ev = r->extra_events;
+    for (size_t i = 0; i < ev.size();) {
+      if (drv->event_done(ev[i])) {
+        drv->event_destroy(ev[i]);
+        ev[i] = ev.back();
+        ev.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    return ev.empty();
+  }
+  // Every use on every stream complete? Records the owner's event lazily when it was not recorded
+  // at free (single-stream phase): an event recorded later covers the earlier work too.
+  bool fully_ready(Range* r) {
+    if (r->all_ready) return true;
+    bool extras_done = prune_extra(r);
+    if (!r->has_owner_event) {
+      r->owner_event = drv->record_event(r->stream);
+      r->has_owner_event = true;
+    }
+    if (!extras_done || !drv->event_done(r->owner_event)) {
+      ++st.num_stream_waits;
+      return false;
+    }
+    drv->event_destroy(r->owner_event);
+    r->has_owner_event = false;
+    r->all_ready = true;
+    return true;
+  }
+  bool ready_for(Range* r, uintptr_t stream) {
+    if (r->all_ready) return true;
+    if (r->stream == stream) {
+      if (prune_extra(r)) return true;
+      ++st.num_stream_waits;
+      return false;
+    }
+    return fully_ready(r);
+  }
+  void wait_ready(Range* r) {
+    if (r->all_ready) return;
+    if (!r->has_owner_event) {
+      r->owner_event = drv->record_event(r->stream);
+      r->has_owner_event = true;
+    }
+    drv->event_wait(r->owner_event);
+    for (auto e : r->extra_events) drv->event_wait(e);
+    fully_ready(r);
+  }
+  void drop_events(Range* r) {
+    if (r->has_owner_event) drv->event_destroy(r->owner_event);
+    r->has_owner_event = false;
+    for (auto e : r->extra_events) drv->event_destroy(e);
+    r->extra_events.clear();
+    r->all_ready = false;
+  }
+
+  // A range leaves use: record what other streams must wait for, and cache it (still mapped).
+  void retire(Range* r) {
+    r->all_ready = false;
+    for (uintptr_t s : r->extra_streams) r->extra_events.push_back(drv->record_event(s));
+    r->extra_streams.clear();
+    if (multistream) {
+      r->owner_event = drv->record_event(r->stream);
+      r->has_owner_event = true;
+    }
+    r->requested = 0;
+    r->id = 0;
+    r->is_slab = false;
+    cache_insert(r);
+  }
+
+  // Unmap the last m chunks of a cached, fully ready range; appends their handles to `out`.
+  void take_tail(Range* r, size_t m, std::vector<ChunkHandle>& out) {
+    cache_remove(r);
+    for (size_t i = r->k - m; i < r->k; ++i) {
+      timed([&] { drv->unmap(r->addr + i * chunk, chunk); });
+      ++st.num_unmap;
+      out.push_back(r->chunks[i]);
+    }
+    if (m == r->k) {
+      va->give(r->addr, r->k);
+      delete r;
+      return;
+    }
+    va->give(r->addr + (r->k - m) * chunk, m);
+    r->k -= m;
+    r->chunks.resize(r->k);
+    cache_insert(r);
+  }
+
+  // Take up to `need` chunks from cached ranges, oldest first; with `wait`, wait for pending events.
+  void reclaim_cached(size_t need, std::vector<ChunkHandle>& out, bool wait) {
+    size_t got = 0;
+    for (Range* r = lru_head; r && got < need;) {
+      Range* next = r->lru_next;
+      if (wait) wait_ready(r);
+      if (fully_ready(r)) {
+        size_t m = std::min(need - got, r->k);
+        take_tail(r, m, out);
+        got += m;
+      }
+      r = next;
+    }
+  }
+
+  void create_chunks(size_t k, std::vector<ChunkHandle>& out, bool& device_full) {
+    while (out.size() < k && !device_full && budget_allows_one_more()) {
+      try {
+        ChunkHandle h = timed([&] { return drv->create(chunk); });
+        out.push_back(h);
+        on_chunk_created();
+      } catch (const driver::DriverOutOfMemory&) {
+        device_full = true;
+      }
+    }
+  }
+
+  void release_empty_slabs() {
+    for (Range* r : small.take_empty_slabs()) {
+      slab_chunks -= r->k;
+      retire(r);
+    }
+  }
+
+  // Collect k unmapped chunks for a fresh mapping; false (and `missing` bytes) when impossible.
+  bool gather(size_t k, std::vector<ChunkHandle>& out, size_t& missing, bool& device_full) {
+    while (out.size() < k && !free_chunks.empty()) {
+      out.push_back(free_chunks.back());
+      free_chunks.pop_back();
+    }
+    if (!cfg.prefer_remap) create_chunks(k, out, device_full);
+    if (out.size() < k) reclaim_cached(k - out.size(), out, false);
+    if (cfg.prefer_remap) create_chunks(k, out, device_full);
+    if (out.size() < k) {
+      release_empty_slabs();
+      reclaim_cached(k - out.size(), out, false);
+    }
+    if (out.size() < k) reclaim_cached(k - out.size(), out, true);
+    if (out.size() < k) {
+      missing = (k - out.size()) * chunk;
+      for (auto h : out) free_chunks.push_back(h);
+      out.clear();
+      return false;
+    }
+    return true;
+  }
+
+  Range* map_fresh(size_t k, size_t& missing, bool& device_full) {
+    std::vector<ChunkHandle> handles;
+    handles.reserve(k);
+    if (!gather(k, handles, missing, device_full)) return nullptr;
+    uintptr_t addr = 0;
+    size_t mapped = 0;
+    try {
+      addr = timed([&] { return va->take(k); });
+      for (; mapped < k; ++mapped) timed([&] { drv->map(addr + mapped * chunk, chunk, handles[mapped]); });
+      timed([&] { drv->set_access(addr, k * chunk); });
+    } catch (...) {
+      for (size_t i = 0; i < mapped; ++i) {
+        try {
+          drv->unmap(addr + i * chunk, chunk);
+        } catch (...) {
+        }
+      }
+      if (addr) va->give(addr, k);
+      for (auto h : handles) free_chunks.push_back(h);
+      throw;
+    }
+    st.num_map += k;
+    ++st.num_remaps;
+    Range* r = new Range;
+    r->addr = addr;
+    r->k = k;
+    r->chunks = std::move(handles);
+    return r;
+  }
+
+  // A range of k mapped chunks for `stream`, or nullptr (missing bytes set).
+  Range* acquire(size_t k, uintptr_t stream, size_t& missing, bool& device_full) {
+    // 1. exact chunk count, most recently freed first
+    if (auto it = cache.find(k); it != cache.end()) {
+      auto& bucket = it->second;
+      for (size_t i = bucket.size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
+        Range* r = bucket[i];
+        if (ready_for(r, stream)) {
+          cache_remove(r);
+          drop_events(r);
+          ++st.num_cache_hits;
+          return r;
+        }
+      }
+    }
+    // 2. head of the smallest larger cached range
+    if (cfg.split_cached) {
+      size_t scanned = 0;
+      for (auto it = cache.upper_bound(k); it != cache.end() && scanned < 16; ++it) {
+        for (size_t i = it->second.size(); i-- > 0 && scanned < 16; ++scanned) {
+          Range* r = it->second[i];
+          if (!ready_for(r, stream)) continue;
+          cache_remove(r);
+          Range* tail = new Range;
+          tail->addr = r->addr + k * chunk;
+          tail->k = r->k - k;
+          tail->chunks.assign(r->chunks.begin() + static_cast<std::ptrdiff_t>(k), r->chunks.end());
+          tail->stream = r->stream;
+          tail->all_ready = r->all_ready;  // else r->stream == stream: same-stream reuse is ordered
+          r->k = k;
+          r->chunks.resize(k);
+          drop_events(r);
+          cache_insert(tail);
+          ++st.num_cache_hits;
+          ++st.num_splits;
+          return r;
+        }
+      }
+    }
+    // 3. fresh mapping
+    return map_fresh(k, missing, device_full);
+  }
+
+  void on_alloc_stats(size_t requested, size_t mapped) {
+    ++st.num_malloc;
+    st.requested_current += requested;
+    st.mapped_current += mapped;
+    st.requested_peak = std::max(st.requested_peak, st.requested_current);
+    st.mapped_peak = std::max(st.mapped_peak, st.mapped_current);
+  }
+  void on_free_stats(size_t requested, size_t mapped) {
+    ++st.num_free;
+    st.requested_current -= requested;
+    st.mapped_current -= mapped;
+  }
+
+  void poll_small_pending(bool wait) {
+    std::vector<Range*> released;
+    small.poll_pending(
+        [&](Block* b) {
+          for (size_t i = 0; i < b->events.size();) {
+            if (wait) drv->event_wait(b->events[i]);
+            if (drv->event_done(b->events[i])) {
+              drv->event_destroy(b->events[i]);
+              b->events[i] = b->events.back();
+              b->events.pop_back();
+            } else {
+              ++i;
+            }
+          }
+          return b->events.empty();
+        },
+        released);
+    for (Range* r : released) {
+      slab_chunks -= r->k;
+      retire(r);
+    }
+  }
+
+  void* malloc_small(size_t n, uintptr_t stream, size_t& missing, bool& device_full) {
+    size_t rounded = (n + kSmallAlign - 1) / kSmallAlign * kSmallAlign;
+    if (small.has_pending()) poll_small_pending(false);
+    Block* b = small.take(rounded, stream);
+    if (!b) {
+      Range* slab = acquire(1, stream, missing, device_full);
+      if (!slab) {
+        if (!small.has_pending()) return nullptr;
+        poll_small_pending(true);  // blocks held for other streams: wait for them, then retry
+        b = small.take(rounded, stream);
+        if (!b) return nullptr;
+      } else {
+        slab->stream = stream;
+        slab->is_slab = true;
+        slab_chunks += 1;
+        small.add_slab(slab, chunk, stream);
+        b = small.take(rounded, stream);
+      }
+    }
+    b->requested = n;
+    b->id = next_id++;
+    live.emplace(b->addr, tag_block(b));
+    ++st.num_small_malloc;
+    st.small_requested_current += n;
+    on_alloc_stats(n, b->size);
+    if (trace_on) record_trace(TraceEvent::kAlloc, b->id, n, stream, b->addr);
+    return reinterpret_cast<void*>(b->addr);
+  }
+
+  void* malloc_large(size_t n, uintptr_t stream, size_t& missing, bool& device_full) {
+    size_t k = n / chunk + (n % chunk != 0);
+    if (cfg.budget != 0 && k * chunk > cfg.budget) {
+      missing = k * chunk - cfg.budget;
+      return nullptr;
+    }
+    Range* r = acquire(k, stream, missing, device_full);
+    if (!r) return nullptr;
+    r->stream = stream;
+    r->requested = n;
+    r->id = next_id++;
+    live.emplace(r->addr, reinterpret_cast<uintptr_t>(r));
+    on_alloc_stats(n, k * chunk);
+    if (trace_on) record_trace(TraceEvent::kAlloc, r->id, n, stream, r->addr);
+    return reinterpret_cast<void*>(r->addr);
+  }
+
+  void check_open() const {
+    if (closed) throw std::runtime_error("vmalloc: this allocator is closed");
+  }
+
+  // Release cached physical memory until physical <= target (no waiting); returns bytes released.
+  size_t shrink_to(size_t target, bool wait) {
+    size_t before = chunks_held * chunk;
+    if (wait && small.has_pending()) poll_small_pending(true);
+    release_empty_slabs();
+    auto release_free = [&] {
+      while (!free_chunks.empty() && chunks_held * chunk > target) {
+        release_chunk(free_chunks.back());
+        free_chunks.pop_back();
+      }
+    };
+    release_free();
+    for (Range* r = lru_head; r && chunks_held * chunk > target;) {
+      Range* next = r->lru_next;
+      if (wait) wait_ready(r);
+      if (fully_ready(r)) {
+        std::vector<ChunkHandle> hs;
+        take_tail(r, r->k, hs);
+        for (auto h : hs) free_chunks.push_back(h);
+        release_free();
+      }
+      r = next;
+    }
+    return before - chunks_held * chunk;
+  }
+
+  void close_locked() noexcept {
+    if (closed) return;
+    closed = true;
+    auto quiet = [](auto&& f) {
+      try {
+        f();
+      } catch (...) {  // best effort: the driver may already be shutting down (interpreter exit)
+      }
+    };
+    std::vector<Range*> ranges;
+    std::vector<Block*> live_blocks;
+    for (auto& [addr, v] : live) {
+      (void)addr;
+      if (is_block(v))
+        live_blocks.push_back(as_block(v));
+      else
+        ranges.push_back(as_range(v));
+    }
+    live.clear();
+    std::vector<EventHandle> events;
+    small.clear(live_blocks, ranges, events);
+    for (Range* r = lru_head; r;) {
+      Range* next = r->lru_next;
+      ranges.push_back(r);
+      r = next;
+    }
+    cache.clear();
+    lru_head = lru_tail = nullptr;
+    for (auto e : events) quiet([&] { drv->event_destroy(e); });
+    for (Range* r : ranges) {
+      quiet([&] { drop_events(r); });
+      for (size_t i = 0; i < r->k; ++i) {
+        quiet([&] { drv->unmap(r->addr + i * chunk, chunk); });
+        ++st.num_unmap;
+        free_chunks.push_back(r->chunks[i]);
+      }
+      delete r;
+    }
+    for (auto h : free_chunks) {
+      quiet([&] { drv->release(h); });
+      ++st.num_chunks_released;
+    }
+    free_chunks.clear();
+    chunks_held = 0;
+    cached_range_chunks = slab_chunks = 0;
+    va->release_all();
+    st.physical_current = st.mapped_current = st.requested_current = 0;
+    st.small_requested_current = 0;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+
+Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.cfg = cfg;
+  if (cfg.device < 0) throw std::invalid_argument("device: must be >= 0, got " + std::to_string(cfg.device));
+  m.drv = driver::make_driver(cfg.backend, cfg.device);
+  m.gran = m.drv->granularity();
+  if (cfg.chunk_size == 0 || cfg.chunk_size % m.gran != 0)
+    throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) +
+                                " bytes is not a positive multiple of the " + cfg.backend +
+                                " backend's allocation granularity (" + std::to_string(m.gran) + " bytes)");
+  if (cfg.budget != 0 && cfg.budget < cfg.chunk_size)
+    throw std::invalid_argument("budget: " + std::to_string(cfg.budget) + " bytes is smaller than one chunk (" +
+                                std::to_string(cfg.chunk_size) + " bytes)");
+  m.chunk = cfg.chunk_size;
+  m.small_limit = std::min(cfg.small_threshold, cfg.chunk_size);
+  m.va = std::make_unique<VaSpace>(*m.drv, m.chunk, std::max(kDefaultSpanBytes, m.chunk));
+  m.live.reserve(1024);
+  m.st.chunk_size = m.chunk;
+  m.st.budget = cfg.budget;
+  m.st.granularity = m.gran;
+}
+
+Allocator::~Allocator() {
+  if (impl_) {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->close_locked();
+  }
+}
+
+void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
+  if (nbytes == 0) throw std::invalid_argument("nbytes: must be a positive byte count, got 0");
+  Impl& m = *impl_;
+  for (int attempt = 0;; ++attempt) {
+    size_t missing = 0;
+    std::function<bool(size_t)> cb;
+    {
+      std::lock_guard<std::mutex> g(m.mu);
+      m.check_open();
+      m.note_stream(stream);
+      bool device_full = false;
+      void* p = nullptr;
+      if (nbytes > kMaxRequest)
+        missing = nbytes;
+      else if (nbytes < m.small_limit)
+        p = m.malloc_small(nbytes, stream, missing, device_full);
+      else
+        p = m.malloc_large(nbytes, stream, missing, device_full);
+      if (p) return p;
+      if (attempt == 0 && m.pressure) {
+        cb = m.pressure;
+        ++m.st.num_pressure_calls;
+      } else {
+        ++m.st.num_oom;
+        size_t k = nbytes / m.chunk + (nbytes % m.chunk != 0);
+        std::string why = m.cfg.budget != 0 && !device_full
+                              ? "budget " + human(m.cfg.budget)
+                              : "the device is full (" + std::string(m.drv->name()) + " backend)";
+        throw OutOfMemory("vmalloc: out of memory: requested " + human(nbytes) + " (" + std::to_string(k) +
+                              " chunk(s) of " + human(m.chunk) + "), in use " + human(m.st.physical_current) +
+                              " physical (" + human(m.st.requested_current) +
+                              " requested by live allocations), " + why + "; " + human(missing) + " missing",
+                          nbytes, m.st.physical_current, m.cfg.budget);
+      }
+    }
+    // Outside the lock: the callback may free memory through this allocator.
+    if (!cb(missing)) {
+      std::lock_guard<std::mutex> g(m.mu);
+      ++m.st.num_oom;
+      throw OutOfMemory("vmalloc: out of memory: requested " + human(nbytes) + ", in use " +
+                            human(m.st.physical_current) + " physical, budget " +
+                            (m.cfg.budget ? human(m.cfg.budget) : std::string("none")) + "; " + human(missing) +
+                            " missing and the pressure callback freed nothing",
+                        nbytes, m.st.physical_current, m.cfg.budget);
+    }
+  }
+}
+
+void Allocator::free(void* p) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  m.check_open();
+  auto addr = reinterpret_cast<uintptr_t>(p);
+  auto it = m.live.find(addr);
+  if (it == m.live.end())
+    throw std::invalid_argument("ptr: " + hex(addr) +
+                                " is not a live allocation of this allocator (unknown or already freed)");
+  uintptr_t v = it->second;
+  m.live.erase(it);
+  if (is_block(v)) {
+    Block* b = as_block(v);
+    uintptr_t stream = b->slab->stream;
+    if (m.trace_on) m.record_trace(TraceEvent::kFree, b->id, b->requested, stream, b->addr);
+    ++m.st.num_small_free;
+    m.st.small_requested_current -= b->requested;
+    m.on_free_stats(b->requested, b->size);
+    if (!b->extra_streams.empty()) {
+      for (uintptr_t s : b->extra_streams) b->events.push_back(m.drv->record_event(s));
+      b->extra_streams.clear();
+      m.small.defer(b);
+      return;
+    }
+    if (Range* r = m.small.give(b)) {
+      m.slab_chunks -= r->k;
+      m.retire(r);
+    }
+    return;
+  }
+  Range* r = as_range(v);
+  if (m.trace_on) m.record_trace(TraceEvent::kFree, r->id, r->requested, r->stream, r->addr);
+  m.on_free_stats(r->requested, r->k * m.chunk);
+  m.retire(r);
+}
+
+void Allocator::record_stream(void* p, uintptr_t stream) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  m.check_open();
+  auto addr = reinterpret_cast<uintptr_t>(p);
+  auto it = m.live.find(addr);
+  if (it == m.live.end())
+    throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
+  m.note_stream(stream);
+  uintptr_t v = it->second;
+  uintptr_t owner = is_block(v) ? as_block(v)->slab->stream : as_range(v)->stream;
+  if (stream == owner) return;
+  auto& extra = is_block(v) ? as_block(v)->extra_streams : as_range(v)->extra_streams;
+  if (std::find(extra.begin(), extra.end(), stream) == extra.end()) extra.push_back(stream);
+}
+
+Stats Allocator::stats() const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  Stats s = m.st;
+  s.internal_fragmentation = s.mapped_current - s.requested_current;
+  s.cached_bytes = (m.free_chunks.size() + m.cached_range_chunks) * m.chunk;
+  s.num_live = m.live.size();
+  s.small_pool_bytes = m.slab_chunks * m.chunk;
+  s.va_reserved = m.va->reserved_bytes();
+  s.num_va_reserve = m.va->num_reserves();
+  s.budget = m.cfg.budget;
+  return s;
+}
+
+size_t Allocator::trim() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.closed) return 0;
+  size_t released = m.shrink_to(0, /*wait=*/true);
+  m.va->release_unused();
+  return released;
+}
+
+void Allocator::set_budget(size_t bytes) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  m.check_open();
+  if (bytes != 0 && bytes < m.chunk)
+    throw std::invalid_argument("budget: " + std::to_string(bytes) + " bytes is smaller than one chunk (" +
+                                std::to_string(m.chunk) + " bytes)");
+  m.cfg.budget = bytes;
+  m.st.budget = bytes;
+  if (bytes != 0 && m.chunks_held * m.chunk > bytes) m.shrink_to(bytes, /*wait=*/false);
+}
+
+void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->pressure = std::move(cb);
+}
+
+void Allocator::set_trace(bool on) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->trace_on = on;
+}
+
+std::vector<TraceEvent> Allocator::take_trace() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  std::vector<TraceEvent> out;
+  out.swap(impl_->trace);
+  return out;
+}
+
+void Allocator::close() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->close_locked();
+}
+
+const Config& Allocator::config() const { return impl_->cfg; }
+size_t Allocator::granularity() const { return impl_->gran; }
+
+bool Allocator::closed() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->closed;
+}
+
+size_t Allocator::allocation_size(const void* p) const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  auto it = m.live.find(reinterpret_cast<uintptr_t>(p));
+  if (it == m.live.end()) return 0;
+  return is_block(it->second) ? as_block(it->second)->requested : as_range(it->second)->requested;
+}
+
+size_t backend_granularity(const std::string& backend, int device) {
+  if (backend == "host") return driver::host_granularity();
+  if (backend == "cuda") return driver::cuda_granularity(device);
+  throw std::invalid_argument("backend: unknown backend '" + backend + "' (expected 'host' or 'cuda')");
+}
+
+}  // namespace vmalloc

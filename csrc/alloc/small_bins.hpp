@@ -1,0 +1,98 @@
+// Small-block sub-allocator: requests below the small threshold are carved from one-chunk slabs so
+// a 4 KiB tensor does not pin a whole chunk. Within a slab: 512-byte rounding, best fit over free
+// blocks (by size, then address), splitting, and immediate coalescing with free neighbours, as in
+// PyTorch's small pool. Slabs belong to one stream (blocks are reused only on the stream they were
+// freed on, so reuse never races device work); an empty slab goes back to the allocator as a cached
+// one-chunk range, except one kept per stream so a malloc/free loop does not churn slabs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <set>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "alloc/range.hpp"
+
+namespace vmalloc {
+
+struct Slab;
+
+struct Block {
+  Slab* slab = nullptr;
+  uintptr_t addr = 0;
+  size_t size = 0;          // multiple of kSmallAlign
+  Block* prev = nullptr;    // neighbours in address order inside the slab
+  Block* next = nullptr;
+  bool free = true;
+  // Live state.
+  size_t requested = 0;
+  uint64_t id = 0;
+  std::vector<uintptr_t> extra_streams;
+  // Freed but possibly still read by other streams: held until these events complete.
+  std::vector<driver::EventHandle> events;
+};
+
+struct Slab {
+  Range* range = nullptr;
+  uintptr_t stream = 0;
+  size_t used = 0;          // bytes in blocks that are not free (live or deferred)
+};
+
+constexpr size_t kSmallAlign = 512;
+
+class SmallBins {
+ public:
+  SmallBins() = default;
+  SmallBins(const SmallBins&) = delete;
+  SmallBins& operator=(const SmallBins&) = delete;
+  ~SmallBins();
+
+  // A block of at least `rounded` bytes on `stream`, or nullptr when no slab of it has room.
+  Block* take(size_t rounded, uintptr_t stream);
+  // Carve a new slab out of `r` (one mapped chunk of `bytes`).
+  void add_slab(Range* r, size_t bytes, uintptr_t stream);
+  // Back to its slab. Returns the slab's range when the slab became empty and should be released.
+  Range* give(Block* b);
+  // Freed while other streams may still use it: held back (events in b->events) until polled.
+  void defer(Block* b) { pending_.push_back(b); }
+  bool has_pending() const { return !pending_.empty(); }
+  // Give back every deferred block for which `ready(block)` says its events are complete (ready may
+  // also wait). Slab ranges to release are appended to `out`.
+  template <class Ready>
+  void poll_pending(Ready&& ready, std::vector<Range*>& out) {
+    for (size_t i = 0; i < pending_.size();) {
+      Block* b = pending_[i];
+      if (!ready(b)) {
+        ++i;
+        continue;
+      }
+      pending_[i] = pending_.back();
+      pending_.pop_back();
+      if (Range* r = give(b)) out.push_back(r);
+    }
+  }
+  // Every empty slab's range (trim, memory pressure).
+  std::vector<Range*> take_empty_slabs();
+  // close(): forget all blocks (`live`: the live ones, unreachable otherwise); every slab range is
+  // appended to `out`, the events of deferred blocks to `events_out`.
+  void clear(const std::vector<Block*>& live, std::vector<Range*>& out,
+             std::vector<driver::EventHandle>& events_out);
+
+  size_t slab_count() const { return slabs_.size(); }
+
+ private:
+  struct Pool {
+    std::set<std::pair<size_t, Block*>> free;  // (size, block): best fit, ties by block address
+    size_t empty_slabs = 0;
+  };
+  void erase_free(Pool& pool, Block* b) { pool.free.erase({b->size, b}); }
+  void drop_slab(Pool& pool, Slab* s, Block* only);
+
+  std::unordered_map<uintptr_t, Pool> pools_;  // by stream
+  std::set<Slab*> slabs_;
+  std::vector<Block*> pending_;
+};
+
+}  // namespace vmalloc

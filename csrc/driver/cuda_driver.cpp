@@ -1,0 +1,245 @@
+// CUDA backend: the driver's virtual memory management API (the same calls PyTorch's expandable
+// segments use). libcuda.so.1 is opened with dlopen at the first construction, so the extension
+// imports and the host backend works on machines without an NVIDIA driver; cuda.h comes from the
+// toolkit or the nvidia-cuda-runtime wheel at build time (VMALLOC_HAVE_CUDA_H, see CMakeLists.txt).
+//
+// Unverified without a GPU in this project's CI: written from the CUDA driver API reference and
+// PyTorch's c10/cuda/CUDACachingAllocator.cpp (ExpandableSegment) + c10/cuda/driver_api.h.
+#include "driver/driver.hpp"
+
+#ifndef VMALLOC_HAVE_CUDA_H
+
+namespace vmalloc {
+namespace driver {
+std::unique_ptr<Driver> make_cuda_driver(int) {
+  throw std::runtime_error(
+      "backend 'cuda': this build of vmalloc was compiled without cuda.h (no CUDA toolkit and no "
+      "nvidia-cuda-runtime wheel at build time); rebuild with one of them installed, or use backend='host'");
+}
+size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
+}  // namespace driver
+}  // namespace vmalloc
+
+#else
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+namespace vmalloc {
+namespace driver {
+namespace {
+
+// Symbols are looked up by the name cuda.h maps them to (cuEventDestroy -> cuEventDestroy_v2, ...),
+// so the table calls the same ABI versions a program compiled against this header would.
+#define VMALLOC_STR2(x) #x
+#define VMALLOC_STR(x) VMALLOC_STR2(x)
+#define VMALLOC_CUDA_FUNCS(X)                                                                     \
+  X(cuGetErrorString) X(cuGetErrorName) X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount)              \
+  X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
+  X(cuCtxSetCurrent) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)    \
+  X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)   \
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)
+
+struct Api {
+#define VMALLOC_DECLARE(name) decltype(&::name) name = nullptr;
+  VMALLOC_CUDA_FUNCS(VMALLOC_DECLARE)
+#undef VMALLOC_DECLARE
+};
+
+// Loaded once per process and never changed after: a read-only function table, not mutable state.
+const Api& api() {
+  static Api table;
+  static std::string load_error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      const char* e = ::dlerror();
+      load_error = std::string("backend 'cuda': cannot load libcuda.so.1 (") + (e ? e : "unknown error") +
+                   "); is an NVIDIA driver installed? Use backend='host' on machines without a GPU";
+      return;
+    }
+#define VMALLOC_LOAD(name)                                                                   \
+  table.name = reinterpret_cast<decltype(table.name)>(::dlsym(lib, VMALLOC_STR(name)));     \
+  if (!table.name && load_error.empty())                                                     \
+    load_error = std::string("backend 'cuda': libcuda.so.1 lacks ") + VMALLOC_STR(name) +   \
+                 " (driver too old for the virtual memory management API?)";
+    VMALLOC_CUDA_FUNCS(VMALLOC_LOAD)
+#undef VMALLOC_LOAD
+  });
+  if (!load_error.empty()) throw std::runtime_error(load_error);
+  return table;
+}
+
+std::string error_string(CUresult r) {
+  const char* s = nullptr;
+  const char* n = nullptr;
+  try {
+    if (api().cuGetErrorString(r, &s) != CUDA_SUCCESS) s = nullptr;
+    if (api().cuGetErrorName(r, &n) != CUDA_SUCCESS) n = nullptr;
+  } catch (...) {
+  }
+  std::string out = s ? s : "unknown error";
+  out += " (";
+  out += n ? n : "CUresult";
+  out += " " + std::to_string(static_cast<int>(r)) + ")";
+  return out;
+}
+
+void check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  std::string msg = std::string("vmalloc cuda backend: ") + what + " failed: " + error_string(r);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) throw DriverOutOfMemory(msg);
+  throw std::runtime_error(msg);
+}
+
+CUmemAllocationProp chunk_props(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+class CudaDriver final : public Driver {
+ public:
+  explicit CudaDriver(int device) : a_(api()), prop_(chunk_props(device)) {
+    check(a_.cuInit(0), "cuInit");
+    int count = 0;
+    check(a_.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    if (device < 0 || device >= count)
+      throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
+                                  std::to_string(count) + ")");
+    check(a_.cuDeviceGet(&dev_, device), "cuDeviceGet");
+    // The primary context is the one the CUDA runtime (and so PyTorch) uses on this device.
+    check(a_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+    check(a_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+          "cuMemGetAllocationGranularity");
+    check(a_.cuDeviceTotalMem(&total_, dev_), "cuDeviceTotalMem");
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  ~CudaDriver() override {
+    // Best effort: at interpreter exit the driver may already be shutting down.
+    {
+      Ctx g(*this);
+      for (CUevent e : event_pool_) a_.cuEventDestroy(e);
+    }
+    a_.cuDevicePrimaryCtxRelease(dev_);
+  }
+
+  const char* name() const override { return "cuda"; }
+  size_t granularity() const override { return granularity_; }
+  size_t total_memory() const override { return total_; }
+
+  uintptr_t reserve(size_t size) override {
+    Ctx g(*this);
+    CUdeviceptr p = 0;
+    check(a_.cuMemAddressReserve(&p, size, 0, 0, 0), "cuMemAddressReserve");
+    return static_cast<uintptr_t>(p);
+  }
+  void unreserve(uintptr_t va, size_t size) override {
+    Ctx g(*this);
+    check(a_.cuMemAddressFree(static_cast<CUdeviceptr>(va), size), "cuMemAddressFree");
+  }
+
+  ChunkHandle create(size_t size) override {
+    Ctx g(*this);
+    CUmemGenericAllocationHandle h = 0;
+    check(a_.cuMemCreate(&h, size, &prop_, 0), "cuMemCreate");
+    return static_cast<ChunkHandle>(h);
+  }
+  void release(ChunkHandle h) override {
+    Ctx g(*this);
+    check(a_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)), "cuMemRelease");
+  }
+
+  void map(uintptr_t va, size_t size, ChunkHandle h) override {
+    Ctx g(*this);
+    check(a_.cuMemMap(static_cast<CUdeviceptr>(va), size, 0, static_cast<CUmemGenericAllocationHandle>(h), 0),
+          "cuMemMap");
+  }
+  void set_access(uintptr_t va, size_t size) override {
+    Ctx g(*this);
+    check(a_.cuMemSetAccess(static_cast<CUdeviceptr>(va), size, &access_, 1), "cuMemSetAccess");
+  }
+  void unmap(uintptr_t va, size_t size) override {
+    Ctx g(*this);
+    check(a_.cuMemUnmap(static_cast<CUdeviceptr>(va), size), "cuMemUnmap");
+  }
+
+  EventHandle record_event(uintptr_t stream) override {
+    Ctx g(*this);
+    CUevent e = nullptr;
+    if (!event_pool_.empty()) {
+      e = event_pool_.back();
+      event_pool_.pop_back();
+    } else {
+      check(a_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    }
+    CUresult r = a_.cuEventRecord(e, reinterpret_cast<CUstream>(stream));
+    if (r != CUDA_SUCCESS) {
+      event_pool_.push_back(e);
+      check(r, "cuEventRecord");
+    }
+    return reinterpret_cast<EventHandle>(e);
+  }
+  bool event_done(EventHandle e) override {
+    if (e == 0) return true;
+    Ctx g(*this);
+    CUresult r = a_.cuEventQuery(reinterpret_cast<CUevent>(e));
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    check(r, "cuEventQuery");
+    return true;
+  }
+  void event_wait(EventHandle e) override {
+    if (e == 0) return;
+    Ctx g(*this);
+    check(a_.cuEventSynchronize(reinterpret_cast<CUevent>(e)), "cuEventSynchronize");
+  }
+  void event_destroy(EventHandle e) override {
+    if (e != 0) event_pool_.push_back(reinterpret_cast<CUevent>(e));  // reused by record_event
+  }
+
+ private:
+  // Makes this device's primary context current for the duration of a call (the allocator may be
+  // called from threads whose current context belongs to another device, or none).
+  struct Ctx {
+    explicit Ctx(CudaDriver& d) : d_(d) {
+      if (d_.a_.cuCtxGetCurrent(&prev_) == CUDA_SUCCESS && prev_ != d_.ctx_) {
+        d_.a_.cuCtxSetCurrent(d_.ctx_);
+        switched_ = true;
+      }
+    }
+    ~Ctx() {
+      if (switched_) d_.a_.cuCtxSetCurrent(prev_);
+    }
+    CudaDriver& d_;
+    CUcontext prev_ = nullptr;
+    bool switched_ = false;
+  };
+
+  const Api& a_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+  CUmemAllocationProp prop_;
+  CUmemAccessDesc access_{};
+  size_t granularity_ = 0;
+  size_t total_ = 0;
+  std::vector<CUevent> event_pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<Driver> make_cuda_driver(int device) { return std::make_unique<CudaDriver>(device); }
+
+size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
+
+}  // namespace driver
+}  // namespace vmalloc
+
+#endif  // VMALLOC_HAVE_CUDA_H

@@ -1,0 +1,13 @@
+#include "driver/driver.hpp"
+
+namespace vmalloc {
+namespace driver {
+
+std::unique_ptr<Driver> make_driver(const std::string& backend, int device) {
+  if (backend == "host") return make_host_driver();
+  if (backend == "cuda") return make_cuda_driver(device);
+  throw std::invalid_argument("backend: unknown backend '" + backend + "' (expected 'host' or 'cuda')");
+}
+
+}  // namespace driver
+}  // namespace vmalloc

@@ -1,0 +1,73 @@
+// The allocator's view of a device: reserve virtual address space, create physical chunks, map a
+// chunk at an address, and order work with events. Two backends implement it:
+//   cuda  the CUDA driver VMM API (cuMemAddressReserve / cuMemCreate / cuMemMap / ...), libcuda.so.1
+//         opened with dlopen at first use so the module imports on machines without a GPU;
+//   host  one memfd whose chunk-sized slots are the "physical chunks", mapped with
+//         mmap(MAP_FIXED|MAP_SHARED) into ranges reserved with PROT_NONE: the same VMM semantics
+//         with real page mappings, so every test without a GPU exercises the allocator for real.
+// Backends are not thread-safe; the allocator serializes all calls under its lock.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace vmalloc {
+namespace driver {
+
+using ChunkHandle = uint64_t;  // a physical chunk (CUmemGenericAllocationHandle / memfd slot + 1)
+using EventHandle = uintptr_t; // a recorded event; 0 = trivially complete (host backend)
+
+// The device (or the host) has no memory left for a new chunk: the allocator reclaims cached chunks
+// and retries before it reports OutOfMemory.
+struct DriverOutOfMemory : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Driver {
+ public:
+  virtual ~Driver() = default;
+  virtual const char* name() const = 0;
+  // Physical chunk sizes and mapped addresses must be multiples of this.
+  virtual size_t granularity() const = 0;
+  // Total memory of the device (cuda) or of the machine (host), bytes: for reports.
+  virtual size_t total_memory() const = 0;
+
+  // Reserve `size` bytes of virtual address space (inaccessible until mapped).
+  virtual uintptr_t reserve(size_t size) = 0;
+  virtual void unreserve(uintptr_t va, size_t size) = 0;
+
+  // Create / release one physical chunk of `size` bytes. create throws DriverOutOfMemory when the
+  // device is full. Every create of one driver must use the same size.
+  virtual ChunkHandle create(size_t size) = 0;
+  virtual void release(ChunkHandle h) = 0;
+
+  // Map chunk `h` (of `size` bytes) at `va` inside a reservation. The memory is accessible only
+  // after set_access over the mapped range (one call may cover several chunks mapped back to back).
+  virtual void map(uintptr_t va, size_t size, ChunkHandle h) = 0;
+  virtual void set_access(uintptr_t va, size_t size) = 0;
+  // Undo one map() (exactly the range one map() covered); the address stays reserved.
+  virtual void unmap(uintptr_t va, size_t size) = 0;
+
+  // Events order host decisions after device work: record on a stream, then query or wait.
+  virtual EventHandle record_event(uintptr_t stream) = 0;
+  virtual bool event_done(EventHandle e) = 0;
+  virtual void event_wait(EventHandle e) = 0;
+  virtual void event_destroy(EventHandle e) = 0;
+};
+
+// "host" or "cuda"; std::invalid_argument naming `backend` for anything else. The cuda backend
+// throws std::runtime_error when it was compiled without cuda.h or the driver cannot be loaded.
+std::unique_ptr<Driver> make_driver(const std::string& backend, int device);
+
+std::unique_ptr<Driver> make_host_driver();
+std::unique_ptr<Driver> make_cuda_driver(int device);
+
+// Granularity without creating chunks (the host page size; the CUDA minimum granularity).
+size_t host_granularity();
+size_t cuda_granularity(int device);
+
+}  // namespace driver
+}  // namespace vmalloc
