@@ -206,8 +206,27 @@ def stats(device: Optional[int] = None) -> Dict[str, Any]:
     if _REGISTRY.mode is None:
         raise RuntimeError("vmalloc.stats: vmalloc is not enabled (vmalloc.enable() or VMALLOC=1); "
                            "a standalone vmalloc.Allocator has its own .stats()")
-    core = _core()
-    return dict(core._torch_stats(_device_index(device)))
+    a = device_allocator(device)
+    if a is None:   # this device has allocated nothing yet
+        cfg = _REGISTRY.config
+        return {**_ZERO_STATS, "chunk_size": cfg.get("chunk_size", 2 << 20),
+                "budget": cfg.get("budget", 0)}
+    return dict(a.stats())
+
+
+_ZERO_STATS = {k: 0 for k in (
+    "requested_current", "requested_peak", "mapped_current", "mapped_peak", "physical_current",
+    "physical_peak", "internal_fragmentation", "num_malloc", "num_free", "num_map", "num_unmap",
+    "num_chunks_created", "chunk_size", "budget", "num_live", "num_cache_hits", "cached_bytes")}
+
+
+def device_allocator(device: Optional[int] = None, create: bool = False) -> Any:
+    """The registered allocator of ``device`` (a ``vmalloc._core.Allocator`` that lives until
+    exit), for the swap runtime's pressure callback and the like; None before its first use
+    unless ``create``."""
+    if _REGISTRY.mode is None:
+        raise RuntimeError("vmalloc is not enabled (vmalloc.enable() or VMALLOC=1)")
+    return _core()._torch_allocator(_device_index(device), create)
 
 
 def _device_index(device: Optional[int]) -> int:
@@ -287,7 +306,7 @@ def _drain_history() -> None:
         return
     core = _core()
     for d in core._torch_devices():
-        _REGISTRY.history.setdefault(d, []).extend(core._torch_take_trace(d))
+        _REGISTRY.history.setdefault(d, []).extend(core._torch_allocator(d).take_trace())
 
 
 def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
@@ -352,10 +371,12 @@ def _install_shims(torch: Any) -> None:
         return torch_memory_stats(s)
 
     def reset_peak(device: Any = None) -> None:
-        d = _device_index(device)
-        if not _core()._torch_reset_peak(d):
+        a = device_allocator(device)
+        if a is None or not hasattr(a, "reset_peak"):
             _warn_once("reset_peak", "vmalloc: this allocator cannot reset its peak counters; "
                        "torch.cuda.max_memory_* report peaks since the allocator started")
+        else:
+            a.reset_peak()
 
     def reset_accumulated(device: Any = None) -> None:
         _warn_once("reset_acc", "vmalloc: accumulated counters are not reset")

@@ -224,26 +224,6 @@ VMALLOC_EXPORT void vmalloc_torch_init(int device_count) {
 
 // ---- Python side of the registry (vmalloc.torch_allocator) ----------------------------------
 
-namespace {
-
-nb::dict stats_dict(const vmalloc::Stats& s) {
-  nb::dict d;
-#define VM_KEY(name) d[#name] = s.name
-  VM_KEY(requested_current); VM_KEY(requested_peak); VM_KEY(mapped_current); VM_KEY(mapped_peak);
-  VM_KEY(physical_current); VM_KEY(physical_peak); VM_KEY(internal_fragmentation);
-  VM_KEY(num_malloc); VM_KEY(num_free); VM_KEY(num_map); VM_KEY(num_unmap);
-  VM_KEY(num_chunks_created); VM_KEY(chunk_size); VM_KEY(budget); VM_KEY(granularity);
-  VM_KEY(num_chunks_released); VM_KEY(cached_bytes); VM_KEY(num_live); VM_KEY(num_cache_hits);
-  VM_KEY(num_remaps); VM_KEY(num_small_malloc); VM_KEY(num_small_free);
-  VM_KEY(small_requested_current); VM_KEY(small_pool_bytes); VM_KEY(num_oom);
-  VM_KEY(num_pressure_calls); VM_KEY(num_stream_waits); VM_KEY(num_va_reserve); VM_KEY(va_reserved);
-  VM_KEY(driver_seconds);
-#undef VM_KEY
-  return d;
-}
-
-}  // namespace
-
 void bind_torch(nb::module_& m) {
   m.def("_torch_configure", [](const std::string& backend, size_t chunk_size, size_t budget, int device) {
     Registry& r = registry();
@@ -267,16 +247,10 @@ void bind_torch(nb::module_& m) {
     for (int d = 0; d < kMaxDevices; ++d) if (registry().alloc[d].load()) out.push_back(d);
     return out;
   });
-  m.def("_torch_stats", [](int device) {
-    vmalloc::Allocator* a = get(device, false);
-    if (!a) {  // nothing allocated on this device yet: zeros with the configured chunk size
-      vmalloc::Stats s;
-      s.chunk_size = registry().base.chunk_size;
-      s.budget = registry().budget[device];
-      return stats_dict(s);
-    }
-    return stats_dict(a->stats());
-  }, nb::arg("device"));
+  m.def("_torch_allocator", [](int device, bool create) { return get(device, create); },
+        nb::arg("device"), nb::arg("create") = false, nb::rv_policy::reference,
+        "The registry's allocator of `device` (a vmalloc._core.Allocator that lives until exit), "
+        "or None when that device has allocated nothing yet and create is False.");
   m.def("_torch_set_budget", [](int device, size_t budget) {
     Registry& r = registry();
     { std::lock_guard<std::mutex> lock(r.mutex); r.budget.at(device) = budget; }
@@ -293,37 +267,6 @@ void bind_torch(nb::module_& m) {
     r.trace = on;
     for (auto& a : r.alloc) if (auto* p = a.load()) p->set_trace(on);
   });
-  m.def("_torch_take_trace", [](int device) {
-    nb::list out;
-    vmalloc::Allocator* a = get(device, false);
-    if (!a) return out;
-    for (const auto& e : a->take_trace()) {
-      nb::dict d;
-      d["action"] = e.action_name();
-      d["id"] = e.id;
-      d["size"] = e.size;
-      d["stream"] = e.stream;
-      d["time"] = e.time;
-      d["addr"] = e.addr;
-      out.append(d);
-    }
-    return out;
-  });
-  m.def("_torch_reset_peak", [](int) { return false; },
-        "Peak counters cannot be reset by the allocator API yet; returns False.");
-  m.def("_torch_set_pressure_callback", [](int device, nb::object fn) {
-    vmalloc::Allocator* a = get(device, true);
-    if (fn.is_none()) {
-      a->set_pressure_callback(nullptr);
-      return;
-    }
-    // the callback runs on whatever thread allocates: take the GIL around the Python call
-    auto holder = std::make_shared<nb::object>(fn);
-    a->set_pressure_callback([holder](size_t needed) {
-      nb::gil_scoped_acquire gil;
-      return nb::cast<bool>((*holder)(needed));
-    });
-  }, nb::arg("device"), nb::arg("fn").none());
   m.def("_torch_throw_oom_for_test", [](const std::string& msg) { throw_oom(msg); },
         "Throws what an out-of-memory malloc throws (tests the c10::OutOfMemoryError path).");
   m.def("_torch_oom_kind", [] {
