@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import glob
 import json
 import os
@@ -15,14 +16,14 @@ from .sizes import format_size, parse_size
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     print(rpt.to_text(rpt.load(args.file)))
     return 0
 
 
 def _replay_one(path: str, chunk_sizes: Sequence[int], bisect: bool, device: Optional[int],
                 backend: str = "host") -> dict:
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     from .replay import compare, default_contenders, load
     trace = load(path, device=device)
     rows = compare(trace, default_contenders(chunk_sizes, backend), bisect=bisect, timeline=True)
@@ -59,7 +60,7 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
     cmps = [_replay_one(p, chunks, not args.no_bisect, args.device) for p in args.trace]
     for cmp in cmps:
@@ -109,7 +110,7 @@ _GPU_DEMO = textwrap.dedent("""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     gpu = False
     if not args.replay_only:
         try:

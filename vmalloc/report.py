@@ -220,9 +220,10 @@ def comparison_json(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping
 def side_by_side_from_json(cmp: Mapping[str, Any]) -> str:
     rows = cmp["rows"]
     head = (f"{'allocator':<26}{'peak requested':>16}{'peak physical':>16}{'phys/req':>10}"
-            f"{'frag':>8}{'smallest budget':>17}{'IF peak':>12}{'Eq.2 bound':>13}")
+            f"{'frag':>8}{'smallest budget':>17}{'budget/req':>12}{'IF peak':>12}{'Eq.2 bound':>13}")
     out = [f"trace {cmp['trace']}" + (f"  ({cmp['meta'].get('derived_from', '')})"
                                         if cmp.get("meta", {}).get("derived_from") else ""),
+           "(peak physical: no budget, the cache grows; smallest budget: bisection on the cap)",
            head, "-" * len(head)]
     for r in rows:
         mb = format_size(r["min_budget"]) if r.get("min_budget") else ("n/a" if r["ok"] else "OOM")
@@ -230,7 +231,9 @@ def side_by_side_from_json(cmp: Mapping[str, Any]) -> str:
         ifp = format_size(r["if_peak"]) if r.get("chunk_size") else "-"
         out.append(f"{r['allocator']:<26}{format_size(r['requested_peak']):>16}"
                    f"{format_size(r['physical_peak']):>16}{r['ratio']:>10.3f}"
-                   f"{_pct(r['fragmentation']):>8}{mb:>17}{ifp:>12}{bound:>13}")
+                   f"{_pct(r['fragmentation']):>8}{mb:>17}"
+                   f"{(format(r['budget_ratio'], '.3f') if r.get('budget_ratio') else '-'):>12}"
+                   f"{ifp:>12}{bound:>13}")
     return "\n".join(out)
 
 

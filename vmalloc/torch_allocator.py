@@ -22,6 +22,7 @@ No torch import at module level: ``import vmalloc`` stays cheap and works withou
 from __future__ import annotations
 
 import atexit
+import importlib
 import contextlib
 import sys
 import threading
@@ -431,7 +432,7 @@ def _warn_once(key: str, msg: str) -> None:
 
 def live_report(device: Optional[int] = None) -> Dict[str, Any]:
     """Report dict for ``vmalloc.report()``: vmalloc's figures when enabled, else PyTorch's."""
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     reg = _REGISTRY
     if reg.mode is not None:
         d = _device_index(device)
@@ -472,5 +473,5 @@ def start_recording() -> None:
 
 
 def register_exit_report(target: str) -> None:
-    from . import report as rpt
+    rpt = importlib.import_module("vmalloc.report")
     atexit.register(rpt.write_exit_report, target)

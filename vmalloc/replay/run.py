@@ -76,14 +76,15 @@ def fits(trace: Trace, factory: Factory, budget: Optional[int]) -> bool:
 
 
 def min_budget(trace: Trace, factory: Factory, granularity: int,
-               upper: Optional[int] = None) -> Optional[int]:
+               upper: Optional[int] = None, fallback_upper: Optional[int] = None) -> Optional[int]:
     """Smallest multiple of ``granularity`` at which ``trace`` replays without running out.
 
     Bisection on the budget, as RAPIDS RMM's replay benchmark does on its simulated memory size.
     It assumes more budget never hurts (true of both allocators here: a cap only adds failures
     and the OOM-retry release). The search starts at the trace's peak requested bytes (no
     allocator needs less) and ends at ``upper`` (default: the peak physical bytes of an
-    uncapped run, which fits by construction). Returns None if even ``upper`` does not fit.
+    uncapped run, which fits by construction); if ``upper`` (a guess, e.g. a leaner run's peak)
+    does not fit, ``fallback_upper`` is tried. Returns None if no upper bound fits.
     """
     if granularity <= 0:
         raise ValueError(f"granularity: must be > 0, got {granularity}")
@@ -97,7 +98,11 @@ def min_budget(trace: Trace, factory: Factory, granularity: int,
     lo = max(1, math.ceil(trace.peak_requested() / granularity))
     hi = max(lo, math.ceil(upper / granularity))
     if not fits(trace, factory, hi * granularity):
-        return None
+        if fallback_upper is None or fallback_upper <= hi * granularity:
+            return None
+        lo, hi = hi + 1, math.ceil(fallback_upper / granularity)
+        if not fits(trace, factory, hi * granularity):
+            return None
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(trace, factory, mid * granularity):
@@ -107,12 +112,17 @@ def min_budget(trace: Trace, factory: Factory, granularity: int,
     return lo * granularity
 
 
-def vmalloc_factory(chunk_size: int, backend: str = "host") -> Factory:
-    """Fresh :class:`vmalloc.Allocator` on ``backend`` with ``chunk_size`` and a given budget."""
+def vmalloc_factory(chunk_size: int, backend: str = "host", prefer_remap: bool = False) -> Factory:
+    """Fresh :class:`vmalloc.Allocator` on ``backend`` with ``chunk_size`` and a given budget.
+
+    ``prefer_remap`` is issue 2's lean policy (remap cached chunks before creating new ones); the
+    default policy grows the cache up to the budget first, as PyTorch's allocator does.
+    """
     from ..allocator import Allocator
 
     def make(budget: Optional[int]) -> Any:
-        return Allocator(backend=backend, chunk_size=chunk_size, budget=budget)
+        return Allocator(backend=backend, chunk_size=chunk_size, budget=budget,
+                         prefer_remap=prefer_remap)
     return make
 
 
@@ -134,11 +144,16 @@ class Contender:
     factory: Factory
     granularity: int       # physical memory comes in multiples of this (bisection step)
     chunk_size: int = 0    # vmalloc's m_c (0 for the caching model)
+    # a leaner configuration whose uncapped peak is a good first upper bound for the bisection
+    # (saves replays; the bisection still checks it and falls back to the uncapped peak)
+    lean_factory: Optional[Factory] = None
 
 
 def default_contenders(chunk_sizes: Sequence[int] = (2 << 20, 20 << 20),
                        backend: str = "host") -> List[Contender]:
-    out = [Contender(f"vmalloc {_mib(c)}", vmalloc_factory(c, backend), c, c) for c in chunk_sizes]
+    out = [Contender(f"vmalloc {_mib(c)}", vmalloc_factory(c, backend), c, c,
+                     lean_factory=vmalloc_factory(c, backend, prefer_remap=True))
+           for c in chunk_sizes]
     # every segment of the native allocator is a multiple of 2 MiB (kSmallBuffer, kRoundLarge)
     out.append(Contender("pytorch caching (model)", caching_factory(), K_ROUND_LARGE))
     return out
@@ -156,6 +171,7 @@ class Row:
     ratio: float                     # physical_peak / requested_peak
     fragmentation: float             # 1 - requested_peak / physical_peak (GMLake's metric)
     min_budget: Optional[int]
+    budget_ratio: Optional[float]    # min_budget / requested_peak: what the workload really needs
     if_peak: int
     if_bound: int                    # N_max * m_c (seed 003 Eq. 2), 0 when not chunked
     n_max: int
@@ -183,11 +199,21 @@ def compare(trace: Trace, contenders: Optional[Sequence[Contender]] = None,
             a.close()
         s = res.stats
         req, phys = s["requested_peak"], s["physical_peak"]
-        budget = min_budget(trace, c.factory, c.granularity, upper=phys) if bisect and res.ok else None
+        budget = None
+        if bisect and res.ok:
+            upper = phys
+            if c.lean_factory is not None:
+                lean = c.lean_factory(None)
+                try:
+                    upper = min(phys, replay(trace, lean).stats["physical_peak"])
+                finally:
+                    lean.close()
+            budget = min_budget(trace, c.factory, c.granularity, upper=upper, fallback_upper=phys)
         rows.append(Row(
             allocator=c.name, ok=res.ok, requested_peak=req, physical_peak=phys,
             mapped_peak=s["mapped_peak"], ratio=phys / req if req else float("nan"),
             fragmentation=1 - req / phys if phys else 0.0, min_budget=budget,
+            budget_ratio=budget / req if budget and req else None,
             if_peak=res.if_peak, if_bound=res.n_max * c.chunk_size, n_max=res.n_max,
             num_map=s.get("num_map", 0), num_unmap=s.get("num_unmap", 0),
             cache_hits=s.get("num_cache_hits", 0), chunk_size=c.chunk_size,
