@@ -82,7 +82,7 @@ class Trace:
         data = json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
         if str(path).endswith(".gz"):
             # mtime=0: the same trace gives the same bytes (reproducible bundled files)
-            with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            with open(path, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
                 f.write(data)
         else:
             with open(path, "wb") as f:
