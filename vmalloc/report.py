@@ -22,7 +22,6 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from .sizes import format_size
@@ -352,7 +351,3 @@ def write_exit_report(target: str) -> None:
         print(to_text(rep), file=sys.stderr)
     else:
         save(rep, target)
-
-
-def _now() -> float:
-    return time.time()

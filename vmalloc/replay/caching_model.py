@@ -32,7 +32,7 @@ block is immediately reusable on its own stream), CUDA-graph private pools, expa
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import OutOfMemoryError
