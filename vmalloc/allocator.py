@@ -60,13 +60,17 @@ class Allocator(_core.Allocator):
         capped at ``chunk_size``); 0 turns them off.
     split_cached: reuse the head of a larger cached range without remapping (default on).
     prefer_remap: on a cache miss, remap cached chunks before creating new ones: least physical
-        memory, more map/unmap calls (default off: grow up to the budget first).
+        memory, more map/unmap calls (default off). Same as ``cache_slack=0``.
+    cache_slack: without a budget, on a cache miss new chunks are created while physical memory
+        stays below ``(1 + cache_slack)`` x the peak of chunks in use; past that, cached chunks
+        are remapped first (default 0.25; ``None``: no cap, like a caching allocator). With a
+        budget, chunks are created up to the budget first.
     """
 
     def __init__(self, backend: str = "host", chunk_size: SizeLike = 2 << 20,
                  budget: Optional[SizeLike] = None, device: int = 0, *,
                  small_threshold: SizeLike = 1 << 20, split_cached: bool = True,
-                 prefer_remap: bool = False) -> None:
+                 prefer_remap: bool = False, cache_slack: Optional[float] = 0.25) -> None:
         _check_backend(backend)
         device = _check_device(device)
         chunk = parse_size(chunk_size, "chunk_size")
@@ -77,11 +81,18 @@ class Allocator(_core.Allocator):
             raise ValueError(
                 f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk ({chunk} bytes)")
         small = parse_size(small_threshold, "small_threshold")
+        if cache_slack is None:
+            slack = -1.0
+        elif isinstance(cache_slack, bool) or not isinstance(cache_slack, (int, float)) \
+                or not cache_slack >= 0:
+            raise ValueError(f"cache_slack: expected a number >= 0 or None, got {cache_slack!r}")
+        else:
+            slack = float(cache_slack)
         # The native constructor checks chunk_size against the device granularity and raises
         # ValueError naming chunk_size; the cuda backend raises RuntimeError without a driver.
         super().__init__(backend=backend, chunk_size=chunk, budget=nbudget or 0, device=device,
                          small_threshold=small, split_cached=bool(split_cached),
-                         prefer_remap=bool(prefer_remap))
+                         prefer_remap=bool(prefer_remap), cache_slack=slack)
 
     def set_budget(self, budget: Optional[SizeLike]) -> None:
         """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""

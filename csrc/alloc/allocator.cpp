@@ -7,11 +7,19 @@
 // are the ones we keep, and why):
 //   1. exact: a cached range with the same chunk count is handed back as is — no driver call.
 //   2. split: the head of the smallest larger cached range is handed out and its tail stays
-//      cached as a shorter mapped range — still no driver call. On the mixed-size replay in
-//      bench/alloc_micro.py (policy table) this removes most remaps for a few % more cached VA.
-//   3. fresh mapping: k chunks from the free-chunk pool, newly created chunks (within the budget),
-//      or chunks unmapped from the tails of cached ranges (oldest first) are mapped into a new VA
-//      range. With prefer_remap the cached chunks are taken before new ones are created.
+//      cached as a shorter mapped range — still no driver call. In the bench's policy table it
+//      halves (or better) the maps per malloc at every setting of the other knobs with no more
+//      physical memory (e.g. static trace under a budget 0.36 vs 0.86, dynamic 0.64 vs 1.71).
+//   3. fresh mapping: k chunks from the free-chunk pool, newly created chunks, or chunks unmapped
+//      from the tails of cached ranges (oldest first) are mapped into a new VA range. Which of
+//      "create" and "remap cached" comes first is the memory/speed trade-off; the bench's policy
+//      table (bench/results/alloc_micro.json, 2 MiB chunks, training-like traces) measured:
+//        no cap (grow first, a caching allocator): static shapes 0 remaps/malloc in steady state
+//          but physical peak 1.47x requested peak; dynamic shapes 2.8x;
+//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, but 0.38-0.63 maps/malloc;
+//        cache_slack 0.25 (default): grow while physical <= 1.25 x peak chunks in use, then remap:
+//          1.29-1.33x, 0.11 (static) / 0.48 (dynamic) maps/malloc.
+//      With a budget, we grow up to the budget first: that memory is ours anyway.
 //   nnabla's fourth path, growing a smaller cached range in place by mapping chunks into the VA
 //   right after it, is not kept: it still maps the missing chunks one by one (the dominant cost of
 //   path 3), it needs the neighbouring VA to be free (rare once spans are shared by many ranges),
@@ -31,11 +39,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
-#include <map>
 #include <mutex>
-#include <unordered_map>
 
+#include "alloc/cache_buckets.hpp"
+#include "alloc/ptr_map.hpp"
 #include "alloc/range.hpp"
 #include "alloc/small_bins.hpp"
 #include "alloc/va_space.hpp"
@@ -90,12 +101,13 @@ struct Allocator::Impl {
 
   std::vector<ChunkHandle> free_chunks;        // unmapped, safe for every stream
   size_t chunks_held = 0;                      // physical chunks created and not released
-  std::map<size_t, std::vector<Range*>> cache; // mapped cached ranges by chunk count
+  CacheBuckets cache;                          // mapped cached ranges by chunk count
   Range* lru_head = nullptr;                   // oldest cached range
   Range* lru_tail = nullptr;
   size_t cached_range_chunks = 0;
   size_t slab_chunks = 0;
-  std::unordered_map<uintptr_t, uintptr_t> live;  // address -> Range* | tagged Block*
+  size_t peak_in_use_chunks = 0;               // peak of chunks backing live ranges and slabs
+  PtrMap live;                                 // address -> Range* | tagged Block*
 
   Stats st;
   bool closed = false;
@@ -154,9 +166,7 @@ struct Allocator::Impl {
 
   // ---- the cache of mapped ranges ----
   void cache_insert(Range* r) {
-    auto& bucket = cache[r->k];
-    r->bucket_pos = bucket.size();
-    bucket.push_back(r);
+    cache.push(r);
     r->lru_prev = lru_tail;
     r->lru_next = nullptr;
     (lru_tail ? lru_tail->lru_next : lru_head) = r;
@@ -164,13 +174,7 @@ struct Allocator::Impl {
     cached_range_chunks += r->k;
   }
   void cache_remove(Range* r) {
-    auto it = cache.find(r->k);
-    auto& bucket = it->second;
-    Range* last = bucket.back();
-    bucket[r->bucket_pos] = last;
-    last->bucket_pos = r->bucket_pos;
-    bucket.pop_back();
-    if (bucket.empty()) cache.erase(it);
+    cache.erase(r);
     (r->lru_prev ? r->lru_prev->lru_next : lru_head) = r->lru_next;
     (r->lru_next ? r->lru_next->lru_prev : lru_tail) = r->lru_prev;
     r->lru_prev = r->lru_next = nullptr;
@@ -285,8 +289,12 @@ struct Allocator::Impl {
     }
   }
 
-  void create_chunks(size_t k, std::vector<ChunkHandle>& out, bool& device_full) {
-    while (out.size() < k && !device_full && budget_allows_one_more()) {
+  size_t in_use_chunks() const { return chunks_held - free_chunks.size() - cached_range_chunks; }
+  void note_in_use() { peak_in_use_chunks = std::max(peak_in_use_chunks, in_use_chunks()); }
+
+  // Create chunks until `out` has k or chunks_held reaches `cap` (and the budget allows).
+  void create_chunks(size_t k, std::vector<ChunkHandle>& out, bool& device_full, size_t cap = SIZE_MAX) {
+    while (out.size() < k && !device_full && chunks_held < cap && budget_allows_one_more()) {
       try {
         ChunkHandle h = timed([&] { return drv->create(chunk); });
         out.push_back(h);
@@ -306,13 +314,20 @@ struct Allocator::Impl {
 
   // Collect k unmapped chunks for a fresh mapping; false (and `missing` bytes) when impossible.
   bool gather(size_t k, std::vector<ChunkHandle>& out, size_t& missing, bool& device_full) {
+    // Without a budget: grow freely up to (1 + slack) x the peak demand, then prefer remapping
+    // cached chunks (an idle cache past that is memory nobody needed at the peak), then grow.
+    // With a budget, that memory is ours anyway: grow up to it first (fewest remaps), unless
+    // prefer_remap asks for the leanest footprint.
+    size_t demand = std::max(peak_in_use_chunks, in_use_chunks() + k);
+    double slack = cfg.prefer_remap ? 0.0 : cfg.budget != 0 ? -1.0 : cfg.cache_slack;
+    size_t soft_cap = slack < 0 ? SIZE_MAX : static_cast<size_t>(std::ceil(double(demand) * (1.0 + slack)));
     while (out.size() < k && !free_chunks.empty()) {
       out.push_back(free_chunks.back());
       free_chunks.pop_back();
     }
-    if (!cfg.prefer_remap) create_chunks(k, out, device_full);
+    create_chunks(k, out, device_full, soft_cap);
     if (out.size() < k) reclaim_cached(k - out.size(), out, false);
-    if (cfg.prefer_remap) create_chunks(k, out, device_full);
+    create_chunks(k, out, device_full);
     if (out.size() < k) {
       release_empty_slabs();
       reclaim_cached(k - out.size(), out, false);
@@ -360,10 +375,9 @@ struct Allocator::Impl {
   // A range of k mapped chunks for `stream`, or nullptr (missing bytes set).
   Range* acquire(size_t k, uintptr_t stream, size_t& missing, bool& device_full) {
     // 1. exact chunk count, most recently freed first
-    if (auto it = cache.find(k); it != cache.end()) {
-      auto& bucket = it->second;
-      for (size_t i = bucket.size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
-        Range* r = bucket[i];
+    if (std::vector<Range*>* bucket = cache.find(k)) {
+      for (size_t i = bucket->size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
+        Range* r = (*bucket)[i];
         if (ready_for(r, stream)) {
           cache_remove(r);
           drop_events(r);
@@ -375,9 +389,10 @@ struct Allocator::Impl {
     // 2. head of the smallest larger cached range
     if (cfg.split_cached) {
       size_t scanned = 0;
-      for (auto it = cache.upper_bound(k); it != cache.end() && scanned < 16; ++it) {
-        for (size_t i = it->second.size(); i-- > 0 && scanned < 16; ++scanned) {
-          Range* r = it->second[i];
+      for (size_t kk = cache.next_above(k); kk != 0 && scanned < 16; kk = cache.next_above(kk)) {
+        std::vector<Range*>& bucket = *cache.find(kk);
+        for (size_t i = bucket.size(); i-- > 0 && scanned < 16; ++scanned) {
+          Range* r = bucket[i];
           if (!ready_for(r, stream)) continue;
           cache_remove(r);
           Range* tail = new Range;
@@ -451,13 +466,14 @@ struct Allocator::Impl {
         slab->stream = stream;
         slab->is_slab = true;
         slab_chunks += 1;
+        note_in_use();
         small.add_slab(slab, chunk, stream);
         b = small.take(rounded, stream);
       }
     }
     b->requested = n;
     b->id = next_id++;
-    live.emplace(b->addr, tag_block(b));
+    live.insert(b->addr, tag_block(b));
     ++st.num_small_malloc;
     st.small_requested_current += n;
     on_alloc_stats(n, b->size);
@@ -473,10 +489,11 @@ struct Allocator::Impl {
     }
     Range* r = acquire(k, stream, missing, device_full);
     if (!r) return nullptr;
+    note_in_use();
     r->stream = stream;
     r->requested = n;
     r->id = next_id++;
-    live.emplace(r->addr, reinterpret_cast<uintptr_t>(r));
+    live.insert(r->addr, reinterpret_cast<uintptr_t>(r));
     on_alloc_stats(n, k * chunk);
     if (trace_on) record_trace(TraceEvent::kAlloc, r->id, n, stream, r->addr);
     return reinterpret_cast<void*>(r->addr);
@@ -523,13 +540,12 @@ struct Allocator::Impl {
     };
     std::vector<Range*> ranges;
     std::vector<Block*> live_blocks;
-    for (auto& [addr, v] : live) {
-      (void)addr;
+    live.for_each([&](uintptr_t, uintptr_t v) {
       if (is_block(v))
         live_blocks.push_back(as_block(v));
       else
         ranges.push_back(as_range(v));
-    }
+    });
     live.clear();
     std::vector<EventHandle> events;
     small.clear(live_blocks, ranges, events);
@@ -581,7 +597,6 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
   m.chunk = cfg.chunk_size;
   m.small_limit = std::min(cfg.small_threshold, cfg.chunk_size);
   m.va = std::make_unique<VaSpace>(*m.drv, m.chunk, std::max(kDefaultSpanBytes, m.chunk));
-  m.live.reserve(1024);
   m.st.chunk_size = m.chunk;
   m.st.budget = cfg.budget;
   m.st.granularity = m.gran;
@@ -647,12 +662,10 @@ void Allocator::free(void* p) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
-  auto it = m.live.find(addr);
-  if (it == m.live.end())
+  uintptr_t v = 0;
+  if (!m.live.take(addr, v))
     throw std::invalid_argument("ptr: " + hex(addr) +
                                 " is not a live allocation of this allocator (unknown or already freed)");
-  uintptr_t v = it->second;
-  m.live.erase(it);
   if (is_block(v)) {
     Block* b = as_block(v);
     uintptr_t stream = b->slab->stream;
@@ -683,11 +696,10 @@ void Allocator::record_stream(void* p, uintptr_t stream) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
-  auto it = m.live.find(addr);
-  if (it == m.live.end())
-    throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
+  const uintptr_t* found = m.live.find(addr);
+  if (!found) throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
   m.note_stream(stream);
-  uintptr_t v = it->second;
+  uintptr_t v = *found;
   uintptr_t owner = is_block(v) ? as_block(v)->slab->stream : as_range(v)->stream;
   if (stream == owner) return;
   auto& extra = is_block(v) ? as_block(v)->extra_streams : as_range(v)->extra_streams;
@@ -730,8 +742,12 @@ void Allocator::set_budget(size_t bytes) {
 }
 
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->pressure = std::move(cb);
+  // The old callback is destroyed after the lock is released: destroying it may take other locks
+  // (the Python binding's holder takes the GIL).
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->pressure.swap(cb);
+  }
 }
 
 void Allocator::set_trace(bool on) {
@@ -747,7 +763,9 @@ std::vector<TraceEvent> Allocator::take_trace() {
 }
 
 void Allocator::close() {
+  std::function<bool(size_t)> cb;  // dropped at close (breaks callback -> allocator cycles), unlocked
   std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->pressure.swap(cb);
   impl_->close_locked();
 }
 
@@ -762,10 +780,12 @@ bool Allocator::closed() const {
 size_t Allocator::allocation_size(const void* p) const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
-  auto it = m.live.find(reinterpret_cast<uintptr_t>(p));
-  if (it == m.live.end()) return 0;
-  return is_block(it->second) ? as_block(it->second)->requested : as_range(it->second)->requested;
+  const uintptr_t* v = m.live.find(reinterpret_cast<uintptr_t>(p));
+  if (!v) return 0;
+  return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
 }
+
+size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
 
 size_t backend_granularity(const std::string& backend, int device) {
   if (backend == "host") return driver::host_granularity();

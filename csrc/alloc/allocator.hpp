@@ -23,6 +23,11 @@ struct Config {
   // --- additions (reuse policy knobs; the defaults are what measured best, see allocator.cpp) ---
   bool split_cached = true;   // serve k chunks from the head of a larger cached mapped range
   bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
+  // Slow path without a budget: new chunks are created only while physical memory stays below
+  // (1 + cache_slack) x the peak of chunks in use; past that, cached chunks are remapped first.
+  // < 0: no such cap. With a budget, chunks are created up to the budget first. prefer_remap
+  // overrides both (cache_slack = 0, budget or not).
+  double cache_slack = 0.25;
 };
 
 // Thrown when a request would take physical memory past the budget (after the pressure callback,
@@ -117,13 +122,16 @@ class Allocator {
   void set_pressure_callback(std::function<bool(size_t needed)> cb);
   void set_trace(bool on);             // start/stop recording alloc/free events
   std::vector<TraceEvent> take_trace();  // the recorded events (and clears them)
-  void close();                        // return everything to the driver; idempotent
+  void close();                        // return everything to the driver (and drop the pressure
+                                       // callback); idempotent. Later malloc/free throw.
 
   // --- additions beyond the contract ---
   const Config& config() const;
   size_t granularity() const;           // device allocation granularity (bytes)
   bool closed() const;
   size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
+  size_t total_memory() const;          // device memory (cuda) / machine RAM (host), bytes: for
+                                        // memory fractions (torch.cuda.set_per_process_memory_fraction)
 
   struct Impl;
 

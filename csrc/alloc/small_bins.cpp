@@ -1,34 +1,97 @@
 #include "alloc/small_bins.hpp"
 
+#include <algorithm>
+#include <set>
+
 namespace vmalloc {
+
+void Pool::push(Block* b) {
+  size_t c = class_of(b->size);
+  b->fprev = nullptr;
+  b->fnext = heads[c];
+  if (heads[c]) heads[c]->fprev = b;
+  heads[c] = b;
+  bits[c / 64] |= uint64_t(1) << (c % 64);
+}
+
+void Pool::remove(Block* b) {
+  size_t c = class_of(b->size);
+  if (b->fprev)
+    b->fprev->fnext = b->fnext;
+  else
+    heads[c] = b->fnext;
+  if (b->fnext) b->fnext->fprev = b->fprev;
+  b->fprev = b->fnext = nullptr;
+  if (!heads[c]) bits[c / 64] &= ~(uint64_t(1) << (c % 64));
+}
+
+Block* Pool::best_fit(size_t rounded) {
+  size_t c = class_of(rounded);
+  size_t w = c / 64;
+  uint64_t word = bits[w] & (~uint64_t(0) << (c % 64));
+  while (true) {
+    if (word) {
+      size_t found = w * 64 + static_cast<size_t>(__builtin_ctzll(word));
+      if (found < kTopClass) return heads[found];  // exact-size classes: any block fits
+      // Top class: sizes vary; the smallest that fits.
+      Block* best = nullptr;
+      for (Block* b = heads[found]; b; b = b->fnext)
+        if (b->size >= rounded && (!best || b->size < best->size)) best = b;
+      return best;
+    }
+    if (++w == bits.size()) return nullptr;
+    word = bits[w];
+  }
+}
 
 SmallBins::~SmallBins() {
   std::vector<Range*> ranges;
   std::vector<driver::EventHandle> events;
   clear({}, ranges, events);  // ranges are owned (and freed) by the allocator
+  for (Block* b : spare_) delete b;
+}
+
+Pool* SmallBins::pool_for(uintptr_t stream) {
+  if (last_pool_ && last_pool_->stream == stream) return last_pool_;
+  auto it = pools_.find(stream);
+  if (it == pools_.end()) return nullptr;
+  return last_pool_ = it->second.get();
+}
+
+Block* SmallBins::new_block() {
+  if (spare_.empty()) return new Block;
+  Block* b = spare_.back();
+  spare_.pop_back();
+  return b;
+}
+
+void SmallBins::recycle(Block* b) {
+  b->extra_streams.clear();
+  b->events.clear();
+  b->prev = b->next = b->fprev = b->fnext = nullptr;
+  b->slab = nullptr;
+  spare_.push_back(b);
 }
 
 Block* SmallBins::take(size_t rounded, uintptr_t stream) {
-  auto pit = pools_.find(stream);
-  if (pit == pools_.end()) return nullptr;
-  Pool& pool = pit->second;
-  // Block pointers order ties, so the smallest key of this size is (rounded, nullptr).
-  auto it = pool.free.lower_bound({rounded, nullptr});
-  if (it == pool.free.end()) return nullptr;
-  Block* b = it->second;
-  pool.free.erase(it);
-  if (b->slab->used == 0) --pool.empty_slabs;
+  Pool* pool = pool_for(stream);
+  if (!pool) return nullptr;
+  Block* b = pool->best_fit(rounded);
+  if (!b) return nullptr;
+  pool->remove(b);
+  if (b->slab->used == 0) --pool->empty_slabs;
   if (b->size - rounded >= kSmallAlign) {
-    Block* rest = new Block;
+    Block* rest = new_block();
     rest->slab = b->slab;
     rest->addr = b->addr + rounded;
     rest->size = b->size - rounded;
+    rest->free = true;
     rest->prev = b;
     rest->next = b->next;
     if (b->next) b->next->prev = rest;
     b->next = rest;
     b->size = rounded;
-    pool.free.insert({rest->size, rest});
+    pool->push(rest);
   }
   b->free = false;
   b->slab->used += b->size;
@@ -36,80 +99,85 @@ Block* SmallBins::take(size_t rounded, uintptr_t stream) {
 }
 
 void SmallBins::add_slab(Range* r, size_t bytes, uintptr_t stream) {
+  auto& slot = pools_[stream];
+  if (!slot) {
+    slot = std::make_unique<Pool>();
+    slot->stream = stream;
+  }
   Slab* s = new Slab;
   s->range = r;
+  s->pool = slot.get();
   s->stream = stream;
-  slabs_.insert(s);
-  Block* b = new Block;
+  slabs_.push_back(s);
+  Block* b = new_block();
   b->slab = s;
   b->addr = r->addr;
   b->size = bytes;
-  Pool& pool = pools_[stream];
-  pool.free.insert({b->size, b});
-  ++pool.empty_slabs;
+  b->free = true;
+  s->pool->push(b);
+  ++s->pool->empty_slabs;
 }
 
 Range* SmallBins::give(Block* b) {
   Slab* s = b->slab;
-  Pool& pool = pools_[s->stream];
+  Pool* pool = s->pool;
   s->used -= b->size;
   b->free = true;
   b->requested = 0;
   b->id = 0;
   b->extra_streams.clear();
   if (Block* n = b->next; n && n->free) {
-    erase_free(pool, n);
+    pool->remove(n);
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
-    delete n;
+    recycle(n);
   }
   if (Block* p = b->prev; p && p->free) {
-    erase_free(pool, p);
+    pool->remove(p);
     p->size += b->size;
     p->next = b->next;
     if (b->next) b->next->prev = p;
-    delete b;
+    recycle(b);
     b = p;
   }
-  if (s->used != 0) {
-    pool.free.insert({b->size, b});
+  if (s->used != 0 || pool->empty_slabs == 0) {
+    // Keep it; an empty slab is kept when it is this stream's only one.
+    if (s->used == 0) ++pool->empty_slabs;
+    pool->push(b);
     return nullptr;
   }
-  // The slab is empty: b is its only block. Keep one empty slab per stream.
-  if (pool.empty_slabs == 0) {
-    pool.free.insert({b->size, b});
-    ++pool.empty_slabs;
-    return nullptr;
-  }
-  Range* r = s->range;
-  drop_slab(pool, s, b);
+  Range* r = s->range;  // empty, and the stream already keeps an empty slab: release
+  drop_slab(s, b);
   return r;
 }
 
-void SmallBins::drop_slab(Pool& pool, Slab* s, Block* only) {
-  (void)pool;
-  delete only;
-  slabs_.erase(s);
+void SmallBins::drop_slab(Slab* s, Block* only) {
+  recycle(only);
+  slabs_.erase(std::find(slabs_.begin(), slabs_.end(), s));
   delete s;
 }
 
 std::vector<Range*> SmallBins::take_empty_slabs() {
   std::vector<Range*> out;
-  for (auto& [stream, pool] : pools_) {
-    (void)stream;
-    if (pool.empty_slabs == 0) continue;
-    for (auto it = pool.free.begin(); it != pool.free.end();) {
-      Block* b = it->second;
-      if (b->slab->used == 0) {
-        it = pool.free.erase(it);
-        out.push_back(b->slab->range);
-        drop_slab(pool, b->slab, b);
-      } else {
-        ++it;
-      }
+  for (size_t i = 0; i < slabs_.size();) {
+    Slab* s = slabs_[i];
+    if (s->used != 0) {
+      ++i;
+      continue;
     }
-    pool.empty_slabs = 0;
+    // An empty slab is one free block starting at the range.
+    Block* only = nullptr;
+    for (size_t c = 0; c <= Pool::kTopClass && !only; ++c)
+      for (Block* b = s->pool->heads[c]; b; b = b->fnext)
+        if (b->slab == s) {
+          only = b;
+          break;
+        }
+    s->pool->remove(only);
+    --s->pool->empty_slabs;
+    out.push_back(s->range);
+    drop_slab(s, only);  // erases slabs_[i]
   }
   return out;
 }
@@ -124,7 +192,8 @@ void SmallBins::clear(const std::vector<Block*>& live, std::vector<Range*>& out,
   };
   for (auto& [stream, pool] : pools_) {
     (void)stream;
-    for (auto& e : pool.free) walk(e.second);
+    for (Block* head : pool->heads)
+      for (Block* b = head; b; b = b->fnext) walk(b);
   }
   for (Block* b : pending_) walk(b);
   for (Block* b : live) walk(b);
@@ -138,6 +207,7 @@ void SmallBins::clear(const std::vector<Block*>& live, std::vector<Range*>& out,
   }
   slabs_.clear();
   pools_.clear();
+  last_pool_ = nullptr;
   pending_.clear();
 }
 

@@ -1,16 +1,20 @@
 // Small-block sub-allocator: requests below the small threshold are carved from one-chunk slabs so
-// a 4 KiB tensor does not pin a whole chunk. Within a slab: 512-byte rounding, best fit over free
-// blocks (by size, then address), splitting, and immediate coalescing with free neighbours, as in
-// PyTorch's small pool. Slabs belong to one stream (blocks are reused only on the stream they were
-// freed on, so reuse never races device work); an empty slab goes back to the allocator as a cached
-// one-chunk range, except one kept per stream so a malloc/free loop does not churn slabs.
+// a 4 KiB tensor does not pin a whole chunk. Within a slab: 512-byte rounding, best fit, splitting,
+// and immediate coalescing with free neighbours, as in PyTorch's small pool. The free index is one
+// intrusive list per 512-byte size class (a class holds blocks of exactly that size; one top class
+// holds every block of 1 MiB and more) with a bitmap of non-empty classes, and Block objects are
+// recycled: malloc/free of a small block allocates nothing and finds the best fit in a few word
+// scans.
+//
+// Slabs belong to one stream (blocks are reused only on the stream they were freed on, so reuse
+// never races device work); an empty slab goes back to the allocator as a cached one-chunk range,
+// except one kept per stream so a malloc/free loop does not churn slabs.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <set>
+#include <memory>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "alloc/range.hpp"
@@ -18,6 +22,7 @@
 namespace vmalloc {
 
 struct Slab;
+struct Pool;
 
 struct Block {
   Slab* slab = nullptr;
@@ -25,6 +30,8 @@ struct Block {
   size_t size = 0;          // multiple of kSmallAlign
   Block* prev = nullptr;    // neighbours in address order inside the slab
   Block* next = nullptr;
+  Block* fprev = nullptr;   // free-list links (free blocks only)
+  Block* fnext = nullptr;
   bool free = true;
   // Live state.
   size_t requested = 0;
@@ -36,11 +43,26 @@ struct Block {
 
 struct Slab {
   Range* range = nullptr;
+  Pool* pool = nullptr;
   uintptr_t stream = 0;
   size_t used = 0;          // bytes in blocks that are not free (live or deferred)
 };
 
 constexpr size_t kSmallAlign = 512;
+
+// The free blocks of one stream.
+struct Pool {
+  static constexpr size_t kTopClass = (size_t(1) << 20) / kSmallAlign;  // blocks >= 1 MiB
+  uintptr_t stream = 0;
+  std::vector<Block*> heads = std::vector<Block*>(kTopClass + 1, nullptr);
+  std::vector<uint64_t> bits = std::vector<uint64_t>(kTopClass / 64 + 1, 0);
+  size_t empty_slabs = 0;
+
+  static size_t class_of(size_t size) { return std::min(size / kSmallAlign, kTopClass); }
+  void push(Block* b);
+  void remove(Block* b);
+  Block* best_fit(size_t rounded);
+};
 
 class SmallBins {
  public:
@@ -83,16 +105,16 @@ class SmallBins {
   size_t slab_count() const { return slabs_.size(); }
 
  private:
-  struct Pool {
-    std::set<std::pair<size_t, Block*>> free;  // (size, block): best fit, ties by block address
-    size_t empty_slabs = 0;
-  };
-  void erase_free(Pool& pool, Block* b) { pool.free.erase({b->size, b}); }
-  void drop_slab(Pool& pool, Slab* s, Block* only);
+  Pool* pool_for(uintptr_t stream);
+  Block* new_block();
+  void recycle(Block* b);
+  void drop_slab(Slab* s, Block* only);
 
-  std::unordered_map<uintptr_t, Pool> pools_;  // by stream
-  std::set<Slab*> slabs_;
+  std::unordered_map<uintptr_t, std::unique_ptr<Pool>> pools_;  // by stream
+  Pool* last_pool_ = nullptr;                                   // the most recent stream's pool
+  std::vector<Slab*> slabs_;
   std::vector<Block*> pending_;
+  std::vector<Block*> spare_;  // recycled Block objects
 };
 
 }  // namespace vmalloc

@@ -77,7 +77,7 @@ void bind_alloc(nb::module_& m) {
       .def(
           "__init__",
           [](Allocator* self, const std::string& backend, size_t chunk_size, size_t budget, int device,
-             size_t small_threshold, bool split_cached, bool prefer_remap) {
+             size_t small_threshold, bool split_cached, bool prefer_remap, double cache_slack) {
             vmalloc::Config cfg;
             cfg.backend = backend;
             cfg.chunk_size = chunk_size;
@@ -86,10 +86,12 @@ void bind_alloc(nb::module_& m) {
             cfg.small_threshold = small_threshold;
             cfg.split_cached = split_cached;
             cfg.prefer_remap = prefer_remap;
+            cfg.cache_slack = cache_slack;
             new (self) Allocator(cfg);
           },
           "backend"_a = "host", "chunk_size"_a = size_t(2) << 20, "budget"_a = 0, "device"_a = 0,
-          "small_threshold"_a = size_t(1) << 20, "split_cached"_a = true, "prefer_remap"_a = false)
+          "small_threshold"_a = size_t(1) << 20, "split_cached"_a = true, "prefer_remap"_a = false,
+          "cache_slack"_a = 0.25)
       .def(
           "malloc",
           [](Allocator& a, int64_t nbytes, uint64_t stream) -> uintptr_t {
@@ -155,7 +157,11 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("budget", [](const Allocator& a) { return a.config().budget; })
       .def_prop_ro("device", [](const Allocator& a) { return a.config().device; })
       .def_prop_ro("small_threshold", [](const Allocator& a) { return a.config().small_threshold; })
-      .def_prop_ro("granularity", &Allocator::granularity);
+      .def_prop_ro("split_cached", [](const Allocator& a) { return a.config().split_cached; })
+      .def_prop_ro("prefer_remap", [](const Allocator& a) { return a.config().prefer_remap; })
+      .def_prop_ro("cache_slack", [](const Allocator& a) { return a.config().cache_slack; })
+      .def_prop_ro("granularity", &Allocator::granularity)
+      .def_prop_ro("total_memory", &Allocator::total_memory);
 
   m.def("backend_granularity", &vmalloc::backend_granularity, "backend"_a, "device"_a = 0,
         "Allocation granularity of a backend (host: the page size; cuda: cuMemGetAllocationGranularity).");

@@ -1,0 +1,495 @@
+"""vmalloc.Allocator: bad input, out of memory, pressure callback, trace, streams, close, threads,
+and the internal-fragmentation bounds of seed 003 (Eq. 1-2) on replayed sequences.
+
+Every test runs on the host backend; the same tests run on "cuda" where a GPU is present.
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+
+import vmalloc
+from vmalloc import Allocator, OutOfMemoryError, _core
+from vmalloc.allocator import granularity
+
+from test_alloc_memory import memory_for
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request) -> str:
+    return request.param
+
+
+def chunk_for(backend: str) -> int:
+    # Small chunks keep host RAM low; GPUs need their 2 MiB granularity.
+    return 256 * KiB if backend == "host" else granularity("cuda")
+
+
+def ceil_chunks(n: int, chunk: int) -> int:
+    return -(-n // chunk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_unknown_backend_names_the_value():
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'tpu'"):
+        Allocator(backend="tpu")
+
+
+@pytest.mark.parametrize("chunk", [0, 5000, "3KiB", "2MB"])
+def test_chunk_size_must_be_a_multiple_of_the_granularity(chunk):
+    with pytest.raises(ValueError, match="chunk_size"):
+        Allocator(chunk_size=chunk)
+
+
+def test_chunk_size_garbage_is_a_size_error():
+    with pytest.raises(ValueError, match="chunk_size: cannot read 'lots'"):
+        Allocator(chunk_size="lots")
+
+
+def test_budget_smaller_than_one_chunk():
+    with pytest.raises(ValueError, match=r"budget: '1MiB' \(1048576 bytes\) is smaller than one chunk"):
+        Allocator(chunk_size="2MiB", budget="1MiB")
+    with pytest.raises(ValueError, match="budget"):
+        Allocator(chunk_size="2MiB", budget=0)
+    with pytest.raises(ValueError, match="budget: .*-5"):
+        Allocator(budget=-5)
+
+
+@pytest.mark.parametrize("slack", [-0.5, "lots", float("nan"), True])
+def test_bad_cache_slack(slack):
+    with pytest.raises(ValueError, match="cache_slack"):
+        Allocator(cache_slack=slack)
+
+
+def test_bad_device():
+    with pytest.raises(ValueError, match="device: expected a device index >= 0, got -1"):
+        Allocator(device=-1)
+
+
+def test_size_strings_are_accepted():
+    with Allocator(chunk_size="2MiB", budget="40MB") as a:
+        assert a.chunk_size == 2 * MiB
+        assert a.budget == 40_000_000
+        assert a.stats()["chunk_size"] == 2 * MiB
+
+
+def test_bad_sizes_and_pointers(backend):
+    with Allocator(backend, chunk_size=chunk_for(backend)) as a:
+        for bad in (0, -1):
+            with pytest.raises(ValueError, match=f"nbytes: must be a positive byte count, got {bad}"):
+                a.malloc(bad)
+        with pytest.raises(ValueError, match=r"ptr: 0x1234 is not a live allocation"):
+            a.free(0x1234)
+        p = a.malloc(100)
+        a.free(p)
+        with pytest.raises(ValueError, match=f"ptr: {hex(p)} is not a live allocation .*already freed"):
+            a.free(p)
+        q = a.malloc(3 * a.chunk_size)
+        with pytest.raises(ValueError, match="ptr"):
+            a.free(q + 8)  # inside a live range is not an allocation
+        a.free(q)
+        with pytest.raises(ValueError, match="ptr"):
+            a.record_stream(q, 5)
+        with pytest.raises(ValueError, match="budget"):
+            a.set_budget(a.chunk_size - 1)
+
+
+def test_cuda_backend_without_a_driver_says_so():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match="backend 'cuda'"):
+        Allocator(backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# Basic behaviour and stats
+
+
+def test_design_stats_keys_present(backend):
+    keys = {"requested_current", "requested_peak", "mapped_current", "mapped_peak", "physical_current",
+            "physical_peak", "internal_fragmentation", "num_malloc", "num_free", "num_map", "num_unmap",
+            "num_chunks_created", "chunk_size"}
+    with Allocator(backend, chunk_size=chunk_for(backend)) as a:
+        assert keys <= set(a.stats())
+        assert a.total_memory > 0 and a.granularity > 0 and a.chunk_size % a.granularity == 0
+
+
+def test_large_request_maps_ceil_n_over_chunk_chunks(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        n = 3 * c + 1
+        p = a.malloc(n)
+        s = a.stats()
+        assert p % c == 0 or backend == "host"
+        assert s["mapped_current"] == 4 * c
+        assert s["requested_current"] == n
+        assert s["internal_fragmentation"] == 4 * c - n < c  # Eq. (1)
+        assert s["num_map"] == 4 and s["num_chunks_created"] == 4 and s["physical_current"] == 4 * c
+        a.free(p)
+        # fast path: same chunk count, no driver call
+        q = a.malloc(4 * c)
+        s2 = a.stats()
+        assert q == p
+        assert s2["num_map"] == 4 and s2["num_cache_hits"] == 1
+        a.free(q)
+
+
+def test_split_serves_a_smaller_request_from_a_larger_cached_range(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        a.free(a.malloc(5 * c))
+        p = a.malloc(2 * c)
+        q = a.malloc(3 * c)
+        s = a.stats()
+        # the 3-chunk tail left by the split is then an exact hit: still no new mapping
+        assert s["num_map"] == 5 and s["num_splits"] == 1 and s["num_cache_hits"] == 2
+        assert q == p + 2 * c
+        a.free(p)
+        a.free(q)
+
+
+def test_no_split_remaps_under_a_tight_budget(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, budget=4 * c, small_threshold=0, split_cached=False) as a:
+        a.free(a.malloc(4 * c))
+        p = a.malloc(3 * c)  # no 3-chunk range cached, budget full: unmap 3 chunks, map them anew
+        s = a.stats()
+        assert s["num_unmap"] == 3 and s["num_map"] == 7 and s["num_chunks_created"] == 4
+        a.free(p)
+
+
+def test_small_requests_share_a_slab(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=64 * KiB) as a:
+        ptrs = [a.malloc(1000) for _ in range(50)]
+        s = a.stats()
+        assert s["physical_current"] == c  # one slab holds them all
+        assert s["num_small_malloc"] == 50
+        assert s["mapped_current"] == 50 * 1024  # 512-byte rounding
+        assert len(set(ptrs)) == 50 and all(p % 512 == 0 for p in ptrs)
+        for p in ptrs:
+            a.free(p)
+        assert a.stats()["requested_current"] == 0
+        assert a.trim() == c
+        assert a.stats()["physical_current"] == 0
+
+
+def test_contents_survive_reuse_and_remap(backend):
+    c = chunk_for(backend)
+    mem = memory_for(backend)
+    with Allocator(backend, chunk_size=c, budget=8 * c, split_cached=False) as a:
+        keep = a.malloc(2 * c)
+        mem.fill(keep, 2 * c, 0xAB)
+        for i in range(20):  # alternate chunk counts so the budget forces remaps
+            n = (1 + i % 5) * c
+            p = a.malloc(n)
+            mem.fill(p, n, i + 1)
+            assert mem.intact(p, n, i + 1, 4096)
+            a.free(p)
+            assert mem.intact(keep, 2 * c, 0xAB, 4096)
+        assert a.stats()["num_unmap"] > 0
+        a.free(keep)
+
+
+# ---------------------------------------------------------------------------------------------
+# Out of memory, budget, pressure
+
+
+def test_oom_then_continue(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, budget=8 * c) as a:
+        held = [a.malloc(3 * c), a.malloc(3 * c)]
+        with pytest.raises(OutOfMemoryError) as info:
+            a.malloc(3 * c)
+        e = info.value
+        assert isinstance(e, MemoryError)
+        assert e.requested == 3 * c and e.budget == 8 * c
+        assert 6 * c <= e.in_use == a.stats()["physical_current"] <= 8 * c
+        assert "requested" in str(e) and "in use" in str(e) and "budget" in str(e)
+        assert a.stats()["num_oom"] == 1
+        a.free(held.pop())
+        p = a.malloc(3 * c)  # usable again
+        assert a.stats()["physical_current"] <= 8 * c
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(9 * c)  # larger than the whole budget
+        a.free(p)
+        a.free(held.pop())
+
+
+def test_set_budget_releases_cached_chunks(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        a.free(a.malloc(10 * c))
+        assert a.stats()["physical_current"] == 10 * c
+        a.set_budget(4 * c)
+        assert a.stats()["physical_current"] <= 4 * c
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(5 * c)
+        a.set_budget(None)
+        a.free(a.malloc(12 * c))
+        assert a.stats()["budget"] == 0
+
+
+def test_pressure_callback_frees_and_malloc_retries(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, budget=6 * c) as a:
+        held = [a.malloc(2 * c) for _ in range(3)]
+        asked = []
+
+        def relieve(missing: int) -> bool:
+            asked.append(missing)
+            a.free(held.pop())  # re-enters the allocator: must not deadlock
+            return True
+
+        a.set_pressure_callback(relieve)
+        p = a.malloc(2 * c)
+        assert asked == [2 * c]
+        assert a.stats()["num_pressure_calls"] == 1
+
+        a.set_pressure_callback(lambda missing: False)
+        with pytest.raises(OutOfMemoryError, match="pressure callback freed nothing"):
+            a.malloc(4 * c)
+
+        def boom(missing: int) -> bool:
+            raise KeyError("from the callback")
+
+        a.set_pressure_callback(boom)
+        with pytest.raises(KeyError, match="from the callback"):
+            a.malloc(4 * c)
+        a.set_pressure_callback(None)
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(4 * c)
+        a.free(p)
+        for q in held:
+            a.free(q)
+
+
+def test_pressure_callback_that_frees_too_little_gets_one_retry(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, budget=4 * c) as a:
+        held = [a.malloc(c) for _ in range(4)]
+        calls = []
+
+        def relieve(missing: int) -> bool:
+            calls.append(missing)
+            a.free(held.pop())
+            return True
+
+        a.set_pressure_callback(relieve)
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(3 * c)  # needs 3 chunks, one freed per call, one retry only
+        assert len(calls) == 1
+        for q in held:
+            a.free(q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace (brief contract 2)
+
+
+def test_trace_events_pair_and_serialize(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c) as a:
+        a.set_trace(True)
+        p = a.malloc(100, stream=7)
+        q = a.malloc(3 * c)
+        a.free(p)
+        a.free(q)
+        a.set_trace(False)
+        a.free(a.malloc(10))  # not recorded
+        events = a.take_trace()
+        assert [e["action"] for e in events] == ["alloc", "alloc", "free", "free"]
+        assert events[0]["stream"] == 7 and events[0]["size"] == 100 and events[1]["size"] == 3 * c
+        by_id = {}
+        for e in events:
+            by_id.setdefault(e["id"], []).append(e)
+        assert all(len(v) == 2 and v[0]["size"] == v[1]["size"] for v in by_id.values())
+        times = [e["time"] for e in events]
+        assert times == sorted(times)
+        doc = {"meta": {"source": "vmalloc.Allocator", "units": "bytes, seconds"},
+               "events": [{k: e[k] for k in ("action", "id", "size", "stream", "time")} for e in events]}
+        assert json.loads(json.dumps(doc)) == doc
+        assert a.take_trace() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams
+
+
+def test_record_stream_bookkeeping_and_cross_stream_reuse(backend):
+    c = chunk_for(backend)
+    mem = memory_for(backend)
+    # budget: 3 chunks, so stream 3 can only be served with chunks that streams 0, 1, 11, 12 used
+    with Allocator(backend, chunk_size=c, budget=3 * c, small_threshold=64 * KiB) as a:
+        p = a.malloc(2 * c, stream=0)
+        a.record_stream(p, 0)  # the owner stream: nothing to do
+        a.record_stream(p, 11)
+        a.record_stream(p, 11)
+        a.free(p)
+        b = a.malloc(1000, stream=1)
+        a.record_stream(b, 12)
+        a.free(b)  # deferred until stream 12's event completes (immediately on host)
+        q = a.malloc(2 * c, stream=3)  # another stream: allowed once the events completed
+        mem.fill(q, 2 * c, 3)
+        r = a.malloc(1000, stream=1)
+        mem.fill(r, 1000, 4)
+        assert mem.intact(q, 2 * c, 3, 4096) and mem.intact(r, 1000, 4, 4096)
+        assert a.stats()["physical_peak"] <= 3 * c
+        a.free(q)
+        a.free(r)
+        assert a.stats()["num_live"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# close()
+
+
+def test_close_with_live_allocations_returns_everything(backend):
+    c = chunk_for(backend)
+    a = Allocator(backend, chunk_size=c)
+    ptrs = [a.malloc(n) for n in (10, 5000, 3 * c, c + 1)]
+    a.free(ptrs[2])
+    a.close()
+    s = a.stats()
+    assert s["physical_current"] == 0 and s["num_live"] == 0 and s["va_reserved"] == 0
+    assert s["num_chunks_released"] == s["num_chunks_created"] > 0
+    assert a.closed
+    a.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        a.malloc(10)
+    with pytest.raises(RuntimeError, match="closed"):
+        a.free(ptrs[0])
+    if backend == "host":
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                assert not (lo <= ptrs[0] < hi and "vmalloc-chunks" in line)
+
+
+def test_trim_returns_cached_chunks(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c) as a:
+        p = a.malloc(4 * c)
+        a.free(a.malloc(6 * c))
+        released = a.trim()
+        s = a.stats()
+        assert released == 6 * c
+        assert s["physical_current"] == 4 * c and s["num_chunks_released"] == 6
+        a.free(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads
+
+
+def test_cpp_threads_hammer_malloc_free_with_content_checks():
+    with Allocator("host", chunk_size=128 * KiB, budget=96 * MiB, small_threshold=64 * KiB) as a:
+        r = _core.alloc_stress_threads(a, threads=4, iters=20_000, max_bytes=2 * MiB, seed=1)
+        assert r["corruptions"] == 0 and r["overlaps"] == 0
+        assert r["operations"] > 20_000
+        s = a.stats()
+        assert s["num_live"] == 0 and s["requested_current"] == 0 and s["mapped_current"] == 0
+        assert s["num_malloc"] == s["num_free"] and s["physical_peak"] <= 96 * MiB
+
+
+def test_python_threads_hammer_malloc_free(backend):
+    c = chunk_for(backend)
+    mem = memory_for(backend)
+    errors = []
+    with Allocator(backend, chunk_size=c, small_threshold=64 * KiB) as a:
+        def worker(tid: int) -> None:
+            rng = random.Random(tid)
+            held = []
+            try:
+                for i in range(400):
+                    if held and (len(held) > 6 or rng.random() < 0.5):
+                        p, n, byte = held.pop(rng.randrange(len(held)))
+                        if not mem.intact(p, n, byte, 4096):
+                            errors.append((tid, i, "corrupt"))
+                        a.free(p)
+                    else:
+                        n = rng.choice([rng.randint(1, 4096), rng.randint(4096, 200 * KiB),
+                                        rng.randint(c, 3 * c)])
+                        byte = (tid * 50 + i) % 255 + 1
+                        p = a.malloc(n, stream=tid % 2)
+                        mem.fill(p, n, byte)
+                        held.append((p, n, byte))
+                for p, n, byte in held:
+                    if not mem.intact(p, n, byte, 4096):
+                        errors.append((tid, "final", "corrupt"))
+                    a.free(p)
+            except Exception as exc:  # surfaced below
+                errors.append((tid, repr(exc)))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        s = a.stats()
+        assert s["num_live"] == 0 and s["num_malloc"] == s["num_free"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Seed 003 Eq. (1)-(2) on a replayed sequence
+
+
+def training_like_trace(seed: int, steps: int = 3, layers: int = 24):
+    """Alloc/free events of a few training steps: activations allocated in the forward and freed
+    in reverse in the backward, gradients and temporaries of varied sizes in between."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([rng.randint(1, 64 * KiB), rng.randint(MiB, 24 * MiB)]) for _ in range(layers)]
+    events, nid = [], 0
+    for _ in range(steps):
+        acts = []
+        for n in sizes:
+            nid += 1
+            events.append(("alloc", nid, n))
+            acts.append((nid, n))
+            nid += 1  # a temporary
+            events.append(("alloc", nid, n // 3 + 1))
+            events.append(("free", nid, n // 3 + 1))
+        for aid, n in reversed(acts):
+            nid += 1
+            events.append(("alloc", nid, n + rng.randint(0, 4096)))  # its gradient
+            events.append(("free", aid, n))
+            events.append(("free", nid, None))
+    return events
+
+
+@pytest.mark.parametrize("chunk", [2 * MiB, 512 * KiB])
+@pytest.mark.parametrize("small_threshold", [0, MiB])
+def test_internal_fragmentation_bounds_on_a_replayed_trace(chunk, small_threshold):
+    with Allocator("host", chunk_size=chunk, small_threshold=small_threshold) as a:
+        live, sizes = {}, {}
+        if_max, n_max = 0, 0
+        for action, eid, n in training_like_trace(seed=3):
+            if action == "alloc":
+                live[eid] = a.malloc(n)
+                sizes[eid] = n
+            else:
+                a.free(live.pop(eid))
+                sizes.pop(eid)
+            s = a.stats()
+            n_max = max(n_max, len(live))
+            frag = s["internal_fragmentation"]
+            if_max = max(if_max, frag)
+            # Eq. (1) summed over live allocations: each wastes less than one chunk.
+            assert frag < max(1, len(live)) * chunk
+            if small_threshold == 0:  # the paper's scheme exactly: m_a = ceil(m_r / m_c) * m_c
+                assert frag == sum(ceil_chunks(v, chunk) * chunk - v for v in sizes.values())
+        assert if_max < n_max * chunk  # Eq. (2)
