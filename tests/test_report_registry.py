@@ -63,6 +63,12 @@ assert vmalloc.stats(0)["requested_current"] == 0
 lib.vmalloc_torch_empty_cache()                           # torch.cuda.empty_cache()
 assert vmalloc.stats(0)["physical_current"] == 0
 
+# torch.cuda.set_per_process_memory_fraction(0.5, 0) -> a budget of half the memory
+lib.vmalloc_torch_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+lib.vmalloc_torch_memory_fraction(0.5, 0)
+total = core._torch_allocator(0).total_memory
+assert vmalloc.stats(0)["budget"] == int(0.5 * total), (vmalloc.stats(0)["budget"], total)
+
 snap = fake_C._cuda_memorySnapshot(None)
 acts = [e["action"] for e in snap["device_traces"][0]]
 assert acts == ["alloc", "alloc", "free_requested", "free_completed",

@@ -138,23 +138,6 @@ const TorchOom& torch_oom() {
   throw std::runtime_error(msg);
 }
 
-size_t device_total_memory(int device) {
-  // cuDeviceGet / cuDeviceTotalMem_v2 from the driver PyTorch already initialised
-  using GetFn = int (*)(int*, int);
-  using TotalFn = int (*)(size_t*, int);
-  static void* h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-  if (!h) h = dlopen("libcuda.so.1", RTLD_LAZY);
-  if (!h) throw std::runtime_error("vmalloc: libcuda.so.1 not found (memory fraction needs it)");
-  auto get_dev = reinterpret_cast<GetFn>(dlsym(h, "cuDeviceGet"));
-  auto total = reinterpret_cast<TotalFn>(dlsym(h, "cuDeviceTotalMem_v2"));
-  int dev = 0;
-  size_t bytes = 0;
-  if (!get_dev || !total || get_dev(&dev, device) != 0 || total(&bytes, dev) != 0) {
-    throw std::runtime_error("vmalloc: cannot read the memory size of device " + std::to_string(device));
-  }
-  return bytes;
-}
-
 }  // namespace
 
 // ---- the entry points ----------------------------------------------------------------------
@@ -209,13 +192,14 @@ VMALLOC_EXPORT void vmalloc_torch_memory_fraction(double fraction, int device) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw std::invalid_argument("vmalloc: memory fraction must be in [0, 1], got " + std::to_string(fraction));
   }
-  size_t budget = static_cast<size_t>(fraction * static_cast<double>(device_total_memory(device)));
+  vmalloc::Allocator* a = get(device, true);   // knows its device's memory size
+  size_t budget = static_cast<size_t>(fraction * static_cast<double>(a->total_memory()));
   Registry& r = registry();
   {
     std::lock_guard<std::mutex> lock(r.mutex);
     r.budget[device] = budget;
   }
-  if (vmalloc::Allocator* a = get(device, false)) a->set_budget(budget);
+  a->set_budget(budget);
 }
 
 VMALLOC_EXPORT void vmalloc_torch_init(int device_count) {
