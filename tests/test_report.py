@@ -132,3 +132,13 @@ def test_torch_native_rows_line_up():
     assert r["memory"]["allocated"] == {"current": 12, "peak": 24}
     assert r["driver"]["num_map"] == 3
     assert set(r) >= {"memory", "fragmentation", "cache", "driver"}
+
+
+def test_cli_demo_replays_traces_without_a_gpu(tmp_path, capsys):
+    pytest.importorskip("vmalloc.allocator")
+    Trace([Event("alloc", 0, 3 * MiB), Event("alloc", 1, 25 * MiB), Event("free", 0, 3 * MiB),
+           Event("free", 1, 25 * MiB)], {"name": "tiny"}).save(tmp_path / "tiny.json.gz")
+    assert main(["demo", "--replay-only", "--traces", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "trace tiny" in out and "smallest budget that runs" in out
+    assert main(["demo", "--replay-only", "--traces", str(tmp_path / "nothing")]) == 2

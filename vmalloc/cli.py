@@ -139,14 +139,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print()
         rows = {r["allocator"]: r for r in cmp["rows"]}
         summary.append((cmp["trace"], rows))
-    print("summary (smallest budget that runs, vs the caching model):")
+    key = "physical_peak" if args.no_bisect else "min_budget"
+    what = "peak physical without a cap" if args.no_bisect else "smallest budget that runs"
+    print(f"summary ({what}, vs the caching model):")
+    model = "pytorch caching (model)"
     for name, rows in summary:
-        base = rows.get("pytorch caching (model)", {}).get("min_budget")
+        base = rows.get(model, {}).get(key)
         parts = []
         for alloc, r in rows.items():
-            mb = r.get("min_budget")
-            if mb and base and alloc != "pytorch caching (model)":
-                parts.append(f"{alloc}: {format_size(mb)} ({100 * (1 - mb / base):+.1f}% less)")
+            v = r.get(key)
+            if v and base and alloc != model:
+                d = 100 * (v - base) / base
+                parts.append(f"{alloc}: {format_size(v)} ({abs(d):.1f}% {'less' if d < 0 else 'more'})")
         parts.append(f"caching model: {format_size(base) if base else 'n/a'}")
         print(f"  {name}: " + "; ".join(parts))
     return 0
