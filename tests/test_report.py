@@ -1,0 +1,144 @@
+"""Report math (seed 003 Eq. 1-2, GMLake fragmentation) on known traces; text/JSON; CLI."""
+import json
+
+import pytest
+
+import vmalloc
+from vmalloc import report as _report_fn  # the function
+from vmalloc.cli import main
+from vmalloc.replay import CachingAllocatorModel, Event, Trace, compare, replay
+from vmalloc.replay.run import Contender, caching_factory
+
+rpt = __import__("importlib").import_module("vmalloc.report")
+MiB = 1 << 20
+
+
+def test_histogram_bins():
+    h = rpt.histogram([1, 511, 512, 1023, 1024, 3 * MiB])
+    assert [(b["lo"], b["hi"], b["count"]) for b in h] == [
+        (0, 512, 2), (512, 1024, 2), (1024, 2048, 1), (2 * MiB, 4 * MiB, 1)]
+    assert sum(b["bytes"] for b in h) == 1 + 511 + 512 + 1023 + 1024 + 3 * MiB
+
+
+@pytest.mark.parametrize("m_r,m_c,expected", [(1, 2 * MiB, 2 * MiB - 1), (2 * MiB, 2 * MiB, 0),
+                                               (5 * MiB, 2 * MiB, MiB), (41 * MiB, 40 * MiB, 39 * MiB)])
+def test_eq1(m_r, m_c, expected):
+    assert rpt.eq1_internal_fragmentation(m_r, m_c) == expected
+    assert rpt.eq1_internal_fragmentation(m_r, m_c) < m_c
+
+
+def test_build_on_known_stats():
+    stats = {"requested_current": 3 * MiB, "requested_peak": 10 * MiB, "mapped_current": 4 * MiB,
+             "mapped_peak": 12 * MiB, "physical_current": 6 * MiB, "physical_peak": 16 * MiB,
+             "num_malloc": 7, "num_free": 5, "num_map": 8, "num_unmap": 2, "num_cache_hits": 3,
+             "chunk_size": 2 * MiB, "driver_seconds": 0.25}
+    r = rpt.build(stats, source="vmalloc", sizes=[MiB, 3 * MiB], if_peak=3 * MiB, n_max=4)
+    fr = r["fragmentation"]
+    assert fr["internal_current"] == MiB
+    assert fr["ratio_physical_requested"] == pytest.approx(1.6)
+    assert fr["gmlake"] == pytest.approx(1 - 10 / 16)
+    assert fr["bound_eq2"] == 8 * MiB and fr["bound_holds"] is True
+    text = rpt.to_text(r)
+    for needle in ("requested", "physical", "Eq. 1", "Eq. 2", "4 x 2.00 MiB = 8.00 MiB holds",
+                   "3 cache hits (42.9%)", "8 map, 2 unmap, 0.2500 s", "37.5%"):
+        assert needle in text, needle
+
+
+def test_report_on_a_known_trace_through_the_model():
+    # 3 MiB alloc -> 20 MiB segment; 12 MiB alloc -> split from the same segment's 17 MiB rest
+    t = Trace([Event("alloc", 0, 3 * MiB), Event("alloc", 1, 12 * MiB), Event("free", 0, 3 * MiB),
+               Event("alloc", 2, 30 * MiB), Event("free", 1, 12 * MiB), Event("free", 2, 30 * MiB)])
+    rows = compare(t, [Contender("model", caching_factory(), 2 * MiB)])
+    r = rows[0]
+    assert r.requested_peak == 42 * MiB
+    assert r.physical_peak == 50 * MiB                    # 20 MiB + 30 MiB segments
+    assert r.fragmentation == pytest.approx(1 - 42 / 50)
+    assert r.min_budget == 50 * MiB                       # the two segments never merge
+    text = rpt.side_by_side("known", rows)
+    assert "model" in text and "50.00 MiB" in text
+
+
+def test_vmalloc_rows_on_a_known_trace():
+    pytest.importorskip("vmalloc.allocator")
+    from vmalloc.replay.run import vmalloc_factory
+    chunk = 2 * MiB
+    t = Trace([Event("alloc", 0, 3 * MiB), Event("alloc", 1, 5 * MiB + 1), Event("free", 0, 3 * MiB),
+               Event("free", 1, 5 * MiB + 1)])
+    rows = compare(t, [Contender("vm", vmalloc_factory(chunk), chunk, chunk)])
+    r = rows[0]
+    # Eq. 1 per allocation: 4 MiB - 3 MiB and 6 MiB - (5 MiB + 1)
+    assert r.if_peak == MiB + (MiB - 1)
+    assert r.if_bound == 2 * chunk and r.if_peak < r.if_bound
+    assert r.mapped_peak == 10 * MiB and r.min_budget == 10 * MiB
+
+
+def test_save_load_and_cli_report(tmp_path, capsys):
+    r = rpt.build({"requested_peak": MiB, "physical_peak": 2 * MiB, "chunk_size": MiB},
+                  source="test", timeline={"event": [0, 1], "requested": [0, MiB],
+                                           "physical": [0, 2 * MiB]})
+    path = tmp_path / "r.json"
+    rpt.save(r, str(path))
+    assert rpt.load(str(path)) == json.loads(path.read_text())
+    assert main(["report", str(path)]) == 0
+    assert "vmalloc report: test" in capsys.readouterr().out
+    (tmp_path / "x.json").write_text("[1, 2]")
+    assert main(["report", str(tmp_path / "x.json")]) == 2
+    assert "not a vmalloc report" in capsys.readouterr().err
+    txt = tmp_path / "r.txt"
+    rpt.save(r, str(txt))
+    assert "physical/requested" in txt.read_text()
+
+
+def test_cli_replay_writes_json(tmp_path, capsys):
+    t = Trace([Event("alloc", 0, 3 * MiB), Event("free", 0, 3 * MiB)], {"name": "tiny"})
+    p = tmp_path / "tiny.json"
+    t.save(p)
+    out = tmp_path / "cmp.json"
+    pytest.importorskip("vmalloc.allocator")
+    assert main(["replay", str(p), "--chunk-size", "2MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vmalloc 2 MiB" in text and "pytorch caching (model)" in text
+    saved = json.loads(out.read_text())
+    assert saved["comparison"][0]["rows"][0]["requested_peak"] == 3 * MiB
+    assert main(["report", str(out)]) == 0          # a saved comparison prints too
+    assert main(["replay", str(tmp_path / "missing.json")]) == 2
+
+
+def test_live_report_without_cuda_and_sections():
+    calls = []
+    vmalloc.report.add_section("swap", lambda: calls.append(1) or {"swapped_out_bytes": 4 * MiB})
+    try:
+        rep = _report_fn(format="json")
+        assert rep["swap"] == {"swapped_out_bytes": 4 * MiB} and calls
+        assert "swapped_out_bytes: 4.00 MiB" in _report_fn()
+        vmalloc.add_report_section("broken", lambda: 1 / 0)
+        assert "ZeroDivisionError" in _report_fn(format="json")["broken"]["error"]
+    finally:
+        rpt.remove_section("swap")
+        rpt.remove_section("broken")
+    with pytest.raises(ValueError, match="format"):
+        _report_fn(format="xml")
+    with pytest.raises(TypeError, match="provider"):
+        rpt.add_section("x", 42)
+
+
+def test_torch_native_rows_line_up():
+    ts = {"requested_bytes.all.current": 10, "requested_bytes.all.peak": 20,
+          "reserved_bytes.all.current": 30, "reserved_bytes.all.peak": 40,
+          "allocated_bytes.all.current": 12, "allocated_bytes.all.peak": 24,
+          "num_device_alloc": 3, "num_device_free": 1}
+    r = rpt.build(rpt.from_torch_stats(ts), source="torch-native")
+    assert r["memory"]["physical"] == {"current": 30, "peak": 40}
+    assert r["memory"]["allocated"] == {"current": 12, "peak": 24}
+    assert r["driver"]["num_map"] == 3
+    assert set(r) >= {"memory", "fragmentation", "cache", "driver"}
+
+
+def test_cli_demo_replays_traces_without_a_gpu(tmp_path, capsys):
+    pytest.importorskip("vmalloc.allocator")
+    Trace([Event("alloc", 0, 3 * MiB), Event("alloc", 1, 25 * MiB), Event("free", 0, 3 * MiB),
+           Event("free", 1, 25 * MiB)], {"name": "tiny"}).save(tmp_path / "tiny.json.gz")
+    assert main(["demo", "--replay-only", "--traces", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "trace tiny" in out and "smallest budget that runs" in out
+    assert main(["demo", "--replay-only", "--traces", str(tmp_path / "nothing")]) == 2

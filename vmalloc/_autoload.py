@@ -1,0 +1,106 @@
+"""``VMALLOC=1`` with no code change: run by ``vmalloc_autoload.pth`` at interpreter start.
+
+The ``.pth`` line imports this module only when ``VMALLOC`` (not 0/false/no/off),
+``VMALLOC_WINDOW`` or ``VMALLOC_REPORT`` is set, so other processes pay nothing. Here we
+validate the variables at once (a malformed one stops the program with a message naming it) and
+wait for ``import torch``: when torch has finished importing - before any CUDA allocation - we
+register vmalloc as its CUDA allocator, turn on the swap runtime for ``VMALLOC_WINDOW`` (issue 6's
+``scheduler.runtime.swap.install_global``, imported only then: this is the one place where the
+two packages meet) and arrange the ``VMALLOC_REPORT`` exit report.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+from .env import EnvConfig, read_env
+
+_installed = False
+
+
+def install(environ: Optional[dict] = None) -> None:
+    """Validate the environment and hook ``import torch``. Exits with status 2 on a bad value."""
+    global _installed
+    try:
+        cfg = read_env(environ)
+    except ValueError as exc:
+        sys.stderr.write(f"vmalloc: bad environment variable: {exc}\n"
+                         "vmalloc: fix or unset it (see the README's 'Turn it on').\n")
+        sys.stderr.flush()
+        os._exit(2)   # SystemExit inside a .pth is a fatal site error with a traceback; this is clean
+    if _installed or not (cfg.active or cfg.report):
+        return
+    _installed = True
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda"):
+        on_torch_import(torch, cfg)
+    else:
+        sys.meta_path.insert(0, _TorchImportHook(lambda mod: on_torch_import(mod, cfg)))
+
+
+def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
+    """What the environment asks for, done right after torch is imported."""
+    from . import torch_allocator
+    if cfg.report:
+        torch_allocator.start_recording()
+        torch_allocator.register_exit_report(cfg.report)
+    if cfg.enabled:
+        if torch.cuda.is_available():
+            torch_allocator.enable(chunk_size=cfg.chunk_size, budget=cfg.budget)
+        else:
+            warnings.warn("vmalloc: VMALLOC=1 but torch sees no CUDA device; PyTorch's allocator "
+                          "stays in place", RuntimeWarning, stacklevel=2)
+    if cfg.window is not None:
+        try:
+            from scheduler.runtime.swap import install_global  # noqa: PLC0415 - lazy on purpose
+        except ImportError as exc:
+            raise RuntimeError(
+                f"VMALLOC_WINDOW={os.environ.get('VMALLOC_WINDOW')!r} needs the swap runtime "
+                f"scheduler.runtime.swap.install_global, which cannot be imported ({exc}); unset "
+                "VMALLOC_WINDOW or install the full vmalloc distribution") from None
+        install_global(cfg.window, budget=cfg.budget)
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps torch's loader so ``callback(torch)`` runs after torch's
+    ``__init__`` completes, then steps out of ``sys.meta_path``."""
+
+    def __init__(self, callback: Callable[[Any], None]):
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname != "torch":
+            return None
+        self._remove()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _AfterExec(spec.loader, self.callback)
+        return spec
+
+    def _remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+class _AfterExec(importlib.abc.Loader):
+    def __init__(self, inner: Any, callback: Callable[[Any], None]):
+        self.inner = inner
+        self.callback = callback
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # torch sees its real loader (importlib.resources and friends ask it for files)
+        module.__loader__ = self.inner
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.inner
+        self.inner.exec_module(module)
+        self.callback(module)

@@ -1,0 +1,194 @@
+"""The ``vmalloc`` command: ``report FILE.json``, ``replay TRACE``, ``demo``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .sizes import format_size, parse_size
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    rpt = importlib.import_module("vmalloc.report")
+    print(rpt.to_text(rpt.load(args.file)))
+    return 0
+
+
+def _replay_one(path: str, chunk_sizes: Sequence[int], bisect: bool, device: Optional[int],
+                backend: str = "host") -> dict:
+    rpt = importlib.import_module("vmalloc.report")
+    from .replay import compare, default_contenders, load
+    trace = load(path, device=device)
+    rows = compare(trace, default_contenders(chunk_sizes, backend), bisect=bisect, timeline=True)
+    cmp = rpt.comparison_json(trace.name, rows, trace.meta)
+    cmp["timelines"] = {r.allocator: r.timeline for r in rows}
+    return cmp
+
+
+def _plot(cmps: List[dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(cmps), 1, figsize=(9, 3.2 * len(cmps)), squeeze=False)
+    for ax, cmp in zip(axes[:, 0], cmps):
+        first = True
+        for name, tl in cmp["timelines"].items():
+            if first:
+                ax.plot(tl["event"], [v / (1 << 20) for v in tl["requested"]], "k-", lw=1,
+                        label="requested")
+                first = False
+            ax.plot(tl["event"], [v / (1 << 20) for v in tl["physical"]], lw=1,
+                    label=f"physical: {name}")
+        ax.set_title(f"trace {cmp['trace']}")
+        ax.set_xlabel("event")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    rpt = importlib.import_module("vmalloc.report")
+    chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
+    cmps = [_replay_one(p, chunks, not args.no_bisect, args.device) for p in args.trace]
+    for cmp in cmps:
+        print(rpt.side_by_side_from_json(cmp))
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"comparison": [{k: v for k, v in c.items() if k != "timelines"}
+                                      for c in cmps]}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png and _plot(cmps, args.png):
+        print(f"wrote {args.png}")
+    return 0
+
+
+def bundled_traces(directory: Optional[str] = None) -> List[str]:
+    """The bundled traces: ``directory``, else ``bench/traces`` of the working directory or of
+    the source checkout this package runs from."""
+    here = Path(__file__).resolve().parent.parent
+    for d in ([directory] if directory else [os.path.join(os.getcwd(), "bench", "traces"),
+                                              str(here / "bench" / "traces")]):
+        found = sorted(glob.glob(os.path.join(d, "*.json.gz")) + glob.glob(os.path.join(d, "*.json")))
+        if found:
+            return found
+    raise FileNotFoundError("no bundled traces found (looked in ./bench/traces and the source "
+                            "checkout); run from the repository root or pass --traces DIR")
+
+
+_GPU_DEMO = textwrap.dedent("""
+    import vmalloc._autoload as auto
+    auto.install()            # what the installed .pth does at start-up when VMALLOC=1
+    import torch, vmalloc
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU())
+                                  for _ in range(12)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(20):
+        x = torch.randn(4096, 2048, device="cuda")
+        loss = model(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    print(f"loss {loss.item():.5f}; vmalloc enabled: {vmalloc.is_enabled()}")
+    print(vmalloc.report())
+""")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    rpt = importlib.import_module("vmalloc.report")
+    gpu = False
+    if not args.replay_only:
+        try:
+            import torch
+            gpu = torch.cuda.is_available()
+        except ImportError:
+            gpu = False
+    if gpu:
+        env = dict(os.environ, VMALLOC="1", VMALLOC_BUDGET=args.budget)
+        here = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+        print(f"vmalloc demo: training a 12-layer MLP on the GPU with VMALLOC=1, "
+              f"VMALLOC_BUDGET={args.budget}\n")
+        return subprocess.call([sys.executable, "-c", _GPU_DEMO], env=env)
+    traces = bundled_traces(args.traces)
+    print("vmalloc demo: no GPU, so replaying the bundled allocation traces through vmalloc "
+          "(host backend: real page mappings) and a model of PyTorch's caching allocator.\n"
+          "phys/req = peak physical / peak requested; frag = 1 - requested/physical (GMLake's "
+          "metric); smallest budget = least physical memory the whole trace replays in; IF = "
+          "internal fragmentation (seed 003 Eq. 1) and its Eq. 2 bound N_max x chunk.\n")
+    chunks = [2 << 20, 20 << 20]
+    summary = []
+    for path in traces:
+        cmp = _replay_one(path, chunks, not args.no_bisect, None)
+        print(rpt.side_by_side_from_json(cmp))
+        print()
+        rows = {r["allocator"]: r for r in cmp["rows"]}
+        summary.append((cmp["trace"], rows))
+    key = "physical_peak" if args.no_bisect else "min_budget"
+    what = "peak physical without a cap" if args.no_bisect else "smallest budget that runs"
+    print(f"summary ({what}, vs the caching model):")
+    model = "pytorch caching (model)"
+    for name, rows in summary:
+        base = rows.get(model, {}).get(key)
+        parts = []
+        for alloc, r in rows.items():
+            v = r.get(key)
+            if v and base and alloc != model:
+                d = 100 * (v - base) / base
+                parts.append(f"{alloc}: {format_size(v)} ({abs(d):.1f}% {'less' if d < 0 else 'more'})")
+        parts.append(f"caching model: {format_size(base) if base else 'n/a'}")
+        print(f"  {name}: " + "; ".join(parts))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .env import VARIABLES
+    env_help = "\n".join(f"  {k} (default {d}): {h}" for k, (d, h) in VARIABLES.items())
+    p = argparse.ArgumentParser(
+        prog="vmalloc", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="vmalloc: chunked virtual-addressing GPU allocator - reports, replays, demo",
+        epilog="environment (read when torch is imported):\n" + env_help)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("report", help="print a saved report (VMALLOC_REPORT=FILE.json or replay --json)")
+    r.add_argument("file")
+    r.set_defaults(fn=_cmd_report)
+    rp = sub.add_parser("replay", help="replay allocation traces: vmalloc vs PyTorch's caching allocator")
+    rp.add_argument("trace", nargs="+", help="JSON trace (.json/.json.gz) or PyTorch snapshot pickle")
+    rp.add_argument("--chunk-size", action="append",
+                    help="vmalloc chunk size (repeatable; default 2MiB and 20MiB)")
+    rp.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
+    rp.add_argument("--device", type=int, default=None, help="snapshot device (default: busiest)")
+    rp.add_argument("--json", help="write the comparison as JSON here")
+    rp.add_argument("--png", help="write memory-over-time plots here (needs matplotlib)")
+    rp.set_defaults(fn=_cmd_replay)
+    d = sub.add_parser("demo", help="the main job: replay bundled traces (no GPU) or train under a budget (GPU)")
+    d.add_argument("--traces", help="directory of traces (default: bench/traces)")
+    d.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
+    d.add_argument("--replay-only", action="store_true", help="replay traces even with a GPU")
+    d.add_argument("--budget", default="4GiB", help="GPU demo: VMALLOC_BUDGET (default 4GiB)")
+    d.set_defaults(fn=_cmd_demo)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"vmalloc {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

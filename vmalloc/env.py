@@ -1,0 +1,81 @@
+"""The ``VMALLOC*`` environment variables, read once and validated.
+
+Every size goes through :func:`vmalloc.sizes.parse_size` with the variable's name, so a
+malformed value is an error that names the variable (never a silent default). This module
+imports nothing heavy: the ``.pth`` autoload imports it at interpreter start.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .sizes import parse_size
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+#: Every variable vmalloc reads, with its default, for the README and ``vmalloc --help``.
+VARIABLES = {
+    "VMALLOC": ("0", "1/true/yes/on registers vmalloc as PyTorch's CUDA allocator when torch is imported"),
+    "VMALLOC_CHUNK_SIZE": ("2MiB", "physical chunk size (a multiple of the device granularity)"),
+    "VMALLOC_BUDGET": ("none", "cap on physical bytes per device; 0 or unset = no cap"),
+    "VMALLOC_WINDOW": ("unset", "turns on the byte-window swap runtime with this window (e.g. 2GiB)"),
+    "VMALLOC_REPORT": ("unset", "where the fragmentation report goes at exit: a path (.json = JSON, "
+                                "else text; a PNG lands beside it), '-' for stdout, 'stderr'"),
+}
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """What the environment asks for. ``None`` means "not set" (use the default)."""
+
+    enabled: bool = False
+    chunk_size: Optional[int] = None
+    budget: Optional[int] = None
+    window: Optional[int] = None
+    report: Optional[str] = None
+
+    @property
+    def active(self) -> bool:
+        """True when anything must happen at ``import torch``."""
+        return self.enabled or self.window is not None
+
+
+def parse_flag(value: str, name: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (case-insensitive); anything else is an error."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected 1 or 0 (or true/false, yes/no, on/off), got {value!r}")
+
+
+def _size(env: Mapping[str, str], name: str, allow_zero: bool) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    n = parse_size(raw, name)
+    if n == 0:
+        if allow_zero:
+            return None  # 0 = no cap, as in the C++ Config
+        raise ValueError(f"{name}: must be a positive byte size, got {raw!r}")
+    return n
+
+
+def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
+    """Read and validate the ``VMALLOC*`` variables; raise ``ValueError`` naming a bad one."""
+    env = os.environ if environ is None else environ
+    report = env.get("VMALLOC_REPORT")
+    if report is not None:
+        report = report.strip()
+        if report == "":
+            report = None
+    return EnvConfig(
+        enabled=parse_flag(env.get("VMALLOC", ""), "VMALLOC"),
+        chunk_size=_size(env, "VMALLOC_CHUNK_SIZE", allow_zero=False),
+        budget=_size(env, "VMALLOC_BUDGET", allow_zero=True),
+        window=_size(env, "VMALLOC_WINDOW", allow_zero=False),
+        report=report,
+    )
