@@ -493,3 +493,18 @@ def test_internal_fragmentation_bounds_on_a_replayed_trace(chunk, small_threshol
             if small_threshold == 0:  # the paper's scheme exactly: m_a = ceil(m_r / m_c) * m_c
                 assert frag == sum(ceil_chunks(v, chunk) * chunk - v for v in sizes.values())
         assert if_max < n_max * chunk  # Eq. (2)
+
+
+def test_reset_peak_sets_peaks_to_current(backend):
+    chunk = chunk_for(backend)
+    with Allocator(backend, chunk_size=chunk) as a:
+        big = a.malloc(3 * chunk)
+        small = a.malloc(chunk)
+        a.free(big)
+        before = a.stats()
+        assert before["requested_peak"] == 4 * chunk
+        a.reset_peak()
+        s = a.stats()
+        for key in ("requested", "mapped", "physical"):
+            assert s[f"{key}_peak"] == s[f"{key}_current"] == before[f"{key}_current"]
+        a.free(small)

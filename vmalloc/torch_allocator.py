@@ -373,10 +373,7 @@ def _install_shims(torch: Any) -> None:
 
     def reset_peak(device: Any = None) -> None:
         a = device_allocator(device)
-        if a is None or not hasattr(a, "reset_peak"):
-            _warn_once("reset_peak", "vmalloc: this allocator cannot reset its peak counters; "
-                       "torch.cuda.max_memory_* report peaks since the allocator started")
-        else:
+        if a is not None:
             a.reset_peak()
 
     def reset_accumulated(device: Any = None) -> None:

@@ -720,6 +720,15 @@ Stats Allocator::stats() const {
   return s;
 }
 
+void Allocator::reset_peak() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  // Only the reported peaks: the growth policy's own peak (peak_in_use_chunks) is history it needs.
+  m.st.requested_peak = m.st.requested_current;
+  m.st.mapped_peak = m.st.mapped_current;
+  m.st.physical_peak = m.st.physical_current;
+}
+
 size_t Allocator::trim() {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);

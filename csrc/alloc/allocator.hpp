@@ -114,6 +114,7 @@ class Allocator {
   void record_stream(void* p, uintptr_t stream);
 
   Stats stats() const;
+  void reset_peak();                   // peaks := current values (torch.cuda.reset_peak_memory_stats)
   size_t trim();                       // release cached chunks to the driver; returns bytes released
   void set_budget(size_t bytes);       // 0 = none; never frees live memory
   // Asked before failing with OutOfMemory: `needed` bytes are missing. Return true if it freed

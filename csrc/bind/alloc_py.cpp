@@ -109,6 +109,7 @@ void bind_alloc(nb::module_& m) {
           "ptr"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>(),
           "The allocation is also used on `stream`: its memory waits for that stream's work before reuse.")
       .def("stats", [](const Allocator& a) { return stats_dict(a.stats()); })
+      .def("reset_peak", &Allocator::reset_peak, "Set the *_peak stats to their current values.")
       .def("trim", &Allocator::trim, nb::call_guard<nb::gil_scoped_release>(),
            "Release cached physical chunks to the driver; returns the bytes released.")
       .def("set_budget", &Allocator::set_budget, "bytes"_a)
