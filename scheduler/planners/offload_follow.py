@@ -12,8 +12,8 @@ number, stage ``L`` = the loss):
   chain's stored memory after the forward is exactly the saved bytes; ``x[L] = xbar[L-1] = 0``.
 * ``delta = fw_tmp = bw_tmp = 0``: the budget the runtime enforces counts saved tensors only.
 * ``fw[s]``: measured time from variable ``s``'s creation to the next creation (the last stage
-  runs to the first backward step); ``bw[s]``: measured time before the backward steps that use
-  variable ``s``. Without measured times, bytes / 1 GB/s (the seed 003 assumption that compute
+  up to the turn); ``fw[L]``: the turn from forward to backward (the loss); ``bw[s]``: measured
+  time before the later backward steps that read variable ``s``. Without measured times, bytes / 1 GB/s (the seed 003 assumption that compute
   and transfers scale with bytes).
 
 A real network is a DAG, not a chain, so the chain is an approximation; the schedule the plan
@@ -59,13 +59,16 @@ def chain_from_sequence(sequence: VariableSequence) -> Tuple[Chain, List[int]]:
     times = sequence.times or tuple(sequence.step_bytes(i) / BYTES_PER_SECOND_IF_UNTIMED
                                     for i in range(len(sequence)))
     first_b = next((i for i, p in enumerate(sequence.phases) if p == UNPACK), len(sequence))
-    starts = [created[v] for v in stage_vars] + [first_b]
-    fw = [float(sum(times[starts[s] + 1: starts[s + 1] + 1])) for s in range(L)] + [0.0]
+    # times[i] is the time before step i: the forward of stage s runs from its creation to the
+    # next creation; the step that turns to the backward carries the loss (stage L); the time
+    # before each later backward step goes to the stage whose variable it reads
+    starts = [created[v] for v in stage_vars] + [first_b - 1]
+    fw = [float(sum(times[starts[s] + 1: starts[s + 1] + 1])) for s in range(L)]
+    fw.append(float(times[first_b]) if first_b < len(sequence) else 0.0)
     bw = [0.0] * (L + 1)
-    for i, (s, p) in enumerate(zip(sequence.steps, sequence.phases)):
-        if p == UNPACK:
-            stages = [stage_of[v] for v in s if v in stage_of]
-            bw[min(stages) if stages else L] += times[i]
+    for i in range(first_b + 1, len(sequence)):
+        stages = [stage_of[v] for v in sequence.steps[i] if v in stage_of]
+        bw[min(stages) if stages else L] += times[i]
     x = [sequence.sizes[v] for v in stage_vars] + [0]
     xbar = x[1:L] + [0, 0]
     zeros = [0] * (L + 1)
