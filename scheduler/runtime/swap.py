@@ -93,16 +93,13 @@ class _Var:
 class _Handle:
     """What autograd keeps instead of a saved tensor: a view of a variable."""
 
-    __slots__ = ("ctx", "var", "view", "dtype", "shape", "stride", "offset", "__weakref__")
+    __slots__ = ("ctx", "var", "view", "meta", "__weakref__")
 
     def __init__(self, ctx: "SwapContext", var: _Var, t: torch.Tensor):
         self.ctx = ctx
         self.var = var
         self.view: Optional[torch.Tensor] = t.detach()  # detached: no grad_fn reference cycle
-        self.dtype = t.dtype
-        self.shape = t.shape
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.meta: Any = None  # (dtype, shape, stride, offset), taken when the view is dropped
 
     def __del__(self) -> None:
         ctx = self.ctx
@@ -190,16 +187,16 @@ class SwapContext:
         self._streams: Dict[Any, Tuple[Any, Any]] = {}
         self._hooks: Any = None
         self._pressure_target: Any = None
-        self._entered = False
         self._exited = False
         # bookkeeping
         self._resident = 0                       # saved bytes we hold on the device
         self._peak = 0
         self._iter_peak = 0
         self._last_iter_peak = 0
-        self._order: "OrderedDict[_Var, None]" = OrderedDict()   # resident, oldest first
-        self._pending: "OrderedDict[_Var, None]" = OrderedDict()  # swap-outs not released
-        self._deferred: "OrderedDict[_Var, None]" = OrderedDict()  # releases waiting on a copy
+        # plain dicts keep insertion order and pop faster than OrderedDict (hot path)
+        self._order: Dict[_Var, None] = {}     # resident, oldest first
+        self._pending: Dict[_Var, None] = {}   # swap-outs not released yet
+        self._deferred: Dict[_Var, None] = {}  # releases waiting on a copy (non-blocking)
         self._parked: List[Tuple[Any, Any]] = []  # (event, storage) of freed vars, copy in flight
         self._by_ptr: Dict[int, _Var] = {}
         self._live = 0                            # variables not freed yet, all iterations
@@ -219,9 +216,10 @@ class SwapContext:
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "SwapContext":
-        if self._entered:
-            raise RuntimeError("a SwapContext can be entered once; make a new one")
-        self._entered = True
+        if self._hooks is not None:
+            raise RuntimeError("this SwapContext is already active (it can be entered again "
+                               "after it exits, not nested)")
+        self._exited = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         target = self._allocator
@@ -373,9 +371,10 @@ class SwapContext:
                     self._step_begin(var.vid, UNPACK, var.nbytes, var)
                 self._ensure_resident(var)
                 view = handle.view
-                if view is None:
-                    view = torch.empty((0,), dtype=handle.dtype, device=var.device).set_(
-                        var.storage, handle.offset, handle.shape, handle.stride)
+                if view is None:  # swapped since: a view of the bytes now on the device
+                    dtype, shape, stride, offset = handle.meta
+                    view = torch.empty((0,), dtype=dtype, device=var.device).set_(
+                        var.storage, offset, shape, stride)
                     handle.view = view
                 if current:
                     self._step_end(var)
@@ -462,6 +461,15 @@ class SwapContext:
             return
         n = len(events)
         try:
+            active = self._active
+            if self._following and active is not None and len(active.expected) == n:
+                # every step matched the schedule: the same sequence, no need to rebuild it
+                key = active.sequence.signature
+                self._cache.get_or_plan(key, lambda: active)
+                self._known[key] = active
+                self._known.move_to_end(key)
+                self.last_entry = active
+                return
             seq = VariableSequence(
                 steps=tuple((e[0],) for e in events), sizes=tuple(v.nbytes for v in self._vars),
                 phases=tuple(e[1] for e in events),
@@ -558,7 +566,9 @@ class SwapContext:
         var.in_tensor = None
         for ref in var.handles:
             h = ref()
-            if h is not None:
+            if h is not None and h.view is not None:
+                v = h.view
+                h.meta = (v.dtype, v.shape, v.stride(), v.storage_offset())
                 h.view = None
         self._drop_resident(var)
 
@@ -700,7 +710,9 @@ class SwapContext:
         if var.state in (DEVICE, OUT, IN):
             if var.state == OUT and var.out_event is not None and not var.out_event.query():
                 self._parked.append((var.out_event, var.storage))  # the copy still reads it
-            self._drop_device(var)
+            var.storage = None  # the handles are gone, and their views with them
+            var.in_tensor = None
+            self._drop_resident(var)
         self._pending.pop(var, None)
         self._deferred.pop(var, None)
         if var.host is not None:
