@@ -100,8 +100,40 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     return time.perf_counter() - t0
 
 
-def cpu_overhead(quick: bool) -> List[Dict[str, Any]]:
-    rounds, per = (4, 2) if quick else (8, 3)
+def hook_cost_us(pairs: int = 200) -> float:
+    """Microseconds the runtime adds per hook call (a pack, or an unpack; frees included),
+    measured on a chain of tiny ops where the hooks dominate: a noise-robust price."""
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def f() -> None:
+        h = x
+        for _ in range(100):
+            h = h.relu()  # relu saves its output: one pack and one unpack per op
+        h.sum().backward()
+
+    ctx = scheduler.swap(window="2GiB", device="cpu", min_bytes=0)
+    with ctx:
+        f()
+        f()
+    plain, hooked = [], []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        f()
+        plain.append(time.perf_counter() - t0)
+        with ctx:
+            t0 = time.perf_counter()
+            f()
+            hooked.append(time.perf_counter() - t0)
+    return 1e6 * (min(hooked) - min(plain)) / 200  # 100 packs + 100 unpacks
+
+
+def cpu_overhead(quick: bool) -> Tuple[List[Dict[str, Any]], float]:
+    """Plain and hooked steps alternate (pairs), so load from other processes hits both alike.
+    ``overhead_pct`` compares the fastest step of each (interference only ever slows a step);
+    ``overhead_pct_paired`` is the median of the per-pair differences; ``overhead_pct_estimate``
+    is hooks per step times the per-hook price over the plain step."""
+    pairs = 8 if quick else 20
+    per_hook = hook_cost_us(100 if quick else 300)
     rows = []
     for name, make in CPU_MODELS.items():
         torch.manual_seed(0)
@@ -109,32 +141,34 @@ def cpu_overhead(quick: bool) -> List[Dict[str, Any]]:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = batch(0)
         ctx = scheduler.swap(window="2GiB", device="cpu")  # nothing needs swapping
-        for _ in range(2):  # warm up both paths (the first swap step records and plans)
+        for _ in range(2):  # warm up both paths (the first hooked step records and plans)
             _step(model, opt, x, y)
             with ctx:
                 _step(model, opt, x, y)
         plain: List[float] = []
         hooked: List[float] = []
-        for r in range(rounds):  # interleave so drift hits both alike
-            order = ("plain", "swap") if r % 2 == 0 else ("swap", "plain")
-            for which in order:
-                for _ in range(per):
-                    if which == "plain":
-                        plain.append(_step(model, opt, x, y))
-                    else:
-                        with ctx:
-                            hooked.append(_step(model, opt, x, y))
+        for i in range(pairs):
+            first_plain = i % 2 == 0
+            for which in ((True, False) if first_plain else (False, True)):
+                if which:
+                    plain.append(_step(model, opt, x, y))
+                else:
+                    with ctx:
+                        hooked.append(_step(model, opt, x, y))
         st = ctx.stats()
         seq = ctx.last_recorded
-        p, h = statistics.median(plain), statistics.median(hooked)
+        p, h = min(plain), min(hooked)
         rows.append({
             "model": name, "plain_step_s": p, "swap_step_s": h,
             "overhead_pct": 100.0 * (h - p) / p,
+            "overhead_pct_paired": 100.0 * statistics.median(
+                (b - a) / a for a, b in zip(plain, hooked)),
+            "overhead_pct_estimate": 100.0 * len(seq) * per_hook * 1e-6 / p,
             "hooks_per_step": len(seq), "saved_bytes_per_step": seq.total_bytes(),
-            "us_per_hook": 1e6 * (h - p) / max(len(seq), 1),
             "swapped_out_bytes": st["swapped_out_bytes"], "plans_computed": st["plans_computed"],
-            "plain_min_s": min(plain), "swap_min_s": min(hooked)})
-    return rows
+            "plain_median_s": statistics.median(plain),
+            "swap_median_s": statistics.median(hooked)})
+    return rows, per_hook
 
 
 def cpu_swapping(quick: bool) -> List[Dict[str, Any]]:
@@ -386,17 +420,21 @@ def main() -> None:
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
     print("CPU: hook overhead when nothing needs swapping (window 2GiB; goal <= 5%)")
-    over = cpu_overhead(args.quick)
+    over, per_hook = cpu_overhead(args.quick)
     result["cpu_overhead"] = over
-    print(f"{'model':22s}{'plain ms':>10s}{'swap ms':>10s}{'overhead':>10s}{'hooks':>7s}"
-          f"{'us/hook':>9s}{'saved/step':>12s}")
+    result["us_per_hook_call"] = per_hook
+    print(f"runtime cost per hook call (a pack or an unpack, frees included): {per_hook:.1f} us")
+    print(f"{'model':22s}{'plain ms':>10s}{'swap ms':>10s}{'overhead':>10s}{'paired':>9s}"
+          f"{'estimate':>10s}{'hooks':>7s}{'saved/step':>12s}")
     for r in over:
         print(f"{r['model']:22s}{1e3 * r['plain_step_s']:10.1f}{1e3 * r['swap_step_s']:10.1f}"
-              f"{r['overhead_pct']:9.1f}%{r['hooks_per_step']:7d}{r['us_per_hook']:9.1f}"
+              f"{r['overhead_pct']:9.1f}%{r['overhead_pct_paired']:8.1f}%"
+              f"{r['overhead_pct_estimate']:9.2f}%{r['hooks_per_step']:7d}"
               f"{format_size(r['saved_bytes_per_step']):>12s}")
     worst = max(r["overhead_pct"] for r in over)
     result["cpu_overhead_goal_met"] = worst <= 5.0
-    print(f"worst overhead {worst:.1f}% -> goal (<= 5%) {'met' if worst <= 5 else 'NOT met'}")
+    print(f"worst overhead (fastest step vs fastest step) {worst:.1f}% -> goal (<= 5%) "
+          f"{'met' if worst <= 5 else 'NOT met'}")
 
     print("\nCPU: real swapping into the host pool (budget = fraction of the plain peak)")
     sw = cpu_swapping(args.quick)
