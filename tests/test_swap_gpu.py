@@ -31,7 +31,10 @@ def deterministic():
 
 
 def _models():
-    from tests.test_swap_runtime import MODELS  # the CPU tests' models and batches
+    try:  # the CPU tests' models and batches (tests/ is on sys.path under pytest)
+        from test_swap_runtime import MODELS
+    except ImportError:
+        from tests.test_swap_runtime import MODELS
     return MODELS
 
 
