@@ -34,6 +34,7 @@ from ..chain import Chain
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Op, Plan
 from ..simulate import SimResult, simulate
+from . import rotor
 
 Number = Union[int, float]
 
@@ -80,24 +81,6 @@ def slots_arg(slots: Optional[int]) -> Optional[int]:
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots: expected a positive int or None, got {slots!r}")
     return slots
-
-
-def discretize(values: Sequence[Number], unit: float) -> List[int]:
-    """Sizes in whole units, rounded up (conservative: never under-estimates memory)."""
-    if unit == 1:
-        return [int(math.ceil(v)) for v in values]
-    return [int(math.ceil(v / unit - 1e-9)) if v > 0 else 0 for v in values]
-
-
-def units(chain: Chain, memory: Number, slots: Optional[int], who: str) -> Tuple[float, int]:
-    """(bytes per unit, memory in units) for a DP: ``slots`` equal parts of the limit, or
-    whole bytes when ``slots`` is None (integer chains)."""
-    if slots is None:
-        if not chain.is_integer:
-            raise ValueError(f"{who}: slots=None needs integer sizes (chain {chain.name!r} "
-                             "has fractional ones); pass slots=<int>")
-        return 1.0, int(math.floor(memory))
-    return memory / slots if memory > 0 else 1.0, slots
 
 
 # ------------------------------------------------------------------ the seed-000 view
@@ -364,12 +347,11 @@ def _core():
 
 
 def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int]):
-    unit, M = units(chain, memory, slots, "offload.dynprog")
-    act = discretize(activations(chain), unit)
-    grad = discretize(_grads(chain), unit)
-    args = (act, grad, discretize(chain.fw_tmp, unit), discretize(chain.bw_tmp, unit),
-            [float(v) for v in chain.fw], [float(v) for v in chain.bw], M,
-            float(bandwidth) / unit)
+    # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
+    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+    act = [x[0]] + list(xbar)
+    args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
+            [float(v) for v in chain.bw], M, float(bandwidth) / unit)
     return args, unit
 
 

@@ -37,8 +37,8 @@ from ..chain import Chain
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Op, Plan
 from ..simulate import SimResult, simulate
-from .offload import (Number, bandwidth_arg, discretize, memory_arg, slots_arg, units,
-                      with_prefetches)
+from . import rotor
+from .offload import Number, bandwidth_arg, memory_arg, slots_arg, with_prefetches
 
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
            "dp"]
@@ -90,16 +90,14 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     """Run the Appendix B DP. Returns ``(time, ops, prefetches, info)`` or None if it finds
     no sequence: ``ops`` the compute and offload ops in order, ``prefetches`` the
     ``(stage, consumer index)`` pairs in the order they run."""
-    unit, M = units(chain, memory, slots, "pofo.solve")
+    # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
+    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
         raise ValueError(f"pofo.solve: memory {memory:g} is {M} units; the DP takes at most "
                          "131071 (pass slots=<int>)")
     beta = bandwidth / unit if bandwidth > 0 else 0.0
-    x = discretize(list(chain.x) + [0], unit)
-    delta = discretize(list(chain.delta) + [0], unit)
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
-        x, discretize(chain.xbar, unit), delta, discretize(chain.fw_tmp, unit),
-        discretize(chain.bw_tmp, unit), [float(v) for v in chain.fw],
+        x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
         [float(v) for v in chain.bw], M, beta, offload, recompute)
     if not ok:
         return None
@@ -150,7 +148,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             best = (plan, sim, got[0], name)
         plan.meta.update(got[3])
     if best is None:
-        need = floor if floor is not None else _rotor_min(chain)
+        need = floor if floor is not None else _rotor_min(chain, slots, memory)
         raise InfeasibleError(
             f"pofo.solve: no sequence fits memory {memory:g} with slots={slots} "
             f"(the smallest feasible limit is {need:g}; discretisation rounds sizes up, "
@@ -165,28 +163,12 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     return plan
 
 
-def _rotor_min(chain: Chain) -> Number:
-    """Smallest limit for rematerialization only: bisection with the exact DP on integer
-    chains, else the bound that keeps x[0] on top of the offloading minimum."""
-    lo, hi = 0, max_memory(chain)
-    if not chain.is_integer or hi >= 1 << 17:
-        return chain.x[0] + min_memory(chain)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if dp(chain, mid, 0.0, None, offload=False) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:
+    """Smallest limit for rematerialization only (rotor's, same discretisation)."""
+    return rotor.min_memory(chain, slots if chain.is_integer or slots else 500, memory)
 
 
 # ----------------------------------------------------------------- section 5.1 heuristics
-def _stored_input_kind(ops: Sequence[Op], s: int, upto: int) -> Optional[str]:
-    """Is the input of stage s stored when op ``upto`` runs? Asks the simulator: a prefix
-    that offloads it at that point is valid exactly when it is in GPU memory then."""
-    return None
-
-
 def capper(chain: Chain, memory: Number, bandwidth: float, cap: Number,
            slots: Optional[int] = 50) -> Optional[Tuple[Plan, SimResult]]:
     """Seed 001 section 5.1's capper: a rematerialization-only sequence for the larger limit
@@ -333,7 +315,7 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
             best = got
     if best is None:
         raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
-                              min_memory(chain) if beta > 0 else _rotor_min(chain))
+                              min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory))
     plan, sim = best
     plan.planner = "autocapper"
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
