@@ -129,10 +129,10 @@ def hook_cost_us(pairs: int = 200) -> float:
 
 def cpu_overhead(quick: bool) -> Tuple[List[Dict[str, Any]], float]:
     """Plain and hooked steps alternate (pairs), so load from other processes hits both alike.
-    ``overhead_pct`` compares the fastest step of each (interference only ever slows a step);
-    ``overhead_pct_paired`` is the median of the per-pair differences; ``overhead_pct_estimate``
-    is hooks per step times the per-hook price over the plain step."""
-    pairs = 8 if quick else 20
+    ``overhead_pct`` is the median of the per-pair relative differences (the goal's figure);
+    ``overhead_pct_min`` compares the fastest step of each; ``overhead_pct_estimate`` is hooks
+    per step times the per-hook price over the plain step (the least noisy of the three)."""
+    pairs = 10 if quick else 30
     per_hook = hook_cost_us(100 if quick else 300)
     rows = []
     for name, make in CPU_MODELS.items():
@@ -160,9 +160,9 @@ def cpu_overhead(quick: bool) -> Tuple[List[Dict[str, Any]], float]:
         p, h = min(plain), min(hooked)
         rows.append({
             "model": name, "plain_step_s": p, "swap_step_s": h,
-            "overhead_pct": 100.0 * (h - p) / p,
-            "overhead_pct_paired": 100.0 * statistics.median(
+            "overhead_pct": 100.0 * statistics.median(
                 (b - a) / a for a, b in zip(plain, hooked)),
+            "overhead_pct_min": 100.0 * (h - p) / p,
             "overhead_pct_estimate": 100.0 * len(seq) * per_hook * 1e-6 / p,
             "hooks_per_step": len(seq), "saved_bytes_per_step": seq.total_bytes(),
             "swapped_out_bytes": st["swapped_out_bytes"], "plans_computed": st["plans_computed"],
@@ -424,16 +424,16 @@ def main() -> None:
     result["cpu_overhead"] = over
     result["us_per_hook_call"] = per_hook
     print(f"runtime cost per hook call (a pack or an unpack, frees included): {per_hook:.1f} us")
-    print(f"{'model':22s}{'plain ms':>10s}{'swap ms':>10s}{'overhead':>10s}{'paired':>9s}"
+    print(f"{'model':22s}{'plain ms':>10s}{'swap ms':>10s}{'paired':>9s}{'min/min':>9s}"
           f"{'estimate':>10s}{'hooks':>7s}{'saved/step':>12s}")
     for r in over:
         print(f"{r['model']:22s}{1e3 * r['plain_step_s']:10.1f}{1e3 * r['swap_step_s']:10.1f}"
-              f"{r['overhead_pct']:9.1f}%{r['overhead_pct_paired']:8.1f}%"
+              f"{r['overhead_pct']:8.1f}%{r['overhead_pct_min']:8.1f}%"
               f"{r['overhead_pct_estimate']:9.2f}%{r['hooks_per_step']:7d}"
               f"{format_size(r['saved_bytes_per_step']):>12s}")
     worst = max(r["overhead_pct"] for r in over)
     result["cpu_overhead_goal_met"] = worst <= 5.0
-    print(f"worst overhead (fastest step vs fastest step) {worst:.1f}% -> goal (<= 5%) "
+    print(f"worst overhead (median of paired differences) {worst:.1f}% -> goal (<= 5%) "
           f"{'met' if worst <= 5 else 'NOT met'}")
 
     print("\nCPU: real swapping into the host pool (budget = fraction of the plain peak)")
