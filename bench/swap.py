@@ -1,0 +1,473 @@
+"""Benchmark the swap runtime (issue 6).
+
+    python bench/swap.py [--quick] [--cpu-only] [--budget 16GiB]
+
+CPU part (runs anywhere): the cost of the saved-tensor hooks when nothing needs swapping
+(goal: <= 5% of the step time), the cost of real swapping on the CPU (copies into the host
+pool; informative only), and planning time. Plain steps and steps inside ``scheduler.swap`` are
+interleaved in rounds and compared by their medians; one intra-op thread for steadier numbers.
+
+GPU part (only with CUDA; skipped with a message otherwise): ResNet-50 (224x224) and a
+GPT-2-style model at growing batch sizes under one fixed device budget, images/s or tokens/s
+for: no swapping (until OOM), ``torch.autograd.graph.save_on_cpu(pin_memory=True)``,
+torchtune's ``OffloadActivations`` (streams on; if torchtune is installed), LMS, the window
+runtime without vmalloc, with vmalloc (its budget and pressure callback), and following
+``offload.dynprog`` (if that planner is present). Every configuration runs in its own process
+(an OOM or a registered allocator cannot leak into the next). One table, one JSON, one PNG.
+
+Writes ``bench/results/swap.json`` (and ``swap.png`` with the GPU part).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import scheduler  # noqa: E402
+from scheduler.planners import window as window_planner  # noqa: E402
+from scheduler.planners.swap_schedule import SwapSchedule, random_sequence, replay  # noqa: E402
+from vmalloc.sizes import format_size, parse_size  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+# ----------------------------------------------------------------------------- models
+def _zoo(name: str, **kw: Any) -> Tuple[nn.Module, Callable[[int], Tuple[torch.Tensor, torch.Tensor]], str]:
+    """A zoo model (issue 4b's bench/models) as one module, a batch maker, and its unit."""
+    from bench.models import build
+
+    zm = build(name, **kw)
+    model = nn.Sequential(*zm.blocks)
+    vocab = zm.vocab
+
+    def batch(seed: int, device: Any = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+        x = zm.sample_input(device=device, seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        if vocab is not None:
+            y = torch.randint(0, vocab, x.shape, generator=g)
+        else:
+            y = torch.randint(0, kw.get("num_classes", 1000), (x.shape[0],), generator=g)
+        return x, y.to(device)
+
+    return model, batch, ("tokens" if vocab is not None else "images")
+
+
+def _mlp(batch_size: int = 128, width: int = 2048) -> Tuple[nn.Module, Callable, str]:
+    model = nn.Sequential(nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.GELU(),
+                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 100))
+
+    def batch(seed: int, device: Any = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(batch_size, 1024, generator=g).to(device),
+                torch.randint(0, 100, (batch_size,), generator=g).to(device))
+
+    return model, batch, "images"
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = out.float()
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+CPU_MODELS: Dict[str, Callable[[], Tuple[nn.Module, Callable, str]]] = {
+    "mlp-2048 b128": lambda: _mlp(),
+    "resnet18 64px b8": lambda: _zoo("resnet18", batch=8, image=64, num_classes=100),
+    "gpt2 4x256 t128 b4": lambda: _zoo("gpt2", batch=4, seq_len=128, n_layer=4, n_embd=256,
+                                       n_head=4, vocab=2000, n_positions=128),
+}
+
+
+# ------------------------------------------------------------------------ CPU part
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    _loss(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def hook_cost_us(pairs: int = 200) -> float:
+    """Microseconds the runtime adds per hook call (a pack, or an unpack; frees included),
+    measured on a chain of tiny ops where the hooks dominate: a noise-robust price."""
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def f() -> None:
+        h = x
+        for _ in range(100):
+            h = h.relu()  # relu saves its output: one pack and one unpack per op
+        h.sum().backward()
+
+    ctx = scheduler.swap(window="2GiB", device="cpu", min_bytes=0)
+    with ctx:
+        f()
+        f()
+    plain, hooked = [], []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        f()
+        plain.append(time.perf_counter() - t0)
+        with ctx:
+            t0 = time.perf_counter()
+            f()
+            hooked.append(time.perf_counter() - t0)
+    return 1e6 * (min(hooked) - min(plain)) / 200  # 100 packs + 100 unpacks
+
+
+def cpu_overhead(quick: bool) -> Tuple[List[Dict[str, Any]], float]:
+    """Plain and hooked steps alternate (pairs), so load from other processes hits both alike.
+    ``overhead_pct`` is the median of the per-pair relative differences (the goal's figure);
+    ``overhead_pct_min`` compares the fastest step of each; ``overhead_pct_estimate`` is hooks
+    per step times the per-hook price over the plain step (the least noisy of the three)."""
+    pairs = 10 if quick else 30
+    per_hook = hook_cost_us(100 if quick else 300)
+    rows = []
+    for name, make in CPU_MODELS.items():
+        torch.manual_seed(0)
+        model, batch, _ = make()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = batch(0)
+        ctx = scheduler.swap(window="2GiB", device="cpu")  # nothing needs swapping
+        for _ in range(2):  # warm up both paths (the first hooked step records and plans)
+            _step(model, opt, x, y)
+            with ctx:
+                _step(model, opt, x, y)
+        plain: List[float] = []
+        hooked: List[float] = []
+        for i in range(pairs):
+            first_plain = i % 2 == 0
+            for which in ((True, False) if first_plain else (False, True)):
+                if which:
+                    plain.append(_step(model, opt, x, y))
+                else:
+                    with ctx:
+                        hooked.append(_step(model, opt, x, y))
+        st = ctx.stats()
+        seq = ctx.last_recorded
+        p, h = min(plain), min(hooked)
+        rows.append({
+            "model": name, "plain_step_s": p, "swap_step_s": h,
+            "overhead_pct": 100.0 * statistics.median(
+                (b - a) / a for a, b in zip(plain, hooked)),
+            "overhead_pct_min": 100.0 * (h - p) / p,
+            "overhead_pct_estimate": 100.0 * len(seq) * per_hook * 1e-6 / p,
+            "hooks_per_step": len(seq), "saved_bytes_per_step": seq.total_bytes(),
+            "swapped_out_bytes": st["swapped_out_bytes"], "plans_computed": st["plans_computed"],
+            "plain_median_s": statistics.median(plain),
+            "swap_median_s": statistics.median(hooked)})
+    return rows, per_hook
+
+
+def cpu_swapping(quick: bool) -> List[Dict[str, Any]]:
+    """Real swapping on the CPU (copies into the host pool): what the logic costs when it
+    does work. Not a goal: there is no copy engine to overlap with here."""
+    steps = 3 if quick else 6
+    rows = []
+    for name, make in CPU_MODELS.items():
+        torch.manual_seed(0)
+        model, batch, _ = make()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = batch(0)
+        probe = scheduler.swap(window="2GiB", device="cpu")
+        with probe:
+            _step(model, opt, x, y)
+        seq = probe.last_recorded
+        plain_peak = replay(seq, SwapSchedule.empty(len(seq))).peak
+        plain_t = statistics.median(_step(model, opt, x, y) for _ in range(steps))
+        for frac in (0.5, 0.25):
+            budget = max(int(plain_peak * frac), seq.min_budget()[0])
+            w = max(seq.largest_tensor()[0], budget // 2)
+            ctx = scheduler.swap(window=w, budget=budget, device="cpu")
+            with ctx:
+                _step(model, opt, x, y)  # records and plans
+                times = [_step(model, opt, x, y) for _ in range(steps)]
+            st = ctx.stats()
+            rows.append({"model": name, "budget_fraction": frac, "budget_bytes": budget,
+                         "window_bytes": w, "plain_peak_bytes": plain_peak,
+                         "peak_resident_bytes": st["last_iteration_peak_resident_bytes"],
+                         "swapped_out_bytes_per_step": st["swapped_out_bytes"] // (steps + 1),
+                         "plain_step_s": plain_t, "swap_step_s": statistics.median(times),
+                         "slowdown_pct": 100.0 * (statistics.median(times) - plain_t) / plain_t,
+                         "planning_s": st["planning_seconds"]})
+    return rows
+
+
+def planning_time() -> List[Dict[str, Any]]:
+    rows = []
+    for n_vars in (1000, 5000):
+        seq = random_sequence(n_vars, seed=0, max_size=1 << 20)
+        budget = seq.min_budget()[0] * 8
+        t0 = time.perf_counter()
+        s = window_planner.schedule(seq, 16 << 20, budget)
+        rows.append({"steps": len(seq), "variables": n_vars, "seconds": time.perf_counter() - t0,
+                     "swap_outs": s.counts()["swap_out"]})
+    return rows
+
+
+# ------------------------------------------------------------------------ GPU part
+GPU_METHODS = ["none", "save_on_cpu", "torchtune", "lms", "window", "window+vmalloc",
+               "window+dynprog"]
+
+
+def _gpu_models(quick: bool) -> Dict[str, Tuple[Dict[str, Any], List[int]]]:
+    if quick:
+        return {"resnet50": ({"name": "resnet50", "image": 224}, [64, 128, 256]),
+                "gpt2": ({"name": "gpt2", "seq_len": 1024}, [8, 16, 32])}
+    return {"resnet50": ({"name": "resnet50", "image": 224},
+                         [64, 128, 192, 256, 384, 512, 768, 1024, 1280]),
+            "gpt2": ({"name": "gpt2", "seq_len": 1024}, [4, 8, 16, 24, 32, 48, 64, 96])}
+
+
+def gpu_worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One (model, method, batch) configuration, in its own process."""
+    method, budget = cfg["method"], cfg["budget"]
+    out: Dict[str, Any] = dict(cfg)
+    if method == "window+vmalloc":
+        import vmalloc
+        vmalloc.enable(budget=budget)  # before CUDA allocates anything
+    total = torch.cuda.get_device_properties(0).total_memory
+    if method != "window+vmalloc":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    spec = dict(cfg["model"])
+    name = spec.pop("name")
+    kw = dict(spec, batch=cfg["batch"])
+    if name.startswith("resnet"):
+        kw["num_classes"] = 1000
+    model, batch, unit = _zoo(name, **kw, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x, y = batch(0, device="cuda")
+    items = x.numel() if unit == "tokens" else x.shape[0]
+    # the saved-tensor budget: the device budget less the static state (params, grads,
+    # optimizer) after one plain optimizer step without activations, less 15% for transients
+    opt.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    static = torch.cuda.memory_allocated()
+    saved_budget = max(int((budget - static) * 0.85), 1 << 20)
+    ctx: Any = None
+    if method == "save_on_cpu":
+        ctx_factory: Callable[[], Any] = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+    elif method == "torchtune":
+        from torchtune.training import OffloadActivations
+        ctx_factory = lambda: OffloadActivations(use_streams=True)
+    elif method.startswith("window") or method == "lms":
+        planner = {"lms": "lms", "window+dynprog": "dynprog"}.get(method, "window")
+        opts = {"swapout_threshold": 8, "swapin_ahead": 4} if planner == "lms" else {}
+        ctx = scheduler.swap(window=cfg["window"], budget=saved_budget, planner=planner,
+                             planner_options=opts)
+        ctx.__enter__()
+        ctx_factory = None
+    else:
+        ctx_factory = None
+    try:
+        times = []
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            if ctx_factory is not None:
+                with ctx_factory():
+                    loss = _loss(model(x), y)
+            else:
+                loss = _loss(model(x), y)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+            del loss
+        step = statistics.median(times)
+        out.update(status="ok", step_s=step, throughput=items / step, unit=f"{unit}/s",
+                   max_allocated=torch.cuda.max_memory_allocated()
+                   if method != "window+vmalloc" else None)
+        if ctx is not None:
+            out["swap"] = ctx.stats()
+    except torch.cuda.OutOfMemoryError as exc:
+        out.update(status="oom", error=str(exc).splitlines()[0])
+    except Exception as exc:  # noqa: BLE001 - one failed configuration must not end the run
+        out.update(status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return out
+
+
+def _available(method: str) -> Optional[str]:
+    """None if the method can run here, else why not."""
+    if method == "torchtune":
+        try:
+            from torchtune.training import OffloadActivations  # noqa: F401
+        except Exception:  # noqa: BLE001
+            return "torchtune not installed"
+    if method == "window+vmalloc":
+        try:
+            import vmalloc
+            vmalloc.enable  # noqa: B018
+        except Exception:  # noqa: BLE001
+            return "vmalloc.enable unavailable"
+    if method == "window+dynprog":
+        try:
+            import scheduler.planners.offload  # noqa: F401
+        except ImportError:
+            return "scheduler.planners.offload not present"
+    return None
+
+
+def gpu_comparison(quick: bool, budget: int, window: int) -> List[Dict[str, Any]]:
+    rows = []
+    for mname, (spec, batches) in _gpu_models(quick).items():
+        for method in GPU_METHODS:
+            why = _available(method)
+            if why is not None:
+                rows.append({"model": mname, "method": method, "status": "n/a", "error": why})
+                continue
+            for b in batches:
+                cfg = {"model": spec, "method": method, "batch": b, "budget": budget,
+                       "window": window, "warmup": 3, "steps": 3 if quick else 6}
+                proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
+                                      capture_output=True, text=True, timeout=1800)
+                try:
+                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                except (IndexError, json.JSONDecodeError):
+                    row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
+                row["model"] = mname
+                rows.append(row)
+                print(f"  {mname:9s} {method:15s} batch {b:5d}: {row['status']}"
+                      + (f" {row['throughput']:.1f} {row['unit']}" if row["status"] == "ok" else ""),
+                      flush=True)
+                if row["status"] != "ok":
+                    break  # larger batches will not fit either
+    return rows
+
+
+def gpu_table(rows: List[Dict[str, Any]]) -> str:
+    lines = []
+    for mname in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == mname]
+        batches = sorted({r["batch"] for r in mrows if "batch" in r})
+        lines.append(f"\n{mname}: throughput under the budget (x = out of memory)")
+        lines.append(f"{'method':16s}" + "".join(f"{b:>9d}" for b in batches))
+        for method in GPU_METHODS:
+            cells = []
+            for b in batches:
+                r = next((r for r in mrows if r["method"] == method and r.get("batch") == b), None)
+                if r is None:
+                    na = next((r for r in mrows if r["method"] == method and r["status"] == "n/a"), None)
+                    cells.append("n/a" if na else "-")
+                elif r["status"] == "ok":
+                    cells.append(f"{r['throughput']:.0f}")
+                else:
+                    cells.append("x")
+            lines.append(f"{method:16s}" + "".join(f"{c:>9s}" for c in cells))
+    return "\n".join(lines)
+
+
+def gpu_plot(rows: List[Dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, mname in zip(axes[0], models):
+        for method in GPU_METHODS:
+            pts = sorted((r["batch"], r["throughput"]) for r in rows
+                         if r["model"] == mname and r["method"] == method and r["status"] == "ok")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_title(mname)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(next((r["unit"] for r in rows if r["model"] == mname and "unit" in r), ""))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, batches and steps")
+    ap.add_argument("--cpu-only", action="store_true", help="skip the GPU comparison")
+    ap.add_argument("--budget", default="16GiB", help="device budget of the GPU part (16GiB)")
+    ap.add_argument("--window", default="2GiB", help="swap window of the GPU part (2GiB)")
+    ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.gpu_worker:
+        print(json.dumps(gpu_worker(json.loads(args.gpu_worker)), default=str))
+        return
+
+    torch.set_num_threads(1)
+    result: Dict[str, Any] = {
+        "meta": {"command": " ".join(["python", "bench/swap.py"] + sys.argv[1:]),
+                 "torch": torch.__version__, "machine": platform.machine(),
+                 "cpu_threads": torch.get_num_threads(),
+                 "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    print("CPU: hook overhead when nothing needs swapping (window 2GiB; goal <= 5%)")
+    over, per_hook = cpu_overhead(args.quick)
+    result["cpu_overhead"] = over
+    result["us_per_hook_call"] = per_hook
+    print(f"runtime cost per hook call (a pack or an unpack, frees included): {per_hook:.1f} us")
+    print(f"{'model':22s}{'plain ms':>10s}{'swap ms':>10s}{'paired':>9s}{'min/min':>9s}"
+          f"{'estimate':>10s}{'hooks':>7s}{'saved/step':>12s}")
+    for r in over:
+        print(f"{r['model']:22s}{1e3 * r['plain_step_s']:10.1f}{1e3 * r['swap_step_s']:10.1f}"
+              f"{r['overhead_pct']:8.1f}%{r['overhead_pct_min']:8.1f}%"
+              f"{r['overhead_pct_estimate']:9.2f}%{r['hooks_per_step']:7d}"
+              f"{format_size(r['saved_bytes_per_step']):>12s}")
+    worst = max(r["overhead_pct"] for r in over)
+    result["cpu_overhead_goal_met"] = worst <= 5.0
+    print(f"worst overhead (median of paired differences) {worst:.1f}% -> goal (<= 5%) "
+          f"{'met' if worst <= 5 else 'NOT met'}")
+
+    print("\nCPU: real swapping into the host pool (budget = fraction of the plain peak)")
+    sw = cpu_swapping(args.quick)
+    result["cpu_swapping"] = sw
+    print(f"{'model':22s}{'budget':>8s}{'peak/plain':>12s}{'out/step':>12s}{'slowdown':>10s}"
+          f"{'plan s':>8s}")
+    for r in sw:
+        print(f"{r['model']:22s}{r['budget_fraction']:8.2f}"
+              f"{r['peak_resident_bytes'] / r['plain_peak_bytes']:12.2f}"
+              f"{format_size(r['swapped_out_bytes_per_step']):>12s}{r['slowdown_pct']:9.1f}%"
+              f"{r['planning_s']:8.3f}")
+    pt = planning_time()
+    result["planning_time"] = pt
+    for r in pt:
+        print(f"window planner: {r['steps']} steps, {r['variables']} variables: "
+              f"{r['seconds']:.3f} s")
+
+    if args.cpu_only or not torch.cuda.is_available():
+        why = "--cpu-only" if args.cpu_only else "no CUDA device"
+        print(f"\nGPU comparison skipped ({why}); it runs on a machine with CUDA.")
+        result["gpu"] = {"skipped": why}
+    else:
+        budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
+        print(f"\nGPU: throughput under a {format_size(budget)} budget, window {format_size(window)}")
+        rows = gpu_comparison(args.quick, budget, window)
+        result["gpu"] = {"budget": budget, "window": window, "rows": rows}
+        print(gpu_table(rows))
+        gpu_plot(rows, RESULTS / "swap.png")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "swap.json", "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"\nwrote {RESULTS / 'swap.json'}")
+
+
+if __name__ == "__main__":
+    main()

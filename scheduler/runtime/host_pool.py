@@ -1,0 +1,86 @@
+"""Reusable host buffers for swapped-out tensors.
+
+On a GPU the buffers are pinned (page-locked) so device-to-host and host-to-device copies run
+asynchronously on side streams; pinning is slow, so buffers are kept and reused across
+iterations (saved-tensor sizes repeat exactly from one iteration to the next, so buffers are
+pooled by exact byte size). On the CPU (tests, CI) the pool holds ordinary CPU tensors standing
+in for host memory, with the same bookkeeping.
+
+A buffer handed back may still be read or written by an asynchronous copy: ``release`` takes the
+event of its last copy, and the buffer is handed out again only once that event has completed.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import torch
+
+
+class HostPool:
+    """Byte buffers keyed by exact size, reused once their last copy has completed."""
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = bool(pin_memory)
+        self._free: Dict[int, Deque[Tuple[torch.Tensor, Optional[Any]]]] = defaultdict(deque)
+        self.in_use_bytes = 0
+        self.cached_bytes = 0
+        self.peak_in_use_bytes = 0
+        self.num_allocated = 0
+        self.num_reused = 0
+        self._closed = False
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` buffer of exactly ``nbytes`` bytes, not read or written by any copy."""
+        free = self._free.get(nbytes)
+        buf = None
+        if free:
+            for _ in range(len(free)):
+                cand, event = free[0]
+                if event is None or event.query():
+                    free.popleft()
+                    buf = cand
+                    break
+                free.rotate(-1)
+        if buf is not None:
+            self.cached_bytes -= nbytes
+            self.num_reused += 1
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.num_allocated += 1
+        self._closed = False
+        self.in_use_bytes += nbytes
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buf
+
+    def release(self, buf: torch.Tensor, event: Optional[Any] = None) -> None:
+        """Hand ``buf`` back; ``event`` (a CUDA event or None) marks its last copy."""
+        n = buf.numel()
+        self.in_use_bytes -= n
+        if self._closed:
+            return
+        self._free[n].append((buf, event))
+        self.cached_bytes += n
+
+    def trim(self) -> int:
+        """Drop every cached buffer (waiting for copies still in flight); bytes released."""
+        released = 0
+        for free in self._free.values():
+            for buf, event in free:
+                if event is not None:
+                    event.synchronize()
+                released += buf.numel()
+        self._free.clear()
+        self.cached_bytes = 0
+        return released
+
+    def close(self) -> None:
+        """Trim, and drop buffers handed back later instead of caching them."""
+        self.trim()
+        self._closed = True
+
+    def stats(self) -> Dict[str, int]:
+        return {"host_in_use_bytes": self.in_use_bytes, "host_cached_bytes": self.cached_bytes,
+                "host_peak_bytes": self.peak_in_use_bytes,
+                "host_buffers_allocated": self.num_allocated,
+                "host_buffers_reused": self.num_reused}

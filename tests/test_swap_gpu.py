@@ -1,0 +1,131 @@
+"""The swap runtime on CUDA (``pytest -m gpu``; skipped where no CUDA device is present).
+
+Unverified without a GPU: written from the PyTorch stream/event documentation."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import scheduler  # noqa: E402
+from scheduler.planners.swap_schedule import replay  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _models():
+    try:  # the CPU tests' models and batches (tests/ is on sys.path under pytest)
+        from test_swap_runtime import MODELS
+    except ImportError:
+        from tests.test_swap_runtime import MODELS
+    return MODELS
+
+
+def _train_cuda(name, ctx=None, steps=3):
+    build, batch = _models()[name]
+    torch.manual_seed(0)
+    model = build().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, grads = [], []
+    entered = ctx.__enter__() if ctx is not None else None
+    try:
+        for i in range(steps):
+            x, y = (t.cuda() for t in batch(i))
+            torch.manual_seed(1000 + i)
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+    finally:
+        if entered is not None:
+            ctx.__exit__(None, None, None)
+    return losses, grads
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("window, budget", [(4096, None), (8192, 32768), ("1GiB", None)])
+def test_cuda_bit_identical(name, window, budget):
+    ref = _train_cuda(name)
+    ctx = scheduler.swap(window=window, budget=budget, device="cuda", min_bytes=0)
+    got = _train_cuda(name, ctx)
+    for a, b in zip(ref[0], got[0]):
+        assert torch.equal(a, b)
+    for ga, gb in zip(ref[1], got[1]):
+        for a, b in zip(ga, gb):
+            assert torch.equal(a, b)
+    torch.cuda.synchronize()
+    st = ctx.stats()
+    if budget is not None:
+        e = ctx.last_entry
+        assert st["last_iteration_peak_resident_bytes"] <= budget
+        assert replay(e.sequence, e.schedule).peak <= budget
+    assert st["resident_bytes"] == 0 and st["host_in_use_bytes"] == 0
+
+
+def test_copies_overlap_compute():
+    """Heavy matmuls between saved tensors: with a window of a few tensors the swap-ins are
+    issued ahead and complete before their use, so the compute stream waits (an event not yet
+    complete at the unpack) for only a minority of them; swap-outs are never waited for
+    (no budget: releases do not block)."""
+    width, batch = 8192, 1024
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                            for _ in range(8)]).cuda()
+    x = torch.randn(batch, width, device="cuda")
+    ctx = scheduler.swap(window=4 * batch * width * 4, device="cuda")
+    with ctx:
+        for _ in range(4):
+            model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    st = ctx.stats()
+    swap_ins = st["swapped_in_bytes"] // (batch * width * 4)
+    assert st["swapped_out_bytes"] > 0 and swap_ins > 0
+    assert st["on_demand_swap_ins"] == 0
+    assert st["late_swap_ins"] < swap_ins / 2
+
+
+def test_memory_stays_under_the_budget_with_vmalloc():
+    """vmalloc's physical peak stays within its budget while the swap runtime (window, a
+    saved-tensor budget, the pressure callback) trains a model that needs more without it."""
+    pytest.importorskip("vmalloc._core")
+    script = textwrap.dedent(f"""
+        import sys, torch, vmalloc, scheduler
+        sys.path.insert(0, {ROOT!r})
+        budget = 512 << 20
+        vmalloc.enable(budget=budget)
+        from torch import nn
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU())
+                                for _ in range(24)]).cuda()
+        x = torch.randn(4096, 2048, device="cuda")  # 32 MiB per saved tensor, ~1.5 GiB in all
+        with scheduler.swap(window="128MiB", budget="256MiB") as ctx:
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        s = vmalloc.stats()
+        assert s["physical_peak"] <= budget, (s["physical_peak"], budget)
+        print("ok", ctx.stats()["pressure_calls"], s["physical_peak"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ok")
