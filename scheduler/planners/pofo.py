@@ -86,10 +86,12 @@ def max_memory(chain: Chain) -> Number:
 
 # ------------------------------------------------------------------------------- the DP
 def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50,
-       offload: bool = True, recompute: bool = True):
+       offload: bool = True, recompute: bool = True, budget: float = math.inf,
+       delta_step: int = 1):
     """Run the Appendix B DP. Returns ``(time, ops, prefetches, info)`` or None if it finds
-    no sequence: ``ops`` the compute and offload ops in order, ``prefetches`` the
-    ``(stage, consumer index)`` pairs in the order they run."""
+    no sequence (faster than ``budget`` seconds: branch and bound against a known one):
+    ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
+    index)`` pairs in the order they run."""
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
     (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
@@ -98,7 +100,8 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     beta = bandwidth / unit if bandwidth > 0 else 0.0
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
-        [float(v) for v in chain.bw], M, beta, offload, recompute)
+        [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
+        int(delta_step))
     if not ok:
         return None
     return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
@@ -129,24 +132,25 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         raise InfeasibleError(f"pofo.solve: memory {memory:g} is below the smallest limit "
                               f"any sequence of {chain.name or 'this chain'} can meet "
                               f"({floor:g})", floor)
-    variants = [("pofo", True, True)]
-    if beta > 0:
-        variants += [("rotor", False, True), ("offload-only", True, False)]
+    # rotor's and offload-only's optima lie in pofo's space: solve them first (cheap) and
+    # let the full DP search only for faster sequences (branch and bound)
+    variants = [("rotor", False, True), ("offload-only", True, False), ("pofo", True, True)] \
+        if beta > 0 else [("pofo", True, True)]
     best: Optional[Tuple[Plan, SimResult, float, str]] = None
-    dp_time = None
+    dp_time = math.inf
     for name, off, rec in variants:
-        got = dp(chain, memory, beta, slots, offload=off, recompute=rec)
+        got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
+                 )
         if got is None:
             continue
-        if name == "pofo":
-            dp_time = got[0]
+        dp_time = min(dp_time, got[0])
         try:
             plan, sim = _plan_of(chain, got, memory, beta, "pofo")
         except InvalidPlanError:
             continue
+        plan.meta.update(got[3])
         if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
             best = (plan, sim, got[0], name)
-        plan.meta.update(got[3])
     if best is None:
         need = floor if floor is not None else _rotor_min(chain, slots, memory)
         raise InfeasibleError(
