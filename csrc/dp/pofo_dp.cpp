@@ -20,7 +20,7 @@
 //    (eps^F, eps^B as in Case 1), then eps^G = (dF_left + dB_left) / beta.
 //  * Lemma 1 idle times are placed where the lemma puts them: at the start of an offloading
 //    sequence, at the end of a prefetching one.
-// Discretisation: data moved in t seconds = floor(t * beta) units; an idle eps that covers an
+// Discretisation: data moved in t seconds = t * beta units rounded to the nearest; an idle eps that covers an
 // excess of e units moves exactly e units.
 #include "dp/pofo_dp.hpp"
 
@@ -153,7 +153,7 @@ class Solver {
     if (!(beta_ > 0) || t <= 0) return 0;
     const double v = t * beta_;
     if (!std::isfinite(v) || v >= static_cast<double>(big_)) return big_;
-    return static_cast<int64_t>(std::floor(v + 1e-9 * std::max(1.0, v)));
+    return static_cast<int64_t>(std::floor(v + 0.5));  // nearest: unbiased over many steps
   }
   double wait(double excess) const {
     if (excess <= 0) return 0;

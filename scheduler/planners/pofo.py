@@ -41,7 +41,7 @@ from . import rotor
 from .offload import Number, bandwidth_arg, memory_arg, slots_arg, with_prefetches
 
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
-           "dp"]
+           "dp", "auto_delta_step"]
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
 
@@ -118,15 +118,29 @@ def _plan_of(chain: Chain, got, memory: Number, bandwidth: float, planner: str
     return with_prefetches(chain, ops, pre, memory, bandwidth, loss + 1, planner)
 
 
+def auto_delta_step(chain: Chain, slots: Optional[int]) -> int:
+    """The forward states' Delta grid :func:`solve` uses by default: exact (1) for exact
+    units; else one unit per ~14 stages (ResNet-101, L = 39: 3; DenseNet-201, L = 107: 8),
+    which keeps the state count, and the solve time, roughly flat in L."""
+    return 1 if slots is None else max(1, -(-chain.L // 14))
+
+
 def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str, None],
-          slots: Optional[int] = 50) -> Plan:
+          slots: Optional[int] = 50, delta_step: Optional[int] = None) -> Plan:
     """pofo: the optimal persistent sequence of F_all / F_ck / F_none / B / offload /
     prefetch under seed 001's assumptions (see the module docstring for what is exact).
     ``slots``: memory discretisation (seed 001 uses 50; None = exact bytes, small integer
-    chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only)."""
+    chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only).
+    ``delta_step``: the forward states' Delta_F / Delta_B are rounded up to multiples of this
+    many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
+    state space is cubic in the slots, and this trades a little optimism for speed."""
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
+    if delta_step is None:
+        delta_step = auto_delta_step(chain, slots)
+    if isinstance(delta_step, bool) or not isinstance(delta_step, int) or delta_step < 1:
+        raise ValueError(f"delta_step: expected a positive int or None, got {delta_step!r}")
     floor = min_memory(chain) if beta > 0 else None
     if floor is not None and memory < floor:
         raise InfeasibleError(f"pofo.solve: memory {memory:g} is below the smallest limit "
@@ -140,7 +154,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     dp_time = math.inf
     for name, off, rec in variants:
         got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
-                 )
+                 delta_step=delta_step)
         if got is None:
             continue
         dp_time = min(dp_time, got[0])
@@ -162,7 +176,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
     plan.chain = chain
-    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers,
+    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
                      simulated_time=sim.makespan)
     return plan
 
