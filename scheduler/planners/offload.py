@@ -323,10 +323,8 @@ def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
 
 
 # ------------------------------------------------------------------------------ GREEDY
-def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
-    """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
-    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
-    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
+def _greedy_set(chain: Chain, memory: Number) -> List[int]:
+    """The first k stages, k the smallest with sum_{i <= k} |x_i| >= M_peak - M."""
     need = peak_memory(chain) - memory
     act = activations(chain)
     chosen: List[int] = []
@@ -336,7 +334,14 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
             break
         chosen.append(i)
         total += act[i]
-    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.greedy")
+    return chosen
+
+
+def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+    """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
+    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
+    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
+    plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy")
     return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
 
 
@@ -373,17 +378,28 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     small integer chains). ``meta["relaxed_time"]`` is the DP's optimum of the relaxation."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
     slots = slots_arg(slots)
-    args, _ = _dp_inputs(chain, memory, beta, slots)
-    ok, idle, flags, states = _core().offload_dynprog(*args)
+    # Rounding sizes up to whole slots can make a limit just above min_memory look too
+    # small: retry with finer slots, then fall back to GREEDY's decisions (feasible at any
+    # limit >= min_memory; meta["fallback"] says so).
+    fallback = False
+    for tries, sl in enumerate([slots] + ([slots * 4, slots * 16] if slots else [])):
+        args, _ = _dp_inputs(chain, memory, beta, sl)
+        ok, idle, flags, states = _core().offload_dynprog(*args)
+        if ok:
+            break
     if not ok:
-        raise InfeasibleError(
-            f"offload.dynprog: no schedule fits memory {memory:g} with {slots} slots "
-            f"(the smallest limit without discretisation is {min_memory(chain):g})",
-            min_memory(chain))
+        if slots is None:
+            raise InfeasibleError(
+                f"offload.dynprog: no schedule fits memory {memory:g} (the smallest limit is "
+                f"{min_memory(chain):g})", min_memory(chain))
+        fallback, idle, states = True, math.nan, 0
+        flags = [0] * (chain.L + 1)
+        for i in _greedy_set(chain, memory):
+            flags[i] = 1
     chosen = [i for i, f in enumerate(flags) if f]
     plan, sim = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
     return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
-                   dp_states=states, slots=slots,
+                   dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
 
 
