@@ -351,9 +351,20 @@ def _core():
     return _core
 
 
-def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int]):
-    # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
-    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int],
+               nearest: bool = False):
+    """Algorithm 1's arguments in memory units: rotor's discretisation (sizes rounded up to
+    whole slots of memory/slots), or with ``nearest`` rounded to the nearest slot: rounding
+    up ~L activations inflates the apparent need by up to L slots (seed 000 section 6.2's
+    DenseNet discretisation error); the plan is simulated with the real sizes anyway."""
+    if nearest and slots is not None:
+        unit = memory / slots
+        x, xbar, delta, fw_tmp, bw_tmp = ([int(round(v / unit)) for v in vals] for vals in (
+            list(chain.x) + [0], chain.xbar, list(chain.delta) + [0], chain.fw_tmp,
+            chain.bw_tmp))
+        M = slots
+    else:
+        (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
     act = [x[0]] + list(xbar)
     args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
             [float(v) for v in chain.bw], M, float(bandwidth) / unit)
@@ -382,22 +393,36 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     # small: retry with finer slots, then fall back to GREEDY's decisions (feasible at any
     # limit >= min_memory; meta["fallback"] says so).
     fallback = False
-    for tries, sl in enumerate([slots] + ([slots * 4, slots * 16] if slots else [])):
-        args, _ = _dp_inputs(chain, memory, beta, sl)
+    # first sizes rounded to the nearest slot (less discretisation error), then rounded up
+    # (what the DP then finds is feasible in the model), then finer slots
+    attempts = [(slots, True), (slots, False)] + ([(slots * 4, False), (slots * 16, False)]
+                                                  if slots else [])
+    got = None
+    for sl, nearest in attempts:
+        args, _ = _dp_inputs(chain, memory, beta, sl, nearest)
         ok, idle, flags, states = _core().offload_dynprog(*args)
-        if ok:
+        if not ok:
+            continue
+        chosen = [i for i, f in enumerate(flags) if f]
+        # with sizes rounded to the nearest slot the decisions may fall just short in the
+        # real sizes: complete them with the earliest other activations (GREEDY's order)
+        rest = [i for i in range(chain.L + 1) if i not in chosen]
+        for k in ([0, 1, 2, 4, 8, 16, 32] if nearest else [0]):
+            try:
+                got = _best_of(chain, [chosen + rest[:k]], memory, beta, "offload.dynprog")
+                break
+            except InfeasibleError:
+                continue
+        if got is not None:
             break
-    if not ok:
+    if got is None:
         if slots is None:
             raise InfeasibleError(
                 f"offload.dynprog: no schedule fits memory {memory:g} (the smallest limit is "
                 f"{min_memory(chain):g})", min_memory(chain))
         fallback, idle, states = True, math.nan, 0
-        flags = [0] * (chain.L + 1)
-        for i in _greedy_set(chain, memory):
-            flags[i] = 1
-    chosen = [i for i, f in enumerate(flags) if f]
-    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+        got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
+    plan, sim = got
     return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
                    dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
