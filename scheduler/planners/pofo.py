@@ -26,7 +26,7 @@ that needs it. Then:
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
-  ``slots`` is coarser, so ``pofo <= rotor`` and ``pofo <= offload-only`` at every memory
+  ``slots`` is coarser and the store-all sequence when it fits, so ``pofo <= rotor`` and ``pofo <= offload-only`` at every memory
   limit, in simulated time (``meta["variant"]`` says which one won).
 """
 from __future__ import annotations
@@ -166,9 +166,18 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         plan.meta.update(got[3])
         if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
             best = (plan, sim, got[0], name)
+    # storing everything, when it fits in the real sizes, is optimal (no idle, no
+    # recomputation); slot rounding can hide that from the DPs
+    if best is None or best[1].makespan > chain.total_compute():
+        store_all = Plan([Op("F_all", s) for s in range(chain.L + 1)]
+                         + [Op("B", s) for s in range(chain.L, -1, -1)], planner="pofo")
+        sim = simulate(chain, store_all)
+        if sim.peak_memory <= memory:
+            best = (store_all, sim, sim.makespan, "store-all")
+            dp_time = min(dp_time, sim.makespan)
     # rotor itself (its own, finer discretisation): in pofo's space, and a coarse slot grid
     # must not make pofo lose to it
-    if slots is not None and slots < 500:
+    if slots is not None and slots < 500 and (best is None or best[3] != "store-all"):
         try:
             r = rotor.solve(chain, memory, slots=500)
             sim = simulate(chain, r, None, memory=memory)
