@@ -90,7 +90,7 @@ def test_slots_keep_plans_feasible_and_predictions_exact(slots):
         for frac in (0.0, 0.2, 0.5, 1.0):
             m = least + frac * (full - least)
             plan = rotor.solve(chain, m, slots=slots)
-            check_prediction(chain, plan, memory=m, exact=False)
+            check_prediction(chain, plan, memory=m)   # exact: the plan sums times in sim order
 
 
 def test_slot_rounding_bound():
@@ -115,7 +115,7 @@ def test_infeasible_with_slots_reports_a_limit_that_works():
         rotor.solve(chain, 1000, slots=100)
     need = e.value.min_memory
     assert need > 1000 and f"{need:g}" in str(e.value)
-    check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need, exact=False)
+    check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need)
     with pytest.raises(InfeasibleError):
         rotor.solve(chain, need - 1, slots=100)
     assert isinstance(e.value, ValueError)

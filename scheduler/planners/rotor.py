@@ -104,7 +104,8 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
     units, budget, unit = discretize(chain, memory, slots)
     feasible, time, peak, min_units, ops = _core().rotor_solve(
         list(map(float, chain.fw)), list(map(float, chain.bw)), units,
-        tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all)
+        tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all,
+        slots is None)  # exact units: a double table; slots: float (twice as fast)
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
