@@ -85,10 +85,18 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
         units, budget, _ = discretize(chain, m, slots)
         return core.rotor_min_units(units, allow_all) <= budget
 
-    lo, hi = memory, memory
+    # feasibility is monotone in the limit (sizes in slots only shrink as it grows): bracket
+    # it, then bisect. With integer sizes the exact minimum is a lower bound to start from.
+    integer = chain.is_integer
+    if integer:
+        lo = core.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1
+        hi = max(memory, lo + 1)
+    else:
+        lo = hi = memory
+        while ok(lo) and lo > 1e-12:
+            hi, lo = lo, lo / 2
     while not ok(hi):
         lo, hi = hi, hi * 2
-    integer = chain.is_integer
     while (hi - lo > 1) if integer else (hi - lo > 1e-6 * hi):
         mid = (lo + hi) // 2 if integer else (lo + hi) / 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
@@ -127,10 +135,13 @@ def solve(chain: Chain, memory: Any, slots: Optional[int] = 500) -> Plan:
     return solve_dp(chain, memory, slots, allow_all=True, planner="rotor")
 
 
-def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None) -> float:
-    """The least memory any rotor plan needs (slots=None: exact; else for that slot count,
-    searched upward from ``memory``)."""
+def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None,
+               *, _allow_all: bool = True) -> Union[int, float]:
+    """The least memory limit (bytes, x[0] included) for which ``solve`` finds a plan:
+    exact with ``slots=None``; else for that slot count (the slot size scales with the
+    limit), searched from ``memory`` (a hint; any positive value works)."""
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     slots = check_slots(slots)
-    if slots is None:
-        return _min_memory(chain, None, True, 1)
-    return _min_memory(chain, slots, True, check_memory(memory if memory is not None else 1))
+    hint = check_memory(memory) if memory is not None else max(1.0, float(sum(chain.xbar)))
+    return _min_memory(chain, slots, _allow_all, hint)
