@@ -147,3 +147,16 @@ def test_min_memory_with_slots_is_the_least_limit_that_works():
         assert rotor.min_memory(chain) <= need if chain.is_integer else True
     chain = Chain.random(6, seed=2)
     assert revolve.min_memory(chain) >= rotor.min_memory(chain)
+
+
+def test_refine_wins_back_rounding_and_still_fits():
+    chain = byte_chain(60, 1)
+    full = simulate(chain, periodic.solve(chain, 1)).peak_memory
+    for m in (0.4 * full, full):
+        base = rotor.solve(chain, m, slots=50)
+        fine = rotor.solve(chain, m, slots=50, refine=6)
+        r = check_prediction(chain, fine, memory=m)
+        assert fine.predicted_time <= base.predicted_time and fine.meta["memory"] == m
+    assert fine.predicted_time < base.predicted_time   # at full memory the rounding cost shows
+    with pytest.raises(ValueError, match="refine"):
+        rotor.solve(chain, full, refine=-1)

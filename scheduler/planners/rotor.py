@@ -103,8 +103,7 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
     return int(math.ceil(hi)) if integer else hi
 
 
-def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str) -> Plan:
-    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False)."""
+def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str) -> Plan:
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = check_memory(memory)
@@ -129,10 +128,39 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
                 meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget})
 
 
-def solve(chain: Chain, memory: Any, slots: Optional[int] = 500) -> Plan:
+def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
+             refine: int = 0) -> Plan:
+    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
+
+    ``refine=n`` (slots only) spends n more solves winning back the rounding: it bisects a
+    nominal limit between ``memory`` and ``memory * (1 + (L + 4) / slots)`` and keeps the
+    fastest plan whose exact peak still fits in ``memory`` (so the guarantee is unchanged).
+    """
+    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+        raise ValueError(f"refine: expected a non-negative int, got {refine!r}")
+    plan = _solve_once(chain, memory, slots, allow_all, planner)
+    if slots is None or refine == 0:
+        return plan
+    limit = plan.meta["memory"]
+    lo, hi = float(limit), float(limit) * (1 + (chain.L + 4) / slots)
+    for _ in range(refine):
+        mid = (lo + hi) / 2
+        cand = _solve_once(chain, mid, slots, allow_all, planner)
+        if cand.predicted_peak <= limit:
+            lo = mid
+            if cand.predicted_time < plan.predicted_time:
+                plan = cand
+        else:
+            hi = mid
+    plan.meta.update(memory=limit, nominal_memory=plan.meta["memory"], refine=refine)
+    return plan
+
+
+def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: int = 0) -> Plan:
     """The fastest persistent schedule of ``chain`` whose peak memory is at most ``memory``
-    bytes (x[0] included). Raises ``InfeasibleError`` (with ``.min_memory``) if none fits."""
-    return solve_dp(chain, memory, slots, allow_all=True, planner="rotor")
+    bytes (x[0] included). Raises ``InfeasibleError`` (with ``.min_memory``) if none fits.
+    ``refine``: see :func:`solve_dp` (default 0: one solve)."""
+    return solve_dp(chain, memory, slots, allow_all=True, planner="rotor", refine=refine)
 
 
 def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None,
