@@ -35,24 +35,13 @@ def timed(fn, repeat: int) -> float:
 
 def measure(chain: Chain, slots: int, repeat: int, planner=rotor) -> dict:
     full = simulate(chain, periodic.solve(chain, 1)).peak_memory
-    least = rotor.min_memory(chain, slots=slots, memory=full / 50) if planner is rotor else None
-    if least is None:
-        least = revolve_min(chain, slots, full)
+    least = planner.min_memory(chain, slots=slots, memory=full / 50)
     times = []
     for f in FRACTIONS:
         m = least + f * (full - least)
         times.append(timed(lambda: planner.solve(chain, m, slots=slots), repeat))
     return {"chain": chain.name, "L": chain.L, "slots": slots, "planner": planner.__name__.split(".")[-1],
             "max_s": max(times), "mean_s": sum(times) / len(times), "per_fraction_s": times}
-
-
-def revolve_min(chain: Chain, slots: int, full: float) -> float:
-    from scheduler import InfeasibleError
-    try:
-        revolve.solve(chain, full / 1000, slots=slots)
-    except InfeasibleError as e:
-        return e.min_memory
-    return full / 1000
 
 
 def main(argv=None) -> dict:
