@@ -41,3 +41,17 @@ def test_bad_segments():
     for bad in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match="segments"):
             periodic.solve(chain, bad)
+
+
+def test_best_is_the_fastest_segment_count_that_fits():
+    from scheduler import InfeasibleError
+    from scheduler.planners import periodic
+    chain = Chain.random(9, seed=4)
+    plans = [periodic.solve(chain, k) for k in range(1, 10)]
+    memory = sorted(p.predicted_peak for p in plans)[3]
+    got = periodic.best(chain, memory)
+    assert got.predicted_peak <= memory
+    assert got.predicted_time == min(p.predicted_time for p in plans if p.predicted_peak <= memory)
+    with pytest.raises(InfeasibleError) as err:
+        periodic.best(chain, min(p.predicted_peak for p in plans) - 1)
+    assert err.value.min_memory == min(p.predicted_peak for p in plans)

@@ -10,9 +10,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from .sizes import format_size, parse_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .replay.trace import Trace
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -21,11 +24,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_one(path: str, chunk_sizes: Sequence[int], bisect: bool, device: Optional[int],
-                backend: str = "host") -> dict:
+def _replay_one(path: Union[str, "Trace"], chunk_sizes: Sequence[int], bisect: bool,
+                device: Optional[int], backend: str = "host") -> dict:
     rpt = importlib.import_module("vmalloc.report")
     from .replay import compare, default_contenders, load
-    trace = load(path, device=device)
+    trace = load(path, device=device) if isinstance(path, str) else path
     rows = compare(trace, default_contenders(chunk_sizes, backend), bisect=bisect, timeline=True)
     cmp = rpt.comparison_json(trace.name, rows, trace.meta)
     cmp["timelines"] = {r.allocator: r.timeline for r in rows}
@@ -109,6 +112,30 @@ _GPU_DEMO = textwrap.dedent("""
 """)
 
 
+def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
+    """Steps 1-2 of the CPU demo: plan a bundled chain with every planner, simulate, and
+    replay the fastest plan's allocation trace. The CLI sits above both packages (like the
+    autoload hook), so this is the one place vmalloc reaches into the scheduler, lazily."""
+    from scheduler import demo
+
+    from .replay.trace import from_json
+    chain = demo.find_chain(args.chain)
+    print(f"[1/3] planning {chain.name} under {args.fraction:.0%} of what storing every "
+          "activation needs, with each planner, and simulating every plan ...", flush=True)
+    memory, rows = demo.plan_all(chain, args.fraction)
+    print(demo.table(chain, memory, rows) + "\n")
+    best = demo.fastest_fitting(memory, rows)
+    if best is None:
+        print("no planner fits that limit; skipping the replay of a planned trace\n")
+        return
+    trace = from_json(best.result.alloc_trace, name=f"{chain.name} planned by {best.planner}")
+    print(f"[2/3] replaying the allocation trace of the fastest plan ({best.planner}, "
+          f"{len(trace.events)} events) through vmalloc and the caching-allocator model ...",
+          flush=True)
+    rpt = importlib.import_module("vmalloc.report")
+    print(rpt.side_by_side_from_json(_replay_one(trace, chunks, not args.no_bisect, None)) + "\n")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     rpt = importlib.import_module("vmalloc.report")
     gpu = False
@@ -126,12 +153,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
               f"VMALLOC_BUDGET={args.budget}\n")
         return subprocess.call([sys.executable, "-c", _GPU_DEMO], env=env)
     traces = bundled_traces(args.traces)
-    print("vmalloc demo: no GPU, so replaying the bundled allocation traces through vmalloc "
+    chunks = [2 << 20, 20 << 20]
+    if not args.replay_only:
+        _plan_and_replay(args, chunks)
+    print(f"[3/3] replaying the {len(traces)} bundled allocation traces through vmalloc "
           "(host backend: real page mappings) and a model of PyTorch's caching allocator.\n"
           "phys/req = peak physical / peak requested; frag = 1 - requested/physical (GMLake's "
           "metric); smallest budget = least physical memory the whole trace replays in; IF = "
-          "internal fragmentation (seed 003 Eq. 1) and its Eq. 2 bound N_max x chunk.\n")
-    chunks = [2 << 20, 20 << 20]
+          "internal fragmentation (seed 003 Eq. 1) and its Eq. 2 bound N_max x chunk.\n",
+          flush=True)
     summary = []
     for path in traces:
         cmp = _replay_one(path, chunks, not args.no_bisect, None)
@@ -179,7 +209,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d = sub.add_parser("demo", help="the main job: replay bundled traces (no GPU) or train under a budget (GPU)")
     d.add_argument("--traces", help="directory of traces (default: bench/traces)")
     d.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
-    d.add_argument("--replay-only", action="store_true", help="replay traces even with a GPU")
+    d.add_argument("--replay-only", action="store_true",
+                   help="only replay the bundled traces (no planning; no training even with a GPU)")
+    d.add_argument("--chain", default="resnet101-i1000-b2",
+                   help="bundled chain to plan (bench/chains/NAME.json; default resnet101-i1000-b2)")
+    d.add_argument("--fraction", type=float, default=0.4,
+                   help="memory limit as a fraction of what storing every activation needs (default 0.4)")
     d.add_argument("--budget", default="4GiB", help="GPU demo: VMALLOC_BUDGET (default 4GiB)")
     d.set_defaults(fn=_cmd_demo)
     args = p.parse_args(argv)

@@ -14,9 +14,10 @@ The prediction comes from the simulator (no memory model of its own).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..chain import Chain
+from ..errors import InfeasibleError
 from ..plan import Plan
 from ..simulate import simulate
 
@@ -50,3 +51,16 @@ def solve(chain: Chain, segments: int) -> Plan:
     r = simulate(chain, plan)
     plan.predicted_time, plan.predicted_peak = r.makespan, r.peak_memory
     return plan
+
+
+def best(chain: Chain, memory: Optional[float] = None) -> Plan:
+    """The fastest segment count whose peak fits ``memory`` (None: any): what a user tuning
+    ``checkpoint_sequential``'s ``segments`` by hand would settle on. Raises
+    ``InfeasibleError`` with the smallest peak any segment count reaches."""
+    plans = [solve(chain, k) for k in range(1, max(chain.L, 1) + 1)]
+    fitting = [p for p in plans if memory is None or p.predicted_peak <= memory]
+    if not fitting:
+        lowest = min(p.predicted_peak for p in plans)
+        raise InfeasibleError(f"periodic: no segment count fits memory {memory:g}; the smallest "
+                              f"peak is {lowest:g}", lowest)
+    return min(fitting, key=lambda p: (p.predicted_time, p.predicted_peak))
