@@ -1,0 +1,429 @@
+"""Execute a Plan on real blocks: forward and backward of a chain following the ops exactly.
+
+Stages ``s = 0 .. L-1`` are the blocks, stage ``L`` is the loss, which lives outside the
+chain: its forward is the moment the chain's output is handed to the caller, its backward
+the moment the gradient of that output arrives. The ops mean what seed 002 Table 1 and
+DESIGN.md say (the simulator is the reference):
+
+``F_none s``  run block s without keeping anything for backward; its input, if held as x[s],
+              is dropped; the output is held as x[s+1].
+``F_ck s``    the same, but the input is kept (a checkpoint).
+``F_all s``   run block s with autograd on: what autograd saves (xbar[s], output included)
+              is kept until ``B s``.
+``B s``       backward of block s from xbar[s] and delta[s+1]: produces delta[s] and the
+              block's parameter gradients, then drops xbar[s], delta[s+1] and x[s].
+``offload s`` / ``prefetch s``  move the value held as x[s] to the host and back.
+
+Ops before the first ``B`` (which must be ``B L``) form the forward phase: each stage runs
+exactly once, in order, as in plain training, so the generators advance exactly as they
+would. Any forward op after it is a recomputation and runs with the random state and
+autocast settings recorded at the stage's first run, and with the block's buffers
+(batch-norm statistics) put back afterwards: the values, dropout masks included, are those
+of plain training, so gradients are bit-identical.
+
+Values between blocks are a tensor or a tuple (of tensors and constants); a tuple output is
+passed to the next block as positional arguments.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import InvalidPlanError
+from ..plan import FORWARD_KINDS, Plan
+from . import accounting, buffers, rng
+from .offload import DeviceCopy, HostCopy, Transfers
+
+Comps = Tuple[Any, ...]  # the components of a value passed between blocks
+
+
+def _is_diff(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def as_components(value: Any, stage: int) -> Tuple[Comps, bool]:
+    """A block's return value as components, and whether it was a tuple."""
+    if isinstance(value, torch.Tensor):
+        return (value,), False
+    if isinstance(value, tuple):
+        return tuple(value), True
+    raise TypeError(
+        f"scheduler.wrap: block {stage} returned {type(value).__name__}; blocks must return a "
+        "tensor or a tuple of tensors (and constants), which is passed to the next block as "
+        "positional arguments")
+
+
+# ------------------------------------------------------------------------------------ plan
+@dataclass
+class CompiledPlan:
+    """A Plan checked for the runtime and split into its forward and backward phases."""
+
+    plan: Plan
+    L: int
+    forward_ops: List[Tuple[int, str, int]]   # (index in plan.ops, kind, stage)
+    backward_ops: List[Tuple[int, str, int]]
+    recomputed: Set[int]                      # stages run more than once
+
+    @classmethod
+    def of(cls, plan: Plan, L: int) -> "CompiledPlan":
+        ops = [(i, op.kind, op.stage) for i, op in enumerate(plan.ops)]
+        for i, kind, s in ops:
+            if s > L:
+                raise InvalidPlanError(f"op {i} ({kind} {s}): stage out of range for a chain of "
+                                       f"{L} blocks plus the loss", i)
+        first_b = next((k for k, (_, kind, _) in enumerate(ops) if kind == "B"), None)
+        if first_b is None:
+            raise InvalidPlanError("plan has no backward op", None)
+        i_b, _, s_b = ops[first_b]
+        if s_b != L:
+            raise InvalidPlanError(f"op {i_b}: the first backward must be B {L} (the loss), "
+                                   f"got B {s_b}", i_b)
+        fwd, bwd = ops[:first_b], ops[first_b:]
+        expect = 0
+        for i, kind, s in fwd:
+            if kind in FORWARD_KINDS:
+                if s != expect:
+                    raise InvalidPlanError(
+                        f"op {i} ({kind} {s}): before the loss's backward each stage must run "
+                        f"once, in order; expected a forward of stage {expect}", i)
+                expect += 1
+        if expect != L + 1:
+            raise InvalidPlanError(f"the forward phase runs stages 0..{expect - 1}, "
+                                   f"not 0..{L}", first_b)
+        counts: Dict[int, int] = {}
+        for _, kind, s in ops:
+            if kind in FORWARD_KINDS:
+                counts[s] = counts.get(s, 0) + 1
+        recomputed = {s for s, c in counts.items() if c > 1 and s < L}
+        return cls(plan, L, fwd, bwd, recomputed)
+
+
+# ------------------------------------------------------------------------------------ state
+@dataclass
+class Saved:
+    """What ``F_all s`` keeps: the input leaves, the output (with its graph) and, when memory
+    is tracked, the tensors autograd saved."""
+    leaves: Comps
+    out: Comps
+    saved: List[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class RunStats:
+    peak_bytes: int = 0          # peak of activation bytes held (tracked runs only)
+    recomputed_forwards: int = 0
+    offloaded: int = 0
+    prefetched: int = 0
+    op_seconds: Dict[str, float] = field(default_factory=dict)
+
+
+class Collector:
+    """Interface of the Mimose shuttling collector (``mimose_collector.ShuttlingCollector``):
+    the executor hands it the forward-phase run of every ``F_ck`` block."""
+
+    def shuttle(self, s: int, block: nn.Module, run: Any, inp: Comps, rg: Sequence[bool],
+                state: Optional["rng.RngState"], exclude: Set[int]) -> Tuple[Comps, bool]:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class ChainExecutor:
+    """One forward + backward of the blocks following a compiled plan."""
+
+    def __init__(self, blocks: Sequence[nn.Module], cplan: CompiledPlan,
+                 params: Sequence[Sequence[nn.Parameter]], *, track_memory: bool = False,
+                 transfers: Optional[Transfers] = None, collector: Optional[Collector] = None,
+                 param_storages: Optional[Set[int]] = None):
+        self.blocks = blocks
+        self.cplan = cplan
+        self.L = cplan.L
+        self.params = params
+        self.track = track_memory
+        self.transfers = transfers
+        self.collector = collector
+        self.param_storages = param_storages or set()
+        self.xs: Dict[int, Comps] = {}                 # values held as x[s]
+        self.xbars: Dict[int, Saved] = {}              # F_all results
+        self.deltas: Dict[int, Comps] = {}             # gradients w.r.t. x[s]
+        self.host: Dict[int, List[Any]] = {}           # offloaded x[s]
+        self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
+        self.is_tuple: Dict[int, bool] = {}
+        self.rng_states: Dict[int, rng.RngState] = {}
+        self.param_grads: Dict[int, torch.Tensor] = {}
+        self.stats = RunStats()
+        self.devices: List[int] = []
+        seen: Set[int] = set()
+        self.params_unique: List[nn.Parameter] = []  # the ChainFunction's parameter inputs
+        for ps in params:
+            for p in ps:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params_unique.append(p)
+        self.x0_is_tuple = False
+        self.out_layout: List[int] = []
+        self.out_template: Comps = ()
+        self.n_out = 0
+        self.out_is_tuple = False
+
+    # -------------------------------------------------------------------------- helpers
+    def _input(self, s: int, index: int, kind: str) -> Comps:
+        if s in self.xs:
+            comps = self.xs[s]
+            if any(isinstance(c, DeviceCopy) for c in comps):  # a prefetch in flight: wait now
+                comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in comps)
+                self.xs[s] = comps
+            return comps
+        if s - 1 in self.xbars:
+            return tuple(c.detach() if isinstance(c, torch.Tensor) else c
+                         for c in self.xbars[s - 1].out)
+        where = " (it is offloaded: prefetch it first)" if s in self.host else ""
+        raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
+                               f"memory{where}", index)
+
+    def _out_rg(self, s: int, inp: Comps, out: Comps) -> Tuple[bool, ...]:
+        """Which output components of block s need a gradient (as in plain training)."""
+        in_rg = self.rg[s]
+        any_rg = bool(self.params[s]) or any(in_rg)
+        flags = []
+        for o in out:
+            same = next((i for i, c in enumerate(inp) if c is o), None)
+            if same is not None:
+                flags.append(in_rg[same])
+            else:
+                flags.append(_is_diff(o) and any_rg)
+        return tuple(flags)
+
+    def _run_block(self, s: int, args: Comps, index: int, kind: str) -> Tuple[Comps, bool]:
+        versions = [c._version if isinstance(c, torch.Tensor) else None for c in args]
+        try:
+            value = self.blocks[s](*args)
+        except RuntimeError as e:
+            if "leaf Variable that requires grad" in str(e) or "modified by an inplace" in str(e):
+                raise RuntimeError(
+                    f"scheduler.wrap: block {s} modifies its input in place ({e}). The runner "
+                    "keeps block inputs for recomputation, so a block may not write into its "
+                    "input: use the out-of-place op (e.g. relu instead of relu_, inplace=False), "
+                    "or make the in-place op the block's second op onwards.") from e
+            raise
+        for c, v in zip(args, versions):
+            if v is not None and c._version != v:
+                raise RuntimeError(
+                    f"scheduler.wrap: block {s} modified its input in place (op {index}, {kind} "
+                    f"{s}); a recomputed block would see the changed value. Use out-of-place "
+                    "ops on block inputs (e.g. inplace=False on the block's first activation).")
+        return as_components(value, s)
+
+    def _live(self, extra: Sequence[Any] = ()) -> None:
+        if not self.track:
+            return
+        ts: List[Any] = list(extra)
+        for comps in self.xs.values():
+            ts.extend(c.tensor if isinstance(c, DeviceCopy) else c for c in comps)
+        for sv in self.xbars.values():
+            ts.extend(sv.leaves)
+            ts.extend(sv.out)
+            ts.extend(sv.saved)
+        for comps in self.deltas.values():
+            ts.extend(comps)
+        b = accounting.tensors_bytes(ts, self.param_storages)
+        if b > self.stats.peak_bytes:
+            self.stats.peak_bytes = b
+
+    # -------------------------------------------------------------------------- forwards
+    def _forward(self, index: int, kind: str, s: int, first: bool) -> None:
+        if s == self.L:  # the loss: its input x[L] is the chain's output, handed to the caller
+            self._input(s, index, kind)
+            return
+        inp = self._input(s, index, kind)
+        block = self.blocks[s]
+        if first and s in self.cplan.recomputed:
+            self.rng_states[s] = rng.capture(self.devices)
+        ctx_rng = rng.replay(self.rng_states[s]) if not first else _nullcontext()
+        ctx_buf = buffers.frozen_buffers(block) if not first else _nullcontext()
+        if not first:
+            self.stats.recomputed_forwards += 1
+        with ctx_rng, ctx_buf:
+            if kind == "F_all":
+                leaves = tuple(c.detach().requires_grad_(r) if isinstance(c, torch.Tensor) else c
+                               for c, r in zip(inp, self.rg[s]))
+                saved: List[torch.Tensor] = []
+                with torch.enable_grad():
+                    if self.track:
+                        with accounting.recording_saved(saved):
+                            out, is_tuple = self._run_block(s, leaves, index, kind)
+                    else:
+                        out, is_tuple = self._run_block(s, leaves, index, kind)
+                if first:
+                    self.rg[s + 1] = self._out_rg(s, leaves, out)
+                self.xbars[s] = Saved(leaves, out, saved)
+            else:
+                if first and self.collector is not None and kind == "F_ck":
+                    out, is_tuple = self.collector.shuttle(
+                        s, block, lambda args: self._run_block(s, args, index, kind), inp,
+                        self.rg[s], self.rng_states.get(s), self.param_storages)
+                else:
+                    with torch.no_grad():
+                        out, is_tuple = self._run_block(s, inp, index, kind)
+                if first:
+                    self.rg[s + 1] = self._out_rg(s, inp, out)
+                self.xs[s + 1] = out
+        self.is_tuple[s + 1] = is_tuple
+        self._live()
+        if kind == "F_none" and s in self.xs:
+            del self.xs[s]
+
+    # -------------------------------------------------------------------------- backward
+    def _backward(self, index: int, s: int, grads: Optional[Comps] = None) -> None:
+        if s == self.L:
+            self._input(s, index, "B")
+            self.deltas[s] = grads
+            self._live()
+            self.xs.pop(s, None)
+            return
+        if s not in self.xbars:
+            raise InvalidPlanError(f"op {index} (B {s}): needs xbar[{s}]; run F_all {s} first",
+                                   index)
+        if s + 1 not in self.deltas:
+            raise InvalidPlanError(f"op {index} (B {s}): needs delta[{s + 1}]; run B {s + 1} "
+                                   "first", index)
+        sv = self.xbars[s]
+        g = self.deltas[s + 1]
+        outs, gouts = [], []
+        for o, gi in zip(sv.out, g):
+            if isinstance(o, torch.Tensor) and o.requires_grad and gi is not None:
+                outs.append(o)
+                gouts.append(gi)
+        leaf_idx = [i for i, c in enumerate(sv.leaves)
+                    if isinstance(c, torch.Tensor) and c.requires_grad]
+        params = list(self.params[s])
+        wrt = [sv.leaves[i] for i in leaf_idx] + params
+        if outs and wrt:
+            res = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
+        else:
+            res = (None,) * len(wrt)
+        delta = [None] * len(sv.leaves)
+        for k, i in enumerate(leaf_idx):
+            delta[i] = res[k]
+        for p, gp in zip(params, res[len(leaf_idx):]):
+            if gp is None:
+                continue
+            prev = self.param_grads.get(id(p))
+            self.param_grads[id(p)] = gp if prev is None else prev + gp
+        self.deltas[s] = tuple(delta)
+        self._live()
+        del self.xbars[s]
+        del self.deltas[s + 1]
+        self.xs.pop(s, None)
+
+    # ------------------------------------------------------------------------ transfers
+    def _offload(self, index: int, s: int) -> None:
+        if s not in self.xs:
+            raise InvalidPlanError(f"op {index} (offload {s}): x[{s}] is not held in memory",
+                                   index)
+        if self.transfers is None:
+            raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
+        comps = self.xs.pop(s)
+        self.host[s] = [self.transfers.offload(c.get() if isinstance(c, DeviceCopy) else c)
+                        if isinstance(c, (torch.Tensor, DeviceCopy)) else c for c in comps]
+        self.stats.offloaded += 1
+
+    def _prefetch(self, index: int, s: int) -> None:
+        if s not in self.host:
+            raise InvalidPlanError(f"op {index} (prefetch {s}): x[{s}] was never offloaded",
+                                   index)
+        comps = self.host.pop(s)
+        self.xs[s] = tuple(self.transfers.prefetch(c) if isinstance(c, HostCopy) else c
+                           for c in comps)
+        self.stats.prefetched += 1
+        self._live()
+
+    def _do(self, index: int, kind: str, s: int, first: bool, grads: Optional[Comps] = None):
+        if kind in FORWARD_KINDS:
+            self._forward(index, kind, s, first)
+        elif kind == "B":
+            self._backward(index, s, grads)
+        elif kind == "offload":
+            self._offload(index, s)
+        else:
+            self._prefetch(index, s)
+
+    # ------------------------------------------------------------------------ phases
+    def run_forward(self, x0: Comps, x0_is_tuple: bool) -> Tuple[Comps, bool]:
+        """The forward phase; returns the chain's output components."""
+        self.devices = rng.cuda_devices_of(list(x0) + [p for ps in self.params for p in ps[:1]])
+        self.xs[0] = tuple(x0)
+        self.is_tuple[0] = x0_is_tuple
+        self.rg[0] = tuple(isinstance(c, torch.Tensor) and c.requires_grad for c in x0)
+        self._live()
+        for index, kind, s in self.cplan.forward_ops:
+            self._do(index, kind, s, first=kind in FORWARD_KINDS)
+        out = self._input(self.L, len(self.cplan.plan.ops), "output")
+        return out, self.is_tuple[self.L]
+
+    def run_backward(self, grads: Comps) -> Tuple[Comps, List[Optional[torch.Tensor]]]:
+        """The backward phase from the gradient of the output; returns the gradient of the
+        chain's input components and of the parameters (in ``params_unique`` order)."""
+        for k, (index, kind, s) in enumerate(self.cplan.backward_ops):
+            self._do(index, kind, s, first=False, grads=grads if k == 0 else None)
+        leftover = [f"x[{s}]" for s in self.xs] + [f"xbar[{s}]" for s in self.xbars] + \
+                   [f"delta[{s}]" for s in self.deltas if s != 0] + \
+                   [f"offloaded x[{s}]" for s in self.host]
+        if 0 not in self.deltas:
+            raise InvalidPlanError("the plan ends without B 0", len(self.cplan.plan.ops))
+        if leftover:
+            raise InvalidPlanError("the plan ends with " + ", ".join(leftover) +
+                                   " still in memory", len(self.cplan.plan.ops))
+        return self.deltas.pop(0), [self.param_grads.get(id(p)) for p in self.params_unique]
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ------------------------------------------------------------------------------ autograd
+class ChainFunction(torch.autograd.Function):
+    """Runs the forward phase in ``forward`` and the backward phase in ``backward``.
+
+    Inputs: the executor, the number of input components, the input components, then the
+    trainable parameters (so their gradients flow through autograd like any other: works
+    with ``torch.autograd.grad`` and gradient hooks). Outputs: the tensor components of the
+    chain's output, detached from the graphs the executor keeps.
+    """
+
+    @staticmethod
+    def forward(ctx, executor: ChainExecutor, n_in: int, *args: Any):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        x0 = args[:n_in]
+        ctx.executor = executor
+        ctx.n_in = n_in
+        ctx.n_params = len(args) - n_in
+        out, is_tuple = executor.run_forward(tuple(x0), executor.x0_is_tuple)
+        executor.out_layout = [i for i, c in enumerate(out) if isinstance(c, torch.Tensor)]
+        executor.out_template = out
+        executor.n_out = len(out)
+        executor.out_is_tuple = is_tuple
+        rg = executor.rg[executor.L]
+        tensors = [out[i].detach() for i in executor.out_layout]
+        nondiff = [t for t, i in zip(tensors, executor.out_layout) if not rg[i]]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        ex: ChainExecutor = ctx.executor
+        full: List[Optional[torch.Tensor]] = [None] * ex.n_out
+        for i, g in zip(ex.out_layout, grads):
+            full[i] = g
+        d0, gp = ex.run_backward(tuple(full))
+        gx = [d0[i] if i < len(d0) else None for i in range(ctx.n_in)]
+        ctx.executor = None  # free the executor's memory with the graph
+        return (None, None, *gx, *gp)
+

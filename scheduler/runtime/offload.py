@@ -1,0 +1,120 @@
+"""Offload and prefetch of stored activations for pofo plans (seed 001, section 3).
+
+On CUDA: device-to-host copies run on one side stream into pinned host buffers from a
+reusable pool, host-to-device copies on a second side stream; each copy records an event.
+The compute stream waits on a prefetch's event only when the tensor is used, and the
+device memory of an offloaded tensor is handed back to the caching allocator as soon as the
+caller drops it: ``record_stream`` on the copy stream keeps the allocator from reusing it
+while the copy still reads it (the plan's "memory freed when the offload completes").
+
+On CPU (tests, CI) the same bookkeeping runs with plain copies, so the runner's logic is
+exercised without a device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+class PinnedPool:
+    """Pinned host buffers reused by exact byte size. A buffer goes back to the pool with the
+    event of the last copy that reads it, and is handed out again only once that event is done."""
+
+    def __init__(self) -> None:
+        self._free: Dict[int, List[Tuple[torch.Tensor, Optional[object]]]] = {}
+        self.bytes_allocated = 0
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        bucket = self._free.get(nbytes, [])
+        for i, (buf, event) in enumerate(bucket):
+            if event is None or event.query():
+                del bucket[i]
+                return buf
+        self.bytes_allocated += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def give(self, buf: torch.Tensor, event: Optional[object] = None) -> None:
+        self._free.setdefault(buf.numel(), []).append((buf, event))
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+@dataclass
+class HostCopy:
+    """One tensor living on the host: its buffer, shape, dtype, device and the copy's event."""
+    buf: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    event: Optional[object]
+
+    def view(self) -> torch.Tensor:
+        return self.buf.view(self.dtype).view(self.shape)
+
+
+@dataclass
+class DeviceCopy:
+    """A tensor being brought back; ``get()`` makes the current stream wait for it."""
+    tensor: torch.Tensor
+    event: Optional[object]
+    _ready: bool = False
+
+    def get(self) -> torch.Tensor:
+        if not self._ready and self.event is not None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+            stream.wait_event(self.event)
+            self.tensor.record_stream(stream)
+        self._ready = True
+        return self.tensor
+
+
+class Transfers:
+    """The two copy streams and the pinned pool of one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pool = PinnedPool()
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+        self.offloaded_bytes = 0
+        self.prefetched_bytes = 0
+
+    def offload(self, t: torch.Tensor) -> HostCopy:
+        nbytes = t.numel() * t.element_size()
+        buf = self.pool.take(nbytes, pin=self.cuda)
+        host = buf.view(t.dtype).view(t.shape) if nbytes else buf.view(t.dtype).reshape(t.shape)
+        event = None
+        if self.cuda:
+            compute = torch.cuda.current_stream(t.device)
+            self.d2h.wait_stream(compute)  # the tensor is complete before we read it
+            with torch.cuda.stream(self.d2h):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.d2h)
+            t.record_stream(self.d2h)  # no reuse of t's memory until the copy is done
+        else:
+            host.copy_(t)
+        self.offloaded_bytes += nbytes
+        return HostCopy(buf, t.shape, t.dtype, t.device, t.requires_grad, event)
+
+    def prefetch(self, h: HostCopy) -> DeviceCopy:
+        event = None
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                if h.event is not None:
+                    self.h2d.wait_event(h.event)  # the offload has finished writing the host copy
+                dev = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+                dev.copy_(h.view(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.h2d)
+        else:
+            dev = h.view().clone()
+        self.pool.give(h.buf, event)  # reusable once the host-to-device copy has read it
+        self.prefetched_bytes += h.buf.numel()
+        return DeviceCopy(dev, event)
