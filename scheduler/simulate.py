@@ -1,10 +1,500 @@
-"""Event simulator (issue 4): any Plan on any Chain -> makespan, peak, idle, timeline."""
-from typing import Any
+"""Event simulator: any Plan on any Chain -> makespan, peak memory, idle time, timeline, trace.
+
+This is THE memory and time model of the project (DESIGN.md "The chain model"); every
+planner's prediction must agree with it, and the exhaustive test oracle scores plans with it.
+
+Items in memory
+---------------
+``x[s]`` (size ``chain.x[s]``; ``x[L+1]``, the loss value, has size 0), ``xbar[s]``
+(``chain.xbar[s]``, which holds the output ``x[s+1]`` too) and ``delta[s]``
+(``chain.delta[s]``). At time 0 only ``x[0]`` is stored; it counts in every number below.
+"The input of stage s" is ``x[s]`` if stored, else ``xbar[s-1]``.
+
+Compute ops (one compute stream, in plan order)
+-----------------------------------------------
+Memory *during* an op = everything stored + the op's outputs + its ``*_tmp``; outputs and
+tmp are allocated when the op starts, tmp and the consumed items are freed when it ends.
+
+===========  =========================================  ================  =====================
+op           needs in memory                            adds              frees at its end
+===========  =========================================  ================  =====================
+``F_all s``  the input of stage s                       ``xbar[s]``       ``fw_tmp[s]``
+``F_ck s``   the input of stage s (kept)                ``x[s+1]``        ``fw_tmp[s]``
+``F_none s`` the input of stage s                       ``x[s+1]``        ``fw_tmp[s]``, the input
+                                                                          if it is held as ``x[s]``
+``B s``      ``xbar[s]``, the input of stage s,         ``delta[s]``      ``bw_tmp[s]``, ``xbar[s]``,
+             ``delta[s+1]`` (not for the loss, s = L)                     ``delta[s+1]``, the input
+                                                                          if it is held as ``x[s]``
+===========  =========================================  ================  =====================
+
+``F_*`` take ``fw[s]`` seconds, ``B s`` takes ``bw[s]``. Producing an item that is already
+stored (on the GPU, in flight, or offloaded) is an error: plans never hold two copies.
+A complete plan ends with ``delta[0]`` produced (B 0 ran); ``complete=False`` allows prefixes.
+
+Transfers (seed 001 section 3, seed 000 assumptions A-D)
+--------------------------------------------------------
+``offload s`` / ``prefetch s`` move what is stored as the input of stage s (``x[s]``, else
+``xbar[s-1]``) to / from host memory. There is ONE transfer channel: transfers run one at a
+time in plan order, each taking ``size / bandwidth`` seconds (bandwidth in bytes/s), and they
+overlap compute. A transfer is *issued* when every compute op listed before it has finished
+(the compute stream has reached its position in the plan); it starts at the latest of its
+issue time and the end of the previous transfer (and, under a memory limit, once a
+prefetch's reservation fits).
+
+* offload: the item stays in GPU memory (and counts) while the copy is in flight and is
+  freed the instant the copy completes. Compute ops listed after the offload may still
+  *read* it as long as the copy has not completed before they start (this is how
+  ``offload s; F_ck s`` overlaps the copy of x[s] with the forward that reads it, as in
+  seeds 000/001); they may not *consume* it (F_none's or B's frees): prefetch it first.
+* prefetch: needs an earlier offload of the item; reserves its full size in GPU memory when
+  the copy starts; a compute op that needs the item waits until the copy completes.
+
+``bandwidth=None`` means there is no transfer channel: a plan with an offload or prefetch
+is rejected (so is any transfer with bandwidth 0). ``float('inf')`` makes transfers
+instantaneous. Strings such as ``"12GB"`` are read as bytes per second.
+
+Memory limit and idle time (seed 001 Lemma 1)
+---------------------------------------------
+With ``memory=None`` nothing ever waits for memory: ops start as soon as their data and
+resource are ready, and the peak is reported. With ``memory=M`` the simulator enforces M
+with a no-wait policy (seed 000 Proposition 1): a compute op or a prefetch starts at the
+first instant when, on top of what is in memory, its allocations fit under M (offloads
+completing make room); ties go to the op listed first. This reproduces Lemma 1's idle time
+``eps = max(0, (max_o(M_o - beta*d_o) - m_min) / beta)`` for whole-activation transfers. A
+plan that can never fit raises ``InvalidPlanError`` at the blocked op.
+``idle_time = makespan - compute_time``: the time the compute stream waits for prefetched
+data, for memory, or for trailing transfers.
+
+Events at the same instant: completions (frees) come before starts (allocations), and ties
+go by plan order, so memory during an op is exactly the Table-1 sum above.
+
+Allocation trace (the brief's contract 2)
+-----------------------------------------
+``SimResult.alloc_trace`` = ``{"meta": {...}, "events": [{"action", "id", "size", "stream",
+"time"}]}`` in time order; stream 0 = compute, 1 = the transfer channel (prefetch buffers).
+Sizes are bytes, rounded up to whole bytes for fractional chains; zero-size items are not
+traced; items still stored at the end (``delta[0]``) have no free event
+(``meta["live_at_end"]`` lists their ids). ``SimResult.trace_json(path)`` writes it
+(gzip when the path ends in ``.gz``).
+"""
+from __future__ import annotations
+
+import gzip
+import heapq
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from .chain import Chain
+from .errors import InvalidPlanError
+from .plan import FORWARD_KINDS, Plan
+
+Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
+COMPUTE_STREAM, TRANSFER_STREAM = 0, 1
 
 
-class SimResult:  # placeholder until issue 4 lands
-    pass
+def _name(key: Key) -> str:
+    return f"{key[0]}[{key[1]}]"
 
 
-def simulate(chain: Any, plan: Any, bandwidth: Any = None) -> SimResult:
-    raise NotImplementedError("scheduler.simulate is not built yet")
+@dataclass
+class Step:
+    """What happened to one op of the plan."""
+
+    index: int
+    kind: str
+    stage: int
+    start: float = 0.0
+    end: float = 0.0
+    memory_before: float = 0.0   # in memory when it started, before its own allocations
+    memory_after: float = 0.0    # in memory right after it completed
+    peak: float = 0.0            # the most memory in use while it ran
+    wait: float = 0.0            # compute: idle time of the compute stream just before it;
+    #                              transfer: delay between being issued and starting
+    item: str = ""               # transfers: which item moved ("x[3]", "xbar[2]")
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    peak_memory: float
+    compute_time: float
+    idle_time: float
+    transfer_time: float
+    final_memory: float
+    peak_index: int                         # op running when the peak was first reached (-1: x[0])
+    timeline: List[Tuple[float, float]]     # (time, memory in use from then on), one per change
+    steps: List[Step]
+    alloc_trace: Dict[str, Any] = field(repr=False)
+    bandwidth: Optional[float] = None
+    memory_limit: Optional[float] = None
+
+    def trace_json(self, path: Optional[str] = None) -> str:
+        """The allocation trace as JSON text; also written to ``path`` if given
+        (gzip-compressed when it ends in ``.gz``)."""
+        text = json.dumps(self.alloc_trace)
+        if path is not None:
+            opener = gzip.open if str(path).endswith(".gz") else open
+            with opener(path, "wt") as f:
+                f.write(text)
+        return text
+
+
+# ---------------------------------------------------------------------------------- input
+def _number(value: Any, name: str, allow_inf: bool = False) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        from vmalloc.sizes import parse_size  # vmalloc.sizes is torch-free
+        return parse_size(value, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name}: must be a non-negative {'number' if allow_inf else 'finite number'}, got {value!r}")
+    return value
+
+
+def _size(chain: Chain, key: Key) -> float:
+    kind, s = key
+    if kind == "x":
+        return chain.x[s] if s <= chain.L else 0  # x[L+1]: the loss value
+    return getattr(chain, kind)[s]
+
+
+# ------------------------------------------------------------------ pass 1: data flow
+@dataclass
+class _Compute:
+    dur: float
+    allocs: List[Tuple[Any, float]]          # (key or ("tmp", i), size), at start
+    frees: List[Any]                         # at end
+    wait_for: List[int]                      # prefetch ops whose copy must be complete
+    reads_offloaded: List[Tuple[Key, int]]   # (item, offload op): copy must not be done before start
+
+
+@dataclass
+class _Transfer:
+    key: Key
+    size: float
+    offload_op: int = -1                     # prefetch: the offload it undoes
+
+
+def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
+                    complete: bool) -> List[Union[_Compute, _Transfer]]:
+    """Check the plan op by op (what is stored where) and say what each op allocates,
+    frees and waits for. Time-dependent checks happen in the event loop."""
+    L = chain.L
+    # state: key -> ("gpu", -1) | ("pre", prefetch op) | ("off", offload op)
+    state: Dict[Key, Tuple[str, int]] = {("x", 0): ("gpu", -1)}
+    out: List[Union[_Compute, _Transfer]] = []
+
+    def fail(i: int, msg: str) -> None:
+        op = plan.ops[i]
+        raise InvalidPlanError(f"op {i} ({op.kind} {op.stage}): {msg}", i)
+
+    def input_of(s: int) -> Optional[Key]:
+        if ("x", s) in state:
+            return ("x", s)
+        if s > 0 and ("xbar", s - 1) in state:
+            return ("xbar", s - 1)
+        return None
+
+    def use(i: int, key: Key, consume: bool, c: _Compute) -> None:
+        where, j = state[key]
+        if where == "pre":
+            c.wait_for.append(j)
+        elif where == "off":
+            if consume:
+                fail(i, f"{_name(key)} was offloaded by op {j}; prefetch it before this op frees it")
+            c.reads_offloaded.append((key, j))
+
+    def produce(i: int, key: Key, c: _Compute) -> None:
+        if key in state:
+            where, j = state[key]
+            what = {"gpu": "is already in memory", "pre": f"is already prefetched (op {j})",
+                    "off": f"was offloaded by op {j}: prefetch it instead of recomputing it"}[where]
+            fail(i, f"{_name(key)} {what}")
+        state[key] = ("gpu", -1)
+        c.allocs.append((key, _size(chain, key)))
+
+    for i, op in enumerate(plan.ops):
+        kind, s = op.kind, op.stage
+        if s > L:
+            fail(i, f"stage {s} is out of range (the chain has stages 0..{L})")
+        if kind in ("offload", "prefetch"):
+            if bandwidth is None:
+                fail(i, "transfers need a bandwidth (simulate(..., bandwidth=bytes per second))")
+            if bandwidth == 0:
+                fail(i, "bandwidth is 0: a transfer would never finish")
+            cands = [("x", s)] + ([("xbar", s - 1)] if s > 0 else [])
+            if kind == "offload":
+                key = next((k for k in cands if k in state and state[k][0] in ("gpu", "pre")), None)
+                if key is None:
+                    fail(i, f"nothing stored as the input of stage {s} is in GPU memory")
+                state[key] = ("off", i)
+                out.append(_Transfer(key, _size(chain, key)))
+            else:
+                key = next((k for k in cands if k in state and state[k][0] == "off"), None)
+                if key is None:
+                    fail(i, f"nothing stored as the input of stage {s} was offloaded")
+                out.append(_Transfer(key, _size(chain, key), offload_op=state[key][1]))
+                state[key] = ("pre", i)
+            continue
+
+        c = _Compute(dur=chain.fw[s] if kind in FORWARD_KINDS else chain.bw[s],
+                     allocs=[], frees=[], wait_for=[], reads_offloaded=[])
+        inp = input_of(s)
+        if inp is None:
+            fail(i, f"its input is not in memory (needs x[{s}]" + (f" or xbar[{s - 1}])" if s else ")"))
+        if kind in FORWARD_KINDS:
+            consumed = kind == "F_none" and inp == ("x", s)
+            use(i, inp, consumed, c)
+            produce(i, ("xbar", s) if kind == "F_all" else ("x", s + 1), c)
+            c.allocs.append((("tmp", i), chain.fw_tmp[s]))
+            c.frees.append(("tmp", i))
+            if consumed:
+                c.frees.append(inp)
+                del state[inp]
+        else:  # B
+            if ("xbar", s) not in state:
+                fail(i, f"xbar[{s}] is not in memory (B {s} needs F_all {s} first)")
+            needs = [("xbar", s), inp] + ([("delta", s + 1)] if s < L else [])
+            if s < L and ("delta", s + 1) not in state:
+                fail(i, f"delta[{s + 1}] is not in memory (B {s + 1} must run before B {s})")
+            for key in needs:
+                use(i, key, key != inp or key == ("x", s), c)
+            produce(i, ("delta", s), c)
+            c.allocs.append((("tmp", i), chain.bw_tmp[s]))
+            c.frees.append(("tmp", i))
+            for key in needs:
+                if key != inp or key == ("x", s):
+                    c.frees.append(key)
+                    del state[key]
+        out.append(c)
+
+    if complete and ("delta", 0) not in state:
+        raise InvalidPlanError(
+            f"op {len(plan.ops)} (end of plan): the plan ends before B 0 "
+            "(delta[0] was never produced); pass complete=False to simulate a prefix",
+            len(plan.ops))
+    return out
+
+
+# ------------------------------------------------------------------ pass 2: event loop
+def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = None, *,
+             memory: Optional[Union[float, str]] = None, complete: bool = True) -> SimResult:
+    """Execute ``plan`` on ``chain``; see the module docstring for the exact semantics.
+
+    ``bandwidth``: host<->device bytes per second (None: transfers are not allowed).
+    ``memory``: a limit to enforce by waiting (None: never wait, just report the peak).
+    ``complete``: require the plan to finish the backward (B 0).
+    Raises ``InvalidPlanError`` (with ``.index``) for an op that cannot run.
+    """
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan: expected a scheduler.Plan, got {type(plan).__name__}")
+    bw = _number(bandwidth, "bandwidth", allow_inf=True)
+    limit = _number(memory, "memory")
+    flow = _plan_data_flow(chain, plan, bw, complete)
+    ops = plan.ops
+    n = len(ops)
+    tol = 1e-9 * max(1.0, limit) if limit is not None else 0.0
+
+    steps = [Step(i, op.kind, op.stage) for i, op in enumerate(ops)]
+    comp = [i for i in range(n) if isinstance(flow[i], _Compute)]
+    xfer = [i for i in range(n) if isinstance(flow[i], _Transfer)]
+    n_comp_before = {}
+    seen = 0
+    for i in range(n):
+        if isinstance(flow[i], _Compute):
+            seen += 1
+        else:
+            n_comp_before[i] = seen
+
+    # memory and trace bookkeeping
+    x0 = _size(chain, ("x", 0))
+    mem: float = 0  # x[0] is allocated below (ints stay ints on integer chains)
+    peak, peak_index = x0, -1
+    timeline: List[Tuple[float, float]] = [(0.0, x0)]
+    events: List[Dict[str, Any]] = []
+    ids: Dict[Any, Tuple[int, int, int]] = {}   # key -> (trace id, bytes, stream)
+    next_id = [0]
+    running: List[int] = []                     # ops running now (peaks follow memory)
+
+    def bytes_of(v: float) -> int:
+        return int(v) if float(v).is_integer() else int(math.ceil(v))
+
+    def changed(t: float) -> None:
+        nonlocal peak, peak_index
+        if timeline[-1][0] == t:
+            timeline[-1] = (t, mem)
+        else:
+            timeline.append((t, mem))
+        for j in running:
+            steps[j].peak = max(steps[j].peak, mem)
+        if mem > peak:
+            peak = mem
+            peak_index = next((j for j in running if isinstance(flow[j], _Compute)),
+                              running[0] if running else -1)
+
+    def alloc(t: float, key: Any, size: float, stream: int) -> None:
+        nonlocal mem
+        mem += size
+        if size > 0:
+            b = bytes_of(size)
+            ids[key] = (next_id[0], b, stream)
+            events.append({"action": "alloc", "id": next_id[0], "size": b, "stream": stream,
+                           "time": t})
+            next_id[0] += 1
+
+    def free(t: float, key: Any, size: float) -> None:
+        nonlocal mem
+        mem -= size
+        if size > 0:
+            tid, b, stream = ids.pop(key)
+            events.append({"action": "free", "id": tid, "size": b, "stream": stream, "time": t})
+
+    alloc(0.0, ("x", 0), x0, COMPUTE_STREAM)
+
+    t: float = 0
+    ci = xi = 0
+    comp_running: Optional[int] = None
+    xfer_running: Optional[int] = None
+    compute_free_at = 0.0
+    channel_free_at = 0.0
+    comp_done = 0
+    done_at: Dict[int, float] = {}            # transfer op -> completion time
+    heap: List[Tuple[float, int]] = []
+    compute_time = transfer_time = 0.0
+    comp_end: List[float] = []                # end time of the k-th compute op
+
+    def start_compute(i: int) -> None:
+        nonlocal comp_running
+        c = flow[i]
+        st = steps[i]
+        st.start, st.wait, st.memory_before = t, t - compute_free_at, mem
+        running.append(i)
+        st.peak = mem
+        for key, size in c.allocs:
+            alloc(t, key, size, COMPUTE_STREAM)
+        changed(t)
+        comp_running = i
+        heapq.heappush(heap, (t + c.dur, i))
+
+    def start_transfer(i: int) -> None:
+        nonlocal xfer_running
+        tr = flow[i]
+        st = steps[i]
+        k = n_comp_before[i]
+        issued = comp_end[k - 1] if k else 0.0
+        st.start, st.memory_before, st.item = t, mem, _name(tr.key)
+        st.wait = t - issued
+        st.peak = mem
+        running.append(i)
+        if ops[i].kind == "prefetch":
+            alloc(t, tr.key, tr.size, TRANSFER_STREAM)
+            changed(t)
+        xfer_running = i
+        dur = 0.0 if tr.size == 0 or math.isinf(bw) else tr.size / bw
+        heapq.heappush(heap, (t + dur, i))
+
+    def finish(i: int) -> None:
+        nonlocal comp_running, xfer_running, comp_done, compute_free_at, channel_free_at
+        nonlocal ci, xi, compute_time, transfer_time
+        f = flow[i]
+        st = steps[i]
+        st.end = t
+        if isinstance(f, _Compute):
+            for key in f.frees:
+                free(t, key, _alloc_size(i, key))
+            comp_running, compute_free_at = None, t
+            comp_done += 1
+            comp_end.append(t)
+            ci += 1
+            compute_time += f.dur
+        else:
+            if ops[i].kind == "offload":
+                free(t, f.key, f.size)
+            done_at[i] = t
+            xfer_running, channel_free_at = None, t
+            xi += 1
+            transfer_time += t - st.start
+        running.remove(i)
+        changed(t)
+        st.memory_after = mem
+
+    # sizes of what each compute op frees: its tmp, or a stored item (whatever its size was)
+    def _alloc_size(i: int, key: Any) -> float:
+        if key[0] == "tmp":
+            return dict(flow[i].allocs)[key]
+        return _size(chain, key)
+
+    def compute_blocker(i: int) -> Optional[str]:
+        c = flow[i]
+        for j in c.wait_for:
+            if j not in done_at:
+                return f"waits for the prefetch at op {j}"
+        for key, j in c.reads_offloaded:
+            if j in done_at and done_at[j] < t:
+                raise InvalidPlanError(
+                    f"op {i} ({ops[i].kind} {ops[i].stage}): {_name(key)} was offloaded by op {j} "
+                    f"and its copy completed at t={done_at[j]:g}, before this op starts at "
+                    f"t={t:g}; prefetch it first", i)
+        if limit is not None:
+            need = sum(size for _, size in c.allocs)
+            if mem + need > limit + tol:
+                return f"needs {need:g} more but {mem:g} of the limit {limit:g} is in use"
+        return None
+
+    def transfer_blocker(i: int) -> Optional[str]:
+        if comp_done < n_comp_before[i]:
+            return "not issued yet"
+        if ops[i].kind == "prefetch" and limit is not None:
+            size = flow[i].size
+            if mem + size > limit + tol:
+                return f"needs {size:g} more but {mem:g} of the limit {limit:g} is in use"
+        return None
+
+    while True:
+        while heap and heap[0][0] <= t:
+            _, i = heapq.heappop(heap)
+            finish(i)
+        started = False
+        cands = []
+        if comp_running is None and ci < len(comp):
+            cands.append(comp[ci])
+        if xfer_running is None and xi < len(xfer):
+            cands.append(xfer[xi])
+        reasons = {}
+        for i in sorted(cands):
+            why = compute_blocker(i) if isinstance(flow[i], _Compute) else transfer_blocker(i)
+            if why is None:
+                (start_compute if isinstance(flow[i], _Compute) else start_transfer)(i)
+                started = True
+                break  # a zero-length op may complete at t: settle that before the next start
+            reasons[i] = why
+        if started:
+            continue
+        if heap:
+            t = heap[0][0]
+            continue
+        if ci >= len(comp) and xi >= len(xfer):
+            break
+        i = min(reasons)
+        raise InvalidPlanError(
+            f"op {i} ({ops[i].kind} {ops[i].stage}) can never start: {reasons[i]}, and nothing "
+            "running can free memory", i)
+
+    makespan = max(compute_free_at, channel_free_at)
+    live = sorted(v[0] for v in ids.values())
+    trace = {"meta": {"source": "scheduler.simulate", "chain": chain.name, "planner": plan.planner,
+                      "units": {"size": "bytes", "time": "s"},
+                      "streams": {"0": "compute", "1": "transfer (prefetch buffers)"},
+                      "bandwidth": bw, "memory_limit": limit, "makespan": makespan,
+                      "peak_memory": peak, "live_at_end": live},
+             "events": events}
+    return SimResult(makespan=makespan, peak_memory=peak, compute_time=compute_time,
+                     idle_time=makespan - compute_time, transfer_time=transfer_time,
+                     final_memory=mem, peak_index=peak_index, timeline=timeline, steps=steps,
+                     alloc_trace=trace, bandwidth=bw, memory_limit=limit)

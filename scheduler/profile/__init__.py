@@ -1,1 +1,17 @@
-"""Chains of real models: measured on a device, or derived on the meta device (issue 4)."""
+"""Chains of real models: measured on a device, or derived on the meta device (issue 4).
+
+``meta_chain(blocks, input_shape)`` needs no GPU and no compute (sizes exact, times from the
+documented cost model in ``cost``); ``measure_chain(blocks, sample_input)`` is rotor's parameter
+estimation (seed 002, section 5.1) on a real device. Both import torch; the planners do not.
+"""
+from .cost import V100_BYTES_PER_S, V100_FLOPS_PER_S, CostModel
+from .meta import meta_chain
+
+__all__ = ["CostModel", "V100_BYTES_PER_S", "V100_FLOPS_PER_S", "meta_chain", "measure_chain"]
+
+
+def __getattr__(name: str):
+    if name == "measure_chain":
+        from .measure import measure_chain
+        return measure_chain
+    raise AttributeError(f"module 'scheduler.profile' has no attribute {name!r}")

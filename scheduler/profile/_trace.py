@@ -1,0 +1,252 @@
+"""Shared machinery of the two profilers: what a stage saves, and which tensors are live when.
+
+Sizes are counted per *storage* (the memory a tensor actually holds), so views and in-place
+results are never counted twice. A storage is identified by its ``StorageImpl`` address
+(``untyped_storage()._cdata``), which works on the ``meta`` device too (there every data pointer
+is 0). While a trace runs it keeps every tensor it has seen alive, so no address is reused.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Tensors = Tuple[torch.Tensor, ...]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, leaving out the keys in ``exclude``."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s._cdata not in exclude:
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def dense_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def grad_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Size of the gradient with respect to ``tensors``: dense, one per differentiable tensor."""
+    return sum(dense_bytes(t) for t in tensors if t.requires_grad)
+
+
+def as_tensors(value: Any, where: str) -> Tensors:
+    """A block's output as a tuple of tensors; anything else is rejected with a clear message."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    kinds = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+        f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    raise TypeError(f"{where}: a block must return a tensor or a non-empty tuple/list of tensors "
+                    f"(passed to the next block as positional arguments), got {kinds}")
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def fresh_inputs(values: Tensors, requires_grad: bool) -> Tensors:
+    """The inputs of a stage as the chain runtime sees them: detached from the previous stage,
+    requiring grad where they can carry one (so the block saves what it saves mid-network)."""
+    return tuple(v.detach().requires_grad_(requires_grad and differentiable(v)) for v in values)
+
+
+def call_block(block: Callable[..., Any], inputs: Tensors, index: int) -> Tensors:
+    try:
+        out = block(*inputs)
+    except RuntimeError as e:
+        if "in-place" in str(e) or "inplace" in str(e):
+            raise RuntimeError(
+                f"model_blocks[{index}] modifies its input in place, which a chain cannot profile "
+                f"or checkpoint (the input is the previous stage's stored output): {e}") from e
+        raise
+    return as_tensors(out, f"model_blocks[{index}]")
+
+
+# ----------------------------------------------------------------------------------- losses
+LOSSES = ("cross_entropy", "sum", "mse")
+
+
+def make_loss(loss: Any) -> Callable[..., torch.Tensor]:
+    """The loss stage L. ``"cross_entropy"`` (default): classes along the last dimension of the
+    network output, fixed targets (class 0), mean reduction: what classifiers and language models
+    train with. ``"sum"``: the sum of every differentiable output. ``"mse"``: mean squared error
+    against zeros. Or any callable ``loss(*outputs) -> scalar tensor``."""
+    if callable(loss):
+        return loss
+    if loss in ("sum", "mse"):
+        def reduce(*outs: torch.Tensor) -> torch.Tensor:
+            total = None
+            for o in outs:
+                if differentiable(o):
+                    term = o.sum() if loss == "sum" else o.square().mean()
+                    total = term if total is None else total + term
+            if total is None:
+                raise ValueError(f"loss={loss!r}: the last block returned no floating tensor")
+            return total
+        return reduce
+    if loss == "cross_entropy":
+        def cross_entropy(*outs: torch.Tensor) -> torch.Tensor:
+            if len(outs) != 1 or not differentiable(outs[0]) or outs[0].dim() < 1:
+                raise ValueError(
+                    "loss='cross_entropy' needs the last block to return one floating tensor of "
+                    "logits (classes along the last dimension); pass loss='sum' or a callable")
+            logits = outs[0].reshape(-1, outs[0].shape[-1])
+            target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+            return F.cross_entropy(logits, target)
+        return cross_entropy
+    raise ValueError(f"loss: expected one of {LOSSES} or a callable, got {loss!r}")
+
+
+# ------------------------------------------------------------------------- CUDA-like dropout
+class CudaLikeDropout(TorchFunctionMode):
+    """Routes ``F.dropout`` to ``torch.native_dropout``, the fused kernel CUDA uses, which saves a
+    1-byte bool mask. On CPU and meta, ``F.dropout`` saves a float mask (4 bytes per element);
+    a chain derived for a GPU should count what the GPU keeps. Same distribution, same shapes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if training and 0 < p < 1 and not inplace:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the op tracer
+_FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
+              "ones", "full", "zeros_like", "ones_like", "full_like", "scalar_tensor"}
+
+
+class OpTracer(TorchDispatchMode):
+    """Records, for every ATen op, the storages it reads and writes, and the bytes it moves.
+
+    ``traffic`` (bytes) is what the cost model charges against the memory bandwidth: tensor
+    inputs plus outputs of every op that is not a pure view (views, ``detach``, factories move
+    nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
+        self.sizes: Dict[int, int] = {}
+        self.traffic = 0
+        self._keep: List[Any] = []
+
+    def _key(self, t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        k = s._cdata
+        n = s.nbytes()
+        if n > self.sizes.get(k, -1):
+            self.sizes[k] = n
+        return k
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        self.ops.append((tuple(self._key(t) for t in ins), tuple(self._key(t) for t in outs)))
+        rets = func._schema.returns
+        view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
+        if not view and name not in _FACTORIES:
+            self.traffic += sum(dense_bytes(t) for t in ins) + sum(dense_bytes(t) for t in outs)
+        self._keep.append((args, kwargs, out))  # no storage is freed (and its address reused)
+        return out
+
+    def peak_live(self, skip: Set[int], keep: Set[int] = frozenset()) -> int:
+        """Peak bytes of storages created during the trace, each freed right after its last use
+        (eager freeing, as PyTorch's caching allocator does when the last reference dies).
+
+        ``skip``: storages not counted (the stage's inputs, parameters, outputs...). ``keep``:
+        storages that, once created, stay until the end (what autograd saves). Storages first
+        seen as an *input* of an op existed before the trace and are not counted."""
+        n = len(self.ops)
+        birth: Dict[int, int] = {}
+        last: Dict[int, int] = {}
+        known: Set[int] = set()
+        for i, (reads, writes) in enumerate(self.ops):
+            for k in reads:
+                if k not in known:
+                    known.add(k)  # pre-existing storage: never born here
+                elif k in birth:
+                    last[k] = i
+            for k in writes:
+                if k not in known:
+                    known.add(k)
+                    if k not in skip:
+                        birth[k] = i
+                if k in birth:
+                    last[k] = i
+        diff = [0] * (n + 1)
+        for k, b in birth.items():
+            end = n if k in keep else last[k] + 1
+            diff[b] += self.sizes[k]
+            diff[min(end, n)] -= self.sizes[k]
+        peak = cur = 0
+        for i in range(n):
+            cur += diff[i]
+            peak = max(peak, cur)
+        return peak
+
+
+class SavedTensors:
+    """``saved_tensors_hooks`` that keep a reference to everything autograd saves."""
+
+    def __init__(self) -> None:
+        self.tensors: List[torch.Tensor] = []
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.tensors.append(t)
+        return t
+
+    def __enter__(self) -> "SavedTensors":
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+    def keys(self) -> Set[int]:
+        return {storage_key(t) for t in self.tensors}
+
+
+def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Tensors, inputs: Tensors,
+               state_keys: Set[int]) -> int:
+    """What the forward of a stage keeps for its backward, output included (DESIGN.md ``xbar``):
+    the distinct storages autograd saved plus those of the outputs, less the stage's input
+    (stored as ``x[s]``, or inside ``xbar[s-1]``) and less parameters and buffers (weights are not
+    activations). The outputs count even when they alias the input, so ``xbar[s] >= x[s+1]``."""
+    out_keys = {storage_key(t) for t in outputs}
+    exclude = ({storage_key(t) for t in inputs} | state_keys) - out_keys
+    return storage_bytes(list(saved) + list(outputs), exclude)
+
+
+def requires_grad_leaves(inputs: Tensors, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    return [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
+
+
+def backward(outputs: Tensors, grads: Tensors, wrt: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    """Backward of one stage: gradients w.r.t. its inputs and parameters (not accumulated into
+    ``.grad``, so profiling leaves the model untouched)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+    if not pairs or not wrt:
+        return ()
+    return torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                               allow_unused=True)

@@ -1,0 +1,193 @@
+"""Derive a chain without a GPU: exact sizes from the ``meta`` device, times from a cost model.
+
+Every block runs on meta tensors (shapes and dtypes, no data, no compute), one stage at a time,
+with its input detached and requiring grad as in the middle of a network:
+
+* ``x[s]``      bytes of the distinct storages of the stage's input(s) (``x[0]``: the network input);
+* ``xbar[s]``   what autograd saves for the stage's backward (``saved_tensors_hooks``), distinct
+                storages, without the input (held as ``x[s]``) and without parameters/buffers,
+                plus the output (``xbar[s] >= x[s+1]``);
+* ``delta[s]``  bytes of the gradient w.r.t. the input: dense, one per floating input
+                (``= x[s]`` for a contiguous floating input; 0 for token ids);
+* ``fw_tmp[s]`` transient memory of the forward: the larger of
+                (a) the peak of intermediates in a no-grad forward (F_none: nothing saved, each
+                    intermediate freed after its last use), beyond input and output, and
+                (b) the peak of a saving forward (F_all) beyond the stored ``xbar[s]``;
+                so ``stored + x[s+1] + fw_tmp`` and ``stored + xbar[s] + fw_tmp`` both bound the
+                real peak (the chain model has one ``fw_tmp`` for both kinds of forward);
+* ``bw_tmp[s]`` peak of the gradients created inside the backward that are neither ``delta[s]``
+                nor parameter gradients (those are persistent ``.grad`` memory, not activations);
+* ``fw[s]``, ``bw[s]``: ``CostModel.seconds(FLOPs, bytes moved)`` of the forward / backward ops.
+
+Stage ``L`` is the loss (``loss=``, default cross entropy over the last dimension).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..chain import Chain
+from . import _trace as T
+from .cost import V100_BYTES_PER_S, V100_FLOPS_PER_S, CostModel
+
+Shape = Sequence[int]
+
+
+def _check_blocks(model_blocks: Any) -> List[nn.Module]:
+    if isinstance(model_blocks, nn.Module) and not isinstance(model_blocks, (nn.Sequential, nn.ModuleList)):
+        raise TypeError("model_blocks: expected a sequence of nn.Module blocks (a list, nn.Sequential "
+                        f"or nn.ModuleList), got a single {type(model_blocks).__name__}")
+    try:
+        blocks = list(model_blocks)
+    except TypeError:
+        raise TypeError("model_blocks: expected a sequence of nn.Module blocks, got "
+                        f"{type(model_blocks).__name__}") from None
+    if not blocks:
+        raise ValueError("model_blocks: empty; a chain needs at least one block")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"model_blocks[{i}]: expected an nn.Module, got {type(b).__name__}")
+    return blocks
+
+
+def _check_shape(shape: Any, name: str) -> Tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)):
+        raise ValueError(f"{name}: expected a sequence of non-negative ints, got {shape!r}")
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"{name}: dimensions must be non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _input_shapes(input_shape: Any) -> List[Tuple[int, ...]]:
+    """One shape, or a tuple of shapes for a network that takes several tensors."""
+    if isinstance(input_shape, (tuple, list)) and input_shape and \
+            all(isinstance(s, (tuple, list, torch.Size)) for s in input_shape):
+        return [_check_shape(s, f"input_shape[{i}]") for i, s in enumerate(input_shape)]
+    return [_check_shape(input_shape, "input_shape")]
+
+
+def _check_dtypes(input_dtype: Any, n: int) -> List[torch.dtype]:
+    dtypes = list(input_dtype) if isinstance(input_dtype, (tuple, list)) else [input_dtype] * n
+    if len(dtypes) != n or not all(isinstance(d, torch.dtype) for d in dtypes):
+        raise ValueError(f"input_dtype: expected a torch.dtype (or one per input shape, {n}), "
+                         f"got {input_dtype!r}")
+    return dtypes
+
+
+def _meta_state(block: nn.Module) -> Dict[str, torch.Tensor]:
+    """Meta stand-ins for a block's parameters and buffers (its real weights are never copied)."""
+    state: Dict[str, torch.Tensor] = {}
+    for n, p in block.named_parameters():
+        m = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta")
+        state[n] = nn.Parameter(m, requires_grad=p.requires_grad)
+    for n, b in block.named_buffers():
+        state[n] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="meta")
+    return state
+
+
+def profile_stage(fn: Any, inputs: T.Tensors, params: Sequence[torch.Tensor],
+                  state_keys: set, index: int, cuda_dropout: bool) -> Tuple[T.Tensors, Dict[str, float]]:
+    """Sizes, FLOPs and bytes of one stage (a block or the loss) on whatever device ``inputs``
+    live on. Returns the stage's outputs and a dict of its numbers."""
+    saved = T.SavedTensors()
+    f_trace, f_flops = T.OpTracer(), FlopCounterMode(display=False)
+    dropout = T.CudaLikeDropout() if cuda_dropout else None
+    with torch.enable_grad():
+        if dropout is not None:
+            dropout.__enter__()
+        try:
+            with saved, f_flops, f_trace:
+                outputs = fn(inputs)
+        finally:
+            if dropout is not None:
+                dropout.__exit__(None, None, None)
+    in_keys = {T.storage_key(t) for t in inputs}
+    out_keys = {T.storage_key(t) for t in outputs}
+    xbar = T.xbar_bytes(saved.tensors, outputs, inputs, state_keys)
+    tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
+    peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
+    fw_tmp = max(tmp_none, peak_all - xbar, 0)
+
+    wrt = T.requires_grad_leaves(inputs, params)
+    grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
+    b_trace, b_flops = T.OpTracer(), FlopCounterMode(display=False)
+    with b_flops, b_trace:
+        grads = T.backward(outputs, grads_out, wrt)
+    made = {T.storage_key(g) for g in grads if g is not None}
+    bw_tmp = b_trace.peak_live(skip=made)
+    return outputs, dict(
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
+        fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
+        fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
+
+
+def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequence[Shape]], *,
+               input_dtype: Union[torch.dtype, Sequence[torch.dtype]] = torch.float32,
+               loss: Any = "cross_entropy", flops_per_s: Optional[float] = None,
+               bytes_per_s: Optional[float] = None, input_grad: bool = True,
+               cuda_dropout: bool = True, name: str = "") -> Chain:
+    """The chain of ``model_blocks`` for an input of ``input_shape``, derived on the meta device.
+
+    ``input_dtype``: dtype of the network input (``torch.long`` for token ids). ``loss``: the loss
+    stage, ``"cross_entropy"`` (default), ``"sum"``, ``"mse"`` or a callable. ``flops_per_s`` /
+    ``bytes_per_s``: the cost model (default: a V100, see ``scheduler.profile.cost``).
+    ``input_grad``: whether the network input gets a gradient (default True, so ``delta[0] =
+    x[0]`` for a floating input; False gives ``delta[0] = 0`` and profiles stage 0 with an input
+    that does not require grad). ``cuda_dropout``: count dropout masks as CUDA's fused kernel
+    stores them (bool) rather than as the CPU/meta path does (float). Runs in seconds on a CPU
+    even for ResNet-1001: the meta device computes nothing.
+    """
+    blocks = _check_blocks(model_blocks)
+    shapes = _input_shapes(input_shape)
+    dtypes = _check_dtypes(input_dtype, len(shapes))
+    cost = CostModel(V100_FLOPS_PER_S if flops_per_s is None else flops_per_s,
+                     V100_BYTES_PER_S if bytes_per_s is None else bytes_per_s)
+    loss_fn = T.make_loss(loss)
+
+    values: T.Tensors = tuple(torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes))
+    cols: Dict[str, List[float]] = {k: [] for k in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
+    total_flops = 0.0
+    L = len(blocks)
+    for s in range(L + 1):
+        inputs = T.fresh_inputs(values, requires_grad=input_grad or s > 0)
+        if s < L:
+            block = blocks[s]
+            state = _meta_state(block)
+            params = [v for v in state.values() if isinstance(v, nn.Parameter)]
+            state_keys = {T.storage_key(v) for v in state.values()}
+
+            def fn(xs: T.Tensors, block: nn.Module = block, state: Dict = state, s: int = s) -> T.Tensors:
+                return T.call_block(lambda *a: functional_call(block, state, a), xs, s)
+        else:
+            params, state_keys = [], set()
+
+            def fn(xs: T.Tensors) -> T.Tensors:
+                out = loss_fn(*xs)
+                if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                    raise ValueError(f"loss: must return a scalar tensor, got {out!r}")
+                return (out,)
+        outputs, r = profile_stage(fn, inputs, params, state_keys, s, cuda_dropout)
+        cols["x"].append(T.storage_bytes(inputs))
+        cols["delta"].append(T.grad_bytes(inputs))
+        cols["xbar"].append(r["xbar"])
+        cols["fw_tmp"].append(r["fw_tmp"])
+        cols["bw_tmp"].append(r["bw_tmp"])
+        cols["fw"].append(cost.seconds(r["fw_flops"], r["fw_bytes"]))
+        cols["bw"].append(cost.seconds(r["bw_flops"], r["bw_bytes"]))
+        total_flops += r["fw_flops"] + r["bw_flops"]
+        values = outputs
+    meta = {"source": "scheduler.profile.meta_chain", "input_shape": [list(s) for s in shapes],
+            "input_dtype": [str(d).replace("torch.", "") for d in dtypes],
+            "loss": loss if isinstance(loss, str) else getattr(loss, "__name__", "callable"),
+            "flops_per_s": cost.flops_per_s, "bytes_per_s": cost.bytes_per_s,
+            "total_flops": total_flops, "cuda_dropout": cuda_dropout, "input_grad": input_grad,
+            "torch": torch.__version__}
+    return Chain(**cols, name=name, meta=meta)
