@@ -1,51 +1,37 @@
-"""Activation bytes as autograd really holds them, counted per storage.
+"""Activation bytes as autograd really holds them, counted per storage, with the profilers'
+definitions (``scheduler.profile._trace``: storage keys, saved-tensor recording, ``xbar``).
 
-Two uses: the Mimose collector measures what a block's forward keeps for its backward
-(``saved_bytes``), and the chain runner reports the peak of activation memory it held
-while following a plan (``LiveSet``), to compare with the plan's predicted peak on machines
-without a device allocator to ask (CPU). Parameters are not activations: tensors sharing a
-storage with a parameter are left out. Views are counted once, by their storage.
+Two uses: the Mimose collector measures what a block's forward keeps for its backward, and
+the chain runner reports the peak of activation memory it held while following a plan, to
+compare with the plan's predicted peak on machines without a device allocator to ask (CPU).
+Parameters and buffers are not activations: their storages are left out. Views count once.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, Iterable, Iterator, List, Set
+from typing import Iterable, List, Sequence, Set
 
 import torch
 
+from ..profile import _trace
 
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+storage_key = _trace.storage_key
+SavedTensors = _trace.SavedTensors
 
 
-def tensors_bytes(tensors: Iterable[object], exclude: Set[int] = frozenset()) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (non-tensors ignored)."""
-    seen: Dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            k = storage_key(t)
-            if k not in exclude and k != 0:
-                seen[k] = storage_bytes(t)
-    return sum(seen.values())
+def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "meta"]
 
 
-@contextlib.contextmanager
-def recording_saved(into: List[torch.Tensor]) -> Iterator[None]:
-    """Within the body, every tensor autograd saves for backward is appended to ``into``
-    (and saved unchanged)."""
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        into.append(t)
-        return t
+def tensors_bytes(values: Iterable[object], exclude: Set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind the tensors among ``values``."""
+    return _trace.storage_bytes(tensors_of(values), exclude)
 
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Sequence[object],
+               inputs: Sequence[object], state_keys: Set[int]) -> int:
+    """What a block's forward keeps for backward, output included (DESIGN.md ``xbar``)."""
+    return _trace.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
+                             state_keys)
 
 
 def parameter_storages(module: torch.nn.Module) -> Set[int]:

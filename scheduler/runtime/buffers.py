@@ -18,9 +18,12 @@ def snapshot(module: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
 
 
 def restore(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # through .data: the recomputed graph may have saved a buffer (batch norm saves its
+    # running statistics, unused by its training-mode backward); writing through .data does
+    # not bump the version counter that autograd checks
     with torch.no_grad():
         for buf, copy in saved:
-            buf.copy_(copy)
+            buf.data.copy_(copy)
 
 
 @contextlib.contextmanager

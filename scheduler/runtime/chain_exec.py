@@ -67,6 +67,9 @@ class CompiledPlan:
     forward_ops: List[Tuple[int, str, int]]   # (index in plan.ops, kind, stage)
     backward_ops: List[Tuple[int, str, int]]
     recomputed: Set[int]                      # stages run more than once
+    # offload op index -> the last op that still reads the offloaded value before it is
+    # prefetched (the simulator lets forwards read an item while its offload is in flight)
+    release: Dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: Plan, L: int) -> "CompiledPlan":
@@ -99,7 +102,18 @@ class CompiledPlan:
             if kind in FORWARD_KINDS:
                 counts[s] = counts.get(s, 0) + 1
         recomputed = {s for s, c in counts.items() if c > 1 and s < L}
-        return cls(plan, L, fwd, bwd, recomputed)
+        release: Dict[int, int] = {}
+        for k, (i, kind, s) in enumerate(ops):
+            if kind != "offload":
+                continue
+            last = i
+            for j, kind2, s2 in ops[k + 1:]:
+                if s2 == s and kind2 in ("prefetch", "offload", "B"):
+                    break
+                if s2 == s and kind2 in FORWARD_KINDS:
+                    last = j
+            release[i] = last
+        return cls(plan, L, fwd, bwd, recomputed, release)
 
 
 # ------------------------------------------------------------------------------------ state
@@ -149,6 +163,7 @@ class ChainExecutor:
         self.xbars: Dict[int, Saved] = {}              # F_all results
         self.deltas: Dict[int, Comps] = {}             # gradients w.r.t. x[s]
         self.host: Dict[int, List[Any]] = {}           # offloaded x[s]
+        self.leaving: Dict[int, Tuple[Comps, int]] = {}  # offloaded, still read until op k
         self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
         self.is_tuple: Dict[int, bool] = {}
         self.rng_states: Dict[int, rng.RngState] = {}
@@ -179,6 +194,8 @@ class ChainExecutor:
         if s - 1 in self.xbars:
             return tuple(c.detach() if isinstance(c, torch.Tensor) else c
                          for c in self.xbars[s - 1].out)
+        if s in self.leaving and kind in ("F_ck", "F_all"):  # read while the copy runs
+            return self.leaving[s][0]
         where = " (it is offloaded: prefetch it first)" if s in self.host else ""
         raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
                                f"memory{where}", index)
@@ -220,7 +237,7 @@ class ChainExecutor:
         if not self.track:
             return
         ts: List[Any] = list(extra)
-        for comps in self.xs.values():
+        for comps in list(self.xs.values()) + [c for c, _ in self.leaving.values()]:
             ts.extend(c.tensor if isinstance(c, DeviceCopy) else c for c in comps)
         for sv in self.xbars.values():
             ts.extend(sv.leaves)
@@ -252,8 +269,9 @@ class ChainExecutor:
                 saved: List[torch.Tensor] = []
                 with torch.enable_grad():
                     if self.track:
-                        with accounting.recording_saved(saved):
+                        with accounting.SavedTensors() as rec:
                             out, is_tuple = self._run_block(s, leaves, index, kind)
+                        saved = rec.tensors
                     else:
                         out, is_tuple = self._run_block(s, leaves, index, kind)
                 if first:
@@ -321,13 +339,20 @@ class ChainExecutor:
     # ------------------------------------------------------------------------ transfers
     def _offload(self, index: int, s: int) -> None:
         if s not in self.xs:
+            if s - 1 in self.xbars:
+                raise InvalidPlanError(
+                    f"op {index} (offload {s}): the input of stage {s} is held in xbar[{s - 1}] "
+                    "(an F_all result); the chain runner offloads values held as x[s] only", index)
             raise InvalidPlanError(f"op {index} (offload {s}): x[{s}] is not held in memory",
                                    index)
         if self.transfers is None:
             raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
-        comps = self.xs.pop(s)
-        self.host[s] = [self.transfers.offload(c.get() if isinstance(c, DeviceCopy) else c)
-                        if isinstance(c, (torch.Tensor, DeviceCopy)) else c for c in comps]
+        comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in self.xs.pop(s))
+        self.host[s] = [self.transfers.offload(c) if isinstance(c, torch.Tensor) else c
+                        for c in comps]
+        release = self.cplan.release.get(index, index)
+        if release > index:
+            self.leaving[s] = (comps, release)
         self.stats.offloaded += 1
 
     def _prefetch(self, index: int, s: int) -> None:
@@ -349,6 +374,9 @@ class ChainExecutor:
             self._offload(index, s)
         else:
             self._prefetch(index, s)
+        if self.leaving:  # drop device copies of offloaded values nobody reads any more
+            for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
+                del self.leaving[t]
 
     # ------------------------------------------------------------------------ phases
     def run_forward(self, x0: Comps, x0_is_tuple: bool) -> Tuple[Comps, bool]:

@@ -45,22 +45,20 @@ class ShuttlingCollector:
         whether the block returned a tuple)."""
         if state is None:
             state = rng.capture(rng.cuda_devices_of(inp))
-        in_storages = {accounting.storage_key(c) for c in inp if isinstance(c, torch.Tensor)}
         leaves = tuple(c.detach().requires_grad_(r) if isinstance(c, torch.Tensor) else c
                        for c, r in zip(inp, rg))
-        saved: List[torch.Tensor] = []
         with buffers.frozen_buffers(block):
             _sync(inp)
             t0 = time.perf_counter()
-            with torch.enable_grad(), accounting.recording_saved(saved):
+            with torch.enable_grad(), accounting.SavedTensors() as rec:
                 out1, _ = run(leaves)
             _sync(out1)
             self.fw[s] = time.perf_counter() - t0
-        skip = set(exclude) | in_storages
-        self.xbar[s] = accounting.tensors_bytes(list(saved) + list(out1), skip)
-        self.out[s] = accounting.tensors_bytes(out1, in_storages)
+        self.xbar[s] = accounting.xbar_bytes(rec.tensors, out1, leaves, exclude)
+        in_keys = {accounting.storage_key(t) for t in accounting.tensors_of(leaves)}
+        self.out[s] = accounting.tensors_bytes(out1, in_keys)
         self.seen[s] = True
-        del out1, saved, leaves  # drop the first run's graph: its activations go with it
+        del out1, rec, leaves  # drop the first run's graph: its activations go with it
         rng.restore(state)
         with torch.no_grad():
             return run(inp)
