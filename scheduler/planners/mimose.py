@@ -215,7 +215,7 @@ class Mimose:
 
     def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES,
                  bucket_ratio: float = BUCKET_RATIO, cache_size: int = 256, rounds: int = 8,
-                 simulate: bool = True):
+                 verify: bool = True):
         if not 0 <= bucket_ratio < 1:
             raise ValueError(f"Mimose: bucket_ratio must be in [0, 1), got {bucket_ratio!r}")
         self.n = n_blocks
@@ -223,7 +223,7 @@ class Mimose:
         self.bucket_ratio = bucket_ratio
         self.cache: PlanCache[Plan] = PlanCache(cache_size)
         self.rounds = rounds
-        self.simulate = simulate
+        self.verify = verify  # simulate each plan and tighten until its peak fits the budget
 
     # the collector's entry point
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
@@ -252,9 +252,10 @@ class Mimose:
                                       lambda: self._plan(input_size, budget))
 
     def _plan(self, input_size: float, budget: float) -> Plan:
-        est = self.estimator.estimate(input_size)
+        # a size measured by the collector is planned from its measurement, others from the fit
+        est = self.estimator.measured(input_size) or self.estimator.estimate(input_size)
         L = self.n
-        if not self.simulate:  # Algorithm 1 alone, its own memory notion (sum of activations)
+        if not self.verify:  # Algorithm 1 alone, its own memory notion (sum of activations)
             ck = greedy_checkpoints(est.xbar, budget - est.input_bytes, self.bucket_ratio)
             plan = plan_from_checkpoints(L, ck)
             plan.meta["input_size"] = float(input_size)

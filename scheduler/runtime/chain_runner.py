@@ -148,7 +148,8 @@ class CheckpointedChain(nn.Module):
     def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
                  bandwidth: Any = None, *, chain: ChainArg = None, track_memory: bool = False,
                  cache_size: int = 64, samples: int = DEFAULT_SAMPLES,
-                 input_size: Optional[Callable[[Sequence[Any]], float]] = None):
+                 input_size: Optional[Callable[[Sequence[Any]], float]] = None,
+                 mimose: Optional[Mimose] = None):
         super().__init__()
         if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
             blocks = list(blocks)
@@ -168,7 +169,10 @@ class CheckpointedChain(nn.Module):
         self.track_memory = track_memory
         self.cache: PlanCache[CompiledPlan] = PlanCache(cache_size)
         self.input_size = input_size or default_input_size
-        self.mimose = Mimose(self.L, samples=samples, cache_size=cache_size) \
+        if mimose is not None and (not isinstance(mimose, Mimose) or mimose.n != self.L):
+            raise ValueError(f"scheduler.wrap: mimose= must be a scheduler.planners.mimose.Mimose "
+                             f"for {self.L} blocks, got {mimose!r}")
+        self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if planner == "mimose" else None
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
@@ -357,9 +361,12 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     instead of measuring), ``track_memory`` (count activation bytes held, see ``stats()``;
     default False), ``cache_size`` (plans kept, default 64), ``samples`` (Mimose: distinct
     input sizes collected before fitting, default 10), ``input_size`` (Mimose: callable from
-    the inputs to the size the estimator uses; default the first tensor's element count).
+    the inputs to the size the estimator uses; default the first tensor's element count),
+    ``mimose`` (a ``scheduler.planners.mimose.Mimose`` to use, e.g. one shared with another
+    runtime; default a new one).
     """
-    unknown = set(options) - {"chain", "track_memory", "cache_size", "samples", "input_size"}
+    unknown = set(options) - {"chain", "track_memory", "cache_size", "samples", "input_size",
+                              "mimose"}
     if unknown:
         raise TypeError(f"scheduler.wrap: unknown option(s) {sorted(unknown)}")
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
