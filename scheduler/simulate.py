@@ -436,7 +436,9 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
             if j not in done_at:
                 return f"waits for the prefetch at op {j}"
         for key, j in c.reads_offloaded:
-            if j in done_at and done_at[j] < t:
+            # a copy that completes at the instant this op starts has freed the item already
+            # (completions come first); only an instantaneous copy (inf bandwidth) may tie
+            if j in done_at and (done_at[j] < t or (done_at[j] == t and steps[j].start < t)):
                 raise InvalidPlanError(
                     f"op {i} ({ops[i].kind} {ops[i].stage}): {_name(key)} was offloaded by op {j} "
                     f"and its copy completed at t={done_at[j]:g}, before this op starts at "

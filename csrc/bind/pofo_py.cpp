@@ -1,3 +1,50 @@
+// Python binding of pofo (seed 001, Appendix B): csrc/dp/pofo_dp.*
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "dp/pofo_dp.hpp"
+
 namespace nb = nanobind;
-void bind_pofo(nb::module_& m) { (void)m; }  // filled in by its issue
+
+void bind_pofo(nb::module_& m) {
+  m.def(
+      "pofo_solve",
+      [](std::vector<int64_t> x, std::vector<int64_t> xbar, std::vector<int64_t> delta,
+         std::vector<int64_t> fw_tmp, std::vector<int64_t> bw_tmp, std::vector<double> fw,
+         std::vector<double> bw, int64_t memory, double beta, bool offload, bool recompute) {
+        vmalloc::pofo::Chain c;
+        c.L = static_cast<int>(fw.size()) - 1;
+        const size_t n = fw.size();
+        if (c.L < 0 || bw.size() != n || xbar.size() != n || fw_tmp.size() != n ||
+            bw_tmp.size() != n || x.size() != n + 1 || delta.size() != n + 1)
+          throw std::invalid_argument("pofo: inconsistent chain array lengths");
+        if (c.L >= 1000) throw std::invalid_argument("pofo: at most 1000 stages");
+        if (memory < 0 || memory >= (1 << 17))
+          throw std::invalid_argument("pofo: memory must be in [0, 131071] units (use slots)");
+        c.x = std::move(x);
+        c.xbar = std::move(xbar);
+        c.delta = std::move(delta);
+        c.fw_tmp = std::move(fw_tmp);
+        c.bw_tmp = std::move(bw_tmp);
+        c.fw = std::move(fw);
+        c.bw = std::move(bw);
+        vmalloc::pofo::Options opt;
+        opt.offload = offload;
+        opt.recompute = recompute;
+        vmalloc::pofo::Result r;
+        {
+          nb::gil_scoped_release release;
+          r = vmalloc::pofo::solve(c, memory, beta, opt);
+        }
+        std::vector<std::pair<int, int>> ops;
+        ops.reserve(r.ops.size());
+        for (const auto& op : r.ops) ops.emplace_back(op.kind, op.stage);
+        return nb::make_tuple(r.feasible, r.time, ops, r.prefetch, r.states_fwd, r.states_bwd);
+      },
+      "Seed 001 Appendix B -> (feasible, time, [(kind, stage)], [(stage, consumer index)], "
+      "forward states, backward states). kind: 0 F_all, 1 F_ck, 2 F_none, 3 B, 4 offload.");
+}

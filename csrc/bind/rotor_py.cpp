@@ -1,3 +1,43 @@
+// Python face of the checkpointing DP (csrc/dp/rotor.*): scheduler.planners.rotor / revolve.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "dp/rotor.hpp"
+
 namespace nb = nanobind;
-void bind_rotor(nb::module_& m) { (void)m; }  // filled in by its issue
+using I = std::vector<int64_t>;
+using D = std::vector<double>;
+
+void bind_rotor(nb::module_& m) {
+  m.def(
+      "rotor_solve",
+      [](D fw, D bw, std::tuple<I, I, I, I, I> u, std::tuple<D, D, D, D, D> e, int64_t budget,
+         bool allow_all) {
+        vmalloc::dp::RotorSizes units{std::get<0>(u), std::get<1>(u), std::get<2>(u),
+                                      std::get<3>(u), std::get<4>(u)};
+        vmalloc::dp::RotorExact exact{std::get<0>(e), std::get<1>(e), std::get<2>(e),
+                                      std::get<3>(e), std::get<4>(e)};
+        vmalloc::dp::RotorResult r;
+        {
+          nb::gil_scoped_release release;
+          r = vmalloc::dp::rotor_solve(fw, bw, units, exact, budget, allow_all);
+        }
+        return nb::make_tuple(r.feasible, r.time, r.peak, r.min_units, r.ops);
+      },
+      nb::arg("fw"), nb::arg("bw"), nb::arg("units"), nb::arg("exact"), nb::arg("budget"),
+      nb::arg("allow_all") = true,
+      "Seed 002 Algorithms 1-2. units (int) / exact (float): (x, xbar, delta, fw_tmp, bw_tmp),\n"
+      "x and delta of length L+2. Returns (feasible, time, peak, min_units, ops[(kind, stage)]),\n"
+      "kind 0 F_all, 1 F_ck, 2 F_none, 3 B.");
+  m.def(
+      "rotor_min_units",
+      [](std::tuple<I, I, I, I, I> u, bool allow_all) {
+        vmalloc::dp::RotorSizes units{std::get<0>(u), std::get<1>(u), std::get<2>(u),
+                                      std::get<3>(u), std::get<4>(u)};
+        return vmalloc::dp::rotor_min_units(units, allow_all);
+      },
+      nb::arg("units"), nb::arg("allow_all") = true,
+      "Smallest feasible budget in units (x[0] included).");
+}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 Tensors = Tuple[torch.Tensor, ...]
 
@@ -250,3 +251,39 @@ def backward(outputs: Tensors, grads: Tensors, wrt: List[torch.Tensor]) -> Tuple
         return ()
     return torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
                                allow_unused=True)
+
+
+def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Sequence[torch.Tensor],
+                state_keys: Set[int], cuda_dropout: bool) -> Tuple[Tensors, Dict[str, float]]:
+    """Sizes, FLOPs and bytes of one stage (a block or the loss) on whatever device ``inputs``
+    live on. Returns the stage's outputs and a dict of its numbers."""
+    saved = SavedTensors()
+    f_trace, f_flops = OpTracer(), FlopCounterMode(display=False)
+    dropout = CudaLikeDropout() if cuda_dropout else None
+    with torch.enable_grad():
+        if dropout is not None:
+            dropout.__enter__()
+        try:
+            with saved, f_flops, f_trace:
+                outputs = fn(inputs)
+        finally:
+            if dropout is not None:
+                dropout.__exit__(None, None, None)
+    in_keys = {storage_key(t) for t in inputs}
+    out_keys = {storage_key(t) for t in outputs}
+    xbar = xbar_bytes(saved.tensors, outputs, inputs, state_keys)
+    tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
+    peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
+    fw_tmp = max(tmp_none, peak_all - xbar, 0)
+
+    wrt = requires_grad_leaves(inputs, params)
+    grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
+    b_trace, b_flops = OpTracer(), FlopCounterMode(display=False)
+    with b_flops, b_trace:
+        grads = backward(outputs, grads_out, wrt)
+    made = {storage_key(g) for g in grads if g is not None}
+    bw_tmp = b_trace.peak_live(skip=made)
+    return outputs, dict(
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
+        fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
+        fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)

@@ -29,7 +29,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..chain import Chain
 from . import _trace as T
@@ -93,42 +92,6 @@ def _meta_state(block: nn.Module) -> Dict[str, torch.Tensor]:
     return state
 
 
-def profile_stage(fn: Any, inputs: T.Tensors, params: Sequence[torch.Tensor],
-                  state_keys: set, index: int, cuda_dropout: bool) -> Tuple[T.Tensors, Dict[str, float]]:
-    """Sizes, FLOPs and bytes of one stage (a block or the loss) on whatever device ``inputs``
-    live on. Returns the stage's outputs and a dict of its numbers."""
-    saved = T.SavedTensors()
-    f_trace, f_flops = T.OpTracer(), FlopCounterMode(display=False)
-    dropout = T.CudaLikeDropout() if cuda_dropout else None
-    with torch.enable_grad():
-        if dropout is not None:
-            dropout.__enter__()
-        try:
-            with saved, f_flops, f_trace:
-                outputs = fn(inputs)
-        finally:
-            if dropout is not None:
-                dropout.__exit__(None, None, None)
-    in_keys = {T.storage_key(t) for t in inputs}
-    out_keys = {T.storage_key(t) for t in outputs}
-    xbar = T.xbar_bytes(saved.tensors, outputs, inputs, state_keys)
-    tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
-    peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
-    fw_tmp = max(tmp_none, peak_all - xbar, 0)
-
-    wrt = T.requires_grad_leaves(inputs, params)
-    grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
-    b_trace, b_flops = T.OpTracer(), FlopCounterMode(display=False)
-    with b_flops, b_trace:
-        grads = T.backward(outputs, grads_out, wrt)
-    made = {T.storage_key(g) for g in grads if g is not None}
-    bw_tmp = b_trace.peak_live(skip=made)
-    return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
-        fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
-        fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
-
-
 def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequence[Shape]], *,
                input_dtype: Union[torch.dtype, Sequence[torch.dtype]] = torch.float32,
                loss: Any = "cross_entropy", flops_per_s: Optional[float] = None,
@@ -174,7 +137,7 @@ def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequ
                 if not isinstance(out, torch.Tensor) or out.numel() != 1:
                     raise ValueError(f"loss: must return a scalar tensor, got {out!r}")
                 return (out,)
-        outputs, r = profile_stage(fn, inputs, params, state_keys, s, cuda_dropout)
+        outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout)
         cols["x"].append(T.storage_bytes(inputs))
         cols["delta"].append(T.grad_bytes(inputs))
         cols["xbar"].append(r["xbar"])

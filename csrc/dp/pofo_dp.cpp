@@ -1,0 +1,317 @@
+// pofo: seed 001 Appendix B in our chain model (DESIGN.md).  Seed 001's layer l is our stage
+// s = l - 1: a^{l-1} = x[s], abar^l = xbar[s], delta^l = delta[s+1], o^f / o^b = fw_tmp / bw_tmp.
+//
+//  OC(s, x, A, dF, dB)  (B.1): time from F_s to the end of B_s.  The input of stage s
+//      (I = x[s] if x = 0, xbar[s-1] if x = 1) is stored; A = earlier stored values that stay
+//      on the GPU; dF = earlier data still to offload when F_s may start; dB = earlier data
+//      that must be prefetched by the time B_s ends (and so sits in memory at that point).
+//  C(s, t, m, d)  (B.3): time of stages s..t in the backward phase (recompute from the
+//      input of s, which is stored outside the budget m; delta[t+1] is inside it), while d
+//      units of earlier data are prefetched as late as possible, ending with this sequence.
+//
+// Reconstructions and choices where the converted text is garbled or silent:
+//  * B.1's validity test "M_{F_all}^{i,L} + I > M - A or M_{B_i}^{i,L} + I > M - A" is
+//    written here as: the op's memory <= avail = M - A - I.
+//  * Case 2 (F_ck) of B.1: the offloaded input cannot be released before F_ck s reads it
+//    (k = s), later F_none may use its memory: op memory <= avail (+ I if offloaded).
+//  * The sub-chain C ends holding delta[s] and the d prefetched units: we require
+//    delta[s] + d <= m (Lemma 1 only looks at the ops; the end state must fit too).
+//  * B.2: the loss's F_all/B may still overlap the last offload / first prefetch
+//    (eps^F, eps^B as in Case 1), then eps^G = (dF_left + dB_left) / beta.
+//  * Lemma 1 idle times are placed where the lemma puts them: at the start of an offloading
+//    sequence, at the end of a prefetching one.
+// Discretisation: data moved in t seconds = floor(t * beta) units; an idle eps that covers an
+// excess of e units moves exactly e units.
+#include "dp/pofo_dp.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <unordered_map>
+
+namespace vmalloc {
+namespace pofo {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Memo {
+  double v;
+  int32_t ch;
+};
+
+class Solver {
+ public:
+  Solver(const Chain& c, int64_t M, double beta, const Options& opt)
+      : c_(c), L_(c.L), M_(M), beta_(beta), opt_(opt) {
+    if (!(beta_ > 0)) opt_.offload = false;
+    fpre_.assign(L_ + 2, 0.0);
+    for (int k = 0; k <= L_; ++k) fpre_[k + 1] = fpre_[k] + c_.fw[k];
+    big_ = 4 * M_ + 4;
+  }
+
+  double top() { return OC(0, 0, 0, 0, 0); }
+
+  void emit_top(Result& r) {
+    out_ = &r;
+    oc_choice(0, 0, 0, 0, 0, best_oc(0, 0, 0, 0, 0), true);
+    out_ = nullptr;
+  }
+
+  size_t n_oc() const { return oc_.size(); }
+  size_t n_c() const { return c_memo_.size(); }
+
+ private:
+  // ---------------------------------------------------------------- helpers
+  int64_t moved(double t) const {
+    if (!(beta_ > 0) || t <= 0) return 0;
+    const double v = t * beta_;
+    if (!std::isfinite(v) || v >= static_cast<double>(big_)) return big_;
+    return static_cast<int64_t>(std::floor(v + 1e-9 * std::max(1.0, v)));
+  }
+  double wait(double excess) const {
+    if (excess <= 0) return 0;
+    if (std::isinf(beta_)) return 0;
+    if (!(beta_ > 0)) return kInf;
+    return excess / beta_;
+  }
+  int64_t input(int s, int x) const { return s == 0 ? c_.x[0] : (x ? c_.xbar[s - 1] : c_.x[s]); }
+  // memory of the k-th forward of a F_ck s, F_none s+1..k run (without the input of s)
+  int64_t fmem(int s, int k) const {
+    return (k == s ? c_.x[s + 1] : c_.x[k] + c_.x[k + 1]) + c_.fw_tmp[k];
+  }
+
+  static uint64_t ckey(int s, int t, int64_t m, int64_t d) {
+    return (static_cast<uint64_t>(s) << 54) | (static_cast<uint64_t>(t) << 44) |
+           (static_cast<uint64_t>(m) << 22) | static_cast<uint64_t>(d);
+  }
+  static uint64_t okey(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+    return (static_cast<uint64_t>(s) << 54) | (static_cast<uint64_t>(x) << 53) |
+           (static_cast<uint64_t>(A) << 36) | (static_cast<uint64_t>(dF) << 18) |
+           static_cast<uint64_t>(dB);
+  }
+
+  // ---------------------------------------------------------------- backward: C_Delta
+  double C(int s, int t, int64_t m, int64_t d) {
+    if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
+    if (d > 0 && !(beta_ > 0)) return kInf;
+    const uint64_t key = ckey(s, t, m, d);
+    auto it = c_memo_.find(key);
+    if (it != c_memo_.end()) return it->second.v;
+    double best = kInf;
+    int32_t arg = -1;
+    best = c_choice(s, t, m, d, -1, false);
+    if (s < t && opt_.recompute) {
+      for (int sp = s; sp < t; ++sp) {
+        const double v = c_choice(s, t, m, d, sp, false);
+        if (v < best) best = v, arg = sp;
+      }
+    }
+    c_memo_[key] = {best, arg};
+    return best;
+  }
+
+  void c_emit(int s, int t, int64_t m, int64_t d) {
+    C(s, t, m, d);
+    c_choice(s, t, m, d, c_memo_.at(ckey(s, t, m, d)).ch, true);
+  }
+
+  // ch = -1: F_all s first (or the single-stage case); ch = sp >= s: F_ck s, F_none up to sp.
+  double c_choice(int s, int t, int64_t m, int64_t d, int ch, bool emit) {
+    const int64_t dt = c_.delta[t + 1];
+    if (ch < 0) {
+      const int64_t mf = dt + c_.xbar[s] + c_.fw_tmp[s];
+      const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s];
+      if (mf > m || mb > m) return kInf;
+      if (s == t) {  // B.3 initialisation, Lemma 1 over the sequence F_all s, B s
+        double e = 0;
+        if (beta_ > 0 && !std::isinf(beta_)) {
+          e = std::max({0.0, static_cast<double>(mf - m + d) / beta_ - c_.bw[s],
+                        static_cast<double>(mb - m + d) / beta_});
+        }
+        if (emit) push(0, s), push(3, s);
+        return c_.fw[s] + c_.bw[s] + e;
+      }
+      if (c_.xbar[s] > m) return kInf;
+      const int64_t exB = std::max<int64_t>(0, mb - m + d);
+      const int64_t d1 = std::max<int64_t>(0, d - (exB + moved(c_.bw[s])));
+      const double T = C(s + 1, t, m - c_.xbar[s], d1);
+      if (std::isinf(T)) return kInf;
+      const int64_t d2 = std::max<int64_t>(0, d1 - moved(T));
+      const int64_t exF = std::max<int64_t>(0, mf - m + d2);
+      const double v = c_.fw[s] + c_.bw[s] + T + wait(exF) + wait(exB);
+      if (emit) {
+        push(0, s);
+        c_emit(s + 1, t, m - c_.xbar[s], d1);
+        push(3, s);
+      }
+      return v;
+    }
+    const int sp = ch;
+    double maxterm = -kInf;
+    for (int k = s; k <= sp; ++k) {
+      const int64_t mk = dt + fmem(s, k);
+      if (mk > m) return kInf;
+      const double dist = fpre_[sp + 1] - fpre_[k + 1];  // time from the end of F_k to the end
+      maxterm = std::max(maxterm, beta_ > 0 && !std::isinf(beta_) ? mk - beta_ * dist
+                                                                   : static_cast<double>(mk));
+    }
+    if (c_.x[sp + 1] > m) return kInf;
+    const double T1 = C(s, sp, m, d);
+    if (std::isinf(T1)) return kInf;
+    const int64_t d2 = std::max<int64_t>(0, d - moved(T1));
+    const double T2 = C(sp + 1, t, m - c_.x[sp + 1], d2);
+    if (std::isinf(T2)) return kInf;
+    const int64_t d3 = std::max<int64_t>(0, d2 - moved(T2));
+    const double eF = (beta_ > 0 && !std::isinf(beta_)) ? wait(maxterm - m + d3) : 0.0;
+    const double v = (fpre_[sp + 1] - fpre_[s]) + T1 + T2 + eF;
+    if (emit) {
+      push(1, s);
+      for (int k = s + 1; k <= sp; ++k) push(2, k);
+      c_emit(sp + 1, t, m - c_.x[sp + 1], d2);
+      c_emit(s, sp, m, d);
+    }
+    return v;
+  }
+
+  // ---------------------------------------------------------------- forward: OC_x
+  // choice = kind | v << 2 | sp << 3; kind 0 loss, 1 F_all, 2 F_ck; v = 1: offload the input
+  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+    const int64_t I = input(s, x);
+    if (A + I > M_ || dF > M_ || dB > M_) return kInf;
+    const uint64_t key = okey(s, x, A, dF, dB);
+    auto it = oc_.find(key);
+    if (it != oc_.end()) return it->second.v;
+    double best = kInf;
+    int32_t arg = 0;
+    if (s == L_) {
+      best = oc_choice(s, x, A, dF, dB, 0, false);
+    } else {
+      for (int v = 0; v <= 1; ++v) {
+        if (v && !(opt_.offload && I > 0)) continue;
+        int32_t ch = 1 | (v << 2);
+        double val = oc_choice(s, x, A, dF, dB, ch, false);
+        if (val < best) best = val, arg = ch;
+        if (!opt_.recompute) continue;
+        for (int sp = s; sp < L_; ++sp) {
+          ch = 2 | (v << 2) | (sp << 3);
+          val = oc_choice(s, x, A, dF, dB, ch, false);
+          if (val < best) best = val, arg = ch;
+        }
+      }
+    }
+    oc_[key] = {best, arg};
+    return best;
+  }
+
+  int32_t best_oc(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+    OC(s, x, A, dF, dB);
+    return oc_.at(okey(s, x, A, dF, dB)).ch;
+  }
+
+  void next_state(int v, int64_t I, int64_t A, int64_t dF, int64_t dB, int64_t DF, int64_t DB,
+                  int64_t& A2, int64_t& dF2, int64_t& dB2) const {  // seed 001 Table 2
+    if (v) {
+      A2 = A;
+      dF2 = std::max<int64_t>(0, dF + I - DF);
+      dB2 = std::max<int64_t>(0, dB - DB) + I;
+    } else {
+      A2 = A + I;
+      dF2 = std::max<int64_t>(0, dF - DF);
+      dB2 = std::max<int64_t>(0, dB - DB);
+    }
+  }
+
+  double oc_choice(int s, int x, int64_t A, int64_t dF, int64_t dB, int32_t ch, bool emit) {
+    const int kind = ch & 3, v = (ch >> 2) & 1, sp = ch >> 3;
+    const int64_t I = input(s, x);
+    const int64_t avail = M_ - A - I;
+    if (kind == 0 || kind == 1) {
+      const int64_t mf = c_.xbar[s] + c_.fw_tmp[s];
+      const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s];
+      if (mf > avail || mb > avail) return kInf;
+      const int64_t exF = std::max<int64_t>(0, mf + dF - avail);  // Lemma 1, Case 1
+      const int64_t exB = std::max<int64_t>(0, mb + dB - avail);
+      const int64_t DF = std::min(big_, exF + moved(c_.fw[s]));
+      const int64_t DB = std::min(big_, exB + moved(c_.bw[s]));
+      double val = c_.fw[s] + c_.bw[s] + wait(exF) + wait(exB);
+      if (kind == 0) {  // the loss, B.2
+        const int64_t left = std::max<int64_t>(0, dF - DF) + std::max<int64_t>(0, dB - DB);
+        if (emit) push(0, s), push(3, s);
+        return val + wait(static_cast<double>(left));
+      }
+      int64_t A2, dF2, dB2;
+      next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
+      const double T = OC(s + 1, 1, A2, dF2, dB2);
+      if (std::isinf(T)) return kInf;
+      if (emit) {
+        if (v) push(4, s);
+        push(0, s);
+        oc_choice(s + 1, 1, A2, dF2, dB2, best_oc(s + 1, 1, A2, dF2, dB2), true);
+        if (v) out_->prefetch.emplace_back(s, static_cast<int>(out_->ops.size()));
+        push(3, s);
+      }
+      return val + T;
+    }
+    // kind 2: F_ck s, F_none s+1..sp, then OC from sp+1, then C(s, sp) (Case 2)
+    double maxterm = -kInf;
+    for (int k = s; k <= sp; ++k) {
+      const int64_t mk = fmem(s, k);
+      if (mk > avail + ((v && k > s) ? I : 0)) return kInf;
+      const double dist = fpre_[k] - fpre_[s];  // time from the start of the sequence
+      maxterm = std::max(maxterm, beta_ > 0 && !std::isinf(beta_) ? mk - beta_ * dist
+                                                                   : static_cast<double>(mk));
+    }
+    const double eF = (beta_ > 0 && !std::isinf(beta_)) ? wait(maxterm + dF - avail)
+                                                          : (maxterm + dF > avail ? kInf : 0.0);
+    if (std::isinf(eF)) return kInf;
+    const double fwsum = fpre_[sp + 1] - fpre_[s];
+    const int64_t DF = moved(fwsum + eF);
+    const double T1 = C(s, sp, avail, dB);
+    if (std::isinf(T1)) return kInf;
+    const int64_t DB = moved(T1);
+    int64_t A2, dF2, dB2;
+    next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
+    const double T = OC(sp + 1, 0, A2, dF2, dB2);
+    if (std::isinf(T)) return kInf;
+    if (emit) {
+      if (v) push(4, s);
+      push(1, s);
+      for (int k = s + 1; k <= sp; ++k) push(2, k);
+      oc_choice(sp + 1, 0, A2, dF2, dB2, best_oc(sp + 1, 0, A2, dF2, dB2), true);
+      if (v) out_->prefetch.emplace_back(s, static_cast<int>(out_->ops.size()));
+      c_emit(s, sp, avail, dB);
+    }
+    return fwsum + eF + T + T1;
+  }
+
+  void push(int kind, int stage) { out_->ops.push_back({kind, stage}); }
+
+  const Chain& c_;
+  int L_;
+  int64_t M_;
+  double beta_;
+  Options opt_;
+  int64_t big_;
+  std::vector<double> fpre_;
+  std::unordered_map<uint64_t, Memo> c_memo_, oc_;
+  Result* out_ = nullptr;
+};
+
+}  // namespace
+
+Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
+  Result r;
+  Solver solver(c, memory, beta, opt);
+  const double t = solver.top();
+  r.states_fwd = solver.n_oc();
+  r.states_bwd = solver.n_c();
+  if (std::isinf(t)) return r;
+  r.feasible = true;
+  r.time = t;
+  solver.emit_top(r);
+  return r;
+}
+
+}  // namespace pofo
+}  // namespace vmalloc

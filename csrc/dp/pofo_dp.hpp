@@ -1,0 +1,45 @@
+// pofo, seed 001 Appendix B: optimal persistent rematerialization + offloading under the
+// assumptions of its section 3.2 (offloads before the loss, prefetches after it, memory
+// persistency, continuous release/reservation during a transfer).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace vmalloc {
+namespace pofo {
+
+// Our chain model (DESIGN.md) in integer memory units.  Stage s = 0..L (L is the loss).
+// x and delta have L+2 entries (x[L+1] = delta[L+1] = 0).
+struct Chain {
+  int L = 0;
+  std::vector<int64_t> x, xbar, delta, fw_tmp, bw_tmp;
+  std::vector<double> fw, bw;  // seconds
+};
+
+struct Options {
+  bool offload = true;    // allow O / P (false, or beta = 0: rotor's persistent DP)
+  bool recompute = true;  // allow F_ck / F_none (false: offload-only under the same model)
+};
+
+// One op of the resulting sequence, in order.  kind: 0 F_all, 1 F_ck, 2 F_none, 3 B,
+// 4 offload (of the input of `stage`, placed right before the forward that reads it).
+struct Op {
+  int kind, stage;
+};
+
+struct Result {
+  bool feasible = false;
+  double time = 0;              // the DP's makespan under its model (seconds)
+  std::vector<Op> ops;          // compute ops and offloads (prefetches: see `prefetch`)
+  // For each offloaded stage s (in the order the prefetches run): s and the index in `ops`
+  // of the first backward-phase op that needs the input of s back.
+  std::vector<std::pair<int, int>> prefetch;
+  size_t states_fwd = 0, states_bwd = 0;  // memo sizes, for the benchmark
+};
+
+Result solve(const Chain& c, int64_t memory, double beta, const Options& opt);
+
+}  // namespace pofo
+}  // namespace vmalloc

@@ -1,0 +1,405 @@
+"""Offloading-only planners (seed 000): every stage runs ``F_all`` once, and chosen stored
+activations go to host memory during the forward phase and come back for the backward.
+
+In the seed-000 view of our chain, the activation ``x_i`` of the paper is *what is stored
+as the input of stage i*: ``x[0]`` for i = 0, ``xbar[i-1]`` after; ``offload i`` moves it.
+
+* :func:`lower_bound` — Propositions 2-3.
+* :func:`greedy` — Theorem 2 rounded to whole activations (offload the first k).
+* :func:`dynprog` — Algorithm 1 (C++, ``csrc/dp/offload_dp.cpp``), then the no-wait ordered
+  schedule with its decisions.
+* :func:`vdnn` — the VDNN heuristic of section 6.1.
+
+What is exact and what is not
+-----------------------------
+Algorithm 1 solves the *fractional communications* relaxation (memory released/reserved
+continuously while an activation moves, prefetches as late as possible). The simulator
+moves whole activations (seed 000 assumption D). So a plan's ``predicted_time`` /
+``predicted_peak`` are the simulator's numbers for the plan returned (the no-wait ordered
+schedule with those decisions, as seed 000 defines DYNPROG's output), and the DP's own
+optimum is ``plan.meta["relaxed_time"]``; the bound guaranteed (and tested) is
+``lower_bound <= relaxed_time`` only when the relaxation is tight, so the tests check
+``lower_bound <= simulated time`` for every planner and ``relaxed_time == simulated`` for
+transfer-free plans.
+
+All sizes in bytes, times in seconds, ``bandwidth`` in bytes per second (a number or a
+size string such as ``"12GB"``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from ..chain import Chain
+from ..errors import InfeasibleError, InvalidPlanError
+from ..plan import Op, Plan
+from ..simulate import SimResult, simulate
+from . import rotor
+
+Number = Union[int, float]
+
+__all__ = ["lower_bound", "greedy", "dynprog", "vdnn", "min_memory", "peak_memory",
+           "schedule", "activations"]
+
+
+# ------------------------------------------------------------------------------ inputs
+def _chain(chain: Chain) -> Chain:
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    return chain
+
+
+def _positive(value: Union[Number, str], name: str, allow_zero: bool = False,
+              allow_inf: bool = False) -> float:
+    if isinstance(value, str):
+        from vmalloc.sizes import parse_size  # torch-free
+        value = parse_size(value, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero) \
+            or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name}: must be a {'non-negative' if allow_zero else 'positive'} "
+                         f"{'number' if allow_inf else 'finite number'}, got {value!r}")
+    return value
+
+
+def memory_arg(memory: Union[Number, str]) -> Number:
+    return _positive(memory, "memory", allow_zero=True)
+
+
+def bandwidth_arg(bandwidth: Union[Number, str, None], allow_zero: bool = False) -> float:
+    if bandwidth is None:
+        if allow_zero:
+            return 0.0
+        raise ValueError("bandwidth: expected bytes per second, got None")
+    return _positive(bandwidth, "bandwidth", allow_zero=allow_zero, allow_inf=True)
+
+
+def slots_arg(slots: Optional[int]) -> Optional[int]:
+    if slots is None:
+        return None
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots: expected a positive int or None, got {slots!r}")
+    return slots
+
+
+# ------------------------------------------------------------------ the seed-000 view
+def activations(chain: Chain) -> List[Number]:
+    """Seed 000's |x_i| for i = 0..L+1: what the store-all schedule keeps as the input of
+    stage i (``x[0]``, then ``xbar[i-1]``); the last, ``xbar[L]``, is never offloaded."""
+    return [chain.x[0]] + list(chain.xbar)
+
+
+def _grads(chain: Chain) -> List[Number]:
+    return list(chain.delta) + [0]
+
+
+def peak_memory(chain: Chain) -> Number:
+    """M_peak of seed 000 section 3.2: the store-all schedule's peak (data on both devices)."""
+    act, grad = activations(_chain(chain)), _grads(chain)
+    peak, stored = 0, 0
+    for i in range(chain.L + 1):
+        stored += act[i] if i == 0 else 0
+        held = stored + act[i + 1]                    # sum_{j <= i+1} |x_j|
+        peak = max(peak, held + chain.fw_tmp[i], held + grad[i] + grad[i + 1] + chain.bw_tmp[i])
+        stored += act[i + 1]
+    return peak
+
+
+def min_memory(chain: Chain) -> Number:
+    """The smallest limit an offloading schedule can meet: each op with only its own input
+    and output on the GPU (all else offloaded, waiting as long as it takes)."""
+    act, grad = activations(_chain(chain)), _grads(chain)
+    return max(max(act[i] + act[i + 1] + chain.fw_tmp[i],
+                   act[i] + act[i + 1] + grad[i] + grad[i + 1] + chain.bw_tmp[i])
+               for i in range(chain.L + 1))
+
+
+def _check_feasible(chain: Chain, memory: Number, who: str) -> None:
+    need = min_memory(chain)
+    if memory < need:
+        raise InfeasibleError(
+            f"{who}: memory {memory:g} is below the smallest limit any offloading schedule "
+            f"of {chain.name or 'this chain'} can meet ({need:g})", need)
+
+
+# ------------------------------------------------------------------------ lower bound
+def lower_bound(chain: Chain, memory: Union[Number, str],
+                bandwidth: Union[Number, str]) -> float:
+    """Proposition 3: max(sum of compute times, 2 (M_peak - M) / bandwidth)."""
+    chain, memory = _chain(chain), memory_arg(memory)
+    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    _check_feasible(chain, memory, "offload.lower_bound")
+    extra = peak_memory(chain) - memory      # Proposition 2: data any schedule must offload
+    comm = 0.0 if extra <= 0 else (math.inf if beta == 0 else 2 * extra / beta)
+    return max(chain.total_compute(), comm)
+
+
+# -------------------------------------------------- building the no-wait ordered plan
+def _nominal_starts(chain: Chain, ops: Sequence[Op]) -> List[float]:
+    """Start time of each op if compute never waited (transfers get their issue time)."""
+    t, out = 0.0, []
+    for op in ops:
+        out.append(t)
+        if op.kind in ("F_all", "F_ck", "F_none"):
+            t += chain.fw[op.stage]
+        elif op.kind == "B":
+            t += chain.bw[op.stage]
+    return out
+
+
+def _item_size(chain: Chain, ops: Sequence[Op], stage: int, before: int) -> Number:
+    """Size of what is stored as the input of ``stage`` when op ``before`` runs: the
+    store-all view unless a checkpointing forward made it ``x[stage]``."""
+    for op in reversed(ops[:before]):
+        if op.stage == stage - 1 and op.kind in ("F_ck", "F_none"):
+            return chain.x[stage]
+        if op.stage == stage - 1 and op.kind == "F_all":
+            return chain.xbar[stage - 1]
+    return chain.x[stage]
+
+
+def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[int, int]],
+                    memory: Number, bandwidth: float, earliest: int, planner: str
+                    ) -> Tuple[Plan, SimResult]:
+    """Insert ``prefetch s`` ops into ``ops`` (compute and offload ops, in order) and return
+    the best plan the simulator accepts, with its simulation.
+
+    ``prefetches``: ``(s, i)`` pairs in the order they run, ``i`` the index in ``ops`` of the
+    first op that needs the input of s back. Each prefetch is tried *as late as possible*
+    (the DPs' assumption: it ends when its consumer or the next prefetch starts, on the
+    nominal compute timeline) and *as early as possible* (right after ``earliest`` and the
+    previous prefetch: seed 000's no-wait policy). A prefetch whose reservation would block
+    the compute stream for good (the simulator's InvalidPlanError) is moved after the
+    blocked op until the plan runs. The faster of the two is returned.
+    """
+    ops = list(ops)
+    if not prefetches:
+        plan = Plan(ops, planner=planner)
+        return plan, simulate(chain, plan, bandwidth if bandwidth > 0 else None, memory=memory)
+    starts = _nominal_starts(chain, ops)
+    compute_idx = [i for i, op in enumerate(ops) if op.kind not in ("offload", "prefetch")]
+    sizes = [_item_size(chain, ops, s, i) for s, i in prefetches]
+
+    # ALAP positions: walk the prefetches from the last one
+    alap: List[int] = [0] * len(prefetches)
+    nxt = math.inf
+    for k in range(len(prefetches) - 1, -1, -1):
+        s, i = prefetches[k]
+        end = min(starts[i], nxt)
+        start = end - (sizes[k] / bandwidth if not math.isinf(bandwidth) else 0.0)
+        nxt = start
+        pos = 0
+        for j in compute_idx:   # the compute op running at `start`: issue right before it
+            if j > i:
+                break
+            if starts[j] <= start:
+                pos = j
+        alap[k] = pos
+    asap = [earliest] * len(prefetches)
+
+    best: Optional[Tuple[Plan, SimResult]] = None
+    for positions in (alap, asap):
+        pos = [max(p, earliest) for p in positions]
+        for k in range(1, len(pos)):         # the channel is FIFO: keep the order
+            pos[k] = max(pos[k], pos[k - 1])
+        got = _repair(chain, ops, prefetches, pos, memory, bandwidth, planner)
+        if got is not None and (best is None or got[1].makespan < best[1].makespan):
+            best = got
+    if best is None:
+        raise InvalidPlanError(f"{planner}: no placement of the prefetches runs under "
+                               f"memory {memory:g}", None)
+    return best
+
+
+def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
+            pos: List[int], memory: Number, bandwidth: float, planner: str
+            ) -> Optional[Tuple[Plan, SimResult]]:
+    for _ in range(4 * len(ops) + 8):
+        merged: List[Op] = []
+        where: Dict[int, int] = {}           # plan index of each prefetch
+        k = 0
+        for i, op in enumerate(ops):
+            while k < len(pos) and pos[k] <= i:
+                where[len(merged)] = k
+                merged.append(Op("prefetch", prefetches[k][0]))
+                k += 1
+            merged.append(op)
+        plan = Plan(merged, planner=planner)
+        try:
+            return plan, simulate(chain, plan, bandwidth, memory=memory)
+        except InvalidPlanError as err:
+            bad = err.index
+            if bad is None or bad >= len(merged):
+                return None
+            # the op blocked for good, as an index into `ops` (prefetches are not in `ops`)
+            if bad in where:                 # a prefetch that never fits: issue it later
+                k = where[bad]
+                blocked_op = sum(1 for j in range(bad) if j not in where)
+                culprit = k
+            else:
+                blocked_op = sum(1 for j in range(bad) if j not in where)
+                # the last prefetch issued before it whose data is not for this op
+                cands = [where[j] for j in range(bad) if j in where
+                         and prefetches[where[j]][1] > blocked_op]
+                if not cands:
+                    return None
+                culprit = max(cands)
+            newpos = blocked_op + 1
+            if newpos > prefetches[culprit][1]:
+                return None
+            for j in range(culprit, len(pos)):
+                pos[j] = max(pos[j], newpos)
+            if any(pos[j] > prefetches[j][1] for j in range(len(pos))):
+                return None
+    return None
+
+
+def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: float,
+             planner: str = "offload") -> Tuple[Plan, SimResult]:
+    """The ordered no-wait plan that offloads the inputs of the given stages: ``offload i``
+    right before ``F_all i`` (the copy overlaps the forward that reads it), prefetches in
+    reverse order before the backward that needs them (see :func:`with_prefetches`)."""
+    act = activations(chain)
+    chosen = sorted({i for i in offloaded if act[i] > 0})
+    if any(i < 0 or i > chain.L for i in chosen):
+        raise ValueError(f"offloaded: stages must be in 0..{chain.L}, got {list(offloaded)}")
+    ops: List[Op] = []
+    for i in range(chain.L + 1):
+        if i in chosen:
+            ops.append(Op("offload", i))
+        ops.append(Op("F_all", i))
+    first_b = len(ops)
+    b_index: Dict[int, int] = {}
+    for i in range(chain.L, -1, -1):
+        b_index[i] = len(ops)
+        ops.append(Op("B", i))
+    prefetches = [(i, b_index[i]) for i in sorted(chosen, reverse=True)]
+    # seed 000 eq. (10): prefetches may start in the forward phase, after the offloads
+    earliest = (ops.index(Op("offload", chosen[-1])) + 1) if chosen else first_b
+    return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner)
+
+
+def _finish(plan: Plan, sim: SimResult, chain: Chain, **meta) -> Plan:
+    plan.predicted_time = sim.makespan
+    plan.predicted_peak = sim.peak_memory
+    plan.chain = chain
+    plan.meta.update(meta)
+    plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
+    return plan
+
+
+def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwidth: float,
+             planner: str) -> Tuple[Plan, SimResult]:
+    best: Optional[Tuple[Plan, SimResult]] = None
+    seen = set()
+    for s in sets:
+        key = tuple(sorted(s))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            got = schedule(chain, key, memory, bandwidth, planner)
+        except InvalidPlanError:
+            continue
+        if best is None or got[1].makespan < best[1].makespan:
+            best = got
+    if best is None:
+        raise InfeasibleError(f"{planner}: no candidate schedule fits memory {memory:g}",
+                              min_memory(chain))
+    return best
+
+
+def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
+           who: str) -> Tuple[Chain, Number, float]:
+    chain, memory = _chain(chain), memory_arg(memory)
+    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    _check_feasible(chain, memory, who)
+    if beta == 0 and peak_memory(chain) > memory:
+        raise InfeasibleError(f"{who}: bandwidth 0 cannot offload, and the chain needs "
+                              f"{peak_memory(chain):g} > {memory:g} without offloading",
+                              peak_memory(chain))
+    return chain, memory, beta
+
+
+# ------------------------------------------------------------------------------ GREEDY
+def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+    """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
+    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
+    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
+    need = peak_memory(chain) - memory
+    act = activations(chain)
+    chosen: List[int] = []
+    total = 0
+    for i in range(chain.L + 1):
+        if total >= need:
+            break
+        chosen.append(i)
+        total += act[i]
+    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.greedy")
+    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
+
+
+# ----------------------------------------------------------------------------- DYNPROG
+def _core():
+    from vmalloc import _core  # the native module; built by scripts/dev-build
+    return _core
+
+
+def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int]):
+    # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
+    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+    act = [x[0]] + list(xbar)
+    args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
+            [float(v) for v in chain.bw], M, float(bandwidth) / unit)
+    return args, unit
+
+
+def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequence[int],
+                 slots: Optional[int] = None) -> Optional[float]:
+    """Algorithm 1's recurrence along fixed decisions: the relaxed idle time of the ordered
+    schedule offloading ``offloaded`` (None: infeasible). For testing the DP's search."""
+    args, _ = _dp_inputs(chain, memory, bandwidth, slots)
+    flags = [1 if i in set(offloaded) else 0 for i in range(chain.L + 1)]
+    ok, idle, _, _ = _core().offload_evaluate(*args, flags)
+    return idle if ok else None
+
+
+def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
+            slots: Optional[int] = 500) -> Plan:
+    """Seed 000 Algorithm 1 (hash tables of (M_F, Delta_F, Delta_B) per stage, equations
+    1-10 including the idle time between the phases), then the no-wait ordered schedule
+    with its offload decisions. ``slots``: memory discretisation (None = exact bytes, for
+    small integer chains). ``meta["relaxed_time"]`` is the DP's optimum of the relaxation."""
+    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
+    slots = slots_arg(slots)
+    args, _ = _dp_inputs(chain, memory, beta, slots)
+    ok, idle, flags, states = _core().offload_dynprog(*args)
+    if not ok:
+        raise InfeasibleError(
+            f"offload.dynprog: no schedule fits memory {memory:g} with {slots} slots "
+            f"(the smallest limit without discretisation is {min_memory(chain):g})",
+            min_memory(chain))
+    chosen = [i for i, f in enumerate(flags) if f]
+    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+    return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
+                   dp_states=states, slots=slots,
+                   lower_bound=lower_bound(chain, memory, beta))
+
+
+# -------------------------------------------------------------------------------- VDNN
+def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+    """Seed 000 section 6.1: rank the activations by u_F_i / |x_i|; for every threshold,
+    the no-wait ordered schedule offloading all activations at or above it, and the one
+    offloading every other of them (VDNN++'s two policies); the best of these."""
+    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.vdnn")
+    act = activations(chain)
+    cands = [i for i in range(chain.L + 1) if act[i] > 0]
+    ratio = {i: chain.fw[i] / act[i] for i in cands}
+    sets: List[List[int]] = [[]]
+    for thr in sorted(set(ratio.values()), reverse=True):
+        above = [i for i in cands if ratio[i] >= thr]
+        sets.append(above)
+        sets.append(above[::2])
+    plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn")
+    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))

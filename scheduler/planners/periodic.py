@@ -1,0 +1,52 @@
+"""Periodic checkpointing: what ``torch.utils.checkpoint.checkpoint_sequential`` does.
+
+``checkpoint_sequential(functions, segments, input)`` runs the first ``segments - 1``
+segments of ``len(functions) // segments`` blocks each under ``checkpoint`` (forward without
+saving, the segment's input kept) and the rest normally. Here the functions are stages
+0..L-1 and the loss (stage L) is computed after the model, in the last segment. As a Plan:
+
+* each checkpointed segment [a, b]: ``F_ck a, F_none a+1 .. b`` (keeps x[a], produces x[b+1]);
+* the last segment and the loss: ``F_all`` each;
+* backward: ``B`` over the last segment, then for each checkpointed segment from the last
+  one: recompute ``F_all a .. b`` from x[a], then ``B b .. a``.
+
+The prediction comes from the simulator (no memory model of its own).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from ..chain import Chain
+from ..plan import Plan
+from ..simulate import simulate
+
+
+def segments_of(L: int, segments: int) -> List[Tuple[int, int]]:
+    """The (first, last) stages of each checkpointed segment, as checkpoint_sequential cuts them."""
+    size = L // segments
+    return [(start, start + size - 1) for start in range(0, size * (segments - 1), size)]
+
+
+def solve(chain: Chain, segments: int) -> Plan:
+    """The plan of ``checkpoint_sequential(stages 0..L-1, segments)`` followed by the loss."""
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    L = chain.L
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(L, 1):
+        raise ValueError(f"segments: expected an int in 1..{max(L, 1)} (the chain has {L} stages "
+                         f"before the loss), got {segments!r}")
+    segs = segments_of(L, segments) if L else []
+    ops: List[Tuple[str, int]] = []
+    for a, b in segs:
+        ops.append(("F_ck", a))
+        ops.extend(("F_none", j) for j in range(a + 1, b + 1))
+    rest = segs[-1][1] + 1 if segs else 0
+    ops.extend(("F_all", j) for j in range(rest, L + 1))
+    ops.extend(("B", j) for j in range(L, rest - 1, -1))
+    for a, b in reversed(segs):
+        ops.extend(("F_all", j) for j in range(a, b + 1))
+        ops.extend(("B", j) for j in range(b, a - 1, -1))
+    plan = Plan(ops, planner="periodic", chain=chain, meta={"segments": segments})
+    r = simulate(chain, plan)
+    plan.predicted_time, plan.predicted_peak = r.makespan, r.peak_memory
+    return plan

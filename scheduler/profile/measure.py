@@ -1,0 +1,193 @@
+"""Rotor's parameter estimation (seed 002, section 5.1) on a real device.
+
+"Given a chain and a sample input, forward and backward operations of each stage are processed
+one after the other. From a_l the forward F_all is processed to obtain a_{l+1}, and the backward
+with an arbitrary value delta_{l+1}. The execution time of each operation is measured, and the
+memory management interface of PyTorch is used to obtain the memory usage of a_{l+1} and the
+peak memory usage of both forward and backward operations."
+
+For each stage s (the blocks, then the loss) with the previous stage's output as input
+(detached, requiring grad):
+
+* ``fw[s]``, ``bw[s]``: median over ``repeat`` timed runs (after ``warmup`` untimed ones) of the
+  saving forward and of the backward with a random ``delta[s+1]``; CUDA is synchronized around
+  each run. The backward uses ``torch.autograd.grad`` on the stage's input and parameters, so
+  nothing accumulates into ``.grad``.
+* ``x``, ``xbar``, ``delta``: from ``saved_tensors_hooks`` on the real tensors, counted as
+  ``meta_chain`` counts them (distinct storages; input, parameters and buffers excluded from
+  ``xbar``; output included).
+* ``fw_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as rotor did):
+  the peak of a saving forward beyond ``xbar``, of a no-grad forward beyond its output (the larger
+  of the two, see ``meta``), and of the backward beyond the gradients it returns. On CPU, PyTorch
+  has no allocator statistics, so they are *estimated* by the op tracer of ``meta_chain``
+  (liveness of every intermediate storage, freed after its last use) run on the real tensors.
+
+Buffers (batch-norm running statistics) and the RNG state are restored after each stage, so
+measuring does not change the model or the random stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from ..chain import Chain
+from . import _trace as T
+from .meta import _check_blocks
+
+
+def _check_input(sample_input: Any) -> T.Tensors:
+    if isinstance(sample_input, torch.Tensor):
+        return (sample_input,)
+    if isinstance(sample_input, (tuple, list)) and sample_input and \
+            all(isinstance(t, torch.Tensor) for t in sample_input):
+        return tuple(sample_input)
+    raise TypeError(f"sample_input: expected a tensor or a non-empty tuple of tensors, got "
+                    f"{type(sample_input).__name__}")
+
+
+def _check_count(value: Any, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _preserved(block: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run measurements without a trace on the block's buffers or on the RNG streams."""
+    saved = [(b, b.detach().clone()) for b in block.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, old in saved:
+                    b.copy_(old)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: torch.device,
+                 repeat: int, warmup: int) -> float:
+    times: List[float] = []
+    for i in range(warmup + repeat):
+        arg = prepare()
+        _sync(device)
+        t0 = time.perf_counter()
+        run(arg)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: List[torch.Tensor],
+              xbar: int, device: torch.device) -> Dict[str, int]:
+    """Transient peaks from the CUDA caching allocator's statistics."""
+    def peak_of(run: Callable[[], Any]) -> tuple:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        m0 = torch.cuda.memory_allocated(device)
+        out = run()
+        _sync(device)
+        return out, torch.cuda.max_memory_allocated(device) - m0
+
+    with torch.enable_grad():
+        outs, peak_all = peak_of(lambda: fn(inputs))
+    del outs
+    with torch.no_grad():
+        outs, peak_none = peak_of(lambda: fn(inputs))
+        out_bytes = T.storage_bytes(outs)
+    del outs
+    with torch.enable_grad():
+        outs = fn(inputs)
+        grads_out = tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
+        grads, peak_b = peak_of(lambda: T.backward(outs, grads_out, T.requires_grad_leaves(inputs, params)))
+    made = T.storage_bytes([g for g in grads if g is not None])
+    return {"fw_tmp": max(peak_all - xbar, peak_none - out_bytes, 0), "bw_tmp": max(peak_b - made, 0)}
+
+
+def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
+                  *, loss: Any = "cross_entropy", repeat: int = 5, warmup: int = 1,
+                  input_grad: bool = True, name: str = "") -> Chain:
+    """The chain of ``model_blocks`` measured on the device of ``sample_input`` (CPU or CUDA).
+
+    ``loss``: the loss stage, as in ``meta_chain`` (``"cross_entropy"``, ``"sum"``, ``"mse"`` or
+    a callable). ``repeat``: timed runs per operation (the median is kept); ``warmup``: untimed
+    runs before them. ``input_grad``: whether the network input gets a gradient (``delta[0]``).
+    The blocks must already be on the input's device.
+    """
+    blocks = _check_blocks(model_blocks)
+    values = _check_input(sample_input)
+    repeat = _check_count(repeat, "repeat", 1)
+    warmup = _check_count(warmup, "warmup", 0)
+    loss_fn = T.make_loss(loss)
+    device = values[0].device
+    for i, b in enumerate(blocks):
+        for n, p in list(b.named_parameters()) + list(b.named_buffers()):
+            if p.device != device:
+                raise ValueError(f"model_blocks[{i}]: {n} is on {p.device} but sample_input is on "
+                                 f"{device}; move the blocks to the input's device first")
+
+    cols: Dict[str, List[float]] = {k: [] for k in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
+    L = len(blocks)
+    for s in range(L + 1):
+        inputs = T.fresh_inputs(values, requires_grad=input_grad or s > 0)
+        if s < L:
+            block = blocks[s]
+            params = [p for p in block.parameters() if p.requires_grad]
+            state_keys = {T.storage_key(t) for t in list(block.parameters()) + list(block.buffers())}
+
+            def fn(xs: T.Tensors, block: nn.Module = block, s: int = s) -> T.Tensors:
+                return T.call_block(block, xs, s)
+        else:
+            block, params, state_keys = nn.Module(), [], set()
+
+            def fn(xs: T.Tensors) -> T.Tensors:
+                out = loss_fn(*xs)
+                if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                    raise ValueError(f"loss: must return a scalar tensor, got {out!r}")
+                return (out,)
+
+        with _preserved(block, device):
+            # sizes (and, on CPU, the transient estimates) from one traced saving forward/backward
+            outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
+            outputs = tuple(o.detach() for o in outputs)
+            if device.type == "cuda":
+                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], device))
+
+            def forward(_: Any) -> T.Tensors:
+                with torch.enable_grad():
+                    return fn(inputs)
+
+            def prepare_backward() -> tuple:
+                with torch.enable_grad():
+                    outs = fn(inputs)
+                return outs, tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
+
+            wrt = T.requires_grad_leaves(inputs, params)
+            fw = _median_time(forward, lambda: None, device, repeat, warmup)
+            bw = _median_time(lambda a: T.backward(a[0], a[1], wrt), prepare_backward, device,
+                              repeat, warmup)
+        cols["x"].append(T.storage_bytes(inputs))
+        cols["delta"].append(T.grad_bytes(inputs))
+        for k in ("xbar", "fw_tmp", "bw_tmp"):
+            cols[k].append(int(r[k]))
+        cols["fw"].append(fw)
+        cols["bw"].append(bw if wrt else 0.0)
+        values = outputs
+    meta = {"source": "scheduler.profile.measure_chain", "device": str(device),
+            "input_shape": [list(t.shape) for t in _check_input(sample_input)],
+            "loss": loss if isinstance(loss, str) else getattr(loss, "__name__", "callable"),
+            "repeat": repeat, "warmup": warmup, "input_grad": input_grad,
+            "tmp": "cuda allocator statistics" if device.type == "cuda" else "op-tracer estimate",
+            "torch": torch.__version__}
+    return Chain(**cols, name=name, meta=meta)

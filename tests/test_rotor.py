@@ -1,0 +1,136 @@
+"""rotor (seed 002 Theorem 1): optimal against an exhaustive oracle, predictions equal the
+simulator, discretization keeps plans feasible, baselines never beat it."""
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from _oracle import optimum_by_memory
+from scheduler import Chain, InfeasibleError, simulate
+from scheduler.planners import periodic, revolve, rotor
+
+ORACLE_CASES = [(L, seed, tmp) for L in range(0, 6) for seed in range(2) for tmp in (True, False)]
+ORACLE_CASES += [(6, 0, True), (6, 1, False)]
+
+
+def check_prediction(chain, plan, memory=None, exact=True):
+    r = simulate(chain, plan)
+    if exact:
+        assert (plan.predicted_time, plan.predicted_peak) == (r.makespan, r.peak_memory)
+    else:
+        assert plan.predicted_time == pytest.approx(r.makespan, rel=1e-9)
+        assert plan.predicted_peak == pytest.approx(r.peak_memory, rel=1e-9)
+    if memory is not None:
+        assert r.peak_memory <= memory
+    return r
+
+
+@pytest.mark.parametrize("L, seed, tmp", ORACLE_CASES)
+def test_optimal_for_every_memory_limit(L, seed, tmp):
+    chain = Chain.random(L, seed=100 * L + seed, tmp=tmp)
+    best = optimum_by_memory(chain)
+    least = min(best)
+    for m, t in best.items():
+        plan = rotor.solve(chain, m, slots=None)
+        assert plan.predicted_time == t, f"memory {m}"
+        check_prediction(chain, plan, memory=m)
+    with pytest.raises(InfeasibleError) as e:
+        rotor.solve(chain, least - 1, slots=None)
+    assert e.value.min_memory == least
+    assert rotor.min_memory(chain) == least
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(1, 12), seed=st.integers(0, 10**6))
+def test_monotone_in_memory_and_above_the_lower_bound(L, seed):
+    chain = Chain.random(L, seed=seed)
+    least = rotor.min_memory(chain)
+    full = simulate(chain, periodic.solve(chain, 1)).peak_memory   # store everything
+    prev = math.inf
+    for m in sorted({least, (least + full) // 2, full - 1, full, full + 5}):
+        if m < least:
+            continue
+        plan = rotor.solve(chain, m, slots=None)
+        check_prediction(chain, plan, memory=m)
+        assert chain.total_compute() <= plan.predicted_time <= prev
+        prev = plan.predicted_time
+    assert prev == chain.total_compute()   # with room for everything nothing is recomputed
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 16), seed=st.integers(0, 10**6))
+def test_never_worse_than_periodic_or_revolve(L, seed):
+    chain = Chain.random(L, seed=seed)
+    for k in range(1, L + 1):
+        p = periodic.solve(chain, k)
+        m = p.predicted_peak
+        r = rotor.solve(chain, m, slots=None)
+        assert r.predicted_time <= p.predicted_time
+        try:
+            v = revolve.solve(chain, m, slots=None)
+        except InfeasibleError:
+            continue
+        assert r.predicted_time <= v.predicted_time
+
+
+def byte_chain(L, seed, scale=1 << 20):
+    """A random chain in 'bytes' (sizes in MiB-ish) and fractional seconds."""
+    c = Chain.random(L, seed=seed)
+    return c.replace(**{f: [v * scale + 17 * s for s, v in enumerate(getattr(c, f))]
+                        for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")},
+                     fw=[v / 1000 for v in c.fw], bw=[v / 1000 for v in c.bw])
+
+
+@pytest.mark.parametrize("slots", [50, 500])
+def test_slots_keep_plans_feasible_and_predictions_exact(slots):
+    for seed in range(4):
+        chain = byte_chain(20, seed)
+        full = simulate(chain, periodic.solve(chain, 1)).peak_memory
+        least = rotor.min_memory(chain, slots=slots, memory=full / 10)
+        for frac in (0.0, 0.2, 0.5, 1.0):
+            m = least + frac * (full - least)
+            plan = rotor.solve(chain, m, slots=slots)
+            check_prediction(chain, plan, memory=m, exact=False)
+
+
+def test_slot_rounding_bound():
+    # rounding costs less than one slot per item in memory: slots=S at M is never slower
+    # than the exact optimum at M - (L + 4) * M / S
+    for seed in range(6):
+        chain = Chain.random(7, seed=seed, max_size=40)
+        S = 200
+        full = simulate(chain, periodic.solve(chain, 1)).peak_memory
+        for m in range(rotor.min_memory(chain), full + 1, 7):
+            m_exact = math.floor(m - (chain.L + 4) * m / S)
+            try:
+                exact = rotor.solve(chain, m_exact, slots=None)
+            except InfeasibleError:
+                continue
+            assert rotor.solve(chain, m, slots=S).predicted_time <= exact.predicted_time
+
+
+def test_infeasible_with_slots_reports_a_limit_that_works():
+    chain = byte_chain(10, 3)
+    with pytest.raises(InfeasibleError) as e:
+        rotor.solve(chain, 1000, slots=100)
+    need = e.value.min_memory
+    assert need > 1000 and f"{need:g}" in str(e.value)
+    check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need, exact=False)
+    with pytest.raises(InfeasibleError):
+        rotor.solve(chain, need - 1, slots=100)
+    assert isinstance(e.value, ValueError)
+
+
+def test_paper_shape_and_bad_input():
+    chain = Chain.random(5, seed=0)
+    plan = rotor.solve(chain, 10**6, slots=None)     # unlimited: store everything
+    assert [k for k, _ in plan.ops] == ["F_all"] * 6 + ["B"] * 6
+    assert plan.planner == "rotor" and plan.meta["slots"] is None
+    assert "F_all" in str(plan) and "mem" in str(plan)
+    with pytest.raises(ValueError, match="memory"):
+        rotor.solve(chain, -5)
+    with pytest.raises(ValueError, match="slots"):
+        rotor.solve(chain, 100, slots=0)
+    with pytest.raises(ValueError, match="integer sizes"):
+        rotor.solve(byte_chain(3, 0).replace(x=[0.5] * 4), 10**9, slots=None)
+    assert rotor.solve(byte_chain(3, 0), "1GiB").meta["memory"] == 1 << 30
