@@ -36,7 +36,7 @@ from torch import nn
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
 from . import accounting, buffers, rng
-from .offload import DeviceCopy, HostCopy, Transfers
+from .offload import DeviceCopy, HostCopy, StorageCopy, Transfers
 
 Comps = Tuple[Any, ...]  # the components of a value passed between blocks
 
@@ -124,6 +124,8 @@ class Saved:
     leaves: Comps
     out: Comps
     saved: List[torch.Tensor] = field(default_factory=list)
+    host: Optional[List[StorageCopy]] = None  # its storages while offloaded / prefetched
+    released: bool = False                    # device memory given back (offload complete)
 
 
 @dataclass
@@ -164,6 +166,8 @@ class ChainExecutor:
         self.deltas: Dict[int, Comps] = {}             # gradients w.r.t. x[s]
         self.host: Dict[int, List[Any]] = {}           # offloaded x[s]
         self.leaving: Dict[int, Tuple[Comps, int]] = {}  # offloaded, still read until op k
+        self.leaving_xbar: Dict[int, int] = {}           # xbar[t] offloaded, read until op k
+        self.record_saved = track_memory or bool(cplan.release)  # xbar offload needs storages
         self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
         self.is_tuple: Dict[int, bool] = {}
         self.rng_states: Dict[int, rng.RngState] = {}
@@ -192,13 +196,24 @@ class ChainExecutor:
                 self.xs[s] = comps
             return comps
         if s - 1 in self.xbars:
-            return tuple(c.detach() if isinstance(c, torch.Tensor) else c
-                         for c in self.xbars[s - 1].out)
+            sv = self._ready_xbar(s - 1, index, kind)
+            return tuple(c.detach() if isinstance(c, torch.Tensor) else c for c in sv.out)
         if s in self.leaving and kind in ("F_ck", "F_all"):  # read while the copy runs
             return self.leaving[s][0]
         where = " (it is offloaded: prefetch it first)" if s in self.host else ""
         raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
                                f"memory{where}", index)
+
+    def _ready_xbar(self, t: int, index: int, kind: str) -> Saved:
+        """xbar[t], waiting for its prefetch if one is in flight."""
+        sv = self.xbars[t]
+        if sv.released:
+            raise InvalidPlanError(f"op {index} ({kind}): xbar[{t}] is offloaded; prefetch "
+                                   f"{t + 1} first", index)
+        if sv.host is not None and t not in self.leaving_xbar:
+            for sc in sv.host:
+                Transfers.wait(sc)
+        return sv
 
     def _out_rg(self, s: int, inp: Comps, out: Comps) -> Tuple[bool, ...]:
         """Which output components of block s need a gradient (as in plain training)."""
@@ -268,7 +283,7 @@ class ChainExecutor:
                                for c, r in zip(inp, self.rg[s]))
                 saved: List[torch.Tensor] = []
                 with torch.enable_grad():
-                    if self.track:
+                    if self.record_saved:
                         with accounting.SavedTensors() as rec:
                             out, is_tuple = self._run_block(s, leaves, index, kind)
                         saved = rec.tensors
@@ -307,7 +322,7 @@ class ChainExecutor:
         if s + 1 not in self.deltas:
             raise InvalidPlanError(f"op {index} (B {s}): needs delta[{s + 1}]; run B {s + 1} "
                                    "first", index)
-        sv = self.xbars[s]
+        sv = self._ready_xbar(s, index, "B")
         g = self.deltas[s + 1]
         outs, gouts = [], []
         for o, gi in zip(sv.out, g):
@@ -338,15 +353,14 @@ class ChainExecutor:
 
     # ------------------------------------------------------------------------ transfers
     def _offload(self, index: int, s: int) -> None:
-        if s not in self.xs:
-            if s - 1 in self.xbars:
-                raise InvalidPlanError(
-                    f"op {index} (offload {s}): the input of stage {s} is held in xbar[{s - 1}] "
-                    "(an F_all result); the chain runner offloads values held as x[s] only", index)
-            raise InvalidPlanError(f"op {index} (offload {s}): x[{s}] is not held in memory",
-                                   index)
         if self.transfers is None:
             raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
+        if s not in self.xs and s - 1 in self.xbars and self.xbars[s - 1].host is None:
+            self._offload_xbar(index, s - 1)
+            return
+        if s not in self.xs:
+            raise InvalidPlanError(f"op {index} (offload {s}): the input of stage {s} is not "
+                                   "in memory", index)
         comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in self.xs.pop(s))
         self.host[s] = [self.transfers.offload(c) if isinstance(c, torch.Tensor) else c
                         for c in comps]
@@ -355,7 +369,39 @@ class ChainExecutor:
             self.leaving[s] = (comps, release)
         self.stats.offloaded += 1
 
+    def _offload_xbar(self, index: int, t: int) -> None:
+        """Move what F_all t keeps (saved tensors and output, not its input) to the host."""
+        sv = self.xbars[t]
+        skip = set(self.param_storages) | {accounting.storage_key(c) for c in
+                                           accounting.tensors_of(sv.leaves)}
+        storages = {}
+        for x in accounting.tensors_of(list(sv.saved) + list(sv.out)):
+            k = accounting.storage_key(x)
+            if k not in skip and x.untyped_storage().nbytes() > 0:
+                storages[k] = x.untyped_storage()
+        sv.host = [self.transfers.offload_storage(st) for st in storages.values()]
+        release = self.cplan.release.get(index, index)
+        if release > index:
+            self.leaving_xbar[t] = release
+        else:
+            self._release_xbar(t)
+        self.stats.offloaded += 1
+
+    def _release_xbar(self, t: int) -> None:
+        sv = self.xbars[t]
+        for sc in sv.host or ():
+            Transfers.release(sc)
+        sv.released = True
+
     def _prefetch(self, index: int, s: int) -> None:
+        if s not in self.host and s - 1 in self.xbars and self.xbars[s - 1].released:
+            sv = self.xbars[s - 1]
+            for sc in sv.host:
+                self.transfers.prefetch_storage(sc)
+            sv.released = False
+            self.stats.prefetched += 1
+            self._live()
+            return
         if s not in self.host:
             raise InvalidPlanError(f"op {index} (prefetch {s}): x[{s}] was never offloaded",
                                    index)
@@ -377,6 +423,10 @@ class ChainExecutor:
         if self.leaving:  # drop device copies of offloaded values nobody reads any more
             for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
                 del self.leaving[t]
+        if self.leaving_xbar:
+            for t in [t for t, last in self.leaving_xbar.items() if last <= index]:
+                del self.leaving_xbar[t]
+                self._release_xbar(t)
 
     # ------------------------------------------------------------------------ phases
     def run_forward(self, x0: Comps, x0_is_tuple: bool) -> Tuple[Comps, bool]:

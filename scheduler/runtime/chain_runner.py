@@ -149,7 +149,8 @@ class CheckpointedChain(nn.Module):
                  bandwidth: Any = None, *, chain: ChainArg = None, track_memory: bool = False,
                  cache_size: int = 64, samples: int = DEFAULT_SAMPLES,
                  input_size: Optional[Callable[[Sequence[Any]], float]] = None,
-                 mimose: Optional[Mimose] = None):
+                 mimose: Optional[Mimose] = None, loss: Any = "sum",
+                 measure_options: Optional[Dict[str, Any]] = None):
         super().__init__()
         if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
             blocks = list(blocks)
@@ -166,6 +167,8 @@ class CheckpointedChain(nn.Module):
         self.bandwidth = None if bandwidth is None else self._rate(bandwidth)
         self._budget = self._parse_budget(budget)
         self.chain_source = chain
+        self.loss = loss
+        self.measure_options = dict(measure_options or {})
         self.track_memory = track_memory
         self.cache: PlanCache[CompiledPlan] = PlanCache(cache_size)
         self.input_size = input_size or default_input_size
@@ -218,8 +221,11 @@ class CheckpointedChain(nn.Module):
                 raise RuntimeError("scheduler.wrap: no chain given and scheduler.profile."
                                    "measure_chain is not available in this build") from e
             keep = _PreservedState(self.blocks, args)
+            grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
             try:
-                chain = measure_chain(list(self.blocks), args[0] if len(args) == 1 else args)
+                chain = measure_chain(list(self.blocks), args[0] if len(args) == 1 else args,
+                                      loss=self.loss, input_grad=grad_in,
+                                      **self.measure_options)
             finally:
                 keep.restore()
         if len(chain) != self.L + 1:
@@ -363,10 +369,12 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     input sizes collected before fitting, default 10), ``input_size`` (Mimose: callable from
     the inputs to the size the estimator uses; default the first tensor's element count),
     ``mimose`` (a ``scheduler.planners.mimose.Mimose`` to use, e.g. one shared with another
-    runtime; default a new one).
+    runtime; default a new one), ``loss`` (the loss stage ``measure_chain`` profiles: "sum"
+    (default), "mse", "cross_entropy" or a callable on the chain's output),
+    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``).
     """
     unknown = set(options) - {"chain", "track_memory", "cache_size", "samples", "input_size",
-                              "mimose"}
+                              "mimose", "loss", "measure_options"}
     if unknown:
         raise TypeError(f"scheduler.wrap: unknown option(s) {sorted(unknown)}")
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):

@@ -7,6 +7,11 @@ device memory of an offloaded tensor is handed back to the caching allocator as 
 caller drops it: ``record_stream`` on the copy stream keeps the allocator from reusing it
 while the copy still reads it (the plan's "memory freed when the offload completes").
 
+What F_all keeps (xbar: the tensors autograd saved and the block's output) is moved per
+*storage*: the bytes go to the host and the device storage is resized to zero, so every
+tensor object that autograd holds stays valid; a prefetch resizes the storage back and
+copies the bytes in (the technique FSDP uses to free parameters it keeps referenced).
+
 On CPU (tests, CI) the same bookkeeping runs with plain copies, so the runner's logic is
 exercised without a device.
 """
@@ -72,6 +77,20 @@ class DeviceCopy:
         return self.tensor
 
 
+def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all the bytes of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),))
+
+
+@dataclass
+class StorageCopy:
+    """A device storage whose bytes are on the host (its device memory released)."""
+    storage: torch.UntypedStorage
+    host: HostCopy
+    event: Optional[object] = None      # of the prefetch, once issued
+
+
 class Transfers:
     """The two copy streams and the pinned pool of one device."""
 
@@ -102,6 +121,48 @@ class Transfers:
             host.copy_(t)
         self.offloaded_bytes += nbytes
         return HostCopy(buf, t.shape, t.dtype, t.device, t.requires_grad, event)
+
+    # ---------------------------------------------------------------- whole storages
+    def offload_storage(self, storage: torch.UntypedStorage) -> StorageCopy:
+        """Copy the bytes of ``storage`` to the host; ``release`` frees the device memory."""
+        if not storage.resizable():
+            raise RuntimeError("scheduler.wrap: cannot offload a tensor whose storage is not "
+                               "resizable (created from external memory)")
+        return StorageCopy(storage, self.offload(storage_bytes_view(storage)))
+
+    @staticmethod
+    def release(sc: StorageCopy) -> None:
+        # offload() recorded the copy stream on this memory: the caching allocator reuses it
+        # only once the copy has read it
+        sc.storage.resize_(0)
+
+    def prefetch_storage(self, sc: StorageCopy) -> None:
+        """Give ``storage`` its memory back and copy the bytes in (on the copy stream)."""
+        h = sc.host
+        n = h.buf.numel()
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                if h.event is not None:
+                    self.h2d.wait_event(h.event)
+                sc.storage.resize_(n)
+                storage_bytes_view(sc.storage).copy_(h.view(), non_blocking=True)
+                sc.event = torch.cuda.Event()
+                sc.event.record(self.h2d)
+        else:
+            sc.storage.resize_(n)
+            storage_bytes_view(sc.storage).copy_(h.view())
+        self.pool.give(h.buf, sc.event)
+        self.prefetched_bytes += n
+
+    @staticmethod
+    def wait(sc: StorageCopy) -> None:
+        """The current stream waits for the prefetch of ``sc`` before using its storage."""
+        if sc.event is not None:
+            view = storage_bytes_view(sc.storage)
+            stream = torch.cuda.current_stream(view.device)
+            stream.wait_event(sc.event)
+            view.record_stream(stream)
+            sc.event = None
 
     def prefetch(self, h: HostCopy) -> DeviceCopy:
         event = None
