@@ -244,3 +244,24 @@ def test_nn_sequential_accepted():
     model = scheduler.wrap(seq, None, planner="none")
     assert len(model.blocks) == 3
     assert model.plan_for(torch.randn(2, D)).count("F_all") == 4
+
+
+def test_gradient_accumulation_and_hooks():
+    """Two backward passes accumulate into .grad as plain training does; gradient hooks fire."""
+    blocks, ref = twins(lambda: mlp_blocks(3, D))
+    model = scheduler.wrap(blocks, None, planner=plan_from_checkpoints(3, [0, 2]))
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    xs = [torch.randn(4, D) for _ in range(2)]
+    for i, x in enumerate(xs):
+        torch.manual_seed(i)
+        loss_of(model(x)).backward()
+        torch.manual_seed(i)
+        v = x
+        for b in ref:
+            v = b(v)
+        loss_of(v).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in
+               zip(model.parameters(), [p for b in ref for p in b.parameters()]))
+    assert len(fired) == 2 * len(list(model.parameters()))

@@ -171,7 +171,6 @@ class ChainExecutor:
         self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
         self.is_tuple: Dict[int, bool] = {}
         self.rng_states: Dict[int, rng.RngState] = {}
-        self.param_grads: Dict[int, torch.Tensor] = {}
         self.stats = RunStats()
         self.devices: List[int] = []
         seen: Set[int] = set()
@@ -331,20 +330,15 @@ class ChainExecutor:
                 gouts.append(gi)
         leaf_idx = [i for i, c in enumerate(sv.leaves)
                     if isinstance(c, torch.Tensor) and c.requires_grad]
-        params = list(self.params[s])
-        wrt = [sv.leaves[i] for i in leaf_idx] + params
+        wrt = [sv.leaves[i] for i in leaf_idx] + list(self.params[s])
         if outs and wrt:
-            res = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
-        else:
-            res = (None,) * len(wrt)
-        delta = [None] * len(sv.leaves)
-        for k, i in enumerate(leaf_idx):
-            delta[i] = res[k]
-        for p, gp in zip(params, res[len(leaf_idx):]):
-            if gp is None:
-                continue
-            prev = self.param_grads.get(id(p))
-            self.param_grads[id(p)] = gp if prev is None else prev + gp
+            # accumulate straight into .grad, as plain training does (parameter gradients are
+            # added, and their hooks fire, as soon as this block's backward has run: nothing
+            # held until the end of the chain); the input leaves' .grad is delta[s]
+            torch.autograd.backward(outs, gouts, inputs=wrt)
+        delta: List[Optional[torch.Tensor]] = [None] * len(sv.leaves)
+        for i in leaf_idx:
+            delta[i] = sv.leaves[i].grad
         self.deltas[s] = tuple(delta)
         self._live()
         del self.xbars[s]
@@ -441,9 +435,9 @@ class ChainExecutor:
         out = self._input(self.L, len(self.cplan.plan.ops), "output")
         return out, self.is_tuple[self.L]
 
-    def run_backward(self, grads: Comps) -> Tuple[Comps, List[Optional[torch.Tensor]]]:
+    def run_backward(self, grads: Comps) -> Comps:
         """The backward phase from the gradient of the output; returns the gradient of the
-        chain's input components and of the parameters (in ``params_unique`` order)."""
+        chain's input components (parameter gradients are accumulated into ``.grad``)."""
         for k, (index, kind, s) in enumerate(self.cplan.backward_ops):
             self._do(index, kind, s, first=False, grads=grads if k == 0 else None)
         leftover = [f"x[{s}]" for s in self.xs] + [f"xbar[{s}]" for s in self.xbars] + \
@@ -454,7 +448,7 @@ class ChainExecutor:
         if leftover:
             raise InvalidPlanError("the plan ends with " + ", ".join(leftover) +
                                    " still in memory", len(self.cplan.plan.ops))
-        return self.deltas.pop(0), [self.param_grads.get(id(p)) for p in self.params_unique]
+        return self.deltas.pop(0)
 
 
 class _nullcontext:
@@ -470,9 +464,12 @@ class ChainFunction(torch.autograd.Function):
     """Runs the forward phase in ``forward`` and the backward phase in ``backward``.
 
     Inputs: the executor, the number of input components, the input components, then the
-    trainable parameters (so their gradients flow through autograd like any other: works
-    with ``torch.autograd.grad`` and gradient hooks). Outputs: the tensor components of the
-    chain's output, detached from the graphs the executor keeps.
+    trainable parameters (so the output requires grad whenever a parameter does, even for
+    integer inputs). Parameter gradients are not returned: each block's backward accumulates
+    them into ``.grad`` (with their hooks) as soon as it runs, as plain training and
+    ``torch.utils.checkpoint(use_reentrant=True)`` do, so they are never held twice; hence
+    ``torch.autograd.grad(loss, params)`` does not see them (use ``.backward()``). Outputs:
+    the tensor components of the chain's output, detached from the graphs the executor keeps.
     """
 
     @staticmethod
@@ -500,8 +497,9 @@ class ChainFunction(torch.autograd.Function):
         full: List[Optional[torch.Tensor]] = [None] * ex.n_out
         for i, g in zip(ex.out_layout, grads):
             full[i] = g
-        d0, gp = ex.run_backward(tuple(full))
+        d0 = ex.run_backward(tuple(full))
         gx = [d0[i] if i < len(d0) else None for i in range(ctx.n_in)]
+        gp = [None] * ctx.n_params  # already in .grad (see ChainExecutor._backward)
         ctx.executor = None  # free the executor's memory with the graph
         return (None, None, *gx, *gp)
 
