@@ -173,13 +173,6 @@ class ChainExecutor:
         self.rng_states: Dict[int, rng.RngState] = {}
         self.stats = RunStats()
         self.devices: List[int] = []
-        seen: Set[int] = set()
-        self.params_unique: List[nn.Parameter] = []  # the ChainFunction's parameter inputs
-        for ps in params:
-            for p in ps:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params_unique.append(p)
         self.x0_is_tuple = False
         self.out_layout: List[int] = []
         self.out_template: Comps = ()
@@ -463,13 +456,14 @@ class _nullcontext:
 class ChainFunction(torch.autograd.Function):
     """Runs the forward phase in ``forward`` and the backward phase in ``backward``.
 
-    Inputs: the executor, the number of input components, the input components, then the
-    trainable parameters (so the output requires grad whenever a parameter does, even for
-    integer inputs). Parameter gradients are not returned: each block's backward accumulates
-    them into ``.grad`` (with their hooks) as soon as it runs, as plain training and
-    ``torch.utils.checkpoint(use_reentrant=True)`` do, so they are never held twice; hence
-    ``torch.autograd.grad(loss, params)`` does not see them (use ``.backward()``). Outputs:
-    the tensor components of the chain's output, detached from the graphs the executor keeps.
+    Inputs: the executor, the number of input components, the input components, then a
+    dummy tensor that requires grad (so the output requires grad even for integer inputs, as
+    ``torch.utils.checkpoint`` does). Parameters are not inputs: each block's backward
+    accumulates their gradients into ``.grad`` (with their hooks) as soon as it runs, as plain
+    training and ``torch.utils.checkpoint(use_reentrant=True)`` do, so they are never held
+    twice; hence ``torch.autograd.grad(loss, params)`` does not see them (use ``.backward()``).
+    Outputs: the tensor components of the chain's output, detached from the graphs the
+    executor keeps.
     """
 
     @staticmethod
@@ -499,7 +493,7 @@ class ChainFunction(torch.autograd.Function):
             full[i] = g
         d0 = ex.run_backward(tuple(full))
         gx = [d0[i] if i < len(d0) else None for i in range(ctx.n_in)]
-        gp = [None] * ctx.n_params  # already in .grad (see ChainExecutor._backward)
+        gp = [None] * ctx.n_params  # the dummy; parameter gradients are already in .grad
         ctx.executor = None  # free the executor's memory with the graph
         return (None, None, *gx, *gp)
 

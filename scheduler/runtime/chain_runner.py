@@ -310,7 +310,9 @@ class CheckpointedChain(nn.Module):
                            transfers=self._transfers_for(args) if needs_transfers else None,
                            collector=collector, param_storages=storages)
         ex.x0_is_tuple = len(args) > 1
-        outs = ChainFunction.apply(ex, len(args), *args, *ex.params_unique)
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        dummy = torch.empty(0, device=dev, requires_grad=True)
+        outs = ChainFunction.apply(ex, len(args), *args, dummy)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         if collector is not None:
