@@ -94,3 +94,21 @@ def test_pofo_needs_bandwidth():
                        sample_input=torch.randn(2, D), measure_options=FAST)
     with pytest.raises(ValueError, match="bandwidth"):
         scheduler.wrap(mlp_blocks(2, D), "1MiB", planner="pofo", bandwidth=-1)
+
+
+@pytest.mark.parametrize("frac", [0.55, 0.45])
+def test_pofo_prefetches_wait_for_memory_as_simulated(frac):
+    """pofo predicts its peak with the simulator enforcing the budget (a prefetch waits until
+    a backward frees memory); the runner issues such prefetches as late as the simulation
+    does, so the bytes it holds stay within the prediction."""
+    from bench.models import gpt2
+    zoo = gpt2(batch=2, seq_len=64, n_layer=4, n_embd=64, n_head=4, vocab=500, dropout=0.1)
+    blocks, ref = twins(lambda: (torch.manual_seed(0), gpt2(
+        batch=2, seq_len=64, n_layer=4, n_embd=64, n_head=4, vocab=500).blocks)[1])
+    ids = zoo.sample_input()
+    chain = measure_chain(blocks, ids, loss="sum", input_grad=False, **FAST)
+    full = simulate(chain, plan_from_checkpoints(len(blocks), [])).peak_memory
+    model = scheduler.wrap(blocks, int(full * frac), planner="pofo", bandwidth=12e9, chain=chain,
+                           track_memory=True, sample_input=ids)
+    assert same(wrapped_step(model, (ids,)), plain_step(ref, (ids,)))
+    assert model.stats()["last_peak_bytes"] <= model.last_plan.predicted_peak

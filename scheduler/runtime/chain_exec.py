@@ -70,10 +70,24 @@ class CompiledPlan:
     # offload op index -> the last op that still reads the offloaded value before it is
     # prefetched (the simulator lets forwards read an item while its offload is in flight)
     release: Dict[int, int] = field(default_factory=dict)
+    # compute op index -> offload ops whose copy must be complete before it starts (host wait)
+    sync_before: Dict[int, List[int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: Plan, L: int) -> "CompiledPlan":
         ops = [(i, op.kind, op.stage) for i, op in enumerate(plan.ops)]
+        timing = plan.meta.get("transfer_timing") or {}
+        issue_after = {int(i): int(j) for i, j in timing.get("issue_after", [])}
+        if issue_after:  # prefetches the simulator starts later (waiting for memory) move there
+            moved = [op for op in ops if op[0] not in issue_after]
+            for i, j in sorted(issue_after.items(), key=lambda p: (p[1], p[0])):
+                k = next(n for n, op in enumerate(moved) if op[0] == j)
+                while k + 1 < len(moved) and moved[k + 1][0] in issue_after and \
+                        issue_after[moved[k + 1][0]] == j:
+                    k += 1
+                moved.insert(k + 1, next(op for op in ops if op[0] == i))
+            ops = moved
+        sync_before = {int(c): [int(o) for o in offs] for c, offs in timing.get("sync_before", [])}
         for i, kind, s in ops:
             if s > L:
                 raise InvalidPlanError(f"op {i} ({kind} {s}): stage out of range for a chain of "
@@ -113,7 +127,31 @@ class CompiledPlan:
                 if s2 == s and kind2 in FORWARD_KINDS:
                     last = j
             release[i] = last
-        return cls(plan, L, fwd, bwd, recomputed, release)
+        return cls(plan, L, fwd, bwd, recomputed, release, sync_before)
+
+
+def transfer_timing(sim: Any) -> Dict[str, List[Any]]:
+    """What the runtime must add to follow a memory-limited simulation of a plan with
+    transfers (``simulate(..., memory=budget)``, how pofo predicts its peak): prefetches the
+    simulator starts only after a later compute op ended (it waited for memory) are issued
+    after that op, and a compute op the simulator starts after an offload completed waits
+    for that copy (so the memory it frees can really be reused)."""
+    steps = sim.steps
+    compute = [st for st in steps if st.kind not in ("offload", "prefetch")]
+    issue_after, sync_before = [], []
+    for st in steps:
+        if st.kind != "prefetch":
+            continue
+        done = [c.index for c in compute if c.end <= st.start * (1 + 1e-12) + 1e-15]
+        if done and max(done) > st.index:
+            issue_after.append([st.index, max(done)])
+    offloads = [st for st in steps if st.kind == "offload"]
+    for c in compute:
+        offs = [o.index for o in offloads if o.index < c.index and
+                o.end <= c.start * (1 + 1e-12) + 1e-15]
+        if offs:
+            sync_before.append([c.index, offs])
+    return {"issue_after": issue_after, "sync_before": sync_before}
 
 
 # ------------------------------------------------------------------------------------ state
@@ -167,6 +205,7 @@ class ChainExecutor:
         self.host: Dict[int, List[Any]] = {}           # offloaded x[s]
         self.leaving: Dict[int, Tuple[Comps, int]] = {}  # offloaded, still read until op k
         self.leaving_xbar: Dict[int, int] = {}           # xbar[t] offloaded, read until op k
+        self.offload_events: Dict[int, List[Any]] = {}   # offload op index -> copy events
         self.record_saved = track_memory or bool(cplan.release)  # xbar offload needs storages
         self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
         self.is_tuple: Dict[int, bool] = {}
@@ -351,6 +390,8 @@ class ChainExecutor:
         comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in self.xs.pop(s))
         self.host[s] = [self.transfers.offload(c) if isinstance(c, torch.Tensor) else c
                         for c in comps]
+        self.offload_events[index] = [h.event for h in self.host[s]
+                                      if isinstance(h, HostCopy) and h.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving[s] = (comps, release)
@@ -367,6 +408,7 @@ class ChainExecutor:
             if k not in skip and x.untyped_storage().nbytes() > 0:
                 storages[k] = x.untyped_storage()
         sv.host = [self.transfers.offload_storage(st) for st in storages.values()]
+        self.offload_events[index] = [sc.host.event for sc in sv.host if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving_xbar[t] = release
@@ -399,6 +441,9 @@ class ChainExecutor:
         self._live()
 
     def _do(self, index: int, kind: str, s: int, first: bool, grads: Optional[Comps] = None):
+        for o in self.cplan.sync_before.get(index, ()):
+            for ev in self.offload_events.pop(o, ()):
+                ev.synchronize()  # the simulator reuses this memory from here on
         if kind in FORWARD_KINDS:
             self._forward(index, kind, s, first)
         elif kind == "B":

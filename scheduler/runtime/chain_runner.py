@@ -91,7 +91,15 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
     else:
         raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, a Plan "
                          f"or a callable (chain, budget) -> Plan; got {planner!r}")
+    transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     res = _simulate(chain, plan, bandwidth)
+    if transfers and budget is not None:
+        # pofo predicts with the simulator enforcing the budget (prefetches wait for memory):
+        # the runtime follows that timing
+        from ..simulate import simulate
+        from .chain_exec import transfer_timing
+        plan.meta["transfer_timing"] = transfer_timing(
+            simulate(chain, plan, bandwidth=bandwidth, memory=budget))
     if res is not None:
         plan.meta["simulated_peak"] = res.peak_memory
         plan.meta["simulated_time"] = res.makespan
