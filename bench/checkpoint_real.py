@@ -263,8 +263,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="pofo's host-device bytes/s (default: measured on the GPU; 12e9 on CPU)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads in the CPU mode (default 1)")
     args = ap.parse_args()
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
     table = GPU_MODELS if device == "cuda" else CPU_MODELS
     keys = args.models.split(",") if args.models else list(table)
     steps = args.steps or (2 if args.quick or device == "cpu" else 5)

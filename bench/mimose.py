@@ -125,13 +125,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and budgets (CI smoke)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join(RESULTS, "mimose.json"))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads on CPU (default 1: steady timings on a shared "
+                         "machine)")
     args = ap.parse_args()
     device = args.device
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
     quick = args.quick
     n_layer, hidden, heads, inter = (4, 64, 4, 256) if quick else (6, 128, 4, 512)
     batch = 4
-    steps = 24 if quick else 40
-    fracs = [0.4, 0.7] if quick else [0.35, 0.5, 0.7]
+    steps = 24 if quick else 200
+    fracs = [0.4, 0.7] if quick else [0.3, 0.4, 0.55, 0.7]
     zoo = bert(batch=batch, seq_len=128, n_layer=n_layer, hidden=hidden, heads=heads,
                intermediate=inter, vocab=2000, dropout=0.1)
     torch.manual_seed(0)

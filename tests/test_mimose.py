@@ -10,6 +10,7 @@ import scheduler
 from scheduler import InfeasibleError, simulate
 from scheduler.planners import mimose as M
 
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 from wrap_models import plain_step, token_batch, transformer_blocks, twins, wrapped_step
 
 D = 32

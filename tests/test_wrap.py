@@ -14,6 +14,7 @@ from scheduler import InfeasibleError, InvalidPlanError, Plan, simulate
 from scheduler.planners.mimose import plan_from_checkpoints
 from scheduler.profile import meta_chain
 
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 from wrap_models import (ConvBN, loss_of, mlp_blocks, plain_step, random_rotor_plan, token_batch,
                          transformer_blocks, twins, wrapped_step)
 
@@ -47,6 +48,16 @@ HAND_PLANS = {
                                      ("F_all", 4), ("B", 4), ("B", 3), ("F_all", 2), ("B", 2),
                                      ("F_all", 0), ("F_all", 1), ("B", 1), ("B", 0)]),
     # offload a checkpoint while the next forward still reads it, prefetch it for the backward
+    # offload x[2] while F_all 2 reads it (its graph saves it): the storage leaves and returns
+    "offload_saved_input": lambda L: Plan([
+        ("F_ck", 0), ("F_ck", 1), ("offload", 2), ("F_all", 2), ("F_all", 3), ("F_all", 4),
+        ("B", 4), ("B", 3), ("prefetch", 2), ("B", 2), ("F_all", 1), ("B", 1), ("F_all", 0),
+        ("B", 0)]),
+    # offload what F_all 1 keeps (xbar[1]: its output is the input of stage 2)
+    "offload_xbar": lambda L: Plan([
+        ("F_ck", 0), ("F_all", 1), ("offload", 2), ("F_ck", 2), ("F_all", 3), ("F_all", 4),
+        ("B", 4), ("B", 3), ("prefetch", 2), ("F_all", 2), ("B", 2), ("B", 1), ("F_all", 0),
+        ("B", 0)]),
     "offload": lambda L: Plan([("F_ck", 0), ("F_ck", 1), ("offload", 1), ("F_all", 2),
                                ("F_all", 3), ("F_all", 4), ("B", 4), ("B", 3), ("B", 2),
                                ("prefetch", 1), ("F_all", 1), ("B", 1), ("F_all", 0), ("B", 0)]),

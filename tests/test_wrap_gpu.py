@@ -10,6 +10,7 @@ import scheduler
 from scheduler.profile import measure_chain
 from scheduler.planners.mimose import plan_from_checkpoints
 
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 from wrap_models import Attention, mlp_blocks, plain_step, twins, wrapped_step
 
 pytestmark = pytest.mark.gpu

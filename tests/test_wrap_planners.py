@@ -11,11 +11,20 @@ from scheduler import InfeasibleError, simulate
 from scheduler.planners.mimose import plan_from_checkpoints
 from scheduler.profile import measure_chain
 
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 from wrap_models import mlp_blocks, plain_step, token_batch, transformer_blocks, twins, wrapped_step
 
 D = 32
 L = 8
 FAST = {"repeat": 1, "warmup": 0}
+
+
+def input_allowance(plan, *args) -> int:
+    """A plan may offload the network input x[0]; the caller holds that tensor, so the runner
+    does not move it (it would free nothing) and it stays in the bytes held."""
+    if not any(op.kind == "offload" and op.stage == 0 for op in plan):
+        return 0
+    return sum(a.numel() * a.element_size() for a in args)
 
 
 def same(a, b) -> bool:
@@ -46,7 +55,7 @@ def test_planner_matches_plain_training_within_budget(planner, frac, full_peak):
     plan = model.last_plan
     peak = model.stats()["last_peak_bytes"]
     assert plan.predicted_peak <= budget
-    assert 0 < peak <= plan.predicted_peak
+    assert 0 < peak <= plan.predicted_peak + input_allowance(plan, x)
     if frac < 1:
         kinds = {op.kind for op in plan}
         assert kinds & {"F_ck", "F_none", "offload"}  # it had to save memory somehow
@@ -111,4 +120,5 @@ def test_pofo_prefetches_wait_for_memory_as_simulated(frac):
     model = scheduler.wrap(blocks, int(full * frac), planner="pofo", bandwidth=12e9, chain=chain,
                            track_memory=True, sample_input=ids)
     assert same(wrapped_step(model, (ids,)), plain_step(ref, (ids,)))
-    assert model.stats()["last_peak_bytes"] <= model.last_plan.predicted_peak
+    assert model.stats()["last_peak_bytes"] <= \
+        model.last_plan.predicted_peak + input_allowance(model.last_plan, ids)

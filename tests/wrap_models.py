@@ -5,6 +5,7 @@ import copy
 import random
 from typing import Any, Callable, List, Sequence, Tuple
 
+import pytest
 import torch
 from torch import nn
 
@@ -134,3 +135,13 @@ def random_rotor_plan(L: int, rng: random.Random) -> Plan:
         return ([("F_ck", s)] + [("F_none", k) for k in range(s + 1, sp)] + rec(sp, t) +
                 rec(s, sp - 1))
     return Plan(rec(0, L), planner="random")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tests run tiny ops: one intra-op thread avoids spin-waiting on a busy machine
+    (15x faster here), and results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -36,7 +36,7 @@ from torch import nn
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
 from . import accounting, buffers, rng
-from .offload import DeviceCopy, HostCopy, StorageCopy, Transfers
+from .offload import StorageCopy, Transfers
 
 Comps = Tuple[Any, ...]  # the components of a value passed between blocks
 
@@ -167,11 +167,20 @@ class Saved:
 
 
 @dataclass
+class Offloaded:
+    """x[s] while it is on the host: the same tensor objects, their storages emptied."""
+    comps: Comps
+    copies: List[StorageCopy]
+    released: bool = False
+
+
+@dataclass
 class RunStats:
     peak_bytes: int = 0          # peak of activation bytes held (tracked runs only)
     recomputed_forwards: int = 0
     offloaded: int = 0
     prefetched: int = 0
+    input_offloads_skipped: int = 0  # offloads of the caller's input (frees nothing)
     op_seconds: Dict[str, float] = field(default_factory=dict)
 
 
@@ -202,7 +211,8 @@ class ChainExecutor:
         self.xs: Dict[int, Comps] = {}                 # values held as x[s]
         self.xbars: Dict[int, Saved] = {}              # F_all results
         self.deltas: Dict[int, Comps] = {}             # gradients w.r.t. x[s]
-        self.host: Dict[int, List[Any]] = {}           # offloaded x[s]
+        self.host: Dict[int, Offloaded] = {}           # offloaded x[s]
+        self.pending: Dict[int, List[StorageCopy]] = {}  # prefetched x[s], copy maybe in flight
         self.leaving: Dict[int, Tuple[Comps, int]] = {}  # offloaded, still read until op k
         self.leaving_xbar: Dict[int, int] = {}           # xbar[t] offloaded, read until op k
         self.offload_events: Dict[int, List[Any]] = {}   # offload op index -> copy events
@@ -221,19 +231,23 @@ class ChainExecutor:
     # -------------------------------------------------------------------------- helpers
     def _input(self, s: int, index: int, kind: str) -> Comps:
         if s in self.xs:
-            comps = self.xs[s]
-            if any(isinstance(c, DeviceCopy) for c in comps):  # a prefetch in flight: wait now
-                comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in comps)
-                self.xs[s] = comps
-            return comps
+            self._ready_x(s)
+            return self.xs[s]
         if s - 1 in self.xbars:
             sv = self._ready_xbar(s - 1, index, kind)
             return tuple(c.detach() if isinstance(c, torch.Tensor) else c for c in sv.out)
         if s in self.leaving and kind in ("F_ck", "F_all"):  # read while the copy runs
             return self.leaving[s][0]
+        if s in self.host and not self.host[s].copies and kind in ("F_ck", "F_all"):
+            return self.host[s].comps  # the caller's input: "offloaded" but never moved
         where = " (it is offloaded: prefetch it first)" if s in self.host else ""
         raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
                                f"memory{where}", index)
+
+    def _ready_x(self, s: int) -> None:
+        """Wait for the prefetch of x[s], if one is in flight."""
+        for sc in self.pending.pop(s, ()):
+            Transfers.wait(sc)
 
     def _ready_xbar(self, t: int, index: int, kind: str) -> Saved:
         """xbar[t], waiting for its prefetch if one is in flight."""
@@ -279,18 +293,40 @@ class ChainExecutor:
                     "ops on block inputs (e.g. inplace=False on the block's first activation).")
         return as_components(value, s)
 
-    def _live(self, extra: Sequence[Any] = ()) -> None:
-        if not self.track:
-            return
-        ts: List[Any] = list(extra)
-        for comps in list(self.xs.values()) + [c for c, _ in self.leaving.values()]:
-            ts.extend(c.tensor if isinstance(c, DeviceCopy) else c for c in comps)
+    def _held_tensors(self) -> List[Any]:
+        """Every tensor the executor holds for the plan (values, F_all results, gradients)."""
+        ts: List[Any] = []
+        for comps in list(self.xs.values()) + [c for c, _ in self.leaving.values()] + \
+                [h.comps for h in self.host.values() if not h.copies]:
+            ts.extend(comps)  # (released storages count 0 bytes; the caller's input counts)
         for sv in self.xbars.values():
             ts.extend(sv.leaves)
             ts.extend(sv.out)
             ts.extend(sv.saved)
         for comps in self.deltas.values():
-            ts.extend(comps)
+            if comps is not None:
+                ts.extend(comps)
+        return ts
+
+    def _movable(self, mine: Sequence[Any], same_value: Sequence[Any],
+                 skip: Set[int]) -> List[torch.UntypedStorage]:
+        """The storages of ``mine`` (one stored item) that may move to the host: not in
+        ``skip`` and shared with no other held item, ``same_value`` aside (the detached
+        input leaves of the F_all that consumed this very value)."""
+        ours = {id(t) for t in list(mine) + list(same_value)}
+        others = {accounting.storage_key(t) for t in accounting.tensors_of(self._held_tensors())
+                  if id(t) not in ours}
+        storages = {}
+        for t in accounting.tensors_of(mine):
+            k = accounting.storage_key(t)
+            if k not in skip and k not in others and t.untyped_storage().nbytes() > 0:
+                storages[k] = t.untyped_storage()
+        return list(storages.values())
+
+    def _live(self, extra: Sequence[Any] = ()) -> None:
+        if not self.track:
+            return
+        ts: List[Any] = list(extra) + self._held_tensors()
         b = accounting.tensors_bytes(ts, self.param_storages)
         if b > self.stats.peak_bytes:
             self.stats.peak_bytes = b
@@ -354,6 +390,7 @@ class ChainExecutor:
             raise InvalidPlanError(f"op {index} (B {s}): needs delta[{s + 1}]; run B {s + 1} "
                                    "first", index)
         sv = self._ready_xbar(s, index, "B")
+        self._ready_x(s)  # the graph may have saved the input
         g = self.deltas[s + 1]
         outs, gouts = [], []
         for o, gi in zip(sv.out, g):
@@ -387,27 +424,41 @@ class ChainExecutor:
         if s not in self.xs:
             raise InvalidPlanError(f"op {index} (offload {s}): the input of stage {s} is not "
                                    "in memory", index)
-        comps = tuple(c.get() if isinstance(c, DeviceCopy) else c for c in self.xs.pop(s))
-        self.host[s] = [self.transfers.offload(c) if isinstance(c, torch.Tensor) else c
-                        for c in comps]
-        self.offload_events[index] = [h.event for h in self.host[s]
-                                      if isinstance(h, HostCopy) and h.event is not None]
+        self._ready_x(s)
+        comps = self.xs.pop(s)
+        self.stats.offloaded += 1
+        if s == 0:
+            # the caller's input: the caller still holds it, so moving it would free nothing
+            self.host[0] = Offloaded(comps, [], released=True)
+            self.stats.input_offloads_skipped += 1
+            return
+        # per storage, as for xbar: graphs that saved x[s] (F_all s) see it leave and return
+        same = self.xbars[s].leaves if s in self.xbars else ()
+        storages = self._movable(comps, same, set(self.param_storages))
+        self.host[s] = Offloaded(comps, [self.transfers.offload_storage(st) for st in storages])
+        self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
+                                      if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving[s] = (comps, release)
-        self.stats.offloaded += 1
+        else:
+            self._release_x(s)
+
+    def _release_x(self, s: int) -> None:
+        off = self.host.get(s)
+        if off is not None and not off.released:
+            for sc in off.copies:
+                Transfers.release(sc)
+            off.released = True
 
     def _offload_xbar(self, index: int, t: int) -> None:
         """Move what F_all t keeps (saved tensors and output, not its input) to the host."""
         sv = self.xbars[t]
         skip = set(self.param_storages) | {accounting.storage_key(c) for c in
                                            accounting.tensors_of(sv.leaves)}
-        storages = {}
-        for x in accounting.tensors_of(list(sv.saved) + list(sv.out)):
-            k = accounting.storage_key(x)
-            if k not in skip and x.untyped_storage().nbytes() > 0:
-                storages[k] = x.untyped_storage()
-        sv.host = [self.transfers.offload_storage(st) for st in storages.values()]
+        same = self.xbars[t + 1].leaves if t + 1 in self.xbars else ()
+        storages = self._movable(list(sv.saved) + list(sv.out), same, skip)
+        sv.host = [self.transfers.offload_storage(st) for st in storages]
         self.offload_events[index] = [sc.host.event for sc in sv.host if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
@@ -434,9 +485,13 @@ class ChainExecutor:
         if s not in self.host:
             raise InvalidPlanError(f"op {index} (prefetch {s}): x[{s}] was never offloaded",
                                    index)
-        comps = self.host.pop(s)
-        self.xs[s] = tuple(self.transfers.prefetch(c) if isinstance(c, HostCopy) else c
-                           for c in comps)
+        off = self.host.pop(s)
+        self.leaving.pop(s, None)
+        if off.copies and off.released:
+            for sc in off.copies:
+                self.transfers.prefetch_storage(sc)
+            self.pending[s] = off.copies
+        self.xs[s] = off.comps
         self.stats.prefetched += 1
         self._live()
 
@@ -455,6 +510,7 @@ class ChainExecutor:
         if self.leaving:  # drop device copies of offloaded values nobody reads any more
             for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
                 del self.leaving[t]
+                self._release_x(t)
         if self.leaving_xbar:
             for t in [t for t, last in self.leaving_xbar.items() if last <= index]:
                 del self.leaving_xbar[t]

@@ -1,19 +1,17 @@
 """Offload and prefetch of stored activations for pofo plans (seed 001, section 3).
 
-On CUDA: device-to-host copies run on one side stream into pinned host buffers from a
-reusable pool, host-to-device copies on a second side stream; each copy records an event.
-The compute stream waits on a prefetch's event only when the tensor is used, and the
-device memory of an offloaded tensor is handed back to the caching allocator as soon as the
-caller drops it: ``record_stream`` on the copy stream keeps the allocator from reusing it
-while the copy still reads it (the plan's "memory freed when the offload completes").
+Everything moves per *storage*: the bytes go to a pinned host buffer (from a reusable pool,
+keyed by size) and the device storage is resized to zero; a prefetch resizes it back and
+copies the bytes in. Every tensor object that points at the storage (the value the runner
+holds, the tensors a recorded graph saved) stays valid, so what ``F_all`` kept (xbar) and a
+checkpoint that a graph saved as its input both really leave the device (the technique FSDP
+uses to free parameters it keeps referenced).
 
-What F_all keeps (xbar: the tensors autograd saved and the block's output) is moved per
-*storage*: the bytes go to the host and the device storage is resized to zero, so every
-tensor object that autograd holds stays valid; a prefetch resizes the storage back and
-copies the bytes in (the technique FSDP uses to free parameters it keeps referenced).
-
-On CPU (tests, CI) the same bookkeeping runs with plain copies, so the runner's logic is
-exercised without a device.
+On CUDA the device-to-host copies run on one side stream, host-to-device copies on a
+second, each with an event: ``record_stream`` on the copy stream keeps the caching allocator
+from reusing an offloaded storage while its copy still reads it; the compute stream waits
+on a prefetch's event only when the data is used. On CPU (tests, CI) the same bookkeeping
+runs with plain copies.
 """
 from __future__ import annotations
 
@@ -59,22 +57,6 @@ class HostCopy:
 
     def view(self) -> torch.Tensor:
         return self.buf.view(self.dtype).view(self.shape)
-
-
-@dataclass
-class DeviceCopy:
-    """A tensor being brought back; ``get()`` makes the current stream wait for it."""
-    tensor: torch.Tensor
-    event: Optional[object]
-    _ready: bool = False
-
-    def get(self) -> torch.Tensor:
-        if not self._ready and self.event is not None:
-            stream = torch.cuda.current_stream(self.tensor.device)
-            stream.wait_event(self.event)
-            self.tensor.record_stream(stream)
-        self._ready = True
-        return self.tensor
 
 
 def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -163,19 +145,3 @@ class Transfers:
             stream.wait_event(sc.event)
             view.record_stream(stream)
             sc.event = None
-
-    def prefetch(self, h: HostCopy) -> DeviceCopy:
-        event = None
-        if self.cuda:
-            with torch.cuda.stream(self.h2d):
-                if h.event is not None:
-                    self.h2d.wait_event(h.event)  # the offload has finished writing the host copy
-                dev = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-                dev.copy_(h.view(), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.h2d)
-        else:
-            dev = h.view().clone()
-        self.pool.give(h.buf, event)  # reusable once the host-to-device copy has read it
-        self.prefetched_bytes += h.buf.numel()
-        return DeviceCopy(dev, event)
