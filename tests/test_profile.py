@@ -1,6 +1,8 @@
 """scheduler.profile: meta_chain's exact sizes and cost-model times on hand-checked models,
 agreement with measure_chain on real CPU tensors, tuples between blocks, and input validation."""
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,10 @@ from hypothesis import strategies as st
 
 from scheduler import Chain
 from scheduler.profile import CostModel, measure_chain, meta_chain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # bench/ (the model zoo) is not installed; installed packages still win
+    sys.path.append(ROOT)
 
 SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
 

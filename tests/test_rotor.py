@@ -10,7 +10,7 @@ from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor
 
 ORACLE_CASES = [(L, seed, tmp) for L in range(0, 6) for seed in range(2) for tmp in (True, False)]
-ORACLE_CASES += [(6, 0, True), (6, 1, False)]
+ORACLE_CASES += [(6, seed, tmp) for seed in range(3) for tmp in (True, False)]
 
 
 def check_prediction(chain, plan, memory=None, exact=True):
@@ -90,7 +90,7 @@ def test_slots_keep_plans_feasible_and_predictions_exact(slots):
         for frac in (0.0, 0.2, 0.5, 1.0):
             m = least + frac * (full - least)
             plan = rotor.solve(chain, m, slots=slots)
-            check_prediction(chain, plan, memory=m, exact=False)
+            check_prediction(chain, plan, memory=m)   # exact: the plan sums times in sim order
 
 
 def test_slot_rounding_bound():
@@ -115,7 +115,7 @@ def test_infeasible_with_slots_reports_a_limit_that_works():
         rotor.solve(chain, 1000, slots=100)
     need = e.value.min_memory
     assert need > 1000 and f"{need:g}" in str(e.value)
-    check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need, exact=False)
+    check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need)
     with pytest.raises(InfeasibleError):
         rotor.solve(chain, need - 1, slots=100)
     assert isinstance(e.value, ValueError)
@@ -134,3 +134,29 @@ def test_paper_shape_and_bad_input():
     with pytest.raises(ValueError, match="integer sizes"):
         rotor.solve(byte_chain(3, 0).replace(x=[0.5] * 4), 10**9, slots=None)
     assert rotor.solve(byte_chain(3, 0), "1GiB").meta["memory"] == 1 << 30
+
+
+def test_min_memory_with_slots_is_the_least_limit_that_works():
+    for chain in (byte_chain(12, 5), byte_chain(12, 5).replace(x=[v + 0.5 for v in byte_chain(12, 5).x])):
+        for hint in (1.0, 1e12):   # far below and far above: same answer
+            need = rotor.min_memory(chain, slots=64, memory=hint)
+            assert need == pytest.approx(rotor.min_memory(chain, slots=64, memory=need * 3), rel=1e-5)
+        rotor.solve(chain, need, slots=64)
+        with pytest.raises(InfeasibleError):
+            rotor.solve(chain, need * (1 - 1e-5) - 1, slots=64)
+        assert rotor.min_memory(chain) <= need if chain.is_integer else True
+    chain = Chain.random(6, seed=2)
+    assert revolve.min_memory(chain) >= rotor.min_memory(chain)
+
+
+def test_refine_wins_back_rounding_and_still_fits():
+    chain = byte_chain(60, 1)
+    full = simulate(chain, periodic.solve(chain, 1)).peak_memory
+    for m in (0.4 * full, full):
+        base = rotor.solve(chain, m, slots=50)
+        fine = rotor.solve(chain, m, slots=50, refine=6)
+        r = check_prediction(chain, fine, memory=m)
+        assert fine.predicted_time <= base.predicted_time and fine.meta["memory"] == m
+    assert fine.predicted_time < base.predicted_time   # at full memory the rounding cost shows
+    with pytest.raises(ValueError, match="refine"):
+        rotor.solve(chain, full, refine=-1)

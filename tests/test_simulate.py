@@ -232,3 +232,18 @@ def test_store_all_properties(L, seed):
     # the loss's backward holds every xbar plus x0, delta[L] and its tmp
     assert r.steps[L + 1].peak == c.x[0] + sum(c.xbar) + c.delta[L] + c.bw_tmp[L]
     assert r.final_memory == c.delta[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_persistent_sequence_is_consistent(seed):
+    # all 90 persistent sequences of a 5-stage chain: the trace, the timeline and the steps
+    # tell the same story, and time is the sum of the op times (no transfers: no idle)
+    from _oracle import persistent_sequences
+    c = Chain.random(4, seed=seed)
+    for ops in persistent_sequences(0, c.L):
+        r = simulate(c, Plan(list(ops)))
+        assert r.idle_time == 0 and r.makespan == sum(
+            c.fw[s] if k != "B" else c.bw[s] for k, s in ops)
+        assert r.peak_memory == replay_peak(r.alloc_trace) == max(st.peak for st in r.steps)
+        assert r.final_memory == c.delta[0] and r.alloc_trace["meta"]["live_at_end"] != []
+

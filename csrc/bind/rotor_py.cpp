@@ -14,7 +14,7 @@ void bind_rotor(nb::module_& m) {
   m.def(
       "rotor_solve",
       [](D fw, D bw, std::tuple<I, I, I, I, I> u, std::tuple<D, D, D, D, D> e, int64_t budget,
-         bool allow_all) {
+         bool allow_all, bool exact_values) {
         vmalloc::dp::RotorSizes units{std::get<0>(u), std::get<1>(u), std::get<2>(u),
                                       std::get<3>(u), std::get<4>(u)};
         vmalloc::dp::RotorExact exact{std::get<0>(e), std::get<1>(e), std::get<2>(e),
@@ -22,12 +22,12 @@ void bind_rotor(nb::module_& m) {
         vmalloc::dp::RotorResult r;
         {
           nb::gil_scoped_release release;
-          r = vmalloc::dp::rotor_solve(fw, bw, units, exact, budget, allow_all);
+          r = vmalloc::dp::rotor_solve(fw, bw, units, exact, budget, allow_all, exact_values);
         }
         return nb::make_tuple(r.feasible, r.time, r.peak, r.min_units, r.ops);
       },
       nb::arg("fw"), nb::arg("bw"), nb::arg("units"), nb::arg("exact"), nb::arg("budget"),
-      nb::arg("allow_all") = true,
+      nb::arg("allow_all") = true, nb::arg("exact_values") = true,
       "Seed 002 Algorithms 1-2. units (int) / exact (float): (x, xbar, delta, fw_tmp, bw_tmp),\n"
       "x and delta of length L+2. Returns (feasible, time, peak, min_units, ops[(kind, stage)]),\n"
       "kind 0 F_all, 1 F_ck, 2 F_none, 3 B.");

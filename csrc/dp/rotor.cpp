@@ -18,7 +18,8 @@
 // Speed (seed 002 reports < 20 s for L = 339 at 500 slots; we aim at < 2 s): for each (s, t)
 // only the memory range [lo, hi) is tabulated, where lo is the least feasible memory and hi
 // the peak of the schedule that is optimal with unlimited memory (above it C is constant),
-// and the inner loop over m is a branch-free min-plus sweep the compiler vectorizes.
+// the inner loop over m is a branch-free min-plus sweep (AVX2 clone), and a candidate is
+// only swept where it can still win (see relax_pruned).
 #include "dp/rotor.hpp"
 
 #include <algorithm>
@@ -31,9 +32,12 @@ namespace vmalloc {
 namespace dp {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+// Table values: double in exact units (slots=None: exact optimality on integer chains),
+// float with slots (half the memory traffic, which is what the DP's time is; float's 2^-24
+// relative precision only matters for near-ties). The reported time is summed in double
+// over the plan's ops in the simulator's order either way.
 constexpr int64_t kBig = std::numeric_limits<int64_t>::max() / 4;
-constexpr size_t kMaxCells = size_t(1) << 28;   // 2 GiB of doubles: refuse beyond
+constexpr size_t kMaxCells = size_t(1) << 28;   // refuse tables beyond 2^28 cells
 
 // The simulator's memory rules inside a sub-chain s..t (the input of s counted outside).
 template <class V, class Vec>
@@ -46,22 +50,36 @@ struct Rules {
   V f_none(int j, int t) const { return delta[t + 1] + x[j] + x[j + 1] + fwt[j]; }   // F_none j
 };
 
-// out[i] = min(out[i], (c + A[i]) + B[i]) on [0, n), A and B either arrays or constants.
-inline void relax_seg(double* out, int64_t n, double c, const double* a, double ca,
-                      const double* b, double cb) {
-  if (a && b) {
-    for (int64_t i = 0; i < n; ++i) { double v = (c + a[i]) + b[i]; out[i] = v < out[i] ? v : out[i]; }
-  } else if (a) {
-    for (int64_t i = 0; i < n; ++i) { double v = (c + a[i]) + cb; out[i] = v < out[i] ? v : out[i]; }
-  } else if (b) {
-    for (int64_t i = 0; i < n; ++i) { double v = (c + ca) + b[i]; out[i] = v < out[i] ? v : out[i]; }
-  } else {
-    double v = (c + ca) + cb;
-    for (int64_t i = 0; i < n; ++i) out[i] = v < out[i] ? v : out[i];
+// out[i] = min(out[i], (c + A[i]) + B[i]): the whole cost of the DP. Cloned for AVX2 where
+// the CPU has it (runtime dispatch, so the module still runs on any x86-64).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VMALLOC_CLONES __attribute__((target_clones("avx2", "default"), optimize("O3")))
+#else
+#define VMALLOC_CLONES
+#endif
+#define VMALLOC_RELAX(Val)                                                                     \
+  VMALLOC_CLONES void relax_aa(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
+                               const Val* __restrict b) {                                      \
+    for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + b[i]; out[i] = v < out[i] ? v : out[i]; } \
+  }                                                                                            \
+  VMALLOC_CLONES void relax_ac(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
+                               Val cb) {                                                       \
+    for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + cb; out[i] = v < out[i] ? v : out[i]; } \
+  }                                                                                            \
+  VMALLOC_CLONES void relax_ca(Val* __restrict out, int64_t n, Val cca, const Val* __restrict b) { \
+    for (int64_t i = 0; i < n; ++i) { Val v = cca + b[i]; out[i] = v < out[i] ? v : out[i]; }  \
+  }                                                                                            \
+  VMALLOC_CLONES void relax_cc(Val* __restrict out, int64_t n, Val v) {                         \
+    for (int64_t i = 0; i < n; ++i) out[i] = v < out[i] ? v : out[i];                          \
   }
-}
+VMALLOC_RELAX(float)
+VMALLOC_RELAX(double)
+#undef VMALLOC_RELAX
 
+template <class Val>
 class Solver {
+  static constexpr Val kInf = std::numeric_limits<Val>::infinity();
+
  public:
   Solver(const std::vector<double>& fw, const std::vector<double>& bw, const RotorSizes& u,
          bool allow_all)
@@ -72,18 +90,19 @@ class Solver {
     bounds();
   }
 
+  int L() const { return L_; }
   int64_t min_units() const { return u_.x[0] + lo(0, L_); }
 
-  // Algorithm 1 restricted to m <= budget_units (x[0] excluded from m).
+  // Algorithm 1 for every sub-chain and every m <= m_max (x[0] excluded from m).
   void fill(int64_t m_max) {
-    m_max_ = m_max;
     off_.assign(size_t(n_) * n_, 0);
     len_.assign(size_t(n_) * n_, 0);
     size_t total = 0;
-    for (int s = 0; s < n_; ++s)
-      for (int t = s + 1; t < n_; ++t) {
-        int64_t end = std::min(hi(s, t), m_max + 1);
-        int64_t len = std::max<int64_t>(0, end - lo(s, t));
+    // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
+    // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
+    for (int t = 1; t < n_; ++t)
+      for (int s = t - 1; s >= 0; --s) {
+        int64_t len = std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t));
         off_[idx(s, t)] = total;
         len_[idx(s, t)] = len;
         total += size_t(len);
@@ -92,63 +111,65 @@ class Solver {
               "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
       }
     tab_.assign(total, kInf);
-    for (int d = 1; d <= L_; ++d)
-      for (int s = 0; s + d <= L_; ++s) fill_pair(s, s + d);
+    for (int t = 1; t < n_; ++t)
+      for (int s = t - 1; s >= 0; --s) fill_pair(s, t);
   }
 
   // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
-  double value(int s, int t, int64_t m) const {
+  Val value(int s, int t, int64_t m) const {
     if (m < lo(s, t)) return kInf;
     if (m >= hi(s, t)) return cinf_[idx(s, t)];
     return tab_[off_[idx(s, t)] + size_t(m - lo(s, t))];
   }
 
-  // Algorithm 2: append the ops of C(s, t, m) and return their exact peak (input excluded).
+  // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
+  // the simulator sums it) and return their exact peak (the input of s excluded).
   double rebuild(int s, int t, int64_t m, const Rules<double, std::vector<double>>& E,
-                 std::vector<std::pair<int, int>>& ops) const {
+                 std::vector<std::pair<int, int>>& ops, double* time) const {
     if (s == t) {
       ops.emplace_back(kFAll, s);
+      *time += fw_[s];
       ops.emplace_back(kB, s);
+      *time += bw_[s];
       return E.m_all(s, s);
     }
-    int choice = -1;  // -1: all, else s'
+    int choice = -1;  // -1: the all-case, else s'
     if (m >= hi(s, t)) {
       choice = all_ ? -1 : s + 1;  // the unlimited-memory schedule
     } else {
-      double best = kInf;
-      bool found = false;
-      if (all_ && m >= R_.m_all(s, t)) {
-        best = (fw_[s] + bw_[s]) + value(s + 1, t, m - u_.xbar[s]);
-        found = best < kInf;
-      }
+      // the same candidates, computed with the same expressions, as fill_pair
+      Val best = kInf;
+      if (all_ && m >= R_.m_all(s, t)) best = (Val(fw_[s] + bw_[s]) + value(s + 1, t, m - u_.xbar[s])) + Val(0);
       int64_t mn = R_.f_ck(s, t);
       for (int sp = s + 1; sp <= t; ++sp) {
         if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
         if (m < mn) break;  // mn only grows with s'
-        double v = ((pf_[sp] - pf_[s]) + value(sp, t, m - u_.x[sp])) + value(s, sp - 1, m);
-        if (v < best) { best = v; choice = sp; found = true; }
+        Val v = (Val(pf_[sp] - pf_[s]) + value(sp, t, m - u_.x[sp])) + value(s, sp - 1, m);
+        if (v < best) { best = v; choice = sp; }
       }
-      if (!found) throw std::logic_error("rotor: rebuilding an infeasible state");
+      if (!(best < kInf)) throw std::logic_error("rotor: rebuilding an infeasible state");
     }
     if (choice < 0) {
       ops.emplace_back(kFAll, s);
-      double p = rebuild(s + 1, t, m - u_.xbar[s], E, ops);
+      *time += fw_[s];
+      double p = rebuild(s + 1, t, m - u_.xbar[s], E, ops, time);
       ops.emplace_back(kB, s);
+      *time += bw_[s];
       return std::max(E.m_all(s, t), E.xbar[s] + p);
     }
     int sp = choice;
     double mn = E.f_ck(s, t);
     ops.emplace_back(kFCk, s);
+    *time += fw_[s];
     for (int j = s + 1; j < sp; ++j) {
       ops.emplace_back(kFNone, j);
+      *time += fw_[j];
       mn = std::max(mn, E.f_none(j, t));
     }
-    double p1 = rebuild(sp, t, m - u_.x[sp], E, ops);
-    double p2 = rebuild(s, sp - 1, m, E, ops);
+    double p1 = rebuild(sp, t, m - u_.x[sp], E, ops, time);
+    double p2 = rebuild(s, sp - 1, m, E, ops, time);
     return std::max({mn, E.x[sp] + p1, p2});
   }
-
-  int L() const { return L_; }
 
  private:
   size_t idx(int s, int t) const { return size_t(s) * n_ + t; }
@@ -167,7 +188,7 @@ class Solver {
         size_t k = idx(s, t);
         if (d == 0) {
           lo_[k] = hi_[k] = R_.m_all(s, s);
-          cinf_[k] = fw_[s] + bw_[s];
+          cinf_[k] = Val(fw_[s]) + Val(bw_[s]);
           continue;
         }
         int64_t best = kBig;
@@ -180,31 +201,58 @@ class Solver {
         lo_[k] = best;
         if (all_) {
           hi_[k] = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
-          cinf_[k] = (fw_[s] + bw_[s]) + cinf_[idx(s + 1, t)];
+          cinf_[k] = (Val(fw_[s] + bw_[s]) + cinf_[idx(s + 1, t)]) + Val(0);
         } else {
           hi_[k] = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
-          cinf_[k] = ((pf_[s + 1] - pf_[s]) + cinf_[idx(s + 1, t)]) + cinf_[idx(s, s)];
+          cinf_[k] = (Val(pf_[s + 1] - pf_[s]) + cinf_[idx(s + 1, t)]) + cinf_[idx(s, s)];
         }
         hi_[k] = std::max(hi_[k], lo_[k]);
       }
   }
 
-  // out[m] = min(out[m], (c + C(a..)(m - k)) + C(b..)(m)) for m in [m0, m1)
-  void relax(double* out, int64_t base, int64_t m0, int64_t m1, double c, int sa, int ta,
-             int64_t k, int sb, int tb) const {
+  // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [m0, m1), where C(a) is the
+  // first sub-chain (sa..ta) and C(b) the second (sb..tb; none in the all-case: 0). Each
+  // sub-chain is tabulated below its hi and constant above, so [m0, m1) splits in at most
+  // three pieces.
+  void relax(Val* out, int64_t base, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k,
+             int sb, int tb, bool has_b) {
     if (m0 >= m1) return;
-    // A is tabulated for m - k < hi(a), B for m < hi(b): split [m0, m1) at those points
-    int64_t cuts[4] = {m0, std::clamp(hi(sa, ta) + k, m0, m1), std::clamp(hi(sb, tb), m0, m1), m1};
+    const int64_t ha = hi(sa, ta) + k, hb = has_b ? hi(sb, tb) : kBig;
+    const Val ca = cinf_[idx(sa, ta)], cb = has_b ? cinf_[idx(sb, tb)] : Val(0);
+    int64_t cuts[4] = {m0, std::clamp(ha, m0, m1), has_b ? std::clamp(hb, m0, m1) : m0, m1};
     std::sort(cuts + 1, cuts + 3);
     for (int q = 0; q < 3; ++q) {
       int64_t a0 = cuts[q], a1 = cuts[q + 1];
       if (a0 >= a1) continue;
-      const double* pa = nullptr;
-      const double* pb = nullptr;
-      if (a0 - k < hi(sa, ta)) pa = &tab_[off_[idx(sa, ta)] + size_t(a0 - k - lo(sa, ta))];
-      if (a0 < hi(sb, tb)) pb = &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))];
-      relax_seg(out + (a0 - base), a1 - a0, c, pa, cinf_[idx(sa, ta)], pb, cinf_[idx(sb, tb)]);
+      bool tab_a = a0 < ha, tab_b = has_b && a0 < hb;
+      Val* o = out + (a0 - base);
+      const Val* pa = tab_a ? &tab_[off_[idx(sa, ta)] + size_t(a0 - k - lo(sa, ta))] : nullptr;
+      if (tab_a && tab_b) {
+        relax_aa(o, a1 - a0, c, pa, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
+      } else if (tab_a) {
+        relax_ac(o, a1 - a0, c, pa, cb);
+      } else if (tab_b) {
+        relax_ca(o, a1 - a0, c + ca, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
+      } else {
+        relax_cc(o, a1 - a0, (c + ca) + cb);
+      }
     }
+  }
+
+  // Every candidate is non-increasing in m, and so is the running minimum out[]. On
+  // [a, b) a candidate is never below its value at b - 1 (lb), so it can only improve out[m]
+  // where out[m] > lb: none of [a, b) if out[a] <= lb, else a prefix found by bisection.
+  void relax_pruned(Val* out, int64_t m0, int64_t a, int64_t b, Val c, int sa, int ta,
+                    int64_t k, int sb, int tb) {
+    if (a >= b) return;
+    Val lb = (c + value(sa, ta, b - 1 - k)) + value(sb, tb, b - 1);
+    if (lb >= out[a - m0]) return;
+    int64_t first = a + 1, last = b;  // first m in (a, b) with out[m] <= lb, else b
+    while (first < last) {
+      int64_t mid = first + (last - first) / 2;
+      if (out[mid - m0] <= lb) last = mid; else first = mid + 1;
+    }
+    relax(out, m0, a, first, c, sa, ta, k, sb, tb, true);
   }
 
   void fill_pair(int s, int t) {
@@ -212,29 +260,20 @@ class Solver {
     int64_t len = len_[k];
     if (len == 0) return;
     int64_t m0 = lo(s, t), m1 = m0 + len;
-    double* out = &tab_[off_[k]];
-    if (all_) {
-      int64_t a = std::max(m0, R_.m_all(s, t));
-      int64_t from = std::max(a, u_.xbar[s] + lo(s + 1, t));
-      relax_all(out, m0, from, m1, fw_[s] + bw_[s], s + 1, t, u_.xbar[s]);
+    Val* out = &tab_[off_[k]];
+    if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
+      Val c = Val(fw_[s] + bw_[s]);
+      int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
+      relax(out, m0, from, m1, c, s + 1, t, u_.xbar[s], 0, 0, false);  // out[] is all inf yet
     }
     int64_t mn = R_.f_ck(s, t);
-    for (int sp = s + 1; sp <= t; ++sp) {
+    for (int sp = s + 1; sp <= t; ++sp) {  // F_ck s, F_none s+1..s'-1, C(s', t), C(s, s'-1)
       if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
+      if (mn >= m1) break;  // the F_none peaks only grow with s'
+      Val c = Val(pf_[sp] - pf_[s]);
       int64_t from = std::max({m0, mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)});
-      relax(out, m0, from, m1, pf_[sp] - pf_[s], sp, t, u_.x[sp], s, sp - 1);
+      relax_pruned(out, m0, from, m1, c, sp, t, u_.x[sp], s, sp - 1);
     }
-  }
-
-  // out[m] = min(out[m], c + C(a..)(m - k)) for m in [m0, m1)
-  void relax_all(double* out, int64_t base, int64_t m0, int64_t m1, double c, int sa, int ta,
-                 int64_t k) const {
-    if (m0 >= m1) return;
-    int64_t cut = std::clamp(hi(sa, ta) + k, m0, m1);
-    if (m0 < cut)
-      relax_seg(out + (m0 - base), cut - m0, c, &tab_[off_[idx(sa, ta)] + size_t(m0 - k - lo(sa, ta))],
-                0, nullptr, 0.0);
-    if (cut < m1) relax_seg(out + (cut - base), m1 - cut, c, nullptr, cinf_[idx(sa, ta)], nullptr, 0.0);
   }
 
   int L_, n_;
@@ -245,11 +284,10 @@ class Solver {
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
   std::vector<int64_t> lo_, hi_;
-  std::vector<double> cinf_;
+  std::vector<Val> cinf_;
   std::vector<size_t> off_;
   std::vector<int64_t> len_;
-  std::vector<double> tab_;
-  int64_t m_max_ = 0;
+  std::vector<Val> tab_;
 };
 
 void check(const std::vector<double>& fw, const std::vector<double>& bw, const RotorSizes& u) {
@@ -268,31 +306,42 @@ void check(const std::vector<double>& fw, const std::vector<double>& bw, const R
   need(u.bw_tmp.size(), n, "bw_tmp");
 }
 
-}  // namespace
-
-int64_t rotor_min_units(const RotorSizes& units, bool allow_all) {
+int64_t min_units_impl(const RotorSizes& units, bool allow_all) {
   std::vector<double> zeros(units.xbar.size(), 0.0);
   check(zeros, zeros, units);
-  return Solver(zeros, zeros, units, allow_all).min_units();
+  return Solver<double>(zeros, zeros, units, allow_all).min_units();
 }
 
-RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
-                        const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                        bool allow_all) {
-  check(fw, bw, units);
-  Solver solver(fw, bw, units, allow_all);
+template <class Val>
+RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>& bw,
+                       const RotorSizes& units, const RotorExact& exact, int64_t budget,
+                       bool allow_all) {
+  Solver<Val> solver(fw, bw, units, allow_all);
   RotorResult r;
   r.min_units = solver.min_units();
   if (budget < r.min_units) return r;
   int64_t m = budget - units.x[0];
   int L = solver.L();
   solver.fill(m);
-  r.time = solver.value(0, L, m);
-  if (!(r.time < kInf)) return r;  // cannot happen when budget >= min_units
+  if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp};
-  r.peak = exact.x[0] + solver.rebuild(0, L, m, E, r.ops);
+  r.peak = exact.x[0] + solver.rebuild(0, L, m, E, r.ops, &r.time);
   r.feasible = true;
   return r;
+}
+
+}  // namespace
+
+int64_t rotor_min_units(const RotorSizes& units, bool allow_all) {
+  return min_units_impl(units, allow_all);
+}
+
+RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
+                        const RotorSizes& units, const RotorExact& exact, int64_t budget,
+                        bool allow_all, bool exact_values) {
+  check(fw, bw, units);
+  return exact_values ? solve_with<double>(fw, bw, units, exact, budget, allow_all)
+                      : solve_with<float>(fw, bw, units, exact, budget, allow_all);
 }
 
 }  // namespace dp

@@ -31,9 +31,11 @@ struct RotorResult {
 };
 
 // allow_all = false restricts the DP to the AD model (revolve): F_all only right before its B.
+// exact_values: keep the table in double (exact optimality for integer times below 2^53)
+// rather than float (half the memory traffic; what the discretized mode uses).
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
                         const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                        bool allow_all);
+                        bool allow_all, bool exact_values);
 
 // Smallest feasible budget in units (x[0] included); O(L^3), no table.
 int64_t rotor_min_units(const RotorSizes& units, bool allow_all);

@@ -15,9 +15,15 @@ from typing import Any, Optional
 
 from ..chain import Chain
 from ..plan import Plan
-from .rotor import solve_dp
+from .rotor import min_memory as _min_memory, solve_dp
 
 
-def solve(chain: Chain, memory: Any, slots: Optional[int] = 500) -> Plan:
-    """Fastest AD-model (revolve) schedule within ``memory`` bytes; ``InfeasibleError`` if none."""
-    return solve_dp(chain, memory, slots, allow_all=False, planner="revolve")
+def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: int = 0) -> Plan:
+    """Fastest AD-model (revolve) schedule within ``memory`` bytes; ``InfeasibleError`` if
+    none. ``refine`` as in rotor.solve."""
+    return solve_dp(chain, memory, slots, allow_all=False, planner="revolve", refine=refine)
+
+
+def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None):
+    """The least memory limit for which ``solve`` finds a revolve plan (see rotor.min_memory)."""
+    return _min_memory(chain, slots, memory, _allow_all=False)

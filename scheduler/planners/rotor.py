@@ -85,18 +85,25 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
         units, budget, _ = discretize(chain, m, slots)
         return core.rotor_min_units(units, allow_all) <= budget
 
-    lo, hi = memory, memory
+    # feasibility is monotone in the limit (sizes in slots only shrink as it grows): bracket
+    # it, then bisect. With integer sizes the exact minimum is a lower bound to start from.
+    integer = chain.is_integer
+    if integer:
+        lo = core.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1
+        hi = max(memory, lo + 1)
+    else:
+        lo = hi = memory
+        while ok(lo) and lo > 1e-12:
+            hi, lo = lo, lo / 2
     while not ok(hi):
         lo, hi = hi, hi * 2
-    integer = chain.is_integer
     while (hi - lo > 1) if integer else (hi - lo > 1e-6 * hi):
         mid = (lo + hi) // 2 if integer else (lo + hi) / 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return int(math.ceil(hi)) if integer else hi
 
 
-def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str) -> Plan:
-    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False)."""
+def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str) -> Plan:
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = check_memory(memory)
@@ -104,7 +111,8 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
     units, budget, unit = discretize(chain, memory, slots)
     feasible, time, peak, min_units, ops = _core().rotor_solve(
         list(map(float, chain.fw)), list(map(float, chain.bw)), units,
-        tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all)
+        tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all,
+        slots is None)  # exact units: a double table; slots: float (twice as fast)
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
@@ -120,16 +128,48 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
                 meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget})
 
 
-def solve(chain: Chain, memory: Any, slots: Optional[int] = 500) -> Plan:
+def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
+             refine: int = 0) -> Plan:
+    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
+
+    ``refine=n`` (slots only) spends n more solves winning back the rounding: it bisects a
+    nominal limit between ``memory`` and ``memory * (1 + (L + 4) / slots)`` and keeps the
+    fastest plan whose exact peak still fits in ``memory`` (so the guarantee is unchanged).
+    """
+    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+        raise ValueError(f"refine: expected a non-negative int, got {refine!r}")
+    plan = _solve_once(chain, memory, slots, allow_all, planner)
+    if slots is None or refine == 0:
+        return plan
+    limit = plan.meta["memory"]
+    lo, hi = float(limit), float(limit) * (1 + (chain.L + 4) / slots)
+    for _ in range(refine):
+        mid = (lo + hi) / 2
+        cand = _solve_once(chain, mid, slots, allow_all, planner)
+        if cand.predicted_peak <= limit:
+            lo = mid
+            if cand.predicted_time < plan.predicted_time:
+                plan = cand
+        else:
+            hi = mid
+    plan.meta.update(memory=limit, nominal_memory=plan.meta["memory"], refine=refine)
+    return plan
+
+
+def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: int = 0) -> Plan:
     """The fastest persistent schedule of ``chain`` whose peak memory is at most ``memory``
-    bytes (x[0] included). Raises ``InfeasibleError`` (with ``.min_memory``) if none fits."""
-    return solve_dp(chain, memory, slots, allow_all=True, planner="rotor")
+    bytes (x[0] included). Raises ``InfeasibleError`` (with ``.min_memory``) if none fits.
+    ``refine``: see :func:`solve_dp` (default 0: one solve)."""
+    return solve_dp(chain, memory, slots, allow_all=True, planner="rotor", refine=refine)
 
 
-def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None) -> float:
-    """The least memory any rotor plan needs (slots=None: exact; else for that slot count,
-    searched upward from ``memory``)."""
+def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None,
+               *, _allow_all: bool = True) -> Union[int, float]:
+    """The least memory limit (bytes, x[0] included) for which ``solve`` finds a plan:
+    exact with ``slots=None``; else for that slot count (the slot size scales with the
+    limit), searched from ``memory`` (a hint; any positive value works)."""
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     slots = check_slots(slots)
-    if slots is None:
-        return _min_memory(chain, None, True, 1)
-    return _min_memory(chain, slots, True, check_memory(memory if memory is not None else 1))
+    hint = check_memory(memory) if memory is not None else max(1.0, float(sum(chain.xbar)))
+    return _min_memory(chain, slots, _allow_all, hint)
