@@ -15,7 +15,8 @@ void bind_pofo(nb::module_& m) {
       "pofo_solve",
       [](std::vector<int64_t> x, std::vector<int64_t> xbar, std::vector<int64_t> delta,
          std::vector<int64_t> fw_tmp, std::vector<int64_t> bw_tmp, std::vector<double> fw,
-         std::vector<double> bw, int64_t memory, double beta, bool offload, bool recompute) {
+         std::vector<double> bw, int64_t memory, double beta, bool offload, bool recompute,
+         double budget, int delta_step) {
         vmalloc::pofo::Chain c;
         c.L = static_cast<int>(fw.size()) - 1;
         const size_t n = fw.size();
@@ -35,6 +36,8 @@ void bind_pofo(nb::module_& m) {
         vmalloc::pofo::Options opt;
         opt.offload = offload;
         opt.recompute = recompute;
+        opt.budget = budget;
+        opt.delta_step = delta_step;
         vmalloc::pofo::Result r;
         {
           nb::gil_scoped_release release;

@@ -15,7 +15,8 @@
 //    R_j^B + M_F - Delta_F <= M (all offloads done) or the state is infeasible.
 //  * Negative Deltas (idle channel credit) are clamped at -M: only credit up to the largest
 //    possible positive Delta of the other phase (<= M) ever matters (eqs. 9, 10).
-// Discretisation: data moved during a time t is floor(t * beta) units (conservative), except
+// Discretisation: data moved during a time t is t * beta units rounded to the nearest (floor
+// would lose up to a unit per stage and pile up over long chains: seed 000 section 6.2), except
 // that an idle eps = excess / beta moves exactly `excess` units.
 #include "dp/offload_dp.hpp"
 
@@ -48,7 +49,7 @@ int64_t moved(double t, double beta, int64_t cap) {
   if (beta <= 0 || t <= 0) return 0;
   double v = t * beta;
   if (!std::isfinite(v) || v >= static_cast<double>(cap)) return cap;
-  return static_cast<int64_t>(std::floor(v + 1e-9 * std::max(1.0, v)));
+  return static_cast<int64_t>(std::floor(v + 0.5));  // nearest: unbiased over many steps
 }
 
 double wait(int64_t excess, double beta) {

@@ -20,14 +20,15 @@
 //    (eps^F, eps^B as in Case 1), then eps^G = (dF_left + dB_left) / beta.
 //  * Lemma 1 idle times are placed where the lemma puts them: at the start of an offloading
 //    sequence, at the end of a prefetching one.
-// Discretisation: data moved in t seconds = floor(t * beta) units; an idle eps that covers an
+// Discretisation: data moved in t seconds = t * beta units rounded to the nearest; an idle eps that covers an
 // excess of e units moves exactly e units.
 #include "dp/pofo_dp.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <unordered_map>
+#include <memory>
+#include <vector>
 
 namespace vmalloc {
 namespace pofo {
@@ -35,22 +36,107 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// Open-addressing hash table (uint64 key -> Memo): the DP's hot path is memo lookups, and
+// std::unordered_map's node allocations cost several times more.
 struct Memo {
-  double v;
+  double v;     // the optimum if exact, else a lower bound (>= the budget it was asked with)
   int32_t ch;
+  bool exact = true;
+};
+
+// Dense table for C(s, t, m, d), d <= m <= M, t >= s, t fastest: the ck loop of a state
+// reads C(s, s..t, m, d) and these sit next to each other.  NaN = not computed.
+class CTable {
+ public:
+  CTable(int L, int64_t M) : L_(L), tri_((M + 1) * (M + 2) / 2) {
+    base_.assign(L + 2, 0);
+    for (int s = 0; s <= L; ++s) base_[s + 1] = base_[s] + static_cast<size_t>(L + 1 - s) * tri_;
+    v_.assign(base_[L + 1], std::numeric_limits<double>::quiet_NaN());
+    ch_.assign(base_[L + 1], 0);
+  }
+  static bool fits(int L, int64_t M) {
+    return static_cast<double>(L + 1) * (L + 2) / 2 * (M + 1) * (M + 2) / 2 <= 4e7;
+  }
+  size_t index(int s, int t, int64_t m, int64_t d) const {
+    return base_[s] + static_cast<size_t>(m * (m + 1) / 2 + d) * (L_ + 1 - s) + (t - s);
+  }
+  std::vector<double> v_;
+  std::vector<int16_t> ch_;
+  size_t size() const {
+    size_t n = 0;
+    for (double x : v_) n += !std::isnan(x);
+    return n;
+  }
+
+ private:
+  int L_;
+  size_t tri_;
+  std::vector<size_t> base_;
+};
+
+class MemoTable {
+ public:
+  MemoTable() { rehash(1 << 16); }
+  Memo* find(uint64_t key) {
+    const uint64_t k = key + 1;  // 0 marks an empty slot
+    for (size_t i = slot(k);; i = (i + 1) & mask_) {
+      if (keys_[i] == k) return &vals_[i];
+      if (keys_[i] == 0) return nullptr;
+    }
+  }
+  void put(uint64_t key, const Memo& m) {
+    if (2 * (size_ + 1) > keys_.size()) rehash(keys_.size() * 2);
+    const uint64_t k = key + 1;
+    size_t i = slot(k);
+    while (keys_[i] != 0 && keys_[i] != k) i = (i + 1) & mask_;
+    if (keys_[i] == 0) ++size_;
+    keys_[i] = k;
+    vals_[i] = m;
+  }
+  const Memo& at(uint64_t key) { return *find(key); }
+  size_t size() const { return size_; }
+
+ private:
+  size_t slot(uint64_t k) const {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    return static_cast<size_t>(k) & mask_;
+  }
+  void rehash(size_t cap) {
+    std::vector<uint64_t> ok;
+    std::vector<Memo> ov;
+    ok.swap(keys_);
+    ov.swap(vals_);
+    keys_.assign(cap, 0);
+    vals_.resize(cap);
+    mask_ = cap - 1;
+    size_ = 0;
+    for (size_t i = 0; i < ok.size(); ++i)
+      if (ok[i]) put(ok[i] - 1, ov[i]);
+  }
+  std::vector<uint64_t> keys_;
+  std::vector<Memo> vals_;
+  size_t mask_ = 0, size_ = 0;
 };
 
 class Solver {
  public:
   Solver(const Chain& c, int64_t M, double beta, const Options& opt)
       : c_(c), L_(c.L), M_(M), beta_(beta), opt_(opt) {
+    q_ = std::max(1, opt.delta_step);
     if (!(beta_ > 0)) opt_.offload = false;
     fpre_.assign(L_ + 2, 0.0);
-    for (int k = 0; k <= L_; ++k) fpre_[k + 1] = fpre_[k] + c_.fw[k];
+    cpre_.assign(L_ + 2, 0.0);
+    for (int k = 0; k <= L_; ++k) {
+      fpre_[k + 1] = fpre_[k] + c_.fw[k];
+      cpre_[k + 1] = cpre_[k] + c_.fw[k] + c_.bw[k];
+    }
     big_ = 4 * M_ + 4;
+    if (CTable::fits(L_, M_)) dense_ = std::make_unique<CTable>(L_, M_);
   }
 
-  double top() { return OC(0, 0, 0, 0, 0); }
+  double top(double budget) { return OC(0, 0, 0, 0, 0, budget); }
 
   void emit_top(Result& r) {
     out_ = &r;
@@ -59,7 +145,7 @@ class Solver {
   }
 
   size_t n_oc() const { return oc_.size(); }
-  size_t n_c() const { return c_memo_.size(); }
+  size_t n_c() const { return dense_ ? dense_->size() : c_memo_.size(); }
 
  private:
   // ---------------------------------------------------------------- helpers
@@ -67,7 +153,7 @@ class Solver {
     if (!(beta_ > 0) || t <= 0) return 0;
     const double v = t * beta_;
     if (!std::isfinite(v) || v >= static_cast<double>(big_)) return big_;
-    return static_cast<int64_t>(std::floor(v + 1e-9 * std::max(1.0, v)));
+    return static_cast<int64_t>(std::floor(v + 0.5));  // nearest: unbiased over many steps
   }
   double wait(double excess) const {
     if (excess <= 0) return 0;
@@ -75,6 +161,7 @@ class Solver {
     if (!(beta_ > 0)) return kInf;
     return excess / beta_;
   }
+  bool finite_beta() const { return beta_ > 0 && !std::isinf(beta_); }
   int64_t input(int s, int x) const { return s == 0 ? c_.x[0] : (x ? c_.xbar[s - 1] : c_.x[s]); }
   // memory of the k-th forward of a F_ck s, F_none s+1..k run (without the input of s)
   int64_t fmem(int s, int k) const {
@@ -96,24 +183,43 @@ class Solver {
     if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
     if (d > 0 && !(beta_ > 0)) return kInf;
     const uint64_t key = ckey(s, t, m, d);
-    auto it = c_memo_.find(key);
-    if (it != c_memo_.end()) return it->second.v;
-    double best = kInf;
+    size_t di = 0;
+    if (dense_) {
+      di = dense_->index(s, t, m, d);
+      if (!std::isnan(dense_->v_[di])) return dense_->v_[di];
+    } else if (const Memo* hit = c_memo_.find(key)) {
+      return hit->v;
+    }
+    double best = c_choice(s, t, m, d, -1, false);
     int32_t arg = -1;
-    best = c_choice(s, t, m, d, -1, false);
     if (s < t && opt_.recompute) {
+      // running max over k of M_k + beta * F[k+1] (Lemma 1 distance to the end of F_sp)
+      double run = -kInf;
+      const int64_t dt = c_.delta[t + 1];
       for (int sp = s; sp < t; ++sp) {
-        const double v = c_choice(s, t, m, d, sp, false);
+        const int64_t mk = dt + fmem(s, sp);
+        if (mk > m) break;  // F_sp does not fit: no longer run does either
+        // branch and bound: any such sequence computes s..t once and F_s..F_sp again
+        if (cpre_[t + 1] - cpre_[s] + fpre_[sp + 1] - fpre_[s] >= best) break;
+        run = std::max(run, mk + (finite_beta() ? beta_ * fpre_[sp + 1] : 0.0));
+        const double maxterm = finite_beta() ? run - beta_ * fpre_[sp + 1] : run;
+        const double v = c_ck(s, t, m, d, sp, maxterm, false, best);
         if (v < best) best = v, arg = sp;
       }
     }
-    c_memo_[key] = {best, arg};
+    if (dense_) {
+      dense_->v_[di] = best;
+      dense_->ch_[di] = static_cast<int16_t>(arg);
+    } else {
+      c_memo_.put(key, {best, arg, true});
+    }
     return best;
   }
 
   void c_emit(int s, int t, int64_t m, int64_t d) {
     C(s, t, m, d);
-    c_choice(s, t, m, d, c_memo_.at(ckey(s, t, m, d)).ch, true);
+    const int ch = dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
+    c_choice(s, t, m, d, ch, true);
   }
 
   // ch = -1: F_all s first (or the single-stage case); ch = sp >= s: F_ck s, F_none up to sp.
@@ -153,17 +259,24 @@ class Solver {
       const int64_t mk = dt + fmem(s, k);
       if (mk > m) return kInf;
       const double dist = fpre_[sp + 1] - fpre_[k + 1];  // time from the end of F_k to the end
-      maxterm = std::max(maxterm, beta_ > 0 && !std::isinf(beta_) ? mk - beta_ * dist
-                                                                   : static_cast<double>(mk));
+      maxterm = std::max(maxterm, finite_beta() ? mk - beta_ * dist : static_cast<double>(mk));
     }
+    return c_ck(s, t, m, d, sp, maxterm, emit, kInf);
+  }
+
+  // Case 2 of B.3 with the forward run's Lemma 1 term already known.
+  // ``bound``: a value known to be reachable; a result that cannot beat it may be kInf.
+  double c_ck(int s, int t, int64_t m, int64_t d, int sp, double maxterm, bool emit,
+              double bound) {
     if (c_.x[sp + 1] > m) return kInf;
     const double T1 = C(s, sp, m, d);
     if (std::isinf(T1)) return kInf;
+    if (fpre_[sp + 1] - fpre_[s] + T1 + cpre_[t + 1] - cpre_[sp + 1] >= bound) return kInf;
     const int64_t d2 = std::max<int64_t>(0, d - moved(T1));
     const double T2 = C(sp + 1, t, m - c_.x[sp + 1], d2);
     if (std::isinf(T2)) return kInf;
     const int64_t d3 = std::max<int64_t>(0, d2 - moved(T2));
-    const double eF = (beta_ > 0 && !std::isinf(beta_)) ? wait(maxterm - m + d3) : 0.0;
+    const double eF = finite_beta() ? wait(maxterm - m + d3) : 0.0;
     const double v = (fpre_[sp + 1] - fpre_[s]) + T1 + T2 + eF;
     if (emit) {
       push(1, s);
@@ -176,32 +289,52 @@ class Solver {
 
   // ---------------------------------------------------------------- forward: OC_x
   // choice = kind | v << 2 | sp << 3; kind 0 loss, 1 F_all, 2 F_ck; v = 1: offload the input
-  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+  // Branch and bound: ``budget`` is a value the caller already has; if this state cannot
+  // do better, it returns kInf (and memoises "value >= budget"). Returning the bound
+  // itself would be wrong: partial + (budget - partial) can round below the caller's best.
+  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB, double budget = kInf) {
     const int64_t I = input(s, x);
-    if (A + I > M_ || dF > M_ || dB > M_) return kInf;
+    // what is stored, still being offloaded, or already prefetched all sits in GPU memory
+    if (A + I + dF > M_ || A + I + dB > M_) return kInf;
     const uint64_t key = okey(s, x, A, dF, dB);
-    auto it = oc_.find(key);
-    if (it != oc_.end()) return it->second.v;
+    if (const Memo* hit = oc_.find(key)) {
+      if (hit->exact) return hit->v;
+      if (hit->v >= budget) return kInf;  // known not to beat the budget
+    }
     double best = kInf;
     int32_t arg = 0;
-    if (s == L_) {
-      best = oc_choice(s, x, A, dF, dB, 0, false);
+    const double rest = cpre_[L_ + 1] - cpre_[s];  // no sequence from here is faster
+    if (rest >= budget) {
+      best = rest;
+    } else if (s == L_) {
+      best = oc_choice(s, x, A, dF, dB, 0, false, budget);
     } else {
       for (int v = 0; v <= 1; ++v) {
         if (v && !(opt_.offload && I > 0)) continue;
         int32_t ch = 1 | (v << 2);
-        double val = oc_choice(s, x, A, dF, dB, ch, false);
+        double val = oc_choice(s, x, A, dF, dB, ch, false, std::min(best, budget));
         if (val < best) best = val, arg = ch;
         if (!opt_.recompute) continue;
+        const int64_t avail = M_ - A - I;
+        double run = -kInf;
         for (int sp = s; sp < L_; ++sp) {
+          const int64_t mk = fmem(s, sp);
+          if (mk > avail + ((v && sp > s) ? I : 0)) break;  // longer runs do not fit either
+          if (rest + fpre_[sp + 1] - fpre_[s] >= std::min(best, budget)) break;  // bound
+          run = std::max(run, finite_beta() ? mk - beta_ * (fpre_[sp] - fpre_[s])
+                                            : static_cast<double>(mk));
           ch = 2 | (v << 2) | (sp << 3);
-          val = oc_choice(s, x, A, dF, dB, ch, false);
+          val = oc_ck(s, x, A, dF, dB, v, sp, run, false, std::min(best, budget));
           if (val < best) best = val, arg = ch;
         }
       }
     }
-    oc_[key] = {best, arg};
-    return best;
+    if (best < budget || std::isinf(budget)) {  // searched without a cut: the optimum
+      oc_.put(key, {best, arg, true});
+      return best;
+    }
+    oc_.put(key, {budget, arg, false});  // some choices were cut: only ">= budget" is known
+    return kInf;
   }
 
   int32_t best_oc(int s, int x, int64_t A, int64_t dF, int64_t dB) {
@@ -220,9 +353,14 @@ class Solver {
       dF2 = std::max<int64_t>(0, dF - DF);
       dB2 = std::max<int64_t>(0, dB - DB);
     }
+    if (q_ > 1) {  // coarser Delta grid (rounded up: never less data to move than real)
+      dF2 = (dF2 + q_ - 1) / q_ * q_;
+      dB2 = (dB2 + q_ - 1) / q_ * q_;
+    }
   }
 
-  double oc_choice(int s, int x, int64_t A, int64_t dF, int64_t dB, int32_t ch, bool emit) {
+  double oc_choice(int s, int x, int64_t A, int64_t dF, int64_t dB, int32_t ch, bool emit,
+                   double budget = kInf) {
     const int kind = ch & 3, v = (ch >> 2) & 1, sp = ch >> 3;
     const int64_t I = input(s, x);
     const int64_t avail = M_ - A - I;
@@ -242,7 +380,8 @@ class Solver {
       }
       int64_t A2, dF2, dB2;
       next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-      const double T = OC(s + 1, 1, A2, dF2, dB2);
+      if (val + cpre_[L_ + 1] - cpre_[s + 1] >= budget) return kInf;  // bound
+      const double T = OC(s + 1, 1, A2, dF2, dB2, budget - val);
       if (std::isinf(T)) return kInf;
       if (emit) {
         if (v) push(4, s);
@@ -259,20 +398,27 @@ class Solver {
       const int64_t mk = fmem(s, k);
       if (mk > avail + ((v && k > s) ? I : 0)) return kInf;
       const double dist = fpre_[k] - fpre_[s];  // time from the start of the sequence
-      maxterm = std::max(maxterm, beta_ > 0 && !std::isinf(beta_) ? mk - beta_ * dist
-                                                                   : static_cast<double>(mk));
+      maxterm = std::max(maxterm, finite_beta() ? mk - beta_ * dist : static_cast<double>(mk));
     }
-    const double eF = (beta_ > 0 && !std::isinf(beta_)) ? wait(maxterm + dF - avail)
-                                                          : (maxterm + dF > avail ? kInf : 0.0);
+    return oc_ck(s, x, A, dF, dB, v, sp, maxterm, emit, budget);
+  }
+
+  double oc_ck(int s, int x, int64_t A, int64_t dF, int64_t dB, int v, int sp, double maxterm,
+               bool emit, double bound) {
+    const int64_t I = input(s, x);
+    const int64_t avail = M_ - A - I;
+    const double eF = finite_beta() ? wait(maxterm + dF - avail)
+                                    : (maxterm + dF > avail ? kInf : 0.0);
     if (std::isinf(eF)) return kInf;
     const double fwsum = fpre_[sp + 1] - fpre_[s];
     const int64_t DF = moved(fwsum + eF);
     const double T1 = C(s, sp, avail, dB);
     if (std::isinf(T1)) return kInf;
+    if (fwsum + eF + T1 + cpre_[L_ + 1] - cpre_[sp + 1] >= bound) return kInf;  // bound
     const int64_t DB = moved(T1);
     int64_t A2, dF2, dB2;
     next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-    const double T = OC(sp + 1, 0, A2, dF2, dB2);
+    const double T = OC(sp + 1, 0, A2, dF2, dB2, bound - (fwsum + eF + T1));
     if (std::isinf(T)) return kInf;
     if (emit) {
       if (v) push(4, s);
@@ -293,8 +439,10 @@ class Solver {
   double beta_;
   Options opt_;
   int64_t big_;
-  std::vector<double> fpre_;
-  std::unordered_map<uint64_t, Memo> c_memo_, oc_;
+  std::vector<double> fpre_, cpre_;  // prefix sums of fw, of fw + bw (for pruning)
+  MemoTable c_memo_, oc_;
+  int64_t q_ = 1;
+  std::unique_ptr<CTable> dense_;
   Result* out_ = nullptr;
 };
 
@@ -303,10 +451,10 @@ class Solver {
 Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
   Result r;
   Solver solver(c, memory, beta, opt);
-  const double t = solver.top();
+  const double t = solver.top(opt.budget);
   r.states_fwd = solver.n_oc();
   r.states_bwd = solver.n_c();
-  if (std::isinf(t)) return r;
+  if (std::isinf(t) || t >= opt.budget) return r;
   r.feasible = true;
   r.time = t;
   solver.emit_top(r);

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,12 @@ struct Chain {
 struct Options {
   bool offload = true;    // allow O / P (false, or beta = 0: rotor's persistent DP)
   bool recompute = true;  // allow F_ck / F_none (false: offload-only under the same model)
+  // Only look for sequences faster than this (seconds): branch and bound against a known
+  // solution (e.g. rotor's). If none is faster, the result is infeasible.
+  double budget = std::numeric_limits<double>::infinity();
+  // Round the forward states' Delta_F / Delta_B up to multiples of this many units (1 =
+  // exact). Fewer states, a little pessimism; the plan is simulated anyway.
+  int delta_step = 1;
 };
 
 // One op of the resulting sequence, in order.  kind: 0 F_all, 1 F_ck, 2 F_none, 3 B,

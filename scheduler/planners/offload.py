@@ -17,10 +17,13 @@ continuously while an activation moves, prefetches as late as possible). The sim
 moves whole activations (seed 000 assumption D). So a plan's ``predicted_time`` /
 ``predicted_peak`` are the simulator's numbers for the plan returned (the no-wait ordered
 schedule with those decisions, as seed 000 defines DYNPROG's output), and the DP's own
-optimum is ``plan.meta["relaxed_time"]``; the bound guaranteed (and tested) is
-``lower_bound <= relaxed_time`` only when the relaxation is tight, so the tests check
-``lower_bound <= simulated time`` for every planner and ``relaxed_time == simulated`` for
-transfer-free plans.
+optimum is ``plan.meta["relaxed_time"]``. Tested (exact units, small integer chains): the
+DP's search equals the minimum of its recurrence over all offload subsets; for every subset
+that recurrence is <= the simulated time of the whole-activation plan (a true relaxation);
+and ``lower_bound <= relaxed_time <= simulated time`` for DYNPROG, ``lower_bound <=
+simulated time`` for every planner. With ``slots``, sizes are first rounded to the nearest
+slot (rounding ~L activations up inflates the apparent need by up to L slots: seed 000
+section 6.2's DenseNet discretisation error), so ``relaxed_time`` is then an estimate.
 
 All sizes in bytes, times in seconds, ``bandwidth`` in bytes per second (a number or a
 size string such as ``"12GB"``).
@@ -323,10 +326,8 @@ def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
 
 
 # ------------------------------------------------------------------------------ GREEDY
-def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
-    """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
-    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
-    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
+def _greedy_set(chain: Chain, memory: Number) -> List[int]:
+    """The first k stages, k the smallest with sum_{i <= k} |x_i| >= M_peak - M."""
     need = peak_memory(chain) - memory
     act = activations(chain)
     chosen: List[int] = []
@@ -336,7 +337,14 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
             break
         chosen.append(i)
         total += act[i]
-    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.greedy")
+    return chosen
+
+
+def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+    """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
+    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
+    chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
+    plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy")
     return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
 
 
@@ -346,9 +354,20 @@ def _core():
     return _core
 
 
-def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int]):
-    # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
-    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int],
+               nearest: bool = False):
+    """Algorithm 1's arguments in memory units: rotor's discretisation (sizes rounded up to
+    whole slots of memory/slots), or with ``nearest`` rounded to the nearest slot: rounding
+    up ~L activations inflates the apparent need by up to L slots (seed 000 section 6.2's
+    DenseNet discretisation error); the plan is simulated with the real sizes anyway."""
+    if nearest and slots is not None:
+        unit = memory / slots
+        x, xbar, delta, fw_tmp, bw_tmp = ([int(round(v / unit)) for v in vals] for vals in (
+            list(chain.x) + [0], chain.xbar, list(chain.delta) + [0], chain.fw_tmp,
+            chain.bw_tmp))
+        M = slots
+    else:
+        (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
     act = [x[0]] + list(xbar)
     args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
             [float(v) for v in chain.bw], M, float(bandwidth) / unit)
@@ -373,17 +392,42 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     small integer chains). ``meta["relaxed_time"]`` is the DP's optimum of the relaxation."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
     slots = slots_arg(slots)
-    args, _ = _dp_inputs(chain, memory, beta, slots)
-    ok, idle, flags, states = _core().offload_dynprog(*args)
-    if not ok:
-        raise InfeasibleError(
-            f"offload.dynprog: no schedule fits memory {memory:g} with {slots} slots "
-            f"(the smallest limit without discretisation is {min_memory(chain):g})",
-            min_memory(chain))
-    chosen = [i for i, f in enumerate(flags) if f]
-    plan, sim = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+    # Rounding sizes up to whole slots can make a limit just above min_memory look too
+    # small: retry with finer slots, then fall back to GREEDY's decisions (feasible at any
+    # limit >= min_memory; meta["fallback"] says so).
+    fallback = False
+    # first sizes rounded to the nearest slot (less discretisation error), then rounded up
+    # (what the DP then finds is feasible in the model), then finer slots
+    attempts = [(slots, True), (slots, False)] + ([(slots * 4, False), (slots * 16, False)]
+                                                  if slots else [])
+    got = None
+    for sl, nearest in attempts:
+        args, _ = _dp_inputs(chain, memory, beta, sl, nearest)
+        ok, idle, flags, states = _core().offload_dynprog(*args)
+        if not ok:
+            continue
+        chosen = [i for i, f in enumerate(flags) if f]
+        # with sizes rounded to the nearest slot the decisions may fall just short in the
+        # real sizes: complete them with the earliest other activations (GREEDY's order)
+        rest = [i for i in range(chain.L + 1) if i not in chosen]
+        for k in ([0, 1, 2, 4, 8, 16, 32] if nearest else [0]):
+            try:
+                got = _best_of(chain, [chosen + rest[:k]], memory, beta, "offload.dynprog")
+                break
+            except InfeasibleError:
+                continue
+        if got is not None:
+            break
+    if got is None:
+        if slots is None:
+            raise InfeasibleError(
+                f"offload.dynprog: no schedule fits memory {memory:g} (the smallest limit is "
+                f"{min_memory(chain):g})", min_memory(chain))
+        fallback, idle, states = True, math.nan, 0
+        got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
+    plan, sim = got
     return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
-                   dp_states=states, slots=slots,
+                   dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
 
 

@@ -25,8 +25,9 @@ that needs it. Then:
   is guaranteed for the converted plan;
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
-  recomputation (offload-only in the same model), so ``pofo <= rotor`` and
-  ``pofo <= offload-only`` at every memory limit, in simulated time.
+  recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
+  ``slots`` is coarser and the store-all sequence when it fits, so ``pofo <= rotor`` and ``pofo <= offload-only`` at every memory
+  limit, in simulated time (``meta["variant"]`` says which one won).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from . import rotor
 from .offload import Number, bandwidth_arg, memory_arg, slots_arg, with_prefetches
 
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
-           "dp"]
+           "dp", "auto_delta_step"]
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
 
@@ -86,10 +87,12 @@ def max_memory(chain: Chain) -> Number:
 
 # ------------------------------------------------------------------------------- the DP
 def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50,
-       offload: bool = True, recompute: bool = True):
+       offload: bool = True, recompute: bool = True, budget: float = math.inf,
+       delta_step: int = 1):
     """Run the Appendix B DP. Returns ``(time, ops, prefetches, info)`` or None if it finds
-    no sequence: ``ops`` the compute and offload ops in order, ``prefetches`` the
-    ``(stage, consumer index)`` pairs in the order they run."""
+    no sequence (faster than ``budget`` seconds: branch and bound against a known one):
+    ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
+    index)`` pairs in the order they run."""
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
     (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
@@ -98,7 +101,8 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     beta = bandwidth / unit if bandwidth > 0 else 0.0
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
-        [float(v) for v in chain.bw], M, beta, offload, recompute)
+        [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
+        int(delta_step))
     if not ok:
         return None
     return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
@@ -115,38 +119,73 @@ def _plan_of(chain: Chain, got, memory: Number, bandwidth: float, planner: str
     return with_prefetches(chain, ops, pre, memory, bandwidth, loss + 1, planner)
 
 
+def auto_delta_step(chain: Chain, slots: Optional[int]) -> int:
+    """The forward states' Delta grid :func:`solve` uses by default: exact (1) for exact
+    units; else one unit per ~14 stages (ResNet-101, L = 39: 3; DenseNet-201, L = 107: 8),
+    which keeps the state count, and the solve time, roughly flat in L."""
+    return 1 if slots is None else max(1, -(-chain.L // 14))
+
+
 def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str, None],
-          slots: Optional[int] = 50) -> Plan:
+          slots: Optional[int] = 50, delta_step: Optional[int] = None) -> Plan:
     """pofo: the optimal persistent sequence of F_all / F_ck / F_none / B / offload /
     prefetch under seed 001's assumptions (see the module docstring for what is exact).
     ``slots``: memory discretisation (seed 001 uses 50; None = exact bytes, small integer
-    chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only)."""
+    chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only).
+    ``delta_step``: the forward states' Delta_F / Delta_B are rounded up to multiples of this
+    many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
+    state space is cubic in the slots, and this trades a little optimism for speed."""
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
+    if delta_step is None:
+        delta_step = auto_delta_step(chain, slots)
+    if isinstance(delta_step, bool) or not isinstance(delta_step, int) or delta_step < 1:
+        raise ValueError(f"delta_step: expected a positive int or None, got {delta_step!r}")
     floor = min_memory(chain) if beta > 0 else None
     if floor is not None and memory < floor:
         raise InfeasibleError(f"pofo.solve: memory {memory:g} is below the smallest limit "
                               f"any sequence of {chain.name or 'this chain'} can meet "
                               f"({floor:g})", floor)
-    variants = [("pofo", True, True)]
-    if beta > 0:
-        variants += [("rotor", False, True), ("offload-only", True, False)]
+    # rotor's and offload-only's optima lie in pofo's space: solve them first (cheap) and
+    # let the full DP search only for faster sequences (branch and bound)
+    variants = [("rotor", False, True), ("offload-only", True, False), ("pofo", True, True)] \
+        if beta > 0 else [("pofo", True, True)]
     best: Optional[Tuple[Plan, SimResult, float, str]] = None
-    dp_time = None
+    dp_time = math.inf
     for name, off, rec in variants:
-        got = dp(chain, memory, beta, slots, offload=off, recompute=rec)
+        got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
+                 delta_step=delta_step)
         if got is None:
             continue
-        if name == "pofo":
-            dp_time = got[0]
+        dp_time = min(dp_time, got[0])
         try:
             plan, sim = _plan_of(chain, got, memory, beta, "pofo")
         except InvalidPlanError:
             continue
+        plan.meta.update(got[3])
         if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
             best = (plan, sim, got[0], name)
-        plan.meta.update(got[3])
+    # storing everything, when it fits in the real sizes, is optimal (no idle, no
+    # recomputation); slot rounding can hide that from the DPs
+    if best is None or best[1].makespan > chain.total_compute():
+        store_all = Plan([Op("F_all", s) for s in range(chain.L + 1)]
+                         + [Op("B", s) for s in range(chain.L, -1, -1)], planner="pofo")
+        sim = simulate(chain, store_all)
+        if sim.peak_memory <= memory:
+            best = (store_all, sim, sim.makespan, "store-all")
+            dp_time = min(dp_time, sim.makespan)
+    # rotor itself (its own, finer discretisation): in pofo's space, and a coarse slot grid
+    # must not make pofo lose to it
+    if slots is not None and slots < 500 and (best is None or best[3] != "store-all"):
+        try:
+            r = rotor.solve(chain, memory, slots=500)
+            sim = simulate(chain, r, None, memory=memory)
+            if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
+                best = (r, sim, r.predicted_time, "rotor-500")
+            dp_time = min(dp_time, r.predicted_time)
+        except InfeasibleError:
+            pass
     if best is None:
         need = floor if floor is not None else _rotor_min(chain, slots, memory)
         raise InfeasibleError(
@@ -157,8 +196,8 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
-    plan.chain = chain
-    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers,
+    plan.chain, plan.planner = chain, "pofo"
+    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
                      simulated_time=sim.makespan)
     return plan
 
@@ -170,54 +209,49 @@ def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:
 
 # ----------------------------------------------------------------- section 5.1 heuristics
 def capper(chain: Chain, memory: Number, bandwidth: float, cap: Number,
-           slots: Optional[int] = 50) -> Optional[Tuple[Plan, SimResult]]:
-    """Seed 001 section 5.1's capper: a rematerialization-only sequence for the larger limit
-    ``cap``; while its peak exceeds ``memory``, offload the lowest-indexed activation in GPU
-    memory at the peak (right after the last forward that reads it before the peak,
-    prefetched before its next use). None if it cannot get under ``memory``."""
-    got = dp(chain, cap, 0.0, slots, offload=False)
-    if got is None:
+           slots: Optional[int] = 50, _cache: Optional[dict] = None
+           ) -> Optional[Tuple[Plan, SimResult]]:
+    """Seed 001 section 5.1's capper: rotor's sequence for the larger limit ``cap``; while
+    its peak (simulated, transfers included) exceeds ``memory``, offload the lowest-indexed
+    activation in GPU memory at the peak and not used by the peak op (the copy starts right
+    before its last use before the peak; the prefetch comes before its next use). None if
+    it cannot get under ``memory``."""
+    try:
+        base = rotor.solve(chain, cap, slots=slots)
+    except InfeasibleError:
         return None
-    ops: List[Op] = list(got[1])
-    offloaded: List[Tuple[int, int, int]] = []   # (stage, offload index, consumer index)
-    for _ in range(2 * (chain.L + 1)):
+    ops: List[Op] = list(base.ops)
+    key = tuple(ops)
+    if _cache is not None and key in _cache:
+        return _cache[key]
+    offloaded: List[Tuple[int, int, int]] = []   # (stage, offload position, consumer)
+    result = None
+    for _ in range(chain.L + 2):
         plan, sim = _transfer_plan(chain, ops, offloaded, bandwidth)
         if sim is None:
-            return None
-        if sim.peak_memory <= memory:
             break
-        peak_op = _peak_compute_op(plan, sim)
-        if peak_op is None:
-            return None
-        cand = _lowest_stored(chain, ops, offloaded, _ops_index(plan, peak_op), bandwidth)
+        if sim.peak_memory <= memory:   # runs under the limit without ever waiting
+            result = _best_placement(chain, ops, offloaded, memory, bandwidth, plan)
+            break
+        if bandwidth <= 0:
+            break
+        peak = max((st for st in sim.steps if st.kind not in ("offload", "prefetch")),
+                   key=lambda st: st.peak).index
+        cand = _lowest_stored(chain, ops, offloaded, _ops_index(plan, peak), bandwidth)
         if cand is None:
-            return None
+            break
         offloaded.append(cand)
-    else:
-        return None
-    try:
-        final = _with_transfers(chain, ops, offloaded, memory, bandwidth)
-    except InvalidPlanError:
-        return None
-    return final
+    if _cache is not None:
+        _cache[key] = result
+    return result
 
 
 def _ops_index(plan: Plan, plan_index: int) -> int:
-    """Index in the compute-and-offload list of the plan op at ``plan_index``."""
-    return sum(1 for op in plan.ops[:plan_index] if op.kind != "prefetch")
+    """Index in the compute-and-offload list (capper's ``ops``) of a plan op."""
+    return sum(1 for op in plan.ops[:plan_index] if op.kind not in ("offload", "prefetch"))
 
 
-def _peak_compute_op(plan: Plan, sim: SimResult) -> Optional[int]:
-    best, arg = -math.inf, None
-    for st in sim.steps:
-        if st.kind in ("offload", "prefetch"):
-            continue
-        if st.peak > best:
-            best, arg = st.peak, st.index
-    return arg
-
-
-def _readers(chain: Chain, ops: Sequence[Op], s: int) -> List[int]:
+def _readers(ops: Sequence[Op], s: int) -> List[int]:
     """Indices of the ops that use the input of stage s (F_* s, B s; B s-1 uses xbar[s-1])."""
     return [i for i, op in enumerate(ops)
             if (op.stage == s and op.kind in ("F_all", "F_ck", "F_none", "B"))
@@ -225,35 +259,34 @@ def _readers(chain: Chain, ops: Sequence[Op], s: int) -> List[int]:
 
 
 def _lowest_stored(chain: Chain, ops: List[Op], offloaded, peak: int, bandwidth: float):
-    """The lowest stage whose input is in GPU memory while op ``peak`` runs and is not
-    needed by it: (stage, offload position, prefetch consumer)."""
+    """The lowest stage whose input is in GPU memory while op ``peak`` runs, not used by it:
+    (stage, offload position, prefetch consumer), or None."""
     taken = {s for s, _, _ in offloaded}
     for s in range(chain.L + 1):
         if s in taken:
             continue
-        readers = _readers(chain, ops, s)
+        readers = _readers(ops, s)
         before = [i for i in readers if i < peak]
         after = [i for i in readers if i > peak]
-        if not before or not after or peak in readers:
+        if (not before and s > 0) or not after or peak in readers:
             continue
-        # produced before the peak (or x[0]), used again after it: offload right before
-        # its last use before the peak (the copy overlaps that op), prefetch for the next
-        pos, nxt = before[-1], after[0]
-        # the item must not be consumed in between (F_none / B free it): check with a prefix
-        prefix = list(ops[:pos]) + [Op("offload", s)] + list(ops[pos:peak + 1])
+        pos = before[-1] if before else 0
+        # stored from its last use before the peak until its next use? ask the simulator:
+        # offloading it there is valid exactly when nothing in between consumes it
+        trial = list(ops[:pos]) + [Op("offload", s)] + list(ops[pos:after[0]])
         try:
-            simulate(chain, Plan(prefix), bandwidth, complete=False)
+            simulate(chain, Plan(trial), bandwidth, complete=False)
         except InvalidPlanError:
             continue
-        return (s, pos, nxt)
+        return (s, pos, after[0])
     return None
 
 
 def _merge(ops: Sequence[Op], offloaded) -> Tuple[List[Op], List[Tuple[int, int]]]:
-    """Insert the offloads; return the new op list and the prefetch (stage, consumer) pairs
-    in consumer order, consumers re-indexed."""
-    at = {}
-    for s, pos, nxt in offloaded:
+    """Insert the offloads; the new op list and the (stage, consumer) prefetch pairs in
+    consumer order, re-indexed."""
+    at: dict = {}
+    for s, pos, _ in offloaded:
         at.setdefault(pos, []).append(s)
     merged: List[Op] = []
     index = {}
@@ -262,42 +295,53 @@ def _merge(ops: Sequence[Op], offloaded) -> Tuple[List[Op], List[Tuple[int, int]
             merged.append(Op("offload", s))
         index[i] = len(merged)
         merged.append(op)
-    pre = sorted(((s, index[nxt]) for s, _, nxt in offloaded), key=lambda p: p[1])
-    return merged, pre
+    return merged, sorted(((s, index[c]) for s, _, c in offloaded), key=lambda p: p[1])
 
 
 def _transfer_plan(chain: Chain, ops, offloaded, bandwidth: float):
-    """The capper's current sequence without a memory limit (to find its peak)."""
+    """The sequence with its offloads and each prefetch right before its consumer,
+    simulated without a limit (to find its peak)."""
     merged, pre = _merge(ops, offloaded)
-    cons = {}
+    cons: dict = {}
     for s, c in pre:
         cons.setdefault(c, []).append(s)
     out: List[Op] = []
     for i, op in enumerate(merged):
-        for s in cons.get(i, []):
-            out.append(Op("prefetch", s))
+        out.extend(Op("prefetch", s) for s in cons.get(i, []))
         out.append(op)
-    plan = Plan(out, planner="capper")
+    plan = Plan(out, planner="autocapper")
     try:
         return plan, simulate(chain, plan, bandwidth if offloaded else None)
     except InvalidPlanError:
         return plan, None
 
 
-def _with_transfers(chain: Chain, ops, offloaded, memory: Number, bandwidth: float):
+def _best_placement(chain: Chain, ops, offloaded, memory: Number, bandwidth: float,
+                    fallback: Plan) -> Optional[Tuple[Plan, SimResult]]:
+    """The capped sequence under the limit: the better of the prefetch placements of
+    :func:`with_prefetches` and the prefetch-right-before-use one (which fits as is)."""
     merged, pre = _merge(ops, offloaded)
-    if not pre:
-        plan = Plan(merged, planner="autocapper")
-        return plan, simulate(chain, plan, None, memory=memory)
-    earliest = min(i for i, op in enumerate(merged) if op.kind == "offload") + 1
-    return with_prefetches(chain, merged, pre, memory, bandwidth, earliest, "autocapper")
+    cands = []
+    try:
+        cands.append((fallback, simulate(chain, fallback, bandwidth if pre else None,
+                                         memory=memory)))
+    except InvalidPlanError:
+        pass
+    if pre:
+        earliest = min(i for i, op in enumerate(merged) if op.kind == "offload") + 1
+        try:
+            cands.append(with_prefetches(chain, merged, pre, memory, bandwidth, earliest,
+                                         "autocapper"))
+        except InvalidPlanError:
+            pass
+    return min(cands, key=lambda ps: ps[1].makespan) if cands else None
 
 
 def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
                levels: int = 40, slots: Optional[int] = 50) -> Plan:
     """Seed 001 section 5.1: capper with ``levels`` limits M' evenly spaced between
     ``memory`` and M^high (the store-all peak); each resulting sequence is simulated and
-    the fastest kept."""
+    the fastest kept. Without recomputation it is GREEDY-like (seed 000)."""
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
@@ -307,53 +351,110 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
     caps = [memory + (high - memory) * k / max(1, levels - 1) for k in range(levels)] \
         if high > memory else [memory]
     best: Optional[Tuple[Plan, SimResult]] = None
+    cache: dict = {}
     for cap in caps:
-        if beta == 0 and cap > memory:
-            continue
-        got = capper(chain, memory, beta, cap, slots)
+        got = capper(chain, memory, beta, cap, slots, cache)
         if got is not None and (best is None or got[1].makespan < best[1].makespan):
             best = got
     if best is None:
+        need = min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory)
         raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
-                              min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory))
+                              need)
     plan, sim = best
     plan.planner = "autocapper"
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
+    plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
 
 
+# ------------------------------------------------------------------------- opportunist
 def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
                 slots: Optional[int] = 50) -> Plan:
-    """Seed 001 section 5.1: F_all a stage and offload its input and output, run F_none
-    while the channel is busy, repeat until the rest of the chain runs in memory storing
-    everything; then the backward of each group between two F_all by rematerialization
-    (the DP without offloading), with the prefetches before it."""
+    """Seed 001 section 5.1: F_all a stage and offload its input and output; F_none the
+    next stages while the channel is busy (at least one); repeat until the rest of the
+    chain runs storing everything; then the backward of each group between two F_all by
+    rematerialization (rotor on the group), with the two prefetches before it."""
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=False)
+    beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
     L = chain.L
-    plan = _opportunist(chain, memory, beta, slots)
-    if plan is None:
-        raise InfeasibleError(f"pofo.opportunist: no sequence fits memory {memory:g}",
-                              min_memory(chain))
+    fwd: List[Op] = []
+    groups: List[Tuple[int, int]] = []           # (head h, last F_none e)
+    k = 0
+    while True:
+        got = _opportunist_plan(chain, fwd, groups, k, memory, beta, slots)
+        if got is not None:
+            plan, sim = got
+            break
+        if beta <= 0 or k >= L - 1:
+            raise InfeasibleError(f"pofo.opportunist: no sequence fits memory {memory:g}",
+                                  None)
+        # a new group: F_all k with its input (x[k]) and output (xbar[k]) offloaded
+        h = k
+        fwd += [Op("offload", h), Op("F_all", h), Op("offload", h + 1)]
+        k = h + 1
+        while k < L:
+            fwd.append(Op("F_none", k))
+            k += 1
+            r = simulate(chain, Plan(fwd), beta, complete=False)
+            last = max(st.end for st in r.steps if st.kind not in ("offload", "prefetch"))
+            if r.makespan <= last:              # the channel is idle: next group
+                break
+        groups.append((h, k - 1))
+    plan.planner = "opportunist"
+    plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
+    plan.meta["groups"] = groups
     return plan
 
 
-def _tail_fits(chain: Chain, k: int, memory: Number, held: Number) -> bool:
-    """Stages k..L store-all (F_all, then B) within memory, with ``held`` already in use."""
-    stored, x = held, list(chain.x)
-    need = 0
-    inp = chain.x[k]
-    stored += inp
-    for s in range(k, chain.L + 1):
-        need = max(need, stored + chain.xbar[s] + chain.fw_tmp[s])
-        stored += chain.xbar[s]
-    d = list(chain.delta) + [0]
-    for s in range(chain.L, k - 1, -1):
-        need = max(need, stored + d[s] + chain.bw_tmp[s])
-        stored += d[s] - chain.xbar[s] - d[s + 1]
-    return need <= memory
+def _group_backward(chain: Chain, h: int, e: int, memory: Number,
+                    slots: Optional[int]) -> Optional[List[Op]]:
+    """Rotor's sequence for stages h+1..e of a group (input xbar[h] on the GPU, x[h] and
+    delta[e+1] held beside it), stages renumbered back; then B h."""
+    if e == h:
+        return [Op("B", h)]
+    idx = range(h + 1, e + 1)
+    sub = Chain(fw=[chain.fw[s] for s in idx], bw=[chain.bw[s] for s in idx],
+                x=[chain.xbar[h]] + [chain.x[s] for s in range(h + 2, e + 1)],
+                xbar=[chain.xbar[s] for s in idx], delta=[chain.delta[s] for s in idx],
+                fw_tmp=[chain.fw_tmp[s] for s in idx], bw_tmp=[chain.bw_tmp[s] for s in idx],
+                name=f"{chain.name}[{h + 1}..{e}]")
+    budget = memory - chain.x[h] - chain.delta[e + 1]
+    if budget <= 0:
+        return None
+    try:
+        p = rotor.solve(sub, budget, slots=slots if slots or not sub.is_integer else 500)
+    except InfeasibleError:
+        return None
+    return [Op(op.kind, op.stage + h + 1) for op in p.ops] + [Op("B", h)]
 
 
-def _opportunist(chain: Chain, memory: Number, beta: float, slots: Optional[int]):
-    return None
+def _opportunist_plan(chain: Chain, fwd: List[Op], groups, k: int, memory: Number,
+                      beta: float, slots: Optional[int]):
+    """The full sequence with stages k..L stored entirely (F_all, then B), or None."""
+    L = chain.L
+    ops = list(fwd) + [Op("F_all", s) for s in range(k, L + 1)] \
+        + [Op("B", s) for s in range(L, k - 1, -1)]
+    try:   # cheap necessary check: the forward groups and the stored tail fit
+        simulate(chain, Plan(ops), beta if groups else None, memory=memory, complete=False)
+    except InvalidPlanError:
+        return None
+    loss = ops.index(Op("F_all", L))
+    pre: List[Tuple[int, int]] = []
+    for h, e in reversed(groups):
+        back = _group_backward(chain, h, e, memory, slots)
+        if back is None:
+            return None
+        pre.append((h + 1, len(ops)))             # xbar[h], for the group's first op
+        pre.append((h, len(ops) + len(back) - 1))  # x[h], for B h
+        ops += back
+    if not pre:
+        plan = Plan(ops, planner="opportunist")
+        try:
+            return plan, simulate(chain, plan, None, memory=memory)
+        except InvalidPlanError:
+            return None
+    try:
+        return with_prefetches(chain, ops, pre, memory, beta, loss + 1, "opportunist")
+    except InvalidPlanError:
+        return None

@@ -1,0 +1,145 @@
+"""Seed 001 Figures 2-3 in simulation: throughput of pofo, rotor, offload-only (DYNPROG),
+autocapper and opportunist on the model zoo.
+
+* Figure 2: bandwidth 12 GB/s, memory ratio alpha in [0, 1]: the limit is
+  (1 - alpha) M^low + alpha M^high, M^low the least memory rotor can use (recompute everything
+  from the input), M^high the store-all peak (seed 001 section 5.2).
+* Figure 3: alpha = 0.2, bandwidth from 12 to 36 GB/s (and a slow 4 GB/s link).
+
+Throughput = batch / simulated makespan, relative to the sequential time (sum of all
+forward and backward times, infinite memory) as in the paper; a planner that finds no
+sequence under the limit shows no point. Also measured: pofo's solve time at slots = 50 on
+the longest chain (DenseNet-201, L = 107; seed 001 reports up to 4 minutes).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional
+
+from common import parse_args, print_table, pyplot, save_png, write_json
+
+from scheduler import Chain, InfeasibleError, InvalidPlanError, simulate
+from scheduler.planners import offload, pofo, rotor
+
+GB = 1e9
+CHAIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chains")
+CHAINS = ["resnet50-i500-b16", "resnet101-i500-b16", "densenet121-i500-b16", "gpt2-s1024-b8"]
+QUICK = ["resnet50-i500-b16"]
+ALPHAS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0]
+BANDWIDTHS = [4, 12, 16, 24, 36]
+SLOTS = 50
+TIMING_CHAIN = "densenet201-i500-b16"
+
+
+def _chain(name: str) -> Optional[Chain]:
+    path = os.path.join(CHAIN_DIR, f"{name}.json")
+    return Chain.from_json(path) if os.path.exists(path) else None
+
+
+def limits(chain: Chain):
+    high = pofo.max_memory(chain)
+    low = rotor.min_memory(chain, SLOTS, high / 20)
+    return low, high
+
+
+def run_point(chain: Chain, M: float, bw: float) -> Dict[str, Optional[float]]:
+    """Relative throughput (sequential time / makespan) of each planner, or None."""
+    seq = chain.total_compute()
+    out: Dict[str, Optional[float]] = {}
+    planners = {
+        "pofo": lambda: pofo.solve(chain, M, bw, slots=SLOTS),
+        "rotor": lambda: rotor.solve(chain, M, slots=500),
+        "offload-only": lambda: offload.dynprog(chain, M, bw, slots=500),
+        "autocapper": lambda: pofo.autocapper(chain, M, bw, slots=SLOTS),
+        "opportunist": lambda: pofo.opportunist(chain, M, bw, slots=SLOTS),
+    }
+    for name, f in planners.items():
+        t0 = time.perf_counter()
+        try:
+            p = f()
+        except (InfeasibleError, InvalidPlanError):
+            out[name] = None
+            continue
+        r = simulate(chain, p, bw if p.count("offload") else None, memory=M)
+        assert r.peak_memory <= M * (1 + 1e-9), (name, r.peak_memory, M)
+        out[name] = seq / r.makespan
+        out[name + "_s"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    names = QUICK if args.quick else CHAINS
+    alphas = [0.1, 0.2, 0.5, 1.0] if args.quick else ALPHAS
+    bws = [12, 36] if args.quick else BANDWIDTHS
+    fig2, fig3 = [], []
+    for n in names:
+        chain = _chain(n)
+        if chain is None:
+            print(f"(chain {n} not bundled: skipped)")
+            continue
+        low, high = limits(chain)
+        for a in alphas:
+            M = (1 - a) * low + a * high
+            fig2.append(dict(chain=n, L=chain.L, alpha=a, memory_gib=M / 2 ** 30,
+                             **run_point(chain, M, 12 * GB)))
+        M = 0.8 * low + 0.2 * high
+        for bw in bws:
+            fig3.append(dict(chain=n, L=chain.L, bandwidth_gbs=bw, memory_gib=M / 2 ** 30,
+                             **run_point(chain, M, bw * GB)))
+    cols = ["chain", "pofo", "rotor", "offload-only", "autocapper", "opportunist", "pofo_s"]
+    print_table(fig2, cols[:1] + ["alpha"] + cols[1:],
+                title="Figure 2: throughput / sequential throughput, 12 GB/s")
+    print_table(fig3, cols[:1] + ["bandwidth_gbs"] + cols[1:],
+                title="Figure 3: throughput / sequential throughput, alpha = 0.2")
+
+    # pofo <= rotor and <= offload-only everywhere (simulated), and its mean gain
+    def cmp(rows, other):
+        pts = [(r["pofo"], r[other]) for r in rows if r.get("pofo") and r.get(other)]
+        return {"points": len(pts), "pofo_ge": sum(p >= o - 1e-9 for p, o in pts),
+                "mean_gain_pct": 100 * sum(p / o - 1 for p, o in pts) / max(1, len(pts))}
+    summary = {f"vs_{o}": cmp(fig2 + fig3, o) for o in ("rotor", "offload-only", "autocapper",
+                                                         "opportunist")}
+    timing = None
+    big = _chain(TIMING_CHAIN) if not args.quick else None
+    if big is not None:
+        low, high = limits(big)
+        M = 0.8 * low + 0.2 * high
+        t0 = time.perf_counter()
+        p = pofo.solve(big, M, 12 * GB, slots=SLOTS)
+        timing = {"chain": TIMING_CHAIN, "L": big.L, "slots": SLOTS,
+                  "delta_step": p.meta["delta_step"], "solve_s": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        pofo.solve(big, M, 12 * GB, slots=SLOTS, delta_step=max(1, p.meta["delta_step"] // 2))
+        timing["solve_s_half_step"] = time.perf_counter() - t0
+        print_table([timing], title="pofo solve time")
+    print_table([dict(against=k, **v) for k, v in summary.items()], title="pofo vs others")
+    write_json("pofo", {"slots": SLOTS, "figure2": fig2, "figure3": fig3, "summary": summary,
+                        "timing": timing}, args.out)
+
+    plt = pyplot()
+    if plt is None:
+        return
+    for fig_name, rows, xkey, xlabel in (("pofo_fig2", fig2, "alpha", "memory ratio alpha"),
+                                         ("pofo_fig3", fig3, "bandwidth_gbs", "bandwidth (GB/s)")):
+        chains = sorted({r["chain"] for r in rows}, key=names.index)
+        fig, axes = plt.subplots(1, len(chains), figsize=(4.2 * len(chains), 3.3), squeeze=False)
+        for ax, n in zip(axes.flat, chains):
+            pts = [r for r in rows if r["chain"] == n]
+            for name, style in (("pofo", "o-"), ("rotor", "s--"), ("offload-only", "^-"),
+                                ("autocapper", "v:"), ("opportunist", "x:")):
+                xs = [r[xkey] for r in pts if r.get(name)]
+                ys = [r[name] for r in pts if r.get(name)]
+                if xs:
+                    ax.plot(xs, ys, style, ms=4, label=name)
+            ax.set_title(n, fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("throughput / sequential")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        save_png(fig, fig_name, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""pofo (seed 001 Appendix B), autocapper and opportunist, scored by the simulator.
+
+The oracle enumerates every persistent sequence of a tiny chain (tests/_oracle.py) and
+every subset of the inputs it keeps through the forward phase to offload, converts each to
+whole-activation transfers exactly as pofo does, and scores it with the simulator."""
+import itertools
+import random
+
+import pytest
+
+from _oracle import persistent_sequences
+from scheduler import Chain, InfeasibleError, InvalidPlanError, Plan, simulate
+from scheduler.plan import Op
+from scheduler.planners import offload, pofo, rotor
+
+
+def _chains(n, max_L=6, seed0=0):
+    for seed in range(seed0, seed0 + n):
+        rng = random.Random(seed)
+        yield Chain.random(rng.randint(1, max_L), seed=seed), rng
+
+
+def _check(c, p, M, bw):
+    r = simulate(c, p, bw or None, memory=M)
+    assert r.makespan == pytest.approx(p.predicted_time, rel=1e-12, abs=1e-12)
+    assert r.peak_memory == p.predicted_peak and r.peak_memory <= M
+    return r
+
+
+def test_bandwidth_zero_is_rotor_at_every_memory():
+    for c, _ in _chains(12):
+        for M in range(rotor.min_memory(c), pofo.max_memory(c) + 1):
+            p = pofo.solve(c, M, 0, slots=None)
+            assert p.predicted_time == rotor.solve(c, M, slots=None).predicted_time
+            assert p.count("offload") == 0 and p.meta["exact"]
+            _check(c, p, M, 0)
+    c = Chain.random(20, seed=3, max_size=1000)
+    for M in (rotor.min_memory(c, 50, 1000) * 1.1, pofo.max_memory(c) * 0.7):
+        # the DP itself at equal discretisation; solve() may also take rotor at 500 slots
+        assert pofo.dp(c, M, 0.0, 50, offload=False)[0] == \
+            pytest.approx(rotor.solve(c, M, slots=50).predicted_time)
+        assert pofo.solve(c, M, 0, slots=50).predicted_time <= \
+            rotor.solve(c, M, slots=50).predicted_time + 1e-9
+
+
+def test_offloading_only_helps_and_plans_are_exact_or_simulated():
+    for c, rng in _chains(14, seed0=50):
+        bw = rng.choice([1, 2, 4])
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        rmin = rotor.min_memory(c)
+        for M in range(lo, hi + 1, max(1, (hi - lo) // 6)):
+            p = pofo.solve(c, M, bw, slots=None)
+            r = _check(c, p, M, bw)
+            if p.meta["exact"]:     # no transfers: the DP's own value is the real time
+                assert p.count("offload") == 0
+            if M >= rmin:           # pofo <= rotor (simulated) at every memory
+                assert r.makespan <= rotor.solve(c, M, slots=None).predicted_time + 1e-9
+            # ... and <= offload-only under the same model, where that exists
+            only = pofo.dp(c, M, bw, None, recompute=False)
+            if only is not None:
+                assert p.meta["dp_time"] <= only[0] + 1e-9
+                _, sim = pofo._plan_of(c, only, M, bw, "x")
+                assert r.makespan <= sim.makespan + 1e-9
+            # the DP value never beats the lower bound of pure compute
+            assert p.meta["dp_time"] >= c.total_compute() - 1e-9
+
+
+def _oracle(c, M, bw):
+    """Least simulated time over persistent sequences x offload subsets (pofo's class)."""
+    best = None
+    for seq in persistent_sequences(0, c.L):
+        ops = [Op(k, s) for k, s in seq]
+        loss = ops.index(Op("F_all", c.L))
+        heads = [i for i in range(loss) if ops[i].kind in ("F_all", "F_ck")]
+        for k in range(len(heads) + 1):
+            for sub in itertools.combinations(heads, k):
+                new, idx, pre = [], {}, []
+                for i, op in enumerate(ops):
+                    if i in sub:
+                        new.append(Op("offload", op.stage))
+                    idx[i] = len(new)
+                    new.append(op)
+                for i in sub:
+                    s = ops[i].stage
+                    use = next(j for j in range(loss + 1, len(ops))
+                               if ops[j].stage == s and ops[j].kind != "F_none")
+                    pre.append((s, idx[use]))
+                try:
+                    if pre:
+                        _, sim = offload.with_prefetches(c, new, sorted(pre, key=lambda p: p[1]),
+                                                         M, bw, idx[loss] + 1, "oracle")
+                    else:
+                        sim = simulate(c, Plan(new), None, memory=M)
+                except InvalidPlanError:
+                    continue
+                best = sim.makespan if best is None else min(best, sim.makespan)
+    return best
+
+
+def test_exhaustive_oracle_on_tiny_chains():
+    """dp value (continuous transfers) <= the best simulated plan of its class <= pofo's."""
+    n = 0
+    for c, rng in _chains(10, max_L=3, seed0=200):
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        for M in sorted({lo, (lo + hi) // 2, (lo + 3 * hi) // 4}):
+            bw = rng.choice([1, 2, 4])
+            best = _oracle(c, M, bw)
+            p = pofo.solve(c, M, bw, slots=None)
+            assert best is not None
+            assert p.meta["dp_time"] <= best + 1e-9
+            assert best <= p.predicted_time + 1e-9
+            n += 1
+    assert n >= 20
+
+
+def test_infeasible_names_the_smallest_memory():
+    for c, _ in _chains(6, seed0=300):
+        need = pofo.min_memory(c)
+        with pytest.raises(InfeasibleError) as e:
+            pofo.solve(c, need - 1, 2, slots=None)
+        assert e.value.min_memory == need
+        _check(c, pofo.solve(c, need, 2, slots=None), need, 2)
+        rneed = rotor.min_memory(c)
+        with pytest.raises(InfeasibleError) as e:
+            pofo.solve(c, rneed - 1, 0, slots=None)
+        assert e.value.min_memory == rneed
+
+
+@pytest.mark.parametrize("name", ["autocapper", "opportunist"])
+def test_heuristics_run_within_memory(name):
+    f = getattr(pofo, name)
+    ran = 0
+    for c, rng in _chains(8, seed0=400):
+        bw = rng.choice([1, 3])
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        for M in (lo, (lo + hi) // 2, hi):
+            try:
+                p = f(c, M, bw, slots=None)
+            except InfeasibleError as e:
+                assert e.min_memory is None or e.min_memory <= hi
+                continue
+            _check(c, p, M, bw)
+            ran += 1
+        assert f(c, hi, bw, slots=None).predicted_time <= c.total_compute() + 1e-9 \
+            or name == "opportunist"
+    assert ran >= 8
+
+
+def test_slots_and_bad_arguments():
+    c = Chain.random(40, seed=9, max_size=1000)
+    M = (pofo.min_memory(c) + pofo.max_memory(c)) / 3
+    p = pofo.solve(c, M, 100.0)          # slots=50 by default
+    _check(c, p, M, 100.0)
+    with pytest.raises(ValueError, match="slots"):
+        pofo.solve(c, M, 1.0, slots=-3)
+    with pytest.raises(ValueError, match="bandwidth"):
+        pofo.solve(c, M, -1.0)
+    with pytest.raises(ValueError, match="levels"):
+        pofo.autocapper(c, M, 1.0, levels=0)
