@@ -1,0 +1,291 @@
+"""Mimose: input-aware checkpointing (seed 004). No torch here; the shuttling collector that
+feeds it lives in ``scheduler.runtime.mimose_collector``.
+
+- ``Estimator``: per block, an order-2 polynomial (numpy ``polyfit``) of the activation bytes
+  (and output bytes, forward time) against the input size, fitted on about 10 samples
+  (seed 004 section 4.3, Tables 3-4). ``predict(input_size)`` gives per-block bytes.
+- ``greedy_checkpoints``: Algorithm 1, the greedy bucket scheduler: blocks whose estimated
+  activation sizes are within 10% share a bucket, a bucket lists its blocks earliest first,
+  and blocks are picked until the excess memory is covered (the nearest-size bucket when one
+  block can cover the rest, the largest bucket otherwise).
+- ``Mimose``: the planner: estimator + greedy + a ``PlanCache`` keyed by (input size, budget),
+  returning a ``scheduler.Plan`` (checkpointed blocks run ``F_ck`` forward and ``F_all, B``
+  in the backward, as ``torch.utils.checkpoint`` does; the others ``F_all``).
+
+Budget: Algorithm 1 compares the sum of activation bytes with the budget. Our budget is the
+plan's peak in the chain model (DESIGN.md), which also counts the network input, the
+gradients and the recomputation of a checkpointed block in the backward, so after Algorithm 1
+the plan is simulated and, while its peak is over the budget, Algorithm 1 runs again with
+the target lowered by the overshoot (a few rounds at most; the paper instead keeps 0.5-1 GB
+of slack for fragmentation).
+
+Hook for other runtimes (the swap runtime's per-signature plan cache): build one ``Mimose``
+per model, ``observe(size, ...)`` the per-block measurements, then ``plan(size, budget)``
+(cached) or ``estimate_activation_bytes(size)``; both need only the input size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..chain import Chain
+from ..errors import InfeasibleError
+from ..plan import Plan
+from ..plan_cache import PlanCache
+
+BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
+DEFAULT_SAMPLES = 10   # seed 004 Table 3: 10 samples for the order-2 fit
+ORDER = 2
+BACKWARD_OVER_FORWARD = 2.0  # the collector times forwards only; backward ~ 2x forward
+
+
+# ---------------------------------------------------------------------------- estimator
+@dataclass
+class Estimate:
+    """Per-block predictions for one input size (bytes and seconds)."""
+    input_bytes: float
+    xbar: np.ndarray    # what each block's forward keeps for backward, output included
+    out: np.ndarray     # each block's output bytes
+    fw: np.ndarray      # each block's forward time
+
+
+class Estimator:
+    """Order-2 polynomial fits per block of activation bytes, output bytes and forward time
+    against the input size (number of elements of the input tensor, as in seed 004 3.1)."""
+
+    def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER):
+        if not isinstance(n_blocks, int) or n_blocks < 1:
+            raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
+        if not isinstance(samples, int) or samples < order + 1:
+            raise ValueError(f"Estimator: samples must be an int >= {order + 1} (an order-{order}"
+                             f" fit needs that many distinct sizes), got {samples!r}")
+        self.n = n_blocks
+        self.samples = samples
+        self.order = order
+        self._rows: Dict[float, np.ndarray] = {}   # size -> [in, xbar(n), out(n), fw(n)]
+        self._coef: Optional[np.ndarray] = None
+        self._scale = 1.0
+
+    def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
+                out: Sequence[float], fw: Sequence[float]) -> None:
+        """Record one measured input size (the latest measurement of a size wins)."""
+        for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
+            if len(v) != self.n:
+                raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
+                                 f"one per block ({self.n})")
+        if not input_size > 0:
+            raise ValueError(f"Estimator.observe: input_size must be positive, got {input_size!r}")
+        self._rows[float(input_size)] = np.concatenate(
+            [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
+             np.asarray(fw, float)])
+        self._coef = None
+
+    @property
+    def sizes(self) -> List[float]:
+        return sorted(self._rows)
+
+    @property
+    def ready(self) -> bool:
+        """Enough distinct sizes seen to fit (``samples`` of them)."""
+        return len(self._rows) >= self.samples
+
+    def has(self, input_size: float) -> bool:
+        return float(input_size) in self._rows
+
+    def fit(self) -> None:
+        if len(self._rows) < self.order + 1:
+            raise ValueError(f"Estimator.fit: {len(self._rows)} distinct input sizes seen, an "
+                             f"order-{self.order} fit needs {self.order + 1}")
+        xs = np.array(self.sizes)
+        self._scale = float(xs.max())  # fit on sizes scaled to <= 1: well conditioned
+        ys = np.stack([self._rows[x] for x in self.sizes])
+        order = min(self.order, len(xs) - 1)
+        coef = np.polyfit(xs / self._scale, ys, order)          # (order+1, 1 + 3n)
+        if order < self.order:
+            coef = np.vstack([np.zeros((self.order - order, coef.shape[1])), coef])
+        self._coef = coef
+
+    def _eval(self, input_size: float) -> np.ndarray:
+        if self._coef is None:
+            self.fit()
+        u = float(input_size) / self._scale
+        powers = u ** np.arange(self.order, -1, -1)
+        return np.maximum(powers @ self._coef, 0.0)
+
+    def predict(self, input_size: float) -> np.ndarray:
+        """Per-block activation bytes (xbar) for ``input_size``."""
+        return self._eval(input_size)[1:1 + self.n]
+
+    def estimate(self, input_size: float) -> Estimate:
+        row = self._eval(input_size)
+        n = self.n
+        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+
+    def measured(self, input_size: float) -> Optional[Estimate]:
+        row = self._rows.get(float(input_size))
+        if row is None:
+            return None
+        n = self.n
+        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+
+    def relative_error(self, input_size: float, actual_xbar: Sequence[float]) -> float:
+        """|predicted - actual| / actual of the total activation bytes."""
+        pred = float(self.predict(input_size).sum())
+        act = float(np.sum(actual_xbar))
+        return abs(pred - act) / act if act else abs(pred)
+
+
+# ---------------------------------------------------------------------------- Algorithm 1
+def buckets_of(est_mem: Sequence[float], ratio: float = BUCKET_RATIO) -> List[List[int]]:
+    """Algorithm 1, lines 2-14: blocks sorted by size (descending); a bucket takes the largest
+    remaining block l and every next block whose size exceeds size(l) * (1 - ratio); each
+    bucket lists its blocks in forward order."""
+    order = sorted(range(len(est_mem)), key=lambda i: (-est_mem[i], i))
+    out: List[List[int]] = []
+    k = 0
+    while k < len(order):
+        head = order[k]
+        bucket = [head]
+        k += 1
+        while k < len(order) and est_mem[order[k]] > est_mem[head] * (1 - ratio):
+            bucket.append(order[k])
+            k += 1
+        out.append(sorted(bucket))
+    return out
+
+
+def greedy_checkpoints(est_mem: Sequence[float], budget: float,
+                       ratio: float = BUCKET_RATIO) -> List[int]:
+    """Algorithm 1: the blocks to checkpoint (drop and recompute) so that the estimated
+    activation bytes fit ``budget``; in the order picked. Returns every block when even that
+    does not cover the excess (the caller decides it is infeasible)."""
+    buckets = buckets_of(est_mem, ratio)
+    excess = float(sum(est_mem)) - budget                      # line 15
+    chosen: List[int] = []
+    while excess > 0 and buckets:                              # line 16
+        # line 17: buckets holding a block larger than the excess. The converted text reads
+        # "max(est_mem[b] > excess_mem"; the prose says the layer "nearest to the excess" is
+        # taken, so among those buckets the one with the smallest size wins (line 21).
+        cands = [b for b in buckets if max(est_mem[i] for i in b) > excess]
+        if cands:
+            bucket = min(cands, key=lambda b: max(est_mem[i] for i in b))
+        else:
+            bucket = buckets[0]                                # line 19: the largest bucket
+        layer = bucket.pop(0)                                  # earliest block of the bucket
+        if not bucket:
+            buckets.remove(bucket)
+        chosen.append(layer)                                   # line 23
+        excess -= est_mem[layer]                               # line 24
+    return chosen
+
+
+# ---------------------------------------------------------------------------- plans
+def plan_from_checkpoints(L: int, checkpointed: Sequence[int], planner: str = "mimose") -> Plan:
+    """The plan ``torch.utils.checkpoint`` runs: checkpointed blocks ``F_ck`` in the forward,
+    ``F_all`` right before their ``B``; the other blocks ``F_all``. Stage ``L`` is the loss."""
+    ck = set(checkpointed)
+    bad = [s for s in ck if not (isinstance(s, int) and 0 <= s < L)]
+    if bad:
+        raise ValueError(f"plan_from_checkpoints: checkpointed blocks {bad} not in 0..{L - 1}")
+    ops: List[Tuple[str, int]] = [("F_ck" if s in ck else "F_all", s) for s in range(L)]
+    ops += [("F_all", L), ("B", L)]
+    for s in range(L - 1, -1, -1):
+        if s in ck:
+            ops.append(("F_all", s))
+        ops.append(("B", s))
+    return Plan(ops=ops, planner=planner, meta={"checkpointed": sorted(ck)})
+
+
+def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
+    """A Chain (integer bytes) from per-block estimates; the loss stage is free."""
+    n = len(est.xbar)
+    out = [int(np.ceil(v)) for v in est.out]
+    x = [int(np.ceil(est.input_bytes))] + out            # x[s+1] = output of block s
+    xbar = [max(int(np.ceil(v)), out[s]) for s, v in enumerate(est.xbar)] + [0]
+    fw = [float(v) for v in est.fw] + [0.0]
+    bw = [BACKWARD_OVER_FORWARD * v for v in fw]
+    return Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name,
+                 meta={"source": "mimose estimator", "blocks": n})
+
+
+class Mimose:
+    """The planner: estimator + Algorithm 1 + plan cache keyed by (input size, budget)."""
+
+    def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES,
+                 bucket_ratio: float = BUCKET_RATIO, cache_size: int = 256, rounds: int = 8,
+                 verify: bool = True):
+        if not 0 <= bucket_ratio < 1:
+            raise ValueError(f"Mimose: bucket_ratio must be in [0, 1), got {bucket_ratio!r}")
+        self.n = n_blocks
+        self.estimator = Estimator(n_blocks, samples)
+        self.bucket_ratio = bucket_ratio
+        self.cache: PlanCache[Plan] = PlanCache(cache_size)
+        self.rounds = rounds
+        self.verify = verify  # simulate each plan and tighten until its peak fits the budget
+
+    # the collector's entry point
+    def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
+                out: Sequence[float], fw: Sequence[float]) -> None:
+        self.estimator.observe(input_size, input_bytes, xbar, out, fw)
+
+    @property
+    def ready(self) -> bool:
+        return self.estimator.ready
+
+    def estimate_activation_bytes(self, input_size: float) -> float:
+        """Predicted activation bytes of the whole chain without checkpointing."""
+        return float(self.estimator.predict(input_size).sum())
+
+    def chain_for(self, input_size: float) -> Chain:
+        return chain_from_estimate(self.estimator.estimate(input_size),
+                                   name=f"mimose-size{input_size:g}")
+
+    @staticmethod
+    def cache_key(input_size: float, budget: float) -> Hashable:
+        return (float(input_size), float(budget))
+
+    def plan(self, input_size: float, budget: float) -> Plan:
+        """The plan for this input size and budget (bytes), from the cache when seen before."""
+        return self.cache.get_or_plan(self.cache_key(input_size, budget),
+                                      lambda: self._plan(input_size, budget))
+
+    def _plan(self, input_size: float, budget: float) -> Plan:
+        # a size measured by the collector is planned from its measurement, others from the fit
+        est = self.estimator.measured(input_size) or self.estimator.estimate(input_size)
+        L = self.n
+        if not self.verify:  # Algorithm 1 alone, its own memory notion (sum of activations)
+            ck = greedy_checkpoints(est.xbar, budget - est.input_bytes, self.bucket_ratio)
+            plan = plan_from_checkpoints(L, ck)
+            plan.meta["input_size"] = float(input_size)
+            return plan
+        from ..simulate import simulate  # the one memory model
+        chain = chain_from_estimate(est)
+        target = budget - est.input_bytes
+        best = None
+        for _ in range(self.rounds):
+            ck = greedy_checkpoints(est.xbar, target, self.bucket_ratio)
+            plan = plan_from_checkpoints(L, ck)
+            res = simulate(chain, plan)
+            plan.predicted_time, plan.predicted_peak = res.makespan, res.peak_memory
+            if res.peak_memory <= budget:
+                best = plan
+                break
+            if len(ck) == L:
+                break
+            target -= res.peak_memory - budget
+        if best is None:
+            floor = plan_from_checkpoints(L, range(L))
+            res = simulate(chain, floor)
+            if res.peak_memory <= budget:  # the rounds ran out before reaching it
+                floor.predicted_time, floor.predicted_peak = res.makespan, res.peak_memory
+                best = floor
+            else:
+                raise InfeasibleError(
+                    f"Mimose: budget {budget:g} B is below the estimated peak with every block "
+                    f"checkpointed ({res.peak_memory:g} B) for input size {input_size:g}",
+                    res.peak_memory)
+        best.chain = chain
+        best.meta["input_size"] = float(input_size)
+        return best

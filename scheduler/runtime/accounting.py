@@ -1,0 +1,39 @@
+"""Activation bytes as autograd really holds them, counted per storage, with the profilers'
+definitions (``scheduler.profile._trace``: storage keys, saved-tensor recording, ``xbar``).
+
+Two uses: the Mimose collector measures what a block's forward keeps for its backward, and
+the chain runner reports the peak of activation memory it held while following a plan, to
+compare with the plan's predicted peak on machines without a device allocator to ask (CPU).
+Parameters and buffers are not activations: their storages are left out. Views count once.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Set
+
+import torch
+
+from ..profile import _trace
+
+storage_key = _trace.storage_key
+SavedTensors = _trace.SavedTensors
+
+
+def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+
+
+def tensors_bytes(values: Iterable[object], exclude: Set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind the tensors among ``values``."""
+    return _trace.storage_bytes(tensors_of(values), exclude)
+
+
+def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Sequence[object],
+               inputs: Sequence[object], state_keys: Set[int]) -> int:
+    """What a block's forward keeps for backward, output included (DESIGN.md ``xbar``)."""
+    return _trace.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
+                             state_keys)
+
+
+def parameter_storages(module: torch.nn.Module) -> Set[int]:
+    return {storage_key(p) for p in module.parameters()} | \
+           {storage_key(b) for b in module.buffers() if b is not None}

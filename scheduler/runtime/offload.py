@@ -1,0 +1,147 @@
+"""Offload and prefetch of stored activations for pofo plans (seed 001, section 3).
+
+Everything moves per *storage*: the bytes go to a pinned host buffer (from a reusable pool,
+keyed by size) and the device storage is resized to zero; a prefetch resizes it back and
+copies the bytes in. Every tensor object that points at the storage (the value the runner
+holds, the tensors a recorded graph saved) stays valid, so what ``F_all`` kept (xbar) and a
+checkpoint that a graph saved as its input both really leave the device (the technique FSDP
+uses to free parameters it keeps referenced).
+
+On CUDA the device-to-host copies run on one side stream, host-to-device copies on a
+second, each with an event: ``record_stream`` on the copy stream keeps the caching allocator
+from reusing an offloaded storage while its copy still reads it; the compute stream waits
+on a prefetch's event only when the data is used. On CPU (tests, CI) the same bookkeeping
+runs with plain copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+class PinnedPool:
+    """Pinned host buffers reused by exact byte size. A buffer goes back to the pool with the
+    event of the last copy that reads it, and is handed out again only once that event is done."""
+
+    def __init__(self) -> None:
+        self._free: Dict[int, List[Tuple[torch.Tensor, Optional[object]]]] = {}
+        self.bytes_allocated = 0
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        bucket = self._free.get(nbytes, [])
+        for i, (buf, event) in enumerate(bucket):
+            if event is None or event.query():
+                del bucket[i]
+                return buf
+        self.bytes_allocated += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def give(self, buf: torch.Tensor, event: Optional[object] = None) -> None:
+        self._free.setdefault(buf.numel(), []).append((buf, event))
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+@dataclass
+class HostCopy:
+    """One tensor living on the host: its buffer, shape, dtype, device and the copy's event."""
+    buf: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    event: Optional[object]
+
+    def view(self) -> torch.Tensor:
+        return self.buf.view(self.dtype).view(self.shape)
+
+
+def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all the bytes of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),))
+
+
+@dataclass
+class StorageCopy:
+    """A device storage whose bytes are on the host (its device memory released)."""
+    storage: torch.UntypedStorage
+    host: HostCopy
+    event: Optional[object] = None      # of the prefetch, once issued
+
+
+class Transfers:
+    """The two copy streams and the pinned pool of one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pool = PinnedPool()
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+        self.offloaded_bytes = 0
+        self.prefetched_bytes = 0
+
+    def offload(self, t: torch.Tensor) -> HostCopy:
+        nbytes = t.numel() * t.element_size()
+        buf = self.pool.take(nbytes, pin=self.cuda)
+        host = buf.view(t.dtype).view(t.shape) if nbytes else buf.view(t.dtype).reshape(t.shape)
+        event = None
+        if self.cuda:
+            compute = torch.cuda.current_stream(t.device)
+            self.d2h.wait_stream(compute)  # the tensor is complete before we read it
+            with torch.cuda.stream(self.d2h):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.d2h)
+            t.record_stream(self.d2h)  # no reuse of t's memory until the copy is done
+        else:
+            host.copy_(t)
+        self.offloaded_bytes += nbytes
+        return HostCopy(buf, t.shape, t.dtype, t.device, t.requires_grad, event)
+
+    # ---------------------------------------------------------------- whole storages
+    def offload_storage(self, storage: torch.UntypedStorage) -> StorageCopy:
+        """Copy the bytes of ``storage`` to the host; ``release`` frees the device memory."""
+        if not storage.resizable():
+            raise RuntimeError("scheduler.wrap: cannot offload a tensor whose storage is not "
+                               "resizable (created from external memory)")
+        return StorageCopy(storage, self.offload(storage_bytes_view(storage)))
+
+    @staticmethod
+    def release(sc: StorageCopy) -> None:
+        # offload() recorded the copy stream on this memory: the caching allocator reuses it
+        # only once the copy has read it
+        sc.storage.resize_(0)
+
+    def prefetch_storage(self, sc: StorageCopy) -> None:
+        """Give ``storage`` its memory back and copy the bytes in (on the copy stream)."""
+        h = sc.host
+        n = h.buf.numel()
+        if self.cuda:
+            with torch.cuda.stream(self.h2d):
+                if h.event is not None:
+                    self.h2d.wait_event(h.event)
+                sc.storage.resize_(n)
+                storage_bytes_view(sc.storage).copy_(h.view(), non_blocking=True)
+                sc.event = torch.cuda.Event()
+                sc.event.record(self.h2d)
+        else:
+            sc.storage.resize_(n)
+            storage_bytes_view(sc.storage).copy_(h.view())
+        self.pool.give(h.buf, sc.event)
+        self.prefetched_bytes += n
+
+    @staticmethod
+    def wait(sc: StorageCopy) -> None:
+        """The current stream waits for the prefetch of ``sc`` before using its storage."""
+        if sc.event is not None:
+            view = storage_bytes_view(sc.storage)
+            stream = torch.cuda.current_stream(view.device)
+            stream.wait_event(sc.event)
+            view.record_stream(stream)
+            sc.event = None

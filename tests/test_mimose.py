@@ -1,0 +1,181 @@
+"""Mimose (seed 004): Algorithm 1, the quadratic estimator, the shuttling collector and
+``wrap(planner="mimose")`` on a model whose attention memory grows with seq_len^2."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import scheduler
+from scheduler import InfeasibleError, simulate
+from scheduler.planners import mimose as M
+
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
+from wrap_models import plain_step, token_batch, transformer_blocks, twins, wrapped_step
+
+D = 32
+BATCH = 4
+
+
+# ------------------------------------------------------------------------ Algorithm 1
+def test_buckets_within_ten_percent_in_forward_order():
+    est = [100, 50, 95, 91, 49, 10, 89]
+    assert M.buckets_of(est) == [[0, 2, 3], [6], [1, 4], [5]]
+
+
+def test_greedy_nearest_bucket_then_earliest_block():
+    est = [100, 50, 95, 91, 49, 10]
+    # excess 40: the smallest bucket still larger than 40 is {50, 49}; earliest block first
+    assert M.greedy_checkpoints(est, sum(est) - 40) == [1]
+    # excess 120: no block covers it, take the largest bucket's earliest (0), then 20 is left:
+    # nearest bucket above 20 is {50, 49} -> block 1
+    assert M.greedy_checkpoints(est, sum(est) - 120) == [0, 1]
+    assert M.greedy_checkpoints(est, sum(est)) == []
+    assert sorted(M.greedy_checkpoints(est, 0)) == list(range(6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=30), st.floats(0, 1))
+def test_greedy_covers_the_excess_without_waste(est, frac):
+    budget = frac * sum(est)
+    chosen = M.greedy_checkpoints(est, budget)
+    assert len(set(chosen)) == len(chosen)
+    kept = sum(est) - sum(est[i] for i in chosen)
+    assert kept <= budget or len(chosen) == len(est)
+    # the last pick was needed: without it the excess was not covered
+    if chosen:
+        assert kept + est[chosen[-1]] > budget
+
+
+# ------------------------------------------------------------------------ estimator
+def test_estimator_recovers_quadratics_exactly():
+    e = M.Estimator(3, samples=10)
+    f = lambda n: (4 * n, [2 * n * n + 3 * n + 7, 5 * n, 11.0], [n, n, 1.0], [1e-3 * n] * 3)
+    for n in range(10, 110, 10):
+        e.observe(n, *f(n))
+    assert e.ready
+    for n in (15, 95, 300):
+        ib, xbar, out, fw = f(n)
+        assert e.predict(n) == pytest.approx(xbar, rel=1e-9)
+        est = e.estimate(n)
+        assert est.input_bytes == pytest.approx(ib) and est.out == pytest.approx(out)
+
+
+def test_estimator_rejects_bad_input():
+    with pytest.raises(ValueError, match="samples"):
+        M.Estimator(2, samples=2)
+    e = M.Estimator(2)
+    with pytest.raises(ValueError, match="xbar"):
+        e.observe(10, 1, [1], [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="distinct"):
+        e.fit()
+
+
+# ------------------------------------------------------------------------ wrap(mimose)
+SEQ = [8, 12, 16, 20, 24, 28, 32, 36, 40, 44]   # the 10 collection sizes
+
+
+def trained(budget, blocks=None, ref=None, check=True):
+    """A mimose-wrapped transformer after the 10 collection steps (checking each against plain
+    training when ``ref`` is given)."""
+    if blocks is None:
+        blocks, ref = twins(lambda: transformer_blocks(3, D))
+    model = scheduler.wrap(blocks, budget, planner="mimose", track_memory=True)
+    for i, s in enumerate(SEQ):
+        ids = token_batch(BATCH, s, seed=i)
+        got = wrapped_step(model, (ids,), seed=i)
+        if ref is not None and check:
+            for b in ref:
+                b.zero_grad(set_to_none=True)
+            exp = plain_step(ref, (ids,), seed=i)
+            assert torch.equal(got[0], exp[0]) and all(
+                torch.equal(a, b) for a, b in zip(got[1], exp[1])), f"collection step {i}"
+    return model, blocks, ref
+
+
+def test_collection_then_plans_match_plain_training_and_fit_the_budget():
+    budget = 700_000  # no recomputation needed below seq ~35, every block at seq ~72
+    model, blocks, ref = trained(budget)
+    assert model.mimose.ready and model.stats()["mimose_collections"] == 10
+    for i, s in enumerate([48, 16, 60, 8, 48]):
+        ids = token_batch(BATCH, s, seed=100 + i)
+        got = wrapped_step(model, (ids,), seed=i)
+        for b in ref:
+            b.zero_grad(set_to_none=True)
+        exp = plain_step(ref, (ids,), seed=i)
+        assert torch.equal(got[0], exp[0]) and all(torch.equal(a, b) for a, b in zip(got[1], exp[1]))
+        plan = model.last_plan
+        assert plan.planner == "mimose"
+        peak = model.stats()["last_peak_bytes"]
+        assert peak <= budget
+        assert peak <= plan.predicted_peak * 1.01  # prediction from the fit, within 1%
+    ck = {s: len(model.mimose.plan(BATCH * s, budget).meta["checkpointed"]) for s in (8, 48, 60)}
+    assert ck[8] == 0 and 0 < ck[48] <= ck[60]  # small inputs run without recomputation
+
+
+def test_estimator_error_below_one_percent_after_ten_samples():
+    model, blocks, _ = trained(None)
+    est = model.mimose.estimator
+    assert len(est.sizes) == 10
+    # the truth for unseen lengths: measure them with a fresh collector
+    probe = scheduler.wrap(blocks, None, planner="mimose", samples=50)
+    for i, s in enumerate([10, 50, 64, 80]):
+        ids = token_batch(BATCH, s, seed=200 + i)
+        wrapped_step(probe, (ids,), seed=i)
+        truth = probe.mimose.estimator.measured(ids.numel())
+        assert est.relative_error(ids.numel(), truth.xbar) < 0.01
+        pred = est.predict(ids.numel())
+        for p, t in zip(pred, truth.xbar):
+            assert abs(p - t) <= 0.01 * t
+    # the attention blocks really are quadratic: a straight line would miss
+    lin = M.Estimator(len(blocks), samples=10, order=1)
+    for s in est.sizes:
+        m = est.measured(s)
+        lin.observe(s, m.input_bytes, m.xbar, m.out, m.fw)
+    assert lin.relative_error(BATCH * 80, probe.mimose.estimator.measured(BATCH * 80).xbar) > 0.01
+
+
+def test_plan_cache_hits_for_repeated_sizes():
+    model, _, _ = trained(700_000)
+    before = model.mimose.cache.stats()
+    for s in [48, 16, 48, 48, 16, 52]:
+        wrapped_step(model, (token_batch(BATCH, s),))
+    after = model.mimose.cache.stats()
+    assert after["misses"] - before["misses"] == 3     # 48, 16, 52
+    assert after["hits"] - before["hits"] == 3
+    assert model.stats()["hits"] == after["hits"]
+
+
+def test_infeasible_budget_raises_with_the_minimum():
+    model, _, _ = trained(300_000, check=False)
+    with pytest.raises(InfeasibleError) as e:
+        wrapped_step(model, (token_batch(BATCH, 200),))
+    assert e.value.min_memory > 300_000
+    # the minimum it names is enough
+    model.budget = int(e.value.min_memory)
+    wrapped_step(model, (token_batch(BATCH, 200),))
+    assert model.last_plan.predicted_peak <= e.value.min_memory
+
+
+def test_plan_is_simulator_valid_and_prediction_agrees():
+    model, _, _ = trained(700_000, check=False)
+    for s in (30, 50, 64):
+        plan = model.mimose.plan(BATCH * s, 700_000)
+        res = simulate(plan.chain, plan)
+        assert res.peak_memory == plan.predicted_peak <= 700_000
+        assert res.makespan == pytest.approx(plan.predicted_time)
+
+
+def test_shared_planner_instance_and_budget_change():
+    m = M.Mimose(5)
+    blocks, _ = twins(lambda: transformer_blocks(3, D))
+    model = scheduler.wrap(blocks, "1MiB", planner="mimose", mimose=m)
+    for i, s in enumerate(SEQ):
+        wrapped_step(model, (token_batch(BATCH, s, seed=i),))
+    assert m.ready and m.estimate_activation_bytes(BATCH * 64) > 0
+    p1 = model.plan_for(token_batch(BATCH, 64))
+    model.budget = 600_000
+    p2 = model.plan_for(token_batch(BATCH, 64))
+    assert len(p2.meta["checkpointed"]) > len(p1.meta["checkpointed"])
+    with pytest.raises(ValueError, match="mimose="):
+        scheduler.wrap(blocks, "1MiB", planner="mimose", mimose=M.Mimose(3))
