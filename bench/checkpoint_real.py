@@ -20,7 +20,6 @@ Writes bench/results/checkpoint_real-<device>.json (+ .png).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform

@@ -10,8 +10,6 @@ average on a V100), and the same at every periodic point.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from typing import Dict, List
 
 from common import parse_args, print_table, pyplot, save_png, write_json

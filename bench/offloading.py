@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List
+from typing import Dict
 
 from common import parse_args, print_table, pyplot, save_png, write_json
 

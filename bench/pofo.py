@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from common import parse_args, print_table, pyplot, save_png, write_json
 

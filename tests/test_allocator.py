@@ -11,7 +11,6 @@ import threading
 
 import pytest
 
-import vmalloc
 from vmalloc import Allocator, OutOfMemoryError, _core
 from vmalloc.allocator import granularity
 

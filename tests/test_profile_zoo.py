@@ -9,7 +9,7 @@ import torch
 
 from bench.chains import load, names
 from bench.chains.make_chains import configs, make
-from bench.models import ZOO, build
+from bench.models import build
 from scheduler import Chain
 from scheduler.profile import meta_chain
 

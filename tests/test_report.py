@@ -6,7 +6,7 @@ import pytest
 import vmalloc
 from vmalloc import report as _report_fn  # the function
 from vmalloc.cli import main
-from vmalloc.replay import CachingAllocatorModel, Event, Trace, compare, replay
+from vmalloc.replay import Event, Trace, compare
 from vmalloc.replay.run import Contender, caching_factory
 
 rpt = __import__("importlib").import_module("vmalloc.report")

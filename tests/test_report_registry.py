@@ -3,7 +3,6 @@ the exported C functions, vmalloc.stats(), the torch._C stats shims and the snap
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 

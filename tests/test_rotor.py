@@ -155,7 +155,7 @@ def test_refine_wins_back_rounding_and_still_fits():
     for m in (0.4 * full, full):
         base = rotor.solve(chain, m, slots=50)
         fine = rotor.solve(chain, m, slots=50, refine=6)
-        r = check_prediction(chain, fine, memory=m)
+        check_prediction(chain, fine, memory=m)
         assert fine.predicted_time <= base.predicted_time and fine.meta["memory"] == m
     assert fine.predicted_time < base.predicted_time   # at full memory the rounding cost shows
     with pytest.raises(ValueError, match="refine"):

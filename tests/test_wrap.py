@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import scheduler
-from scheduler import InfeasibleError, InvalidPlanError, Plan, simulate
+from scheduler import InvalidPlanError, Plan, simulate
 from scheduler.planners.mimose import plan_from_checkpoints
 from scheduler.profile import meta_chain
 

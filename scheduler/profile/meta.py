@@ -23,7 +23,6 @@ Stage ``L`` is the loss (``loss=``, default cross entropy over the last dimensio
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -22,9 +22,9 @@ from torch import nn
 from vmalloc.sizes import parse_size
 
 from ..chain import Chain
-from ..errors import InfeasibleError
 from ..plan import Plan
 from ..plan_cache import PlanCache
+from ..simulate import simulate
 from ..planners.mimose import DEFAULT_SAMPLES, Mimose, plan_from_checkpoints
 from . import accounting, buffers, rng
 from .chain_exec import ChainExecutor, ChainFunction, CompiledPlan, RunStats
@@ -38,35 +38,6 @@ ChainArg = Union[None, Chain, Callable[..., Chain]]
 
 
 # ------------------------------------------------------------------------------ planning
-def _simulate(chain: Chain, plan: Plan, bandwidth: Optional[float]):
-    from ..simulate import simulate
-    try:
-        return simulate(chain, plan, bandwidth=bandwidth)
-    except NotImplementedError:  # the simulator is not built in this checkout
-        return None
-
-
-def best_periodic(chain: Chain, budget: Optional[int]) -> Plan:
-    """``checkpoint_sequential`` with the fastest segment count whose peak fits the budget."""
-    from ..planners import periodic
-    best, lowest = None, None
-    for k in range(1, chain.L + 1):
-        plan = periodic.solve(chain, k)
-        peak = plan.predicted_peak
-        if peak is None:
-            res = _simulate(chain, plan, None)
-            peak = res.peak_memory if res is not None else None
-        lowest = peak if lowest is None or (peak is not None and peak < lowest) else lowest
-        if budget is not None and peak is not None and peak > budget:
-            continue
-        if best is None or (plan.predicted_time or 0) < (best.predicted_time or 0):
-            best = plan
-    if best is None:
-        raise InfeasibleError(f"periodic: no segment count fits {budget} B; the smallest peak "
-                              f"is {lowest} B", lowest)
-    return best
-
-
 def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor",
               bandwidth: Optional[float] = None) -> Plan:
     """The Plan the named planner makes for ``chain`` under ``budget`` bytes (``None``: no
@@ -87,26 +58,25 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
         from ..planners import pofo
         plan = pofo.solve(chain, budget, bandwidth)
     elif planner == "periodic":
-        plan = best_periodic(chain, budget)
+        from ..planners import periodic
+        plan = periodic.best(chain, budget)
     else:
         raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, a Plan "
                          f"or a callable (chain, budget) -> Plan; got {planner!r}")
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    res = _simulate(chain, plan, bandwidth)
+    res = simulate(chain, plan, bandwidth=bandwidth)
     if transfers and budget is not None:
         # pofo predicts with the simulator enforcing the budget (prefetches wait for memory):
         # the runtime follows that timing
-        from ..simulate import simulate
         from .chain_exec import transfer_timing
         plan.meta["transfer_timing"] = transfer_timing(
             simulate(chain, plan, bandwidth=bandwidth, memory=budget))
-    if res is not None:
-        plan.meta["simulated_peak"] = res.peak_memory
-        plan.meta["simulated_time"] = res.makespan
-        if plan.predicted_peak is None:
-            plan.predicted_peak = res.peak_memory
-        if plan.predicted_time is None:
-            plan.predicted_time = res.makespan
+    plan.meta["simulated_peak"] = res.peak_memory
+    plan.meta["simulated_time"] = res.makespan
+    if plan.predicted_peak is None:
+        plan.predicted_peak = res.peak_memory
+    if plan.predicted_time is None:
+        plan.predicted_time = res.makespan
     if plan.chain is None:
         plan.chain = chain
     return plan

@@ -12,7 +12,7 @@ plus one block's activations.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
