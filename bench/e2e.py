@@ -75,12 +75,18 @@ METHODS: Tuple[Method, ...] = (
     Method("window", "native", "swap", "window"),
     Method("lms", "native", "swap", "lms"),
     Method("window+vmalloc", "vmalloc", "swap", "window"),
+    Method("dynprog", "native", "swap", "dynprog"),
     Method("dynprog+vmalloc", "vmalloc", "swap", "dynprog"),
     Method("rotor", "native", "wrap", "rotor"),
     Method("rotor+vmalloc", "vmalloc", "wrap", "rotor"),
+    Method("pofo", "native", "wrap", "pofo"),
     Method("pofo+vmalloc", "vmalloc", "wrap", "pofo"),
 )
 BY_NAME = {m.name: m for m in METHODS}
+# the issue's columns; the CPU smoke runs every method that needs no CUDA allocator instead
+GPU_DEFAULT = ("native", "native+expandable", "save_on_cpu", "torchtune-offload",
+               "checkpoint_sequential", "window", "lms", "window+vmalloc", "dynprog+vmalloc",
+               "rotor", "pofo+vmalloc")
 
 
 # -------------------------------------------------------------------------------- models
@@ -143,6 +149,7 @@ class JobResult:
     budget_bytes: Optional[int]
     status: str                       # ok | oom | error
     note: str = ""
+    detail: Dict[str, Any] = field(default_factory=dict)   # what the runtime did
     losses: List[float] = field(default_factory=list)
 
     def row(self) -> Dict[str, Any]:
@@ -152,8 +159,10 @@ class JobResult:
 
 
 def _is_oom(exc: BaseException) -> bool:
+    """Does not fit the budget: the allocator ran out, or a planner proved it would."""
+    from scheduler.errors import InfeasibleError
     from vmalloc.errors import OutOfMemoryError
-    if isinstance(exc, (torch.OutOfMemoryError, OutOfMemoryError)):
+    if isinstance(exc, (torch.OutOfMemoryError, OutOfMemoryError, InfeasibleError)):
         return True
     return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
 
@@ -193,6 +202,11 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
         yield model, model.stats
     else:  # pragma: no cover - METHODS is closed
         raise AssertionError(method.kind)
+
+
+# runtime figures worth keeping per row: swap runtime, chain runtime, checkpoint_sequential
+DETAIL_KEYS = ("swapped_out_bytes", "swapped_in_bytes", "stall_seconds", "plans_computed",
+               "last_recomputed_forwards", "offloaded_bytes", "last_predicted_peak", "segments")
 
 
 def _sync(device: torch.device) -> None:
@@ -243,8 +257,9 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
             _sync(device)
             elapsed = time.perf_counter() - t0
             st = stats()
+        detail = {k: st[k] for k in DETAIL_KEYS if st.get(k) is not None}
         return JobResult(wl.model, method.name, wl.batch, wl.items * steps / elapsed, wl.unit,
-                         _peak(device, st), budget, "ok", losses=losses)
+                         _peak(device, st), budget, "ok", detail=detail, losses=losses)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
         model = wl.model if wl else "?"
         status = "oom" if _is_oom(exc) else "error"
@@ -268,11 +283,15 @@ SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2": [2]}
 class Grid:
     models: Dict[str, List[int]]
     methods: List[Method]
-    budget: Optional[int]
+    budget: Optional[int]          # the physical budget (a GPU's, for every model)
     steps: int
     warmup: int
     seed: int = 0
     seq_lens: Dict[str, int] = field(default_factory=dict)
+    budgets: Dict[str, int] = field(default_factory=dict)   # per-model override (CPU)
+
+    def budget_for(self, model: str) -> Optional[int]:
+        return self.budgets.get(model, self.budget)
 
 
 def _progress(i: int, n: int, text: str) -> None:
@@ -303,11 +322,13 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device
         for m in methods:
             for b in batches:
                 _progress(done, total, f"{model} {m.name} b={b}")
-                r = run_job(m, _factory(model, b, device, grid), grid.budget, device,
+                r = run_job(m, _factory(model, b, device, grid), grid.budget_for(model), device,
                             grid.steps, grid.warmup, grid.seed)
                 done += 1
                 if b == smallest and r.status == "ok":
                     r.note = check_losses(m, r.losses, ref)
+                    if r.note.startswith("LOSS MISMATCH"):
+                        r.status = "error"
                 rows.append(r)
     _progress(total, total, "done")
     return rows, references
@@ -415,7 +436,7 @@ def table(rows: Sequence[JobResult]) -> str:
     return "\n".join(lines)
 
 
-def plots(rows: Sequence[JobResult], stem: Path, budget: Optional[int]) -> List[str]:
+def plots(rows: Sequence[JobResult], stem: Path, grid: Grid) -> List[str]:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -436,6 +457,7 @@ def plots(rows: Sequence[JobResult], stem: Path, budget: Optional[int]) -> List[
                     xs, ys = zip(*pts)
                     ys = [y / 2**30 for y in ys] if key == "peak_bytes" else ys
                     ax.plot(xs, ys, marker="o", label=name)
+            budget = grid.budget_for(model)
             if key == "peak_bytes" and budget:
                 ax.axhline(budget / 2**30, color="k", ls="--", lw=1, label="budget")
             unit = next((r.unit for r in rows if r.model == model and r.unit), "")
@@ -459,7 +481,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--smoke", action="store_true", help="CPU, tiny models (CI)")
     mode.add_argument("--quick", action="store_true", help="GPU, a few batch sizes (minutes)")
     p.add_argument("--budget", default=None,
-                   help="physical budget (default 16GiB on a GPU; on the CPU half of plain "
+                   help="physical budget (default 16GiB on a GPU; on the CPU 3/4 of plain "
                         "training's saved activations)")
     p.add_argument("--methods", default=None, help="comma-separated subset of: "
                    + ", ".join(BY_NAME))
@@ -483,7 +505,8 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
         models = {n: batches.get(n, next(iter(batches.values()))) for n in names}
     else:
         models = dict(batches)
-    names = [n.strip() for n in args.methods.split(",")] if args.methods else list(BY_NAME)
+    names = ([n.strip() for n in args.methods.split(",")] if args.methods
+             else list(GPU_DEFAULT) if cuda else list(BY_NAME))
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {list(BY_NAME)}")
@@ -496,23 +519,27 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
                 seq_lens={} if cuda else {"gpt2": 32})
 
 
-def cpu_budget(grid: Grid) -> int:
-    """On the CPU the budget is simulated: half the activations plain training saves at the
-    largest batch (counted with saved-tensor hooks), so the planners have work to do."""
-    saved = 0
+def cpu_budgets(grid: Grid) -> Dict[str, int]:
+    """On the CPU the budget is simulated, per model: 3/4 of the activation bytes plain training
+    saves at the smallest batch (counted with saved-tensor hooks), so every runtime has work
+    in the run whose losses are checked, and larger batches press harder."""
+    out: Dict[str, int] = {}
     for model, batches in grid.models.items():
-        wl = build_workload(model, max(batches), torch.device("cpu"), True, grid.seed,
+        wl = build_workload(model, min(batches), torch.device("cpu"), True, grid.seed,
                             grid.seq_lens.get(model))
         seen: Dict[int, int] = {}
+        params = {p.untyped_storage().data_ptr() for b in wl.blocks for p in b.parameters()}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:  # weights are not activations: no runtime moves them
+                seen[ptr] = t.untyped_storage().nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss_of(nn.Sequential(*wl.blocks)(wl.inputs), wl)
-        saved = max(saved, sum(seen.values()))
-    return max(1, saved // 2)
+        out[model] = max(1, 3 * sum(seen.values()) // 4)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -527,8 +554,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     grid = make_grid(args, cuda)
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda and grid.budget is None:
-        grid.budget = cpu_budget(grid)
-    print(f"e2e: {device}, budget {format_size(grid.budget) if grid.budget else 'none'}, "
+        grid.budgets = cpu_budgets(grid)
+    budgets = ", ".join(f"{m} {format_size(b)}" for m, b in grid.budgets.items()) or (
+        format_size(grid.budget) if grid.budget else "none")
+    print(f"e2e: {device}, budget {budgets}, "
           f"{len(grid.methods)} methods, models {grid.models}", file=sys.stderr)
     rows = run_workers(grid) if cuda else run_grid(grid, grid.methods, device)[0]
     info = meta(device, command.strip())
@@ -538,7 +567,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     doc = {"meta": info, "results": [r.row() for r in rows]}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(rows))
-    pngs = plots(rows, out.with_suffix(""), grid.budget)
+    pngs = plots(rows, out.with_suffix(""), grid)
     print(f"\nwrote {out}" + "".join(f", {p}" for p in pngs))
     bad = [r for r in rows if "LOSS MISMATCH" in r.note]
     if bad:

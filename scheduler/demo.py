@@ -78,7 +78,11 @@ def plan_all(chain: Chain, fraction: float = 0.4, bandwidth: float = BANDWIDTH
                                if exc.min_memory else "infeasible"))
             continue
         elapsed = time.perf_counter() - start
-        out.append(Planned(name, plan, simulate(chain, plan, bandwidth=bandwidth), elapsed))
+        # under the limit, transfers wait for memory as the offload planners assume (Lemma 1);
+        # storing everything cannot fit, so it runs unlimited to show what it would need
+        limit = None if plan.predicted_peak > memory else memory
+        out.append(Planned(name, plan, simulate(chain, plan, bandwidth=bandwidth, memory=limit),
+                           elapsed))
     return memory, out
 
 

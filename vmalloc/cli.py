@@ -152,10 +152,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"vmalloc demo: training a 12-layer MLP on the GPU with VMALLOC=1, "
               f"VMALLOC_BUDGET={args.budget}\n")
         return subprocess.call([sys.executable, "-c", _GPU_DEMO], env=env)
-    traces = bundled_traces(args.traces)
     chunks = [2 << 20, 20 << 20]
     if not args.replay_only:
         _plan_and_replay(args, chunks)
+    traces = bundled_traces(args.traces)
     print(f"[3/3] replaying the {len(traces)} bundled allocation traces through vmalloc "
           "(host backend: real page mappings) and a model of PyTorch's caching allocator.\n"
           "phys/req = peak physical / peak requested; frag = 1 - requested/physical (GMLake's "

@@ -117,7 +117,7 @@ def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
         raise InfeasibleError(
-            f"{planner}: no schedule of chain {chain.name or '?'} fits in memory={memory:g} "
+            f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} fits in memory={memory:g} "
             f"({how}); the smallest memory that works is {need:g}", need)
     if chain.is_integer and float(peak).is_integer():
         peak = int(peak)

@@ -1,0 +1,35 @@
+"""The README's main job without a GPU: plan a bundled chain with every planner, simulate each
+plan, replay the fastest plan's allocation trace, then the bundled traces."""
+from scheduler import demo, simulate
+from vmalloc.cli import main
+
+
+def test_plan_all_simulates_every_planner_within_the_limit():
+    chain = demo.find_chain("resnet50-i224-b8")
+    assert chain.name == "resnet50-i224-b8"
+    memory, rows = demo.plan_all(chain, fraction=0.5)
+    assert [r.planner for r in rows][0].startswith("store all")
+    for r in rows:
+        if r.plan is None:
+            assert r.note.startswith("infeasible")
+            continue
+        limit = None if r.planner.startswith("store all") else memory
+        if limit is not None:
+            assert r.result.peak_memory <= memory
+        again = simulate(chain, r.plan, bandwidth=demo.BANDWIDTH, memory=limit)
+        assert r.plan.predicted_time == again.makespan, r.planner
+    best = demo.fastest_fitting(memory, rows)
+    assert best is not None and best.planner != rows[0].planner
+    text = demo.table(chain, memory, rows)
+    assert "rotor" in text and "pofo" in text
+
+
+def test_find_chain_falls_back_to_a_random_chain():
+    assert demo.find_chain("no-such-chain").name.startswith("random-40")
+
+
+def test_cli_demo_plans_and_replays(tmp_path, capsys):
+    assert main(["demo", "--no-bisect", "--chain", "gpt2-s256-b1", "--fraction", "0.7",
+                 "--traces", str(tmp_path)]) == 2   # no traces there: said so after planning
+    out = capsys.readouterr().out
+    assert "[1/3] planning gpt2-s256-b1" in out and "[2/3] replaying" in out
