@@ -547,6 +547,7 @@ struct Allocator::Impl {
         ranges.push_back(as_range(v));
     });
     live.clear();
+    const size_t n_live_ranges = ranges.size();  // the caller's: not waited for
     std::vector<EventHandle> events;
     small.clear(live_blocks, ranges, events);
     for (Range* r = lru_head; r;) {
@@ -556,6 +557,12 @@ struct Allocator::Impl {
     }
     cache.clear();
     lru_head = lru_tail = nullptr;
+    // cuMemUnmap / cuMemRelease do not wait for device work still using the memory (PyTorch's
+    // ExpandableSegment synchronizes before unmapping for the same reason): wait for the work
+    // queued on freed memory (deferred small blocks, slabs, cached ranges) before giving it back,
+    // as trim() does. No-ops on the host backend.
+    for (auto e : events) quiet([&] { drv->event_wait(e); });
+    for (size_t i = n_live_ranges; i < ranges.size(); ++i) quiet([&] { wait_ready(ranges[i]); });
     for (auto e : events) quiet([&] { drv->event_destroy(e); });
     for (Range* r : ranges) {
       quiet([&] { drop_events(r); });
