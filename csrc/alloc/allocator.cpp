@@ -754,7 +754,9 @@ void Allocator::set_budget(size_t bytes) {
                                 std::to_string(m.chunk) + " bytes)");
   m.cfg.budget = bytes;
   m.st.budget = bytes;
-  if (bytes != 0 && m.chunks_held * m.chunk > bytes) m.shrink_to(bytes, /*wait=*/false);
+  // Waits for pending stream work on cached memory (as trim() does): on a GPU an event recorded at
+  // or just before this call is rarely complete yet, and a cap must release what it can.
+  if (bytes != 0 && m.chunks_held * m.chunk > bytes) m.shrink_to(bytes, /*wait=*/true);
 }
 
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {

@@ -112,7 +112,7 @@ void bind_alloc(nb::module_& m) {
       .def("reset_peak", &Allocator::reset_peak, "Set the *_peak stats to their current values.")
       .def("trim", &Allocator::trim, nb::call_guard<nb::gil_scoped_release>(),
            "Release cached physical chunks to the driver; returns the bytes released.")
-      .def("set_budget", &Allocator::set_budget, "bytes"_a)
+      .def("set_budget", &Allocator::set_budget, "bytes"_a, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "set_pressure_callback",
           [](Allocator& a, nb::object fn) {

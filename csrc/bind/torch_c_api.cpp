@@ -239,7 +239,7 @@ void bind_torch(nb::module_& m) {
     Registry& r = registry();
     { std::lock_guard<std::mutex> lock(r.mutex); r.budget.at(device) = budget; }
     if (vmalloc::Allocator* a = get(device, false)) a->set_budget(budget);
-  });
+  }, nb::call_guard<nb::gil_scoped_release>());
   m.def("_torch_trim", [] {
     size_t n = 0;
     for (auto& a : registry().alloc) if (auto* p = a.load()) n += p->trim();
