@@ -29,6 +29,17 @@ def chunk_for(backend: str) -> int:
     return 256 * KiB if backend == "host" else granularity("cuda")
 
 
+def stream_handles(backend: str, n: int) -> list:
+    """n distinct stream handles besides 0, 1 and 2. Host: any ints (its events are trivially
+    complete). CUDA: real streams, since the driver records events on them (0, 1 and 2 are the
+    NULL, legacy and per-thread default streams); PyTorch's pooled streams are never destroyed."""
+    if backend == "host":
+        return [11 + i for i in range(n)]
+    import torch
+
+    return [torch.cuda.Stream(device=0).cuda_stream for _ in range(n)]
+
+
 def ceil_chunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
 
@@ -303,7 +314,7 @@ def test_trace_events_pair_and_serialize(backend):
     c = chunk_for(backend)
     with Allocator(backend, chunk_size=c) as a:
         a.set_trace(True)
-        p = a.malloc(100, stream=7)
+        p = a.malloc(100, stream=2)  # 2: CU_STREAM_PER_THREAD, a valid handle on cuda too
         q = a.malloc(3 * c)
         a.free(p)
         a.free(q)
@@ -311,7 +322,7 @@ def test_trace_events_pair_and_serialize(backend):
         a.free(a.malloc(10))  # not recorded
         events = a.take_trace()
         assert [e["action"] for e in events] == ["alloc", "alloc", "free", "free"]
-        assert events[0]["stream"] == 7 and events[0]["size"] == 100 and events[1]["size"] == 3 * c
+        assert events[0]["stream"] == 2 and events[0]["size"] == 100 and events[1]["size"] == 3 * c
         by_id = {}
         for e in events:
             by_id.setdefault(e["id"], []).append(e)
@@ -331,17 +342,18 @@ def test_trace_events_pair_and_serialize(backend):
 def test_record_stream_bookkeeping_and_cross_stream_reuse(backend):
     c = chunk_for(backend)
     mem = memory_for(backend)
-    # budget: 3 chunks, so stream 3 can only be served with chunks that streams 0, 1, 11, 12 used
+    s11, s12, s3 = stream_handles(backend, 3)
+    # budget: 3 chunks, so stream s3 can only be served with chunks that streams 0, 1, s11, s12 used
     with Allocator(backend, chunk_size=c, budget=3 * c, small_threshold=64 * KiB) as a:
         p = a.malloc(2 * c, stream=0)
         a.record_stream(p, 0)  # the owner stream: nothing to do
-        a.record_stream(p, 11)
-        a.record_stream(p, 11)
+        a.record_stream(p, s11)
+        a.record_stream(p, s11)
         a.free(p)
         b = a.malloc(1000, stream=1)
-        a.record_stream(b, 12)
-        a.free(b)  # deferred until stream 12's event completes (immediately on host)
-        q = a.malloc(2 * c, stream=3)  # another stream: allowed once the events completed
+        a.record_stream(b, s12)
+        a.free(b)  # deferred until stream s12's event completes (immediately on host)
+        q = a.malloc(2 * c, stream=s3)  # another stream: allowed once the events completed
         mem.fill(q, 2 * c, 3)
         r = a.malloc(1000, stream=1)
         mem.fill(r, 1000, 4)
