@@ -71,7 +71,7 @@ class _Var:
     """One saved storage: where its bytes are and who still needs them."""
 
     __slots__ = ("vid", "it", "nbytes", "state", "storage", "storage_ref", "ptr", "device",
-                 "host", "out_event", "in_event", "in_tensor", "handles", "nhandles")
+                 "stream", "host", "out_event", "in_event", "in_tensor", "handles", "nhandles")
 
     def __init__(self, vid: int, it: int, storage: Any, nbytes: int, ptr: int, device: Any):
         self.vid = vid
@@ -82,6 +82,7 @@ class _Var:
         self.storage_ref = weakref.ref(storage)
         self.ptr = ptr
         self.device = device
+        self.stream: Any = None           # CUDA: the stream current when it was saved
         self.host: Optional[torch.Tensor] = None   # host copy (kept once made: never changes)
         self.out_event: Any = None        # completion of the device-to-host copy
         self.in_event: Any = None         # completion of the host-to-device copy
@@ -341,6 +342,8 @@ class SwapContext:
         self._step_begin(vid, PACK, nbytes, None if created else var)
         if created:
             var = _Var(vid, self._it, storage, nbytes, ptr, t.device)
+            if self._cuda:
+                var.stream = torch.cuda.current_stream(t.device)
             self._vars.append(var)
             self._by_ptr[ptr] = var
             self._live += 1
@@ -529,7 +532,9 @@ class SwapContext:
             src = self._byte_view(var)
             if self._cuda:
                 out_stream, _ = self._streams_for(var.device)
-                out_stream.wait_stream(torch.cuda.current_stream(var.device))
+                # after the op that saved it (its stream, not the current one: a swap-out asked
+                # by vmalloc's pressure callback runs inside _swap_in's allocation on in_stream)
+                out_stream.wait_stream(var.stream)
                 with torch.cuda.stream(out_stream):
                     buf.copy_(src, non_blocking=True)
                     event = torch.cuda.Event()
