@@ -62,9 +62,24 @@ def _train_cuda(name, ctx=None, steps=3):
     return losses, grads
 
 
+def _sequence_cuda(name):
+    ctx = scheduler.swap(window="1GiB", device="cuda", min_bytes=0)
+    _train_cuda(name, ctx, steps=1)
+    return ctx.last_recorded
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
-@pytest.mark.parametrize("window, budget", [(4096, None), (8192, 32768), ("1GiB", None)])
-def test_cuda_bit_identical(name, window, budget):
+@pytest.mark.parametrize("setting", ["smallest window", "budget", "wide window"])
+def test_cuda_bit_identical(name, setting):
+    # Windows and budgets come from the sequence recorded on this device, as in the CPU test:
+    # fixed byte counts were below the largest saved tensor of the cnn and the transformer
+    # (a window smaller than a tensor is refused with a ValueError).
+    seq = _sequence_cuda(name)
+    largest = seq.largest_tensor()[0]
+    total = sum(seq.sizes[s[0]] for s in seq.steps)
+    window, budget = {"smallest window": (largest, None),
+                      "budget": (max(largest, total // 3), seq.min_budget()[0]),
+                      "wide window": (total + 1, None)}[setting]
     ref = _train_cuda(name)
     ctx = scheduler.swap(window=window, budget=budget, device="cuda", min_bytes=0)
     got = _train_cuda(name, ctx)
@@ -84,9 +99,11 @@ def test_cuda_bit_identical(name, window, budget):
 
 def test_copies_overlap_compute():
     """Heavy matmuls between saved tensors: with a window of a few tensors the swap-ins are
-    issued ahead and complete before their use, so the compute stream waits (an event not yet
-    complete at the unpack) for only a minority of them; swap-outs are never waited for
-    (no budget: releases do not block)."""
+    issued ahead of their use (none on demand), and swap-outs are never waited for (no budget:
+    releases do not block). How many copies were still running at their use is not asserted:
+    the host runs ahead of the device, so most events are incomplete when the unpack hook
+    queries them even when the copy finishes long before the kernel that reads it (a timing
+    figure; bench/ measures overlap)."""
     width, batch = 8192, 1024
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
                             for _ in range(8)]).cuda()
@@ -100,7 +117,6 @@ def test_copies_overlap_compute():
     swap_ins = st["swapped_in_bytes"] // (batch * width * 4)
     assert st["swapped_out_bytes"] > 0 and swap_ins > 0
     assert st["on_demand_swap_ins"] == 0
-    assert st["late_swap_ins"] < swap_ins / 2
 
 
 def test_memory_stays_under_the_budget_with_vmalloc():
@@ -110,7 +126,9 @@ def test_memory_stays_under_the_budget_with_vmalloc():
     script = textwrap.dedent(f"""
         import sys, torch, vmalloc, scheduler
         sys.path.insert(0, {ROOT!r})
-        budget = 512 << 20
+        # parameters 384 MiB + their gradients 384 MiB + input 32 MiB + a few 32 MiB
+        # temporaries stay on the device: ~1 GiB; the saved tensors add ~1.5 GiB without swapping
+        budget = 1280 << 20
         vmalloc.enable(budget=budget)
         from torch import nn
         model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU())
