@@ -76,6 +76,7 @@ def test_side_stream_tensors_survive():
         side = torch.cuda.Stream()
         for i in range(50):
             x = torch.full((1 << 20,), float(i), device="cuda")
+            side.wait_stream(torch.cuda.current_stream())   # x is filled before side reads it
             with torch.cuda.stream(side):
                 torch.cuda._sleep(200000)           # keep the side stream busy
                 y = x * 2
