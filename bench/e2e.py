@@ -584,7 +584,8 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
         methods = [m for m in methods if m.allocator == "native"]
     budget = parse_size(args.budget, "--budget") if args.budget else (16 << 30 if cuda else None)
     steps = args.steps or (2 if not cuda else 5 if args.quick else 10)
-    return Grid(models, methods, budget, steps, 1)
+    # GPU: a few warm-up steps (cuDNN algorithm search, allocator growth) before timing
+    return Grid(models, methods, budget, steps, 1 if not cuda else 3)
 
 
 def cpu_budgets(grid: Grid) -> Dict[str, int]:
