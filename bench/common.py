@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -24,11 +25,22 @@ def parse_args(description: str, argv: Optional[Sequence[str]] = None,
     return p.parse_args(argv)
 
 
+def finite(value: Any) -> Any:
+    """``value`` with NaN and infinities (no plan, no bound) as None: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def write_json(name: str, data: Dict[str, Any], out: str = RESULTS) -> str:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{name}.json")
     with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=float)
+        json.dump(finite(data), f, indent=1, default=float, allow_nan=False)
         f.write("\n")
     return path
 

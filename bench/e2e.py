@@ -9,6 +9,7 @@ runtime (native allocator and vmalloc), the DYNPROG offload plan, rotor and pofo
     python bench/e2e.py --smoke     # CPU, tiny models, simulated budget: CI runs this (< 1 min)
     python bench/e2e.py --quick     # GPU, minutes
     python bench/e2e.py             # GPU, the full grid of the issue
+    python bench/e2e.py --coexist 64   # + two processes sharing one GPU, half the budget each
 
 Each allocator needs its own process (PyTorch's allocator is chosen before CUDA starts), so
 on a GPU the parent runs one worker process per allocator and collects their JSON lines.
@@ -16,6 +17,9 @@ Every configuration is checked against plain training: at the smallest batch, it
 all steps (same seed) must equal plain training's bit for bit for the exact methods (all of
 them here), and plain training must give the same losses under every allocator; a mismatch
 marks the row ``error`` and the run exits non-zero.
+
+Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
+GPU, where ``--coexist`` shows per-process allocators side by side instead.
 
 Results: ``bench/results/e2e-<gpu>-<date>.json`` (shape in the issue), a table on stdout, and
 ``e2e-<gpu>-<date>-throughput.png`` / ``-memory.png`` beside it when matplotlib is present.
@@ -80,50 +84,83 @@ METHODS: Tuple[Method, ...] = (
     Method("rotor", "native", "wrap", "rotor"),
     Method("rotor+vmalloc", "vmalloc", "wrap", "rotor"),
     Method("pofo", "native", "wrap", "pofo"),
+    Method("mimose", "native", "wrap", "mimose"),
     Method("pofo+vmalloc", "vmalloc", "wrap", "pofo"),
 )
 BY_NAME = {m.name: m for m in METHODS}
 # the issue's columns; the CPU smoke runs every method that needs no CUDA allocator instead
 GPU_DEFAULT = ("native", "native+expandable", "save_on_cpu", "torchtune-offload",
                "checkpoint_sequential", "window", "lms", "window+vmalloc", "dynprog+vmalloc",
-               "rotor", "pofo+vmalloc")
+               "rotor", "pofo+vmalloc", "mimose")
 
 
 # -------------------------------------------------------------------------------- models
 @dataclass
 class Workload:
-    """A model at one batch size: blocks, an input, targets, and how to count throughput."""
+    """A model at one batch size: blocks, the inputs of successive steps (one, or several of
+    different sequence lengths), targets, and how to count throughput."""
     model: str
     batch: int
     blocks: List[nn.Module]
-    inputs: torch.Tensor
+    inputs: List[torch.Tensor]
     unit: str                  # images/s or tokens/s
-    items: int                 # images or tokens per step
     seed: int
     targets: Optional[torch.Tensor] = None
+
+    def input(self, step: int) -> torch.Tensor:
+        return self.inputs[step % len(self.inputs)]
+
+    def items(self, step: int) -> int:
+        """Images, or tokens, that step ``step`` trains on."""
+        x = self.input(step)
+        return x.shape[0] if self.unit == "images/s" else x.numel()
 
 
 SMOKE_SIZES = {"resnet": dict(image=32, num_classes=10),
                "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab=128),
                "bert": dict(n_layer=2, hidden=64, heads=4, intermediate=128, vocab=128)}
+# BERT-style with variable sequence lengths (the Mimose path): a fixed, seeded draw per run
+DYNAMIC_LENGTHS = {True: (8, 32), False: (64, 512)}   # smoke: tiny; GPU: GLUE-like range
+DYNAMIC_STEPS = 16                                    # distinct inputs cycled through
 
 
-def build_workload(model: str, batch: int, device: torch.device, smoke: bool, seed: int,
-                   seq_len: Optional[int] = None) -> Workload:
+def parse_model(model: str) -> Tuple[str, Optional[int], bool]:
+    """``resnet50`` / ``gpt2-s2048`` (sequence length) / ``bert-dyn`` (variable lengths)
+    -> (zoo name, sequence length, dynamic)."""
+    name, _, suffix = model.partition("-")
+    if model.startswith("resnet") and not suffix:
+        return model, None, False
+    if name in ("gpt2", "bert") and suffix.startswith("s") and suffix[1:].isdigit():
+        return name, int(suffix[1:]), False
+    if name == "bert" and suffix == "dyn":
+        return name, None, True
+    raise ValueError(f"--models: cannot read {model!r} (resnet<depth>, gpt2-s<seq>, "
+                     "bert-s<seq>, bert-dyn)")
+
+
+def build_workload(model: str, batch: int, device: torch.device, smoke: bool,
+                   seed: int) -> Workload:
     from bench.models import build  # the project's own zoo (no torchvision)
 
-    family = "resnet" if model.startswith("resnet") else model
-    if family not in SMOKE_SIZES:
-        raise ValueError(f"--models: unknown model {model!r} (resnet*, gpt2, bert)")
+    name, seq_len, dynamic = parse_model(model)
+    family = "resnet" if name.startswith("resnet") else name
     kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
-    if family != "resnet":
-        kw["seq_len"] = seq_len or (32 if smoke else 1024)
+    lengths: List[Optional[int]] = [None]
+    if dynamic:
+        lo, hi = DYNAMIC_LENGTHS[smoke]
+        g = torch.Generator().manual_seed(seed + 2)
+        lengths = [int(v) for v in torch.randint(lo, hi + 1, (DYNAMIC_STEPS,), generator=g)]
+        kw["seq_len"] = hi
+    elif seq_len is not None:
+        kw["seq_len"] = seq_len
     torch.manual_seed(seed)  # the same weights for every method
-    zm = build(model, batch=batch, device=device, **kw)
+    zm = build(name, batch=batch, device=device, **kw)
     blocks = [b.to(device) for b in zm.blocks]
-    items = batch if family == "resnet" else batch * kw["seq_len"]
-    return Workload(model, batch, blocks, zm.sample_input(device=device, seed=seed),
-                    "images/s" if family == "resnet" else "tokens/s", items, seed)
+    inputs = [zm.sample_input(device=device, seed=seed + i,
+                              shape=None if n is None else (batch, n))
+              for i, n in enumerate(lengths)]
+    return Workload(model, batch, blocks, inputs,
+                    "images/s" if family == "resnet" else "tokens/s", seed)
 
 
 def loss_of(out: torch.Tensor, wl: Workload) -> torch.Tensor:
@@ -197,8 +234,9 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
     elif method.kind == "wrap":
         import scheduler
         bw = 12e9 if method.planner == "pofo" else None
+        sample = None if method.planner == "mimose" else wl.input(0)   # Mimose learns online
         model = scheduler.wrap(wl.blocks, budget, planner=method.planner, bandwidth=bw,
-                               sample_input=wl.inputs, track_memory=device.type != "cuda")
+                               sample_input=sample, track_memory=device.type != "cuda")
         yield model, model.stats
     else:  # pragma: no cover - METHODS is closed
         raise AssertionError(method.kind)
@@ -244,13 +282,15 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         losses: List[float] = []
         torch.manual_seed(seed)  # dropout draws the same numbers for every method
         with method_context(method, wl, budget, device, segments) as (forward, stats):
-            t0 = 0.0
+            t0, items = 0.0, 0
             for step in range(warmup + steps):
                 if step == warmup:
                     _sync(device)
                     t0 = time.perf_counter()
+                if step >= warmup:
+                    items += wl.items(step)
                 opt.zero_grad(set_to_none=True)
-                loss = loss_of(forward(wl.inputs), wl)
+                loss = loss_of(forward(wl.input(step)), wl)
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
@@ -258,7 +298,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
             elapsed = time.perf_counter() - t0
             st = stats()
         detail = {k: st[k] for k in DETAIL_KEYS if st.get(k) is not None}
-        return JobResult(wl.model, method.name, wl.batch, wl.items * steps / elapsed, wl.unit,
+        return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,
                          _peak(device, st), budget, "ok", detail=detail, losses=losses)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
         model = wl.model if wl else "?"
@@ -274,9 +314,10 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
 
 # ----------------------------------------------------------------------------- the grid
 FULL_BATCHES = {"resnet50": [64, 128, 256, 512, 928, 1120, 1248, 1440, 2048],
-                "gpt2": [4, 8, 16, 32, 64], "bert": [8, 16, 32, 64]}
-QUICK_BATCHES = {"resnet50": [64, 512, 1440, 2048]}
-SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2": [2]}
+                "gpt2-s1024": [4, 8, 16, 32, 64], "gpt2-s2048": [2, 4, 8, 16, 32],
+                "bert-dyn": [16, 32, 64, 128]}
+QUICK_BATCHES = {"resnet50": [64, 512, 1440, 2048], "gpt2-s1024": [8, 32]}
+SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2-s32": [2], "bert-dyn": [2]}
 
 
 @dataclass
@@ -287,7 +328,6 @@ class Grid:
     steps: int
     warmup: int
     seed: int = 0
-    seq_lens: Dict[str, int] = field(default_factory=dict)
     budgets: Dict[str, int] = field(default_factory=dict)   # per-model override (CPU)
 
     def budget_for(self, model: str) -> Optional[int]:
@@ -343,8 +383,7 @@ def check_losses(method: Method, losses: List[float], ref: JobResult) -> str:
 
 
 def _factory(model: str, batch: int, device: torch.device, grid: Grid) -> Callable[[], Workload]:
-    return lambda: build_workload(model, batch, device, device.type == "cpu", grid.seed,
-                                  grid.seq_lens.get(model))
+    return lambda: build_workload(model, batch, device, device.type == "cpu", grid.seed)
 
 
 # ------------------------------------------------------------------------ GPU: workers
@@ -406,6 +445,31 @@ def run_workers(grid: Grid) -> List[JobResult]:
                         r.status = "error"
                         r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
                                   f"allocator gives {losses}, native {base[model]}")
+    return rows
+
+
+def run_coexist(grid: Grid, batch: int) -> List[JobResult]:
+    """Two processes on one GPU at once, each with half the budget and its own vmalloc
+    allocator (one per process and device): per-process allocators coexist."""
+    if grid.budget is None:
+        raise SystemExit("--coexist needs a budget")
+    spec = dict(grid.__dict__, methods=["window+vmalloc"], models={"resnet50": [batch]},
+                budget=grid.budget // 2, budgets={})
+    print(f"-- coexist: 2 processes, {format_size(grid.budget // 2)} each", file=sys.stderr)
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "vmalloc",
+                               "--worker-grid", json.dumps(spec)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    rows: List[JobResult] = []
+    for i, proc in enumerate(procs):
+        out, _ = proc.communicate()
+        got = [JobResult(**json.loads(line[len("E2E-ROW "):]))
+               for line in out.splitlines() if line.startswith("E2E-ROW ")]
+        if proc.returncode != 0 or not got:
+            got = [JobResult("resnet50", "window+vmalloc", batch, None, "", None,
+                             grid.budget // 2, "error", f"process exited {proc.returncode}")]
+        for r in got:
+            r.method = f"window+vmalloc (process {i + 1} of 2, half budget)"
+        rows += got
     return rows
 
 
@@ -487,6 +551,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    + ", ".join(BY_NAME))
     p.add_argument("--models", default=None, help="comma-separated model names")
     p.add_argument("--steps", type=int, default=None, help="timed steps per job")
+    p.add_argument("--coexist", type=int, default=0, metavar="BATCH",
+                   help="GPU: also train ResNet-50 at BATCH in two processes at once, each under "
+                        "half the budget with its own vmalloc allocator")
     p.add_argument("--out", default=None, help="results file (default bench/results/"
                    "e2e-<gpu>-<date>.json)")
     p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
@@ -502,6 +569,8 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
         QUICK_BATCHES if args.quick else FULL_BATCHES)
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
+        for n in names:
+            parse_model(n)  # a clear error for a name we cannot build
         models = {n: batches.get(n, next(iter(batches.values()))) for n in names}
     else:
         models = dict(batches)
@@ -515,8 +584,8 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
         methods = [m for m in methods if m.allocator == "native"]
     budget = parse_size(args.budget, "--budget") if args.budget else (16 << 30 if cuda else None)
     steps = args.steps or (2 if not cuda else 5 if args.quick else 10)
-    return Grid(models, methods, budget, steps, 1,
-                seq_lens={} if cuda else {"gpt2": 32})
+    # GPU: a few warm-up steps (cuDNN algorithm search, allocator growth) before timing
+    return Grid(models, methods, budget, steps, 1 if not cuda else 3)
 
 
 def cpu_budgets(grid: Grid) -> Dict[str, int]:
@@ -525,8 +594,7 @@ def cpu_budgets(grid: Grid) -> Dict[str, int]:
     in the run whose losses are checked, and larger batches press harder."""
     out: Dict[str, int] = {}
     for model, batches in grid.models.items():
-        wl = build_workload(model, min(batches), torch.device("cpu"), True, grid.seed,
-                            grid.seq_lens.get(model))
+        wl = build_workload(model, min(batches), torch.device("cpu"), True, grid.seed)
         seen: Dict[int, int] = {}
         params = {p.untyped_storage().data_ptr() for b in wl.blocks for p in b.parameters()}
 
@@ -537,7 +605,7 @@ def cpu_budgets(grid: Grid) -> Dict[str, int]:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss_of(nn.Sequential(*wl.blocks)(wl.inputs), wl)
+            loss_of(nn.Sequential(*wl.blocks)(wl.input(0)), wl)
         out[model] = max(1, 3 * sum(seen.values()) // 4)
     return out
 
@@ -550,6 +618,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not cuda and not args.smoke:
         print("no CUDA device: running the CPU smoke mode (--smoke)", file=sys.stderr)
         args.smoke = True
+    if args.coexist and not cuda:
+        raise SystemExit("--coexist: needs a GPU (two processes sharing one device)")
     command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     grid = make_grid(args, cuda)
     device = torch.device("cuda" if cuda else "cpu")
@@ -560,6 +630,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"e2e: {device}, budget {budgets}, "
           f"{len(grid.methods)} methods, models {grid.models}", file=sys.stderr)
     rows = run_workers(grid) if cuda else run_grid(grid, grid.methods, device)[0]
+    if args.coexist:
+        rows += run_coexist(grid, args.coexist)
     info = meta(device, command.strip())
     out = Path(args.out) if args.out else RESULTS / (
         f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json")

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from _subproc import python_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTH = os.path.join(ROOT, "vmalloc", "vmalloc_autoload.pth")
 
@@ -25,9 +27,9 @@ def run(tmp_path, code, env=None, extra_path=()):
     os.makedirs(sp, exist_ok=True)
     with open(PTH) as src, open(os.path.join(sp, "vmalloc_autoload.pth"), "w") as dst:
         dst.write(src.read())
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("VMALLOC")}
-    clean.update(PYTHONUSERBASE=str(base),
-                 PYTHONPATH=os.pathsep.join([*extra_path, ROOT]), **(env or {}))
+    clean = python_env(*extra_path, base={k: v for k, v in os.environ.items()
+                                          if not k.startswith("VMALLOC")},
+                       PYTHONUSERBASE=str(base), **(env or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean,
                           capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
 

@@ -13,7 +13,7 @@ ROW_KEYS = {"model", "method", "batch_size", "throughput", "unit", "peak_bytes",
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "e2e.json"
-    rc = e2e.main(["--smoke", "--models", "gpt2", "--steps", "2", "--out", str(out)])
+    rc = e2e.main(["--smoke", "--models", "gpt2-s32", "--steps", "2", "--out", str(out)])
     return rc, json.loads(out.read_text())
 
 
@@ -53,7 +53,7 @@ def test_a_loss_mismatch_fails_the_run_loudly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(e2e, "run_job", off_by_a_bit)
     out = tmp_path / "e2e.json"
-    rc = e2e.main(["--smoke", "--models", "gpt2", "--methods", "native,window", "--steps", "1",
+    rc = e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window", "--steps", "1",
                    "--out", str(out)])
     assert rc == 1
     window = next(r for r in json.loads(out.read_text())["results"] if r["method"] == "window")
@@ -63,3 +63,21 @@ def test_a_loss_mismatch_fails_the_run_loudly(tmp_path, monkeypatch):
 def test_unknown_method_is_named():
     with pytest.raises(SystemExit, match="nope"):
         e2e.main(["--smoke", "--methods", "nope"])
+
+
+def test_variable_sequence_lengths_for_the_mimose_path(tmp_path):
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--smoke", "--models", "bert-dyn", "--methods", "native,mimose,window",
+                   "--steps", "3", "--out", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rc == 0
+    for row in rows.values():
+        assert row["status"] == "ok" and row["note"].startswith("loss bitwise equal"), row
+    wl = e2e.build_workload("bert-dyn", 2, e2e.torch.device("cpu"), True, 0)
+    assert len({x.shape[1] for x in wl.inputs}) > 1   # the inputs really change length
+
+
+@pytest.mark.parametrize("bad", ["gpt3", "bert-s", "resnet50-x"])
+def test_unknown_model_is_named(bad):
+    with pytest.raises(ValueError, match=bad):
+        e2e.main(["--smoke", "--models", bad])

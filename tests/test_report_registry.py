@@ -1,13 +1,13 @@
 """The per-device registry behind PyTorch's entry points, driven on the host backend (no GPU):
 the exported C functions, vmalloc.stats(), the torch._C stats shims and the snapshot history."""
-import os
 import subprocess
 import sys
 
 import pytest
 
+from _subproc import python_env
+
 pytest.importorskip("vmalloc._core")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import ctypes, types
@@ -87,9 +87,9 @@ print("OK")
 """
 
 
-def test_registry_entry_points_and_shims_on_the_host_backend():
+def test_registry_entry_points_and_shims_on_the_host_backend(tmp_path):
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+                       env=python_env(), cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("OK")
     assert "not a live allocation" in r.stderr or "0x1234" in r.stderr

@@ -4,9 +4,12 @@ Unverified without a GPU: written from the PyTorch stream/event documentation.""
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
+
+from _subproc import python_env
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
@@ -18,7 +21,6 @@ from scheduler.planners.swap_schedule import replay  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -123,9 +125,8 @@ def test_memory_stays_under_the_budget_with_vmalloc():
     """vmalloc's physical peak stays within its budget while the swap runtime (window, a
     saved-tensor budget, the pressure callback) trains a model that needs more without it."""
     pytest.importorskip("vmalloc._core")
-    script = textwrap.dedent(f"""
-        import sys, torch, vmalloc, scheduler
-        sys.path.insert(0, {ROOT!r})
+    script = textwrap.dedent("""
+        import torch, vmalloc, scheduler
         # parameters 384 MiB + their gradients 384 MiB + input 32 MiB + a few 32 MiB
         # temporaries stay on the device: ~1 GiB; the saved tensors add ~1.5 GiB without swapping
         budget = 1280 << 20
@@ -144,6 +145,6 @@ def test_memory_stays_under_the_budget_with_vmalloc():
         print("ok", ctx.stats()["pressure_calls"], s["physical_peak"])
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                          cwd=tempfile.gettempdir(), env=python_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ok")

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from _subproc import python_env
 from scheduler.chain import Chain
 from scheduler.errors import InvalidPlanError
 from scheduler.plan import Plan
@@ -98,11 +99,11 @@ def test_replay_rejects_a_schedule_of_the_wrong_length():
         replay(SEQ, SwapSchedule.empty(3))
 
 
-def test_planning_modules_do_not_import_torch():
+def test_planning_modules_do_not_import_torch(tmp_path):
     code = ("import sys, scheduler.planners.window, scheduler.planners.lms, "
             "scheduler.planners.offload_follow, scheduler.planners.swap_schedule; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, env=python_env(), cwd=str(tmp_path))
 
 
 # ------------------------------------------------------------------ offload plans

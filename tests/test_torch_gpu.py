@@ -6,18 +6,21 @@ initialised, and the registration lasts for the process.
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
+from _subproc import python_env
+
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TMP = tempfile.gettempdir()   # any working directory outside the checkout (see _subproc)
 
 
 def run(code, env=None):
-    full = {**{k: v for k, v in os.environ.items() if not k.startswith("VMALLOC")},
-            "PYTHONPATH": ROOT, **(env or {})}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=ROOT,
+    full = python_env(base={k: v for k, v in os.environ.items() if not k.startswith("VMALLOC")},
+                      **(env or {}))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=TMP,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -45,7 +48,7 @@ TRAIN = """
 def test_training_step_matches_plain_pytorch_bit_for_bit(tmp_path):
     for mode in ("plain", "vmalloc"):
         subprocess.run([sys.executable, "-c", textwrap.dedent(TRAIN), str(tmp_path / mode), mode],
-                       check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
+                       check=True, env=python_env(), cwd=str(tmp_path), timeout=300)
     import torch
     a, b = torch.load(tmp_path / "plain"), torch.load(tmp_path / "vmalloc")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
