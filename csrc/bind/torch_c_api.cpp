@@ -194,6 +194,13 @@ VMALLOC_EXPORT void vmalloc_torch_memory_fraction(double fraction, int device) {
   }
   vmalloc::Allocator* a = get(device, true);   // knows its device's memory size
   size_t budget = static_cast<size_t>(fraction * static_cast<double>(a->total_memory()));
+  // vmalloc's budget 0 means "no cap": a fraction that rounds below one chunk (0.0 included)
+  // would silently lift the limit instead of forbidding allocations, so refuse it
+  if (budget < a->config().chunk_size) {
+    throw std::invalid_argument("vmalloc: memory fraction " + std::to_string(fraction) + " gives " +
+                                std::to_string(budget) + " bytes, less than one chunk (" +
+                                std::to_string(a->config().chunk_size) + " bytes)");
+  }
   Registry& r = registry();
   {
     std::lock_guard<std::mutex> lock(r.mutex);
