@@ -187,7 +187,7 @@ class SwapContext:
         self._lock = threading.RLock()
         self._streams: Dict[Any, Tuple[Any, Any]] = {}
         self._hooks: Any = None
-        self._pressure_target: Any = None
+        self._pressure_targets: Dict[Any, Any] = {}   # device (or "given") -> allocator
         self._exited = False
         # bookkeeping
         self._resident = 0                       # saved bytes we hold on the device
@@ -223,21 +223,22 @@ class SwapContext:
         self._exited = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        target = self._allocator
-        if target is None and self._cuda:
-            target = _find_vmalloc_allocator(self.device)
-        if target is not None:
-            target.set_pressure_callback(self._on_pressure)
-            self._pressure_target = target
+        if self._allocator is not None:
+            self._allocator.set_pressure_callback(self._on_pressure)
+            self._pressure_targets["given"] = self._allocator
+        # vmalloc's allocators are hooked per device at the first tensor saved there
+        # (_hook_pressure): resolving "cuda" here would start CUDA on the current device at
+        # `import torch` under VMALLOC_WINDOW, before torchrun's ranks pick their GPUs
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
-        if self._pressure_target is not None:
-            self._pressure_target.set_pressure_callback(None)
-            self._pressure_target = None
+        for target in self._pressure_targets.values():
+            if target is not None:
+                target.set_pressure_callback(None)
+        self._pressure_targets.clear()
         with self._lock:
             self._exited = True
             if self._live == 0:
@@ -344,6 +345,7 @@ class SwapContext:
             var = _Var(vid, self._it, storage, nbytes, ptr, t.device)
             if self._cuda:
                 var.stream = torch.cuda.current_stream(t.device)
+                self._hook_pressure(t.device)
             self._vars.append(var)
             self._by_ptr[ptr] = var
             self._live += 1
@@ -358,6 +360,14 @@ class SwapContext:
         var.nhandles += 1
         self._step_end(var)
         return handle
+
+    def _hook_pressure(self, device: torch.device) -> None:
+        """Give vmalloc's allocator of ``device`` (when enabled) our pressure callback, once."""
+        if self._allocator is None and device not in self._pressure_targets:
+            target = _find_vmalloc_allocator(device)
+            if target is not None:
+                target.set_pressure_callback(self._on_pressure)
+            self._pressure_targets[device] = target
 
     def _unpack(self, handle: Any) -> torch.Tensor:
         if handle.__class__ is not _Handle:
