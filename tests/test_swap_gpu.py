@@ -32,36 +32,11 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-def _models():
-    try:  # the CPU tests' models and batches (tests/ is on sys.path under pytest)
-        from test_swap_runtime import MODELS
-    except ImportError:
-        from tests.test_swap_runtime import MODELS
-    return MODELS
-
-
 def _train_cuda(name, ctx=None, steps=3):
-    build, batch = _models()[name]
-    torch.manual_seed(0)
-    model = build().cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, grads = [], []
-    entered = ctx.__enter__() if ctx is not None else None
-    try:
-        for i in range(steps):
-            x, y = (t.cuda() for t in batch(i))
-            torch.manual_seed(1000 + i)
-            opt.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-            loss.backward()
-            losses.append(loss.detach().clone())
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-    finally:
-        if entered is not None:
-            ctx.__exit__(None, None, None)
-    return losses, grads
+    """The CPU tests' loop (tests/test_swap_runtime.py, on sys.path under pytest) on CUDA."""
+    from test_swap_runtime import MODELS, train
+    build, batch = MODELS[name]
+    return train(build, batch, ctx, steps=steps, device="cuda")
 
 
 def _sequence_cuda(name):

@@ -89,16 +89,17 @@ MODELS = {"mlp": (mlp, batch_mlp), "cnn": (SmallCNN, batch_cnn),
           "transformer": (TinyTransformer, batch_tokens)}
 
 
-def train(build, batch, ctx=None, steps=STEPS, sizes=None, check=None):
-    """Losses and gradients of ``steps`` SGD steps (with momentum), inside ``ctx`` if given."""
+def train(build, batch, ctx=None, steps=STEPS, sizes=None, check=None, device="cpu"):
+    """Losses and gradients of ``steps`` SGD steps (with momentum), inside ``ctx`` if given,
+    on ``device`` (the GPU tests run the same loop on "cuda")."""
     torch.manual_seed(0)
-    model = build()
+    model = build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, grads = [], []
 
     def loop():
         for i in range(steps):
-            x, y = batch(i) if sizes is None else batch(i, sizes[i])
+            x, y = (t.to(device) for t in (batch(i) if sizes is None else batch(i, sizes[i])))
             torch.manual_seed(1000 + i)  # dropout masks
             opt.zero_grad(set_to_none=True)
             out = model(x)
