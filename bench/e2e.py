@@ -65,10 +65,6 @@ class Method:
     planner: Optional[str] = None
     exact: bool = True        # the loss must equal plain training's bit for bit
 
-    @property
-    def label(self) -> str:
-        return self.name
-
 
 METHODS: Tuple[Method, ...] = (
     Method("native", "native", "plain"),
@@ -405,9 +401,32 @@ def worker_main(args: argparse.Namespace) -> int:
     _set_allocator(args.worker, grid.budget)
     rows, references = run_grid(grid, grid.methods, torch.device("cuda"))
     for r in rows:
-        print("E2E-ROW " + json.dumps(r.row()), flush=True)
-    print("E2E-REF " + json.dumps(references), flush=True)
+        print(f"{ROW} {json.dumps(r.row())}", flush=True)
+    print(f"{REF} {json.dumps(references)}", flush=True)
     return 0
+
+
+ROW, REF = "E2E-ROW", "E2E-REF"   # the lines a worker prints for the parent
+
+
+def _start_worker(allocator: str, spec: Dict[str, Any],
+                  env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--worker", allocator,
+                             "--worker-grid", json.dumps(spec)],
+                            env=env, stdout=subprocess.PIPE, text=True)
+
+
+def worker_output(stdout: str) -> Tuple[List[JobResult], Dict[str, List[float]]]:
+    """A worker's rows and its plain-training reference losses (per model)."""
+    rows: List[JobResult] = []
+    references: Dict[str, List[float]] = {}
+    for line in stdout.splitlines():
+        kind, _, payload = line.partition(" ")
+        if kind == ROW:
+            rows.append(JobResult(**json.loads(payload)))
+        elif kind == REF:
+            references = json.loads(payload)
+    return rows, references
 
 
 def run_workers(grid: Grid) -> List[JobResult]:
@@ -423,14 +442,10 @@ def run_workers(grid: Grid) -> List[JobResult]:
         if allocator == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         print(f"-- worker: {allocator} allocator, {len(methods)} methods", file=sys.stderr)
-        proc = subprocess.run([sys.executable, __file__, "--worker", allocator,
-                               "--worker-grid", json.dumps(spec)],
-                              env=env, stdout=subprocess.PIPE, text=True)
-        lines = proc.stdout.splitlines()
-        got = [JobResult(**json.loads(line[len("E2E-ROW "):]))
-               for line in lines if line.startswith("E2E-ROW ")]
-        references.update({allocator: json.loads(line[len("E2E-REF "):])
-                           for line in lines if line.startswith("E2E-REF ")})
+        proc = _start_worker(allocator, spec, env)
+        got, ref = worker_output(proc.communicate()[0])
+        if ref:
+            references[allocator] = ref
         if proc.returncode != 0 or not got:
             got = [JobResult(model, m.name, b, None, "", None, grid.budget, "error",
                              f"worker for the {allocator} allocator exited {proc.returncode}")
@@ -456,14 +471,10 @@ def run_coexist(grid: Grid, batch: int) -> List[JobResult]:
     spec = dict(grid.__dict__, methods=["window+vmalloc"], models={"resnet50": [batch]},
                 budget=grid.budget // 2, budgets={})
     print(f"-- coexist: 2 processes, {format_size(grid.budget // 2)} each", file=sys.stderr)
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "vmalloc",
-                               "--worker-grid", json.dumps(spec)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [_start_worker("vmalloc", spec) for _ in range(2)]   # at the same time
     rows: List[JobResult] = []
     for i, proc in enumerate(procs):
-        out, _ = proc.communicate()
-        got = [JobResult(**json.loads(line[len("E2E-ROW "):]))
-               for line in out.splitlines() if line.startswith("E2E-ROW ")]
+        got, _ = worker_output(proc.communicate()[0])
         if proc.returncode != 0 or not got:
             got = [JobResult("resnet50", "window+vmalloc", batch, None, "", None,
                              grid.budget // 2, "error", f"process exited {proc.returncode}")]

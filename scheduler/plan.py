@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, TYPE_CHECKING
+from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chain import Chain
@@ -105,7 +105,3 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
 
-
-def plan_of(ops: Iterable[Any], planner: str = "", **kw: Any) -> Plan:
-    """Build a Plan from ``(kind, stage)`` pairs."""
-    return Plan(ops=list(ops), planner=planner, **kw)

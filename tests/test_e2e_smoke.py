@@ -81,3 +81,13 @@ def test_variable_sequence_lengths_for_the_mimose_path(tmp_path):
 def test_unknown_model_is_named(bad):
     with pytest.raises(ValueError, match=bad):
         e2e.main(["--smoke", "--models", bad])
+
+
+def test_the_parent_reads_what_a_gpu_worker_prints():
+    row = e2e.JobResult("resnet50", "window+vmalloc", 64, 321.0, "images/s", 5 << 30, 16 << 30,
+                        "ok", "loss bitwise equal to plain training (13 steps)")
+    out = "\n".join(["cudnn says hello",
+                     f"{e2e.ROW} {json.dumps(row.row())}",
+                     f"{e2e.REF} {json.dumps({'resnet50': [2.5, 2.25]})}"])
+    rows, refs = e2e.worker_output(out)
+    assert [r.row() for r in rows] == [row.row()] and refs == {"resnet50": [2.5, 2.25]}
