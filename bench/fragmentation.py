@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from vmalloc.replay import compare, default_contenders, load  # noqa: E402
-from vmalloc.report import side_by_side  # noqa: E402  (module function, not vmalloc.report())
+# module functions (vmalloc.report the attribute is the report() function)
+from vmalloc.report import draw_replay_timelines, side_by_side  # noqa: E402
 
 GOAL = 1.05
 
@@ -93,18 +94,8 @@ def plot(results, path):
     fig, axes = plt.subplots(n, 2, figsize=(12, 3.2 * n), squeeze=False,
                              gridspec_kw={"width_ratios": [2, 1]})
     for (ax_t, ax_b), res in zip(axes, results):
-        first = True
-        for name, tl in res["timelines"].items():
-            if first:
-                ax_t.plot(tl["event"], [v / 2**30 for v in tl["requested"]], "k-", lw=1.2,
-                          label="requested")
-                first = False
-            ax_t.plot(tl["event"], [v / 2**30 for v in tl["physical"]], lw=1,
-                      label=f"physical (no cap): {name}")
+        draw_replay_timelines(ax_t, res["timelines"], unit=1 << 30, unit_name="GiB")
         ax_t.set_title(res["trace"], fontsize=9)
-        ax_t.set_xlabel("event")
-        ax_t.set_ylabel("GiB")
-        ax_t.legend(fontsize=7)
         names = [r["allocator"] for r in res["rows"]]
         ratios = [r["budget_ratio"] or 0 for r in res["rows"]]
         ax_b.bar(range(len(names)), ratios, color=["C0", "C1", "C2"][: len(names)])

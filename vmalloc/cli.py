@@ -42,20 +42,11 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    rpt = importlib.import_module("vmalloc.report")
     fig, axes = plt.subplots(len(cmps), 1, figsize=(9, 3.2 * len(cmps)), squeeze=False)
     for ax, cmp in zip(axes[:, 0], cmps):
-        first = True
-        for name, tl in cmp["timelines"].items():
-            if first:
-                ax.plot(tl["event"], [v / (1 << 20) for v in tl["requested"]], "k-", lw=1,
-                        label="requested")
-                first = False
-            ax.plot(tl["event"], [v / (1 << 20) for v in tl["physical"]], lw=1,
-                    label=f"physical: {name}")
+        rpt.draw_replay_timelines(ax, cmp["timelines"])
         ax.set_title(f"trace {cmp['trace']}")
-        ax.set_xlabel("event")
-        ax.set_ylabel("MiB")
-        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -297,6 +297,21 @@ def plot_timeline(rep: Mapping[str, Any], path: str) -> Optional[str]:
     return path
 
 
+def draw_replay_timelines(ax: Any, timelines: Mapping[str, Mapping[str, Any]],
+                          unit: int = 1 << 20, unit_name: str = "MiB") -> None:
+    """On a matplotlib axis: a replayed trace's requested bytes (one black line: the same for
+    every allocator) and each allocator's physical bytes over the trace's events."""
+    for i, (name, tl) in enumerate(timelines.items()):
+        if i == 0:
+            ax.plot(tl["event"], [v / unit for v in tl["requested"]], "k-", lw=1.2,
+                    label="requested")
+        ax.plot(tl["event"], [v / unit for v in tl["physical"]], lw=1,
+                label=f"physical (no cap): {name}")
+    ax.set_xlabel("event")
+    ax.set_ylabel(unit_name)
+    ax.legend(fontsize=7)
+
+
 # ---------------------------------------------------------------------------------------------
 # the live report
 
