@@ -601,23 +601,18 @@ def make_grid(args: argparse.Namespace, cuda: bool) -> Grid:
 
 def cpu_budgets(grid: Grid) -> Dict[str, int]:
     """On the CPU the budget is simulated, per model: 3/4 of the activation bytes plain training
-    saves at the smallest batch (counted with saved-tensor hooks), so every runtime has work
-    in the run whose losses are checked, and larger batches press harder."""
+    saves at the smallest batch, so every runtime has work in the run whose losses are
+    checked, and larger batches press harder. The bytes are what the swap runtime records
+    for one step (its variable sequence: every saved storage, parameters excluded)."""
+    import scheduler
+
     out: Dict[str, int] = {}
     for model, batches in grid.models.items():
         wl = build_workload(model, min(batches), torch.device("cpu"), True, grid.seed)
-        seen: Dict[int, int] = {}
-        params = {p.untyped_storage().data_ptr() for b in wl.blocks for p in b.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:  # weights are not activations: no runtime moves them
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss_of(nn.Sequential(*wl.blocks)(wl.input(0)), wl)
-        out[model] = max(1, 3 * sum(seen.values()) // 4)
+        probe = scheduler.swap(window="1TiB", device="cpu", min_bytes=0)   # records only
+        with probe:
+            loss_of(nn.Sequential(*wl.blocks)(wl.input(0)), wl).backward()
+        out[model] = max(1, 3 * probe.last_recorded.total_bytes() // 4)
     return out
 
 
