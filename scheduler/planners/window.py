@@ -28,6 +28,10 @@ Where the paper leaves things open we chose, and say so here:
   issued (``blocking_release=False``: the runtime frees the device copy once the copy completes
   and never blocks for it).
 * A budget the whole sequence fits in without swapping returns the empty schedule.
+* The window is a look-ahead, not a cap (the budget is the cap): ``r[i]`` never ends before the
+  step's own last use, so a window smaller than a tensor (even 0 or 1 byte) still admits the
+  next use; it only cannot prefetch past it. ``schedule`` then warns (``WindowWarning``, naming
+  the tensor's size and the window) and records the note in ``meta["window_note"]``.
 """
 from __future__ import annotations
 

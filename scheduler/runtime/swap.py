@@ -149,6 +149,8 @@ class SwapContext:
         if self._hooks is not None:
             raise RuntimeError("this SwapContext is already active (it can be entered again "
                                "after it exits, not nested)")
+        with self._lock:
+            self._drain()  # graphs that outlived the last exit and died since
         self._exited = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -180,7 +182,9 @@ class SwapContext:
                     self._drain(sweep=True)
                     if not self._live:
                         self._transfers.shutdown()
-                    else:  # a graph outlives the context: only its vars keep buffers
+                    else:  # a graph outlives the context: only its swapped-out vars keep
+                        # buffers (until it is freed: see _drain)
+                        self._transfers.drop_host_copies(self._live)
                         self._transfers.pool.reclaim(
                             keep=[v.host for v in self._live if v.host is not None])
 

@@ -16,7 +16,7 @@ when device memory may be let go.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -209,6 +209,16 @@ class Transfers:
             self.pool.release(var.host, last)
             var.host = None
         var.state = FREED
+
+    def drop_host_copies(self, vars: Iterable[Var]) -> None:
+        """Hand back the host buffers of vars whose bytes are on the device anyway (a host copy
+        kept only to skip the next swap-out's copy), as a context exits with a graph alive."""
+        for var in vars:
+            if var.host is not None and var.state in (DEVICE, IN):
+                last = var.in_event if var.in_event is not None else var.out_event
+                self.pool.release(var.host, last)
+                var.host = None
+                var.out_event = None
 
     def resolve_gpu_stalls(self, wait: bool) -> None:
         keep = []
