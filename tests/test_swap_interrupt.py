@@ -114,3 +114,29 @@ def test_an_interrupt_pending_while_the_graph_dies_is_raised_not_swallowed(name)
                     for _ in range(100):  # any bytecode would have raised it by now
                         pass
     assert_nothing_left(ctx)
+
+
+@pytest.mark.parametrize("where", ["end of backward", "pack", "unpack"])
+def test_an_interrupt_in_a_hook_stops_training(monkeypatch, where):
+    from scheduler.runtime import swap_sequence
+    ctx = scheduler.swap(window="1MiB", device="cpu", min_bytes=0)
+    target, name = {"end of backward": (swap_sequence.SwapSequence, "end_iteration"),
+                    "pack": (swap_sequence.SwapSequence, "step_begin"),
+                    "unpack": (swap_sequence.SwapSequence, "step_end")}[where]
+    real = getattr(target, name)
+    calls = []
+
+    def hit(self, *args):
+        calls.append(1)
+        if len(calls) == {"end of backward": 2, "pack": 7, "unpack": 12}[where]:
+            raise KeyboardInterrupt(where)
+        return real(self, *args)
+
+    monkeypatch.setattr(target, name, hit)
+    stopped_at = []
+    with pytest.raises(KeyboardInterrupt, match=where):
+        train(*MODELS["mlp"], ctx=ctx, check=stopped_at.append)
+    assert len(stopped_at) < 3
+    monkeypatch.undo()
+    assert_nothing_left(ctx)
+    assert_bit_identical(train(*MODELS["mlp"], ctx=ctx), reference("mlp"))
