@@ -3,8 +3,10 @@ lands, and nothing is left behind (host buffers, live variables, resident bytes)
 injected deterministically: no signals from timers, no sleeps."""
 import _thread
 import operator
+import weakref
 
 import pytest
+import torch
 
 import scheduler
 from scheduler.runtime import swap_transfers
@@ -54,7 +56,7 @@ def test_an_interrupted_copy_stops_training_and_leaves_nothing(monkeypatch, dire
     assert_nothing_left(ctx)
 
 
-def test_exit_with_the_graph_still_alive_returns_buffers_no_variable_holds(monkeypatch):
+def test_exit_with_the_graph_still_alive_returns_every_buffer(monkeypatch):
     ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
     interrupt_at(monkeypatch, 3, "out")
     build, batch = MODELS["mlp"]
@@ -65,13 +67,41 @@ def test_exit_with_the_graph_still_alive_returns_buffers_no_variable_holds(monke
                 model(batch(0)[0]).sum().backward()  # records
                 model(batch(1)[0]).sum()             # follows the plan: swap-out 3 raises
         except KeyboardInterrupt:
-            # the traceback still holds the partial graph: its vars keep their host copies,
-            # the buffer of the interrupted copy is back in the pool
-            held = sum(v.nbytes for v in ctx._live if v.host is not None)
+            # the traceback still holds the partial graph; the pool has every buffer back
+            # (the interrupted copy's too): the graph's host copies belong to its handles
             st = ctx.stats()
-            assert st["live_variables"] > 0 and st["host_in_use_bytes"] == held
+            assert st["live_variables"] > 0 and st["host_in_use_bytes"] == 0
+            assert any(v.host_copy() is not None for v in ctx._live)
         else:
             pytest.fail("the interrupt was lost")
+    assert_nothing_left(ctx)
+
+
+@pytest.mark.parametrize("then", ["backward", "drop"])
+def test_a_graph_that_outlives_the_context_frees_its_host_copies_as_it_dies(then):
+    build, batch = MODELS["mlp"]
+    torch.manual_seed(0)
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    with pytest.warns(UserWarning):
+        with ctx:
+            model(batch(0)[0]).sum().backward()  # records
+            model.zero_grad()
+            loss = model(batch(1)[0]).sum()      # follows the plan: tensors swapped out
+    assert ctx.stats()["host_in_use_bytes"] == 0
+    copies = [weakref.ref(v.host_copy()) for v in ctx._live if v.host_copy() is not None]
+    assert copies
+    if then == "backward":  # the graph still trains right: its tensors come back from the host
+        before = ctx.stats()["swapped_in_bytes"]
+        loss.backward()
+        assert ctx.stats()["swapped_in_bytes"] > before
+        ref(batch(1)[0]).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    del loss
+    # its host copies died with its handles, before any drain (no stats() call)
+    assert all(r() is None for r in copies)
     assert_nothing_left(ctx)
 
 

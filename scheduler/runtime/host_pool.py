@@ -68,6 +68,11 @@ class HostPool:
         self._free[n].append((buf, event))
         self.cached_bytes += n
 
+    def give_away(self, buf: torch.Tensor) -> None:
+        """``buf`` is no longer the pool's: it is freed with whoever holds it now."""
+        if self._lent.pop(id(buf), None) is not None:
+            self.in_use_bytes -= buf.numel()
+
     def reclaim(self, keep: Iterable[torch.Tensor] = ()) -> int:
         """Take back every buffer still lent out but those in ``keep`` (their users are gone,
         as after an interrupted copy); bytes reclaimed."""

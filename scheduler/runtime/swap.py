@@ -36,7 +36,8 @@ How things are kept correct whatever the schedule says (the schedule only decide
 * Interrupts (Ctrl-C) propagate: a handle's death runs no Python code (``swap_vars``), so a
   ``KeyboardInterrupt`` cannot land in a destructor and be lost; the bookkeeping of dead
   handles is done at the next hook, ``stats()`` or exit. An interrupted copy hands its host
-  buffer back, and on exit every host buffer no live variable holds returns to the pool.
+  buffer back, and on exit every host buffer returns to the pool: a graph that outlives the
+  context keeps only the host copies of its swapped-out tensors, owned by its handles.
 
 Iteration boundaries need no help: the first unpack of a backward queues an engine callback
 that runs when the backward finishes; a pack after the backward (or after every variable of
@@ -182,11 +183,10 @@ class SwapContext:
                     self._drain(sweep=True)
                     if not self._live:
                         self._transfers.shutdown()
-                    else:  # a graph outlives the context: only its swapped-out vars keep
-                        # buffers (until it is freed: see _drain)
-                        self._transfers.drop_host_copies(self._live)
-                        self._transfers.pool.reclaim(
-                            keep=[v.host for v in self._live if v.host is not None])
+                    else:  # a graph outlives the context: its memory goes as it dies
+                        self._transfers.hand_over(self._live)
+                        self._transfers.pool.reclaim()
+                        self._transfers.pool.close()
 
     # --------------------------------------------------------------------------- hooks
     def _manageable(self, t: torch.Tensor) -> bool:

@@ -133,6 +133,9 @@ class Transfers:
             return
         if var.state != HOST:
             return
+        host = var.host_copy()
+        if host is None:  # pragma: no cover - a var on the host always has its copy
+            raise RuntimeError(f"swap runtime: saved tensor {var.vid} has no host copy")
         n = var.nbytes
         if self.cuda:
             _, in_stream = self.streams_for(var.device)
@@ -140,13 +143,13 @@ class Transfers:
                 if var.out_event is not None:
                     in_stream.wait_event(var.out_event)
                 dst = torch.empty(n, dtype=torch.uint8, device=var.device)
-                copy_bytes(dst, var.host, True)
+                copy_bytes(dst, host, True)
                 event = torch.cuda.Event()
                 event.record(in_stream)
             var.in_event = event
         else:
             dst = torch.empty(n, dtype=torch.uint8, device=var.device)
-            copy_bytes(dst, var.host, False)
+            copy_bytes(dst, host, False)
         var.in_tensor = dst
         var.set_storage(dst.untyped_storage())
         var.state = IN
@@ -210,15 +213,32 @@ class Transfers:
             var.host = None
         var.state = FREED
 
-    def drop_host_copies(self, vars: Iterable[Var]) -> None:
-        """Hand back the host buffers of vars whose bytes are on the device anyway (a host copy
-        kept only to skip the next swap-out's copy), as a context exits with a graph alive."""
+    def hand_over(self, vars: Iterable[Var]) -> None:
+        """The context exits while a graph still holds ``vars``: leave nothing that only a
+        later drain would free. Swap-outs in flight complete (their device bytes go); host
+        copies of vars whose bytes are on the device anyway go back to the pool; those of vars
+        only on the host move into their keepers, to die with the graph's handles."""
         for var in vars:
-            if var.host is not None and var.state in (DEVICE, IN):
+            if var.state == OUT:
+                self.release(var, True)
+            host = var.host
+            if host is None:
+                continue
+            if var.state in (DEVICE, IN):
                 last = var.in_event if var.in_event is not None else var.out_event
-                self.pool.release(var.host, last)
+                self.pool.release(host, last)
                 var.host = None
                 var.out_event = None
+            elif var.state == HOST:
+                keeper = var.keeper_ref() if var.keeper_ref is not None else None
+                if keeper is not None:
+                    keeper.host = host
+                    self.pool.give_away(host)
+                    var.host = None
+        for event, _ in self.parked:
+            if event is not None:
+                event.synchronize()
+        self.parked.clear()
 
     def resolve_gpu_stalls(self, wait: bool) -> None:
         keep = []

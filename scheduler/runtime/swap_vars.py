@@ -10,7 +10,9 @@ ignored" and lost, and training goes on. So a handle's death runs C code only:
   keeper dies with it and the device memory is freed at once, by reference counting;
 * each handle is watched by a ``HandleRef`` whose callback is ``deque.append``: the runtime
   drains that queue at safe points (its hooks, ``stats()``, exit) and does the bookkeeping
-  there, where an interrupt propagates like any other exception.
+  there, where an interrupt propagates like any other exception;
+* when the context exits while a graph still holds vars, their host copies move into the
+  keepers too: nothing that graph holds waits for a drain that may never come.
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ from ..planners.swap_schedule import DEVICE
 
 
 class Keeper:
-    """Holds a var's device storage for as long as a handle of it is alive."""
+    """Holds a var's device storage for as long as a handle of it is alive; after the context
+    exited, also its host copy (so a graph that outlives the context frees both as it dies)."""
 
-    __slots__ = ("storage", "__weakref__")
+    __slots__ = ("storage", "host", "__weakref__")
 
     def __init__(self, storage: Any):
         self.storage = storage
+        self.host: Optional[torch.Tensor] = None
 
 
 class Handle:
@@ -99,6 +103,13 @@ class Var:
         elif keeper.storage is None:
             keeper.storage = storage
         return keeper
+
+    def host_copy(self) -> Optional[torch.Tensor]:
+        """The host copy: the var's (a pooled buffer) or, after exit, its handles'."""
+        if self.host is not None:
+            return self.host
+        keeper = self.keeper_ref() if self.keeper_ref is not None else None
+        return None if keeper is None else keeper.host
 
     def live_handles(self) -> List[Handle]:
         return [h for h in (r() for r in self.handles) if h is not None]
