@@ -3,6 +3,7 @@ lands, and nothing is left behind (host buffers, live variables, resident bytes)
 injected deterministically: no signals from timers, no sleeps."""
 import _thread
 import operator
+import warnings
 import weakref
 
 import pytest
@@ -146,27 +147,33 @@ def test_an_interrupt_pending_while_the_graph_dies_is_raised_not_swallowed(name)
     assert_nothing_left(ctx)
 
 
-@pytest.mark.parametrize("where", ["end of backward", "pack", "unpack"])
+@pytest.mark.parametrize("where", ["end of backward", "pack", "unpack", "freeing"])
 def test_an_interrupt_in_a_hook_stops_training(monkeypatch, where):
     from scheduler.runtime import swap_sequence
-    ctx = scheduler.swap(window="1MiB", device="cpu", min_bytes=0)
+    ctx = scheduler.swap(window="1MiB" if where != "freeing" else 1, device="cpu", min_bytes=0)
     target, name = {"end of backward": (swap_sequence.SwapSequence, "end_iteration"),
                     "pack": (swap_sequence.SwapSequence, "step_begin"),
-                    "unpack": (swap_sequence.SwapSequence, "step_end")}[where]
+                    "unpack": (swap_sequence.SwapSequence, "step_end"),
+                    # the bookkeeping of a dead handle, half done: the exit's sweep redoes it
+                    "freeing": (swap_transfers.Transfers, "forget")}[where]
     real = getattr(target, name)
     calls = []
 
     def hit(self, *args):
         calls.append(1)
-        if len(calls) == {"end of backward": 2, "pack": 7, "unpack": 12}[where]:
+        if len(calls) == {"end of backward": 2, "pack": 7, "unpack": 12, "freeing": 9}[where]:
             raise KeyboardInterrupt(where)
         return real(self, *args)
 
     monkeypatch.setattr(target, name, hit)
     stopped_at = []
-    with pytest.raises(KeyboardInterrupt, match=where):
+    with pytest.raises(KeyboardInterrupt, match=where), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         train(*MODELS["mlp"], ctx=ctx, check=stopped_at.append)
     assert len(stopped_at) < 3
     monkeypatch.undo()
     assert_nothing_left(ctx)
-    assert_bit_identical(train(*MODELS["mlp"], ctx=ctx), reference("mlp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_bit_identical(train(*MODELS["mlp"], ctx=ctx), reference("mlp"))
+    assert_nothing_left(ctx)

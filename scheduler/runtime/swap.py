@@ -335,13 +335,14 @@ class SwapContext:
                 self._maybe_free(var)
 
     def _maybe_free(self, var: Var) -> None:
-        if var.state == FREED:
-            return
-        var.handles = [r for r in var.handles if r() is not None]
-        if var.handles:
-            return
-        self._seq.freed(var)
-        self._transfers.forget(var)
+        # each step may run again after an interrupt cut an earlier call short (the exit's
+        # sweep calls this for every live var): none counts twice
+        if var.state != FREED:
+            var.handles = [r for r in var.handles if r() is not None]
+            if var.handles:
+                return
+            self._seq.freed(var)
+            self._transfers.forget(var)
         if self._by_ptr.get(var.ptr) is var:
             del self._by_ptr[var.ptr]
         self._live.pop(var, None)

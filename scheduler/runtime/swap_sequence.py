@@ -51,8 +51,9 @@ class SwapSequence:
         self.following = self.active is not None
 
     def freed(self, var: Var) -> None:
-        """``var`` was freed after the last recorded step."""
-        if var.it == self.it:
+        """``var`` was freed after the last recorded step (once: a drain cut short by an
+        interrupt may report it again)."""
+        if var.it == self.it and var.vid not in self.free_after:
             self.free_after[var.vid] = len(self.events) - 1
             self.live_in_iter -= 1
 

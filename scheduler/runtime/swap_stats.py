@@ -9,6 +9,9 @@ COUNTERS = ("swapped_out_bytes", "swapped_in_bytes", "stall_seconds", "iteration
             "pressure_calls", "pressure_freed_bytes", "budget_evictions")
 
 
+_MISSING = object()
+
+
 def new_counters() -> Dict[str, float]:
     return {name: 0.0 if name == "stall_seconds" else 0 for name in COUNTERS}
 
@@ -33,8 +36,9 @@ class Residency:
             self.iter_peak = self.bytes
 
     def drop(self, var: Any) -> None:
-        self.bytes -= var.nbytes
-        self.order.pop(var, None)
+        # idempotent: a drain cut short by an interrupt may drop the same var again
+        if self.order.pop(var, _MISSING) is not _MISSING:
+            self.bytes -= var.nbytes
 
     def end_iteration(self) -> None:
         self.last_iter_peak = self.iter_peak
