@@ -57,7 +57,13 @@ class Chain:
     meta: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        n = len(self.fw) if hasattr(self.fw, "__len__") else -1
+        for name in FIELDS:
+            raw = getattr(self, name)
+            if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
+                raise ValueError(f"Chain.{name}: expected a sequence of numbers, got {raw!r:.80}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"Chain.name: expected a string, got {self.name!r:.80}")
+        n = len(self.fw)
         if n < 1:
             raise ValueError(f"Chain.fw: need at least the loss stage (length >= 1), got {self.fw!r}")
         for name in FIELDS:
@@ -100,6 +106,10 @@ class Chain:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Chain":
+        if not isinstance(d, dict):
+            raise ValueError(f"Chain: expected a JSON object, got {type(d).__name__}")
+        if not isinstance(d.get("meta", {}), dict):
+            raise ValueError(f"Chain.meta: expected an object, got {d['meta']!r:.80}")
         unknown = set(d) - set(FIELDS) - {"name", "meta"}
         if unknown:
             raise ValueError(f"Chain: unknown field(s) {sorted(unknown)}")
@@ -117,11 +127,24 @@ class Chain:
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Chain":
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+        if not isinstance(text_or_path, str):
+            raise ValueError(f"Chain.from_json: expected JSON text or a path, got "
+                             f"{type(text_or_path).__name__}")
+        text, source = text_or_path, "text"
+        if not text_or_path.lstrip().startswith(("{", "[")):
+            source = text_or_path
+            try:
+                with open(text_or_path) as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"Chain.from_json: cannot read {text_or_path!r} "
+                                 f"({exc.strerror if isinstance(exc, OSError) else exc})") from None
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"Chain.from_json: {source if source != 'text' else 'the text'} is "
+                             f"not JSON ({exc})") from None
+        return cls.from_dict(d)
 
     # ------------------------------------------------------------------------ helpers
     @classmethod

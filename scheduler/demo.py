@@ -22,14 +22,31 @@ DEFAULT_CHAIN = "resnet101-i1000-b2"   # seed 002's Figure 3 model at 1000x1000 
 BANDWIDTH = 12e9                       # bytes/s host<->device, seed 001's setting
 
 
+def bundled_chains() -> List[str]:
+    """Names of the bundled chains (``bench/chains/*.json`` of the working directory or of
+    the source checkout)."""
+    here = Path(__file__).resolve().parent.parent
+    for root in (Path(os.getcwd()), here):
+        found = sorted(p.stem for p in (root / "bench" / "chains").glob("*.json"))
+        if found:
+            return found
+    return []
+
+
 def find_chain(name: str = DEFAULT_CHAIN) -> Chain:
     """A bundled chain (``bench/chains/NAME.json`` of the working directory or of the source
-    checkout), else a random 40-stage chain in MiB so the demo still runs anywhere."""
+    checkout). Where no chain is bundled at all (an installed package), the default name gives
+    a random 40-stage chain in MiB so the demo still runs anywhere; any other name that is not
+    bundled is an error listing those that are."""
     here = Path(__file__).resolve().parent.parent
     for root in (Path(os.getcwd()), here):
         path = root / "bench" / "chains" / f"{name}.json"
         if path.is_file():
             return Chain.from_json(str(path))
+    available = bundled_chains()
+    if available or name != DEFAULT_CHAIN:
+        listing = ", ".join(available) if available else "none (no bench/chains directory)"
+        raise ValueError(f"chain {name!r}: no such bundled chain; available: {listing}")
     mib = 1 << 20
     c = Chain.random(40, seed=0)
     return c.replace(x=[v * mib for v in c.x], xbar=[v * mib for v in c.xbar],

@@ -18,9 +18,26 @@ FORWARD_KINDS = ("F_all", "F_ck", "F_none")
 TRANSFER_KINDS = ("offload", "prefetch")
 
 
-class Op(NamedTuple):
+def _check_op(kind: Any, stage: Any, where: str) -> None:
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"{where}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise ValueError(f"{where}: stage must be a non-negative int, got {stage!r}")
+
+
+class _OpFields(NamedTuple):
     kind: str
     stage: int
+
+
+class Op(_OpFields):
+    """One step of a plan; checked when made (a bad kind is named, not found later)."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: str, stage: int) -> "Op":
+        _check_op(kind, stage, "Op")
+        return super().__new__(cls, kind, stage)
 
     def __str__(self) -> str:
         return f"{self.kind} {self.stage}"
@@ -31,10 +48,7 @@ def _op(item: Any, index: int) -> Op:
         kind, stage = item
     except (TypeError, ValueError):
         raise ValueError(f"Plan.ops[{index}]: expected (kind, stage), got {item!r}") from None
-    if kind not in KINDS:
-        raise ValueError(f"Plan.ops[{index}]: unknown kind {kind!r} (one of {', '.join(KINDS)})")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-        raise ValueError(f"Plan.ops[{index}]: stage must be a non-negative int, got {stage!r}")
+    _check_op(kind, stage, f"Plan.ops[{index}]")
     return Op(kind, stage)
 
 
@@ -94,14 +108,35 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
-        return cls(ops=[tuple(o) for o in d["ops"]], planner=d.get("planner", ""),
-                   predicted_time=d.get("predicted_time"),
-                   predicted_peak=d.get("predicted_peak"), meta=dict(d.get("meta") or {}))
+        if not isinstance(d, dict):
+            raise ValueError(f"Plan: expected a JSON object, got {type(d).__name__}")
+        if "ops" not in d:
+            raise ValueError(f"Plan: missing field 'ops' (got fields {sorted(d)})")
+        ops = d["ops"]
+        if not isinstance(ops, list):
+            raise ValueError(f"Plan.ops: expected a list of [kind, stage], got {ops!r:.80}")
+        planner = d.get("planner", "")
+        if not isinstance(planner, str):
+            raise ValueError(f"Plan.planner: expected a string, got {planner!r:.80}")
+        for name in ("predicted_time", "predicted_peak"):
+            v = d.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"Plan.{name}: expected a number or null, got {v!r:.80}")
+        meta = d.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"Plan.meta: expected an object, got {meta!r:.80}")
+        return cls(ops=[o if not isinstance(o, list) else tuple(o) for o in ops],
+                   planner=planner, predicted_time=d.get("predicted_time"),
+                   predicted_peak=d.get("predicted_peak"), meta=dict(meta))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"Plan.from_json: not JSON ({exc})") from None
+        return cls.from_dict(d)
 

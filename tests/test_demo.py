@@ -1,5 +1,6 @@
 """The README's main job without a GPU: plan a bundled chain with every planner, simulate each
 plan, replay the fastest plan's allocation trace, then the bundled traces."""
+import pytest
 from scheduler import demo, simulate
 from vmalloc.cli import main
 
@@ -24,8 +25,20 @@ def test_plan_all_simulates_every_planner_within_the_limit():
     assert "rotor" in text and "pofo" in text
 
 
-def test_find_chain_falls_back_to_a_random_chain():
-    assert demo.find_chain("no-such-chain").name.startswith("random-40")
+def test_an_unknown_chain_is_named_with_the_list_of_bundled_ones():
+    # issue 16 item 9: it silently planned a random chain
+    with pytest.raises(ValueError, match=r"chain 'no-such-chain': no such bundled chain; "
+                                         r"available: .*resnet101-i1000-b2"):
+        demo.find_chain("no-such-chain")
+
+
+def test_without_bundled_chains_the_default_falls_back_to_a_random_chain(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "bundled_chains", lambda: [])
+    monkeypatch.setattr(demo, "__file__", str(tmp_path / "scheduler" / "demo.py"))
+    monkeypatch.chdir(tmp_path)
+    assert demo.find_chain().name.startswith("random-40")
+    with pytest.raises(ValueError, match="available: none"):
+        demo.find_chain("nosuch")
 
 
 def test_cli_demo_plans_and_replays(tmp_path, capsys):

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from vmalloc.env import VARIABLES, EnvConfig, parse_flag, read_env
@@ -45,3 +49,44 @@ def test_parse_flag_names_the_variable():
 def test_every_variable_is_documented():
     assert set(VARIABLES) == {"VMALLOC", "VMALLOC_CHUNK_SIZE", "VMALLOC_BUDGET", "VMALLOC_WINDOW",
                               "VMALLOC_REPORT"}
+
+
+def test_a_5000_digit_budget_names_the_variable():
+    with pytest.raises(ValueError, match="VMALLOC_BUDGET: .* too large"):
+        read_env({"VMALLOC_BUDGET": "9" * 5000})
+
+
+@pytest.mark.parametrize("where", ["missing dir", "directory", "read-only dir", "read-only file"])
+def test_an_unwritable_report_target_is_refused_at_start_up(tmp_path, where):
+    # issue 16 item 8: found only at exit before (traceback in atexit, exit 0, report lost)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    target = {"missing dir": tmp_path / "nope" / "r.txt", "directory": tmp_path,
+              "read-only dir": ro / "r.json", "read-only file": tmp_path / "r.txt"}[where]
+    if where == "read-only file":
+        target.write_text("old")
+        target.chmod(0o444)
+    ro.chmod(0o555)
+    try:
+        if where.startswith("read-only") and os.access(ro, os.W_OK):
+            pytest.skip("running as root: permissions do not bind")
+        with pytest.raises(ValueError, match=r"VMALLOC_REPORT: .*(does not exist|directory|"
+                                             r"not writable)"):
+            read_env({"VMALLOC_REPORT": str(target)})
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.mark.parametrize("target", ["-", "stderr", "report.json"])
+def test_streams_and_writable_paths_are_accepted(tmp_path, monkeypatch, target):
+    monkeypatch.chdir(tmp_path)
+    assert read_env({"VMALLOC_REPORT": target}).report == target
+
+
+def test_an_unwritable_report_stops_the_interpreter_with_exit_2(tmp_path):
+    env = dict(os.environ, VMALLOC_REPORT=str(tmp_path / "missing" / "r.txt"),
+               PYTHONPATH=os.getcwd())
+    code = "from vmalloc import _autoload; _autoload.install(); print('went on')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "went on" not in r.stdout
+    assert "VMALLOC_REPORT" in r.stderr and "does not exist" in r.stderr

@@ -20,3 +20,15 @@ def test_parse_size_rejects_and_names_the_knob(bad):
 def test_format_size():
     assert format_size(3 << 20) == "3.00 MiB"
     assert format_size(10) == "10 B"
+
+
+@pytest.mark.parametrize("bad", ["9" * 5000, 2**64, str(2**64), "17179869184GiB", 2.0**70,
+                                 "0." + "1" * 5000 + "KiB"])
+def test_sizes_from_2_to_the_64_up_are_refused_naming_the_knob(bad):
+    # issue 16 item 10: a 5000-digit VMALLOC_BUDGET was accepted
+    with pytest.raises(ValueError, match=r"VMALLOC_BUDGET: .*(too large|whole number)"):
+        parse_size(bad, "VMALLOC_BUDGET")
+
+
+def test_the_largest_size_is_accepted():
+    assert parse_size(str(2**64 - 1)) == 2**64 - 1

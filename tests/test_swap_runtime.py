@@ -11,6 +11,7 @@ import scheduler
 from scheduler.errors import InfeasibleError
 from scheduler.plan import Plan
 from scheduler.planners.offload_follow import chain_from_sequence, schedule_from_plan
+from scheduler.planners import window as window_mod
 from scheduler.planners.swap_schedule import SwapSchedule, replay
 from scheduler.runtime import swap as swap_mod
 
@@ -346,11 +347,31 @@ def test_parameters_and_small_tensors_are_left_alone():
 
 
 # ------------------------------------------------------------------------- errors
-def test_window_smaller_than_a_tensor_says_the_numbers():
-    with scheduler.swap(window=1000, device="cpu", min_bytes=0):
-        with pytest.raises(ValueError, match=r"window=1000 bytes .* smaller than a saved tensor "
-                                             r"of 2048 bytes"):
-            nn.Linear(32, 32)(torch.randn(16, 32)).relu()
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_one_byte_window_warns_once_and_trains_bit_identically(name):
+    # the window is a look-ahead, not a cap: smaller than every tensor, it still admits each
+    # step's next use (issue 13 item 2)
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    with pytest.warns(window_mod.WindowWarning) as caught:
+        got = train(*MODELS[name], ctx=ctx)
+    assert_bit_identical(got, reference(name))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, window_mod.WindowWarning)]
+    largest = ctx.last_recorded.largest_tensor()[0]
+    assert len(msgs) == 1
+    assert f"window=1 bytes" in msgs[0] and f"saved tensor of {largest} bytes" in msgs[0]
+    assert ctx.stats()["swapped_out_bytes"] > 0
+    assert_nothing_left(ctx)
+
+
+def test_a_window_below_a_tensor_with_a_budget_still_keeps_the_budget():
+    seq = sequence_of("cnn")
+    need = seq.min_budget()[0]
+    ctx = scheduler.swap(window=1, budget=need, device="cpu", min_bytes=0)
+    with pytest.warns(window_mod.WindowWarning):
+        got = train(*MODELS["cnn"], ctx=ctx)
+    assert_bit_identical(got, reference("cnn"))
+    assert ctx.stats()["peak_resident_bytes"] <= need
+    assert_nothing_left(ctx)
 
 
 def test_budget_below_one_step_says_the_numbers():
@@ -362,7 +383,7 @@ def test_budget_below_one_step_says_the_numbers():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(window="2 lots"), "window"), (dict(window=0), "window"),
+    (dict(window="2 lots"), "window"), (dict(window=-1), "window"),
     (dict(budget="-3"), "budget"), (dict(planner="magic"), "planner"),
     (dict(device="meta"), "device"), (dict(min_bytes=-1), "min_bytes"),
 ])

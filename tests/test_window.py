@@ -65,9 +65,10 @@ def test_budget_that_fits_everything_gives_the_empty_schedule():
 
 
 def test_errors_say_the_numbers():
-    with pytest.raises(ValueError, match=r"window=3 bytes is smaller than the largest saved "
-                                         r"tensor \(4 bytes"):
-        window.schedule(CHAIN, window=3)
+    with pytest.warns(window.WindowWarning, match=r"window=3 bytes \(3 B\) is smaller than a "
+                                                   r"saved tensor of 4 bytes"):
+        s = window.schedule(CHAIN, window=3)
+    replay(CHAIN, s)  # a valid schedule: the window still admits each step's next use
     with pytest.raises(InfeasibleError, match=r"budget=3 bytes is below what one step needs: "
                                               r"step 0 \(forward\) uses 4 bytes") as err:
         window.schedule(CHAIN, window=8, budget=3)
@@ -117,3 +118,19 @@ def test_larger_sequences_plan_quickly_enough_to_stay_out_of_the_way():
     seq = random_sequence(3000, seed=1, max_size=1 << 20)
     s = window.schedule(seq, window=8 << 20, budget=seq.min_budget()[0] * 4)
     assert replay(seq, s).peak <= seq.min_budget()[0] * 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 30), st.integers(0, 10_000), st.integers(0, 19), st.integers(0, 60),
+       st.booleans())
+def test_windows_smaller_than_a_tensor_still_plan_valid_schedules(nvars, seed, window_bytes,
+                                                                  extra_budget, with_budget):
+    # issue 13 item 2: never raises; the budget (not the window) is the cap
+    seq = random_sequence(nvars, seed=seed, max_size=20, reuse=0.4)
+    budget = seq.min_budget()[0] + extra_budget if with_budget else None
+    s = window.schedule(seq, window_bytes, budget, warn=False)
+    r = replay(seq, s)
+    if budget is not None:
+        assert r.peak <= budget
+    assert s.meta["predicted_peak"] == r.peak
+    assert ("window_note" in s.meta) == (window_bytes < seq.largest_tensor()[0])

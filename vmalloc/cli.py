@@ -20,15 +20,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _cmd_report(args: argparse.Namespace) -> int:
     rpt = importlib.import_module("vmalloc.report")
-    print(rpt.to_text(rpt.load(args.file)))
+    from .replay.files import read_bounded
+    read_bounded(args.file, args.max_size)  # a directory, /dev/zero, a huge file: refused here
+    try:
+        rep = rpt.load(args.file)
+    except UnicodeDecodeError:
+        raise ValueError(f"report: {args.file!r} is not a JSON report (not text)") from None
+    print(rpt.to_text(rep))
     return 0
 
 
 def _replay_one(path: Union[str, "Trace"], chunk_sizes: Sequence[int], bisect: bool,
-                device: Optional[int], backend: str = "host") -> dict:
+                device: Optional[int], backend: str = "host",
+                max_bytes: Optional[int] = None) -> dict:
     rpt = importlib.import_module("vmalloc.report")
-    from .replay import compare, default_contenders, load
-    trace = load(path, device=device) if isinstance(path, str) else path
+    from .replay import DEFAULT_MAX_BYTES, compare, default_contenders, load
+    trace = load(path, device=device, max_bytes=max_bytes or DEFAULT_MAX_BYTES) \
+        if isinstance(path, str) else path
     rows = compare(trace, default_contenders(chunk_sizes, backend), bisect=bisect, timeline=True)
     cmp = rpt.comparison_json(trace.name, rows, trace.meta)
     cmp["timelines"] = {r.allocator: r.timeline for r in rows}
@@ -56,7 +64,8 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
 def _cmd_replay(args: argparse.Namespace) -> int:
     rpt = importlib.import_module("vmalloc.report")
     chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
-    cmps = [_replay_one(p, chunks, not args.no_bisect, args.device) for p in args.trace]
+    cmps = [_replay_one(p, chunks, not args.no_bisect, args.device, max_bytes=args.max_size)
+            for p in args.trace]
     for cmp in cmps:
         print(rpt.side_by_side_from_json(cmp))
         print()
@@ -155,7 +164,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           flush=True)
     summary = []
     for path in traces:
-        cmp = _replay_one(path, chunks, not args.no_bisect, None)
+        cmp = _replay_one(path, chunks, not args.no_bisect, None, max_bytes=args.max_size)
         print(rpt.side_by_side_from_json(cmp))
         print()
         rows = {r["allocator"]: r for r in cmp["rows"]}
@@ -185,8 +194,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="vmalloc: chunked virtual-addressing GPU allocator - reports, replays, demo",
         epilog="environment (read when torch is imported):\n" + env_help)
     sub = p.add_subparsers(dest="cmd", required=True)
+    from .replay.files import DEFAULT_MAX_BYTES
+    size_help = (f"largest (decompressed) input file read, in bytes or e.g. 1GiB (default "
+                 f"{format_size(DEFAULT_MAX_BYTES)}): a bigger one is refused")
+
+    def max_size(text: str) -> int:
+        n = parse_size(text, "--max-trace-size")
+        if n == 0:
+            raise ValueError("--max-trace-size: must be positive, got 0")
+        return n
     r = sub.add_parser("report", help="print a saved report (VMALLOC_REPORT=FILE.json or replay --json)")
     r.add_argument("file")
+    r.add_argument("--max-trace-size", dest="max_size", type=max_size, default=DEFAULT_MAX_BYTES,
+                   help=size_help)
     r.set_defaults(fn=_cmd_report)
     rp = sub.add_parser("replay", help="replay allocation traces: vmalloc vs PyTorch's caching allocator")
     rp.add_argument("trace", nargs="+", help="JSON trace (.json/.json.gz) or PyTorch snapshot pickle")
@@ -196,6 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rp.add_argument("--device", type=int, default=None, help="snapshot device (default: busiest)")
     rp.add_argument("--json", help="write the comparison as JSON here")
     rp.add_argument("--png", help="write memory-over-time plots here (needs matplotlib)")
+    rp.add_argument("--max-trace-size", dest="max_size", type=max_size,
+                    default=DEFAULT_MAX_BYTES, help=size_help)
     rp.set_defaults(fn=_cmd_replay)
     d = sub.add_parser("demo", help="the main job: replay bundled traces (no GPU) or train under a budget (GPU)")
     d.add_argument("--traces", help="directory of traces (default: bench/traces)")
@@ -207,12 +229,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--fraction", type=float, default=0.4,
                    help="memory limit as a fraction of what storing every activation needs (default 0.4)")
     d.add_argument("--budget", default="4GiB", help="GPU demo: VMALLOC_BUDGET (default 4GiB)")
+    d.add_argument("--max-trace-size", dest="max_size", type=max_size, default=DEFAULT_MAX_BYTES,
+                   help=size_help)
     d.set_defaults(fn=_cmd_demo)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"vmalloc {args.cmd}: {exc}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, MemoryError, RecursionError) as exc:
+        # one line naming the file and the problem (the readers put the file first)
+        msg = str(exc) or type(exc).__name__
+        if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+            msg = f"{exc.filename}: {exc.strerror}"
+        print(f"vmalloc {args.cmd}: {' '.join(msg.split())}", file=sys.stderr)
         return 2
 
 

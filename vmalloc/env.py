@@ -64,6 +64,31 @@ def _size(env: Mapping[str, str], name: str, allow_zero: bool) -> Optional[int]:
     return n
 
 
+REPORT_STREAMS = ("-", "stderr")  # VMALLOC_REPORT values that are not paths
+
+
+def check_report_target(target: str, name: str = "VMALLOC_REPORT") -> None:
+    """A report path must be writable at exit: its directory must exist and be writable, and
+    the path must not be a directory nor a read-only file. Checked at start-up, since the report
+    is written at exit (too late to say). The directory is what is checked, so the per-rank
+    names the report derives beside the path stay valid."""
+    if target in REPORT_STREAMS:
+        return
+    if "\0" in target:
+        raise ValueError(f"{name}: {target!r} is not a path (it holds a NUL byte)")
+    path = os.path.abspath(os.path.expanduser(target))
+    if os.path.isdir(path) or target.endswith(os.sep):
+        raise ValueError(f"{name}: {target!r} is a directory; give a file name such as "
+                         f"{os.path.join(target, 'vmalloc-report.txt')!r}")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name}: {target!r}: the directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: {target!r}: the directory {parent!r} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{name}: {target!r} exists and is not writable")
+
+
 def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     """Read and validate the ``VMALLOC*`` variables; raise ``ValueError`` naming a bad one."""
     env = os.environ if environ is None else environ
@@ -72,6 +97,8 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
         report = report.strip()
         if report == "":
             report = None
+        else:
+            check_report_target(report)
     return EnvConfig(
         enabled=parse_flag(env.get("VMALLOC", ""), "VMALLOC"),
         chunk_size=_size(env, "VMALLOC_CHUNK_SIZE", allow_zero=False),

@@ -18,6 +18,23 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 SizeLike = Union[int, str]
 
+#: Sizes are unsigned 64-bit in the C++ core: anything from here up cannot be a size.
+SIZE_LIMIT = 1 << 64
+
+
+def _shown(value: object) -> object:
+    """``value`` for an error message, cut when it is a very long string."""
+    if isinstance(value, str) and len(value) > 40:
+        return f"{value[:20]}...({len(value)} characters)"
+    return value
+
+
+def _bounded(nbytes: int, value: object, name: str) -> int:
+    if nbytes >= SIZE_LIMIT:
+        raise ValueError(f"{name}: {_shown(value)!r} is too large: a byte size must be below 2**64 "
+                         f"({SIZE_LIMIT} bytes)")
+    return nbytes
+
 
 def parse_size(value: SizeLike, name: str = "size") -> int:
     """Return ``value`` in bytes; raise ``ValueError`` naming ``name`` if it is not a size.
@@ -30,11 +47,11 @@ def parse_size(value: SizeLike, name: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name}: a byte size cannot be negative, got {value}")
-        return value
+        return _bounded(value, value, name)
     if isinstance(value, float):
         if value < 0 or not value.is_integer():
             raise ValueError(f"{name}: expected a whole number of bytes, got {value!r}")
-        return int(value)
+        return _bounded(int(value), value, name)
     if not isinstance(value, str):
         raise ValueError(f"{name}: expected a byte size such as '2MiB' or 2097152, got {value!r}")
     match = _SIZE.match(value)
@@ -45,14 +62,21 @@ def parse_size(value: SizeLike, name: str = "size") -> int:
             "(examples: 2097152, '2MiB', '40MB', '16GiB')")
     number = match.group(1)
     scale = _UNITS[unit]
+    if len(number.split(".")[0].lstrip("0")) > 20:  # 2**64 has 20 digits; int() of thousands
+        return _bounded(SIZE_LIMIT, value, name)     # of digits is slow (and capped) anyway
     if "." in number:
         whole, frac = (number.split(".") + [""])[:2]
+        if len(frac) > 30:  # no unit needs more than 12 decimals to come to whole bytes
+            frac = frac.rstrip("0")
+            if len(frac) > 30:
+                raise ValueError(f"{name}: {_shown(value)!r} is not a whole number of bytes "
+                                 f"({len(frac)} decimals)")
         numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
         nbytes, rest = divmod(numerator * scale, 10 ** len(frac))
         if rest:
             raise ValueError(f"{name}: {value!r} is not a whole number of bytes")
-        return nbytes
-    return int(number) * scale
+        return _bounded(nbytes, value, name)
+    return _bounded(int(number) * scale, value, name)
 
 
 def parse_optional_size(value: Optional[SizeLike], name: str) -> Optional[int]:

@@ -58,6 +58,9 @@ def _padded(chain: Chain, name: str) -> List[Any]:
     return v + [0] if name in ("x", "delta") else v   # x[L+1], delta[L+1]: nothing
 
 
+EXACT_MAX = 1 << 50  # exact units: sums of L + 4 sizes must stay inside the DP's int64
+
+
 def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
                ) -> Tuple[Tuple[List[int], ...], int, float]:
     """Sizes in memory units (rounded up), the budget in units, and the unit in bytes."""
@@ -66,10 +69,17 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
             raise ValueError("slots=None (exact units) needs integer sizes; this chain has "
                              "fractional ones: pass slots=500")
         units = tuple(_padded(chain, f) for f in SIZE_FIELDS)
-        return units, int(math.floor(memory)), 1.0
+        for f, values in zip(SIZE_FIELDS, units):
+            for s, v in enumerate(values):
+                if v > EXACT_MAX:
+                    raise ValueError(f"slots=None (exact units): Chain.{f}[{s}]={v} is too "
+                                     f"large for exact units (at most 2**50); pass slots=500")
+        # a budget above every size together fits as much as that sum does
+        return units, int(min(math.floor(memory), 1 << 62)), 1.0
     m = Fraction(memory)
-    # exact rational rounding: a size never comes out smaller than it is
-    units = tuple([math.ceil(Fraction(v) * slots / m) for v in _padded(chain, f)]
+    # exact rational rounding: a size never comes out smaller than it is; one above the budget
+    # cannot be held whatever its size, so it is capped there (the DP's ints stay small)
+    units = tuple([min(math.ceil(Fraction(v) * slots / m), slots + 1) for v in _padded(chain, f)]
                   for f in SIZE_FIELDS)
     return units, slots, float(memory) / slots
 
@@ -80,6 +90,13 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
     core = _core()
     if slots is None:
         return core.rotor_min_units(discretize(chain, memory, None)[0], allow_all)
+    # however large the limit, every size still takes one slot at least
+    ones = tuple([1 if v > 0 else 0 for v in _padded(chain, f)] for f in SIZE_FIELDS)
+    fewest = core.rotor_min_units(ones, allow_all)
+    if fewest > slots:
+        raise ValueError(f"slots={slots} is too few for this chain at any memory: every stored "
+                         f"item takes one slot at least and a schedule holds {fewest} at once; "
+                         f"use slots >= {fewest} (500 is the default)")
 
     def ok(m: float) -> bool:
         units, budget, _ = discretize(chain, m, slots)
@@ -95,6 +112,8 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
         lo = hi = memory
         while ok(lo) and lo > 1e-12:
             hi, lo = lo, lo / 2
+    if not ok(hi):  # no limit below the largest size can work: start the doubling there
+        lo, hi = hi, max(hi * 2, max(max(getattr(chain, f)) for f in SIZE_FIELDS))
     while not ok(hi):
         lo, hi = hi, hi * 2
     while (hi - lo > 1) if integer else (hi - lo > 1e-6 * hi):

@@ -28,13 +28,18 @@ Where the paper leaves things open we chose, and say so here:
   issued (``blocking_release=False``: the runtime frees the device copy once the copy completes
   and never blocks for it).
 * A budget the whole sequence fits in without swapping returns the empty schedule.
+* The window is a look-ahead, not a cap (the budget is the cap): ``r[i]`` never ends before the
+  step's own last use, so a window smaller than a tensor (even 0 or 1 byte) still admits the
+  next use; it only cannot prefetch past it. ``schedule`` then warns (``WindowWarning``, naming
+  the tensor's size and the window) and records the note in ``meta["window_note"]``.
 """
 from __future__ import annotations
 
 import bisect
+import warnings
 from typing import Dict, List, Optional, Set
 
-from vmalloc.sizes import SizeLike, parse_optional_size, parse_size
+from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
 from ..errors import InfeasibleError
 from .swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNBORN, SwapSchedule,
@@ -43,13 +48,23 @@ from .swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNBORN, SwapSche
 NAME = "window"
 
 
-def check_window(sequence: VariableSequence, window: int) -> None:
-    """A window must hold the largest tensor (else a step could not look ahead at all)."""
+class WindowWarning(UserWarning):
+    """The window is smaller than a saved tensor: no look-ahead past it (not an error)."""
+
+
+def window_shortfall(sequence: VariableSequence, window: int) -> Optional[str]:
+    """None if ``window`` holds the largest saved tensor, else a warning that says the sizes.
+
+    A smaller window is not an error: the window is a look-ahead, not a cap (the budget is the
+    cap). The step about to run is always inside its own window (``window_ends``), so such a
+    window still admits the next use; it only cannot look further ahead past that tensor."""
     largest, var = sequence.largest_tensor()
-    if window < largest:
-        raise ValueError(f"window={window} bytes is smaller than the largest saved tensor "
-                         f"({largest} bytes, variable {var}); the window must hold at least "
-                         f"one tensor: use window >= {largest}")
+    if window >= largest:
+        return None
+    return (f"window={window} bytes ({format_size(window)}) is smaller than a saved tensor of "
+            f"{largest} bytes ({format_size(largest)}, variable {var}): the window still admits "
+            f"each step's next use but cannot prefetch past it; use window >= {largest} to "
+            f"look ahead")
 
 
 def check_budget(sequence: VariableSequence, budget: int) -> None:
@@ -81,16 +96,21 @@ def window_ends(sequence: VariableSequence, window: int) -> List[int]:
 
 
 def schedule(sequence: VariableSequence, window: SizeLike,
-             budget: Optional[SizeLike] = None) -> SwapSchedule:
+             budget: Optional[SizeLike] = None, warn: bool = True) -> SwapSchedule:
     """Plan swaps for ``sequence`` with a look-ahead ``window`` (bytes) under ``budget`` (bytes
-    of saved tensors resident on the device; ``None``: no limit). See the module docstring."""
+    of saved tensors resident on the device; ``None``: no limit). See the module docstring.
+    ``warn``: say so (``WindowWarning``) when the window is smaller than a saved tensor."""
     window = parse_size(window, "window")
     budget = parse_optional_size(budget, "budget")
     n = len(sequence)
     meta = {"window": window, "budget": budget}
     if n == 0:
         return SwapSchedule.empty(0, NAME, **meta)
-    check_window(sequence, window)
+    short = window_shortfall(sequence, window)
+    if short is not None:
+        meta["window_note"] = short
+        if warn:
+            warnings.warn(short, WindowWarning, stacklevel=2)
     if budget is not None:
         check_budget(sequence, budget)
         plain = replay(sequence, SwapSchedule.empty(n))

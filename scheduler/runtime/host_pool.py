@@ -8,11 +8,13 @@ in for host memory, with the same bookkeeping.
 
 A buffer handed back may still be read or written by an asynchronous copy: ``release`` takes the
 event of its last copy, and the buffer is handed out again only once that event has completed.
+The pool knows which buffers are lent out, so ``reclaim`` can take back what an interrupted
+swap left behind.
 """
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -29,6 +31,7 @@ class HostPool:
         self.num_allocated = 0
         self.num_reused = 0
         self._closed = False
+        self._lent: Dict[int, torch.Tensor] = {}  # id -> buffer handed out, not released
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A ``uint8`` buffer of exactly ``nbytes`` bytes, not read or written by any copy."""
@@ -49,18 +52,35 @@ class HostPool:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.num_allocated += 1
         self._closed = False
+        self._lent[id(buf)] = buf
         self.in_use_bytes += nbytes
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return buf
 
     def release(self, buf: torch.Tensor, event: Optional[Any] = None) -> None:
         """Hand ``buf`` back; ``event`` (a CUDA event or None) marks its last copy."""
+        if self._lent.pop(id(buf), None) is None:
+            return  # reclaimed already
         n = buf.numel()
         self.in_use_bytes -= n
         if self._closed:
             return
         self._free[n].append((buf, event))
         self.cached_bytes += n
+
+    def give_away(self, buf: torch.Tensor) -> None:
+        """``buf`` is no longer the pool's: it is freed with whoever holds it now."""
+        if self._lent.pop(id(buf), None) is not None:
+            self.in_use_bytes -= buf.numel()
+
+    def reclaim(self, keep: Iterable[torch.Tensor] = ()) -> int:
+        """Take back every buffer still lent out but those in ``keep`` (their users are gone,
+        as after an interrupted copy); bytes reclaimed."""
+        kept = {id(buf) for buf in keep}
+        lent = [buf for i, buf in self._lent.items() if i not in kept]
+        for buf in lent:
+            self.release(buf, None)
+        return sum(buf.numel() for buf in lent)
 
     def trim(self) -> int:
         """Drop every cached buffer (waiting for copies still in flight); bytes released."""

@@ -1,0 +1,68 @@
+"""The swap runtime under memory pressure: keep the saved-tensor budget, and answer vmalloc's
+pressure callback. Cheapest first: release swap-outs whose copies finished, then wait for the
+oldest copies still running, then swap out (and wait for) the oldest resident saved tensors,
+never the one the current step uses."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from ..planners.swap_schedule import DEVICE, IN
+from .swap_stats import Residency
+from .swap_transfers import Transfers
+from .swap_vars import Var
+
+
+class Eviction:
+    def __init__(self, transfers: Transfers, residency: Residency, counters: Dict[str, float],
+                 budget: Optional[int]):
+        self.transfers = transfers
+        self.residency = residency
+        self.counters = counters
+        self.budget = budget
+        self.current: Optional[Var] = None  # the var of the step running: never evicted
+
+    def make_room(self, incoming: int, keep: Optional[Var]) -> None:
+        """Keep the budget: free resident bytes until ``incoming`` more fit."""
+        budget = self.budget
+        if budget is None or self.residency.bytes + incoming <= budget:
+            return
+        self.counters["budget_evictions"] += self.free_bytes(
+            self.residency.bytes + incoming - budget, keep)[1]
+
+    def free_bytes(self, needed: int, keep: Optional[Var]) -> Tuple[int, int]:
+        """Free ``needed`` resident bytes, never ``keep`` nor the current step's var:
+        ``(bytes freed, variables evicted)``."""
+        current = self.current
+        t = self.transfers
+        freed = evicted = 0
+        for var in list(t.pending):  # finished copies first: free of charge
+            if freed >= needed:
+                return freed, evicted
+            if var is not keep and (var.out_event is None or var.out_event.query()):
+                t.release(var, True)
+                freed += var.nbytes
+        for var in list(t.pending):  # then wait for the oldest copies
+            if freed >= needed:
+                return freed, evicted
+            if var is not keep:
+                t.release(var, True)
+                freed += var.nbytes
+        for var in list(self.residency.order):
+            if freed >= needed:
+                break
+            if var is keep or var is current or var.state not in (DEVICE, IN):
+                continue
+            t.swap_out(var)
+            if var.state != DEVICE and var.state != IN:
+                t.release(var, True)
+                freed += var.nbytes
+                evicted += 1
+        return freed, evicted
+
+    def on_pressure(self, needed: int) -> int:
+        """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Bytes released
+        (they only come back if nothing else still references those tensors)."""
+        self.counters["pressure_calls"] += 1
+        freed, _ = self.free_bytes(max(int(needed), 1), self.current)
+        self.counters["pressure_freed_bytes"] += freed
+        return freed

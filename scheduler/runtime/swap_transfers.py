@@ -1,0 +1,263 @@
+"""The swap runtime's copies: device-to-host swap-outs and host-to-device swap-ins on two side
+streams per device (synchronous copies on the CPU), their events, the host buffer pool, and
+when device memory may be let go.
+
+* Swap-out: the out stream waits for the stream that saved the tensor, copies into a pooled
+  (pinned) host buffer, records an event. The device storage is kept (``Var.inflight``) until
+  that event completed, not ``record_stream``-ed: the runtime then knows exactly when memory
+  comes back. A var freed while its copy is in flight has its storage parked until the event.
+* Swap-in: the in stream copies into memory allocated while it is current, records an event; at
+  the use the compute stream waits on it only if it has not completed, and the memory is
+  ``record_stream``-ed on the compute stream (autograd decides when it is freed).
+* Interrupts: a host buffer is tied to its var only once its copy was issued; if the copy
+  raises (a Ctrl-C), the buffer goes back to the pool. ``HostPool.reclaim`` returns whatever an
+  interrupt still left lent out when the context exits.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..planners.swap_schedule import DEVICE, FREED, HOST, IN, OUT
+from .host_pool import HostPool
+from .swap_stats import Residency
+from .swap_vars import Var
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """Every swap copy goes through here (one place for tests to inject faults)."""
+    dst.copy_(src, non_blocking=non_blocking)
+
+
+class Transfers:
+    """Copies between device and host for the vars of one ``SwapContext``."""
+
+    def __init__(self, cuda: bool, counters: Dict[str, float], residency: Residency):
+        self.cuda = cuda
+        self.counters = counters
+        self.residency = residency
+        self.pool = HostPool(pin_memory=cuda)
+        self._streams: Dict[Any, Tuple[Any, Any]] = {}
+        self.pending: Dict[Var, None] = {}    # swap-outs not released yet, oldest first
+        self.deferred: Dict[Var, None] = {}   # releases waiting on a copy (non-blocking)
+        self.parked: List[Tuple[Any, Any]] = []  # (event, storage) of freed vars, copy in flight
+        self.gpu_stalls: List[Tuple[Any, Any]] = []
+        # keeps the budget before an on-demand swap-in (set by the eviction policy)
+        self.make_room: Optional[Callable[[int, Optional[Var]], None]] = None
+
+    def streams_for(self, device: Any) -> Tuple[Any, Any]:
+        s = self._streams.get(device)
+        if s is None:  # one stream out (device-to-host), one stream in (host-to-device)
+            s = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+            self._streams[device] = s
+        return s
+
+    # ------------------------------------------------------------------------ swap-out
+    def swap_out(self, var: Var) -> None:
+        """Issue the device-to-host copy (none if a host copy exists); the device copy stays
+        until ``release``."""
+        if var.state not in (DEVICE, IN):
+            return
+        storage = var.storage
+        if storage is None:  # every handle died (not drained yet): nothing to keep
+            return
+        if var.host is None:
+            buf = self.pool.acquire(var.nbytes)
+            try:
+                src = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
+                if self.cuda:
+                    out_stream, _ = self.streams_for(var.device)
+                    # after the op that saved it (its stream, not the current one: a swap-out
+                    # asked by vmalloc's pressure callback runs inside a swap-in's allocation)
+                    out_stream.wait_stream(var.stream)
+                    with torch.cuda.stream(out_stream):
+                        copy_bytes(buf, src, True)
+                        event = torch.cuda.Event()
+                        event.record(out_stream)
+                    var.out_event = event
+                else:
+                    copy_bytes(buf, src, False)
+                del src
+            except BaseException:
+                # an interrupted copy: the buffer holds nothing (the next swap-out copies again);
+                # on CUDA it is reused only after whatever was queued on the out stream
+                if self.cuda:
+                    self.streams_for(var.device)[0].synchronize()
+                self.pool.release(buf, None)
+                raise
+            var.host = buf
+            self.counters["swapped_out_bytes"] += var.nbytes
+        var.inflight = storage
+        var.state = OUT
+        self.pending[var] = None
+
+    def release(self, var: Var, blocking: bool) -> None:
+        """Free the device copy of a swapped-out variable once its copy is complete."""
+        if var.state != OUT:
+            self.deferred.pop(var, None)
+            return
+        event = var.out_event
+        if event is not None and not event.query():
+            if not blocking:
+                self.deferred[var] = None
+                return
+            t0 = time.perf_counter()
+            event.synchronize()
+            self.counters["stall_seconds"] += time.perf_counter() - t0
+        self.deferred.pop(var, None)
+        self.pending.pop(var, None)
+        self._drop_device(var)
+        var.state = HOST
+
+    def _drop_device(self, var: Var) -> None:
+        var.set_storage(None)
+        var.inflight = None
+        var.in_tensor = None
+        for h in var.live_handles():
+            if h.view is not None:
+                v = h.view
+                h.meta = (v.dtype, v.shape, v.stride(), v.storage_offset())
+                h.view = None
+        self.residency.drop(var)
+
+    # ------------------------------------------------------------------------- swap-in
+    def swap_in(self, var: Var) -> None:
+        """Issue the host-to-device copy ahead of use (or cancel a swap-out still pending)."""
+        if var.state == OUT:  # the device copy is still there: keep it
+            self.pending.pop(var, None)
+            self.deferred.pop(var, None)
+            var.inflight = None
+            var.state = DEVICE
+            return
+        if var.state != HOST:
+            return
+        host = var.host_copy()
+        if host is None:  # pragma: no cover - a var on the host always has its copy
+            raise RuntimeError(f"swap runtime: saved tensor {var.vid} has no host copy")
+        n = var.nbytes
+        if self.cuda:
+            _, in_stream = self.streams_for(var.device)
+            with torch.cuda.stream(in_stream):
+                if var.out_event is not None:
+                    in_stream.wait_event(var.out_event)
+                dst = torch.empty(n, dtype=torch.uint8, device=var.device)
+                copy_bytes(dst, host, True)
+                event = torch.cuda.Event()
+                event.record(in_stream)
+            var.in_event = event
+        else:
+            dst = torch.empty(n, dtype=torch.uint8, device=var.device)
+            copy_bytes(dst, host, False)
+        var.in_tensor = dst
+        var.set_storage(dst.untyped_storage())
+        var.state = IN
+        self.counters["swapped_in_bytes"] += n
+        self.residency.add(var)
+
+    def ensure_resident(self, var: Var, budget: Optional[int]) -> None:
+        """At a use: the variable's bytes on the device, the compute stream ordered after the
+        copy (waiting only if the copy is still running)."""
+        if var.state == HOST:  # not swapped in ahead: on demand, and wait
+            self.counters["on_demand_swap_ins"] += 1
+            t0 = time.perf_counter()
+            if budget is not None and self.make_room is not None:
+                self.make_room(var.nbytes, var)
+            self.swap_in(var)
+            if self.cuda:
+                var.in_event.synchronize()
+            self.counters["stall_seconds"] += time.perf_counter() - t0
+        if var.state == IN:
+            if self.cuda:
+                compute = torch.cuda.current_stream(var.device)
+                event = var.in_event
+                if not event.query():
+                    self.counters["late_swap_ins"] += 1
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record(compute)
+                    compute.wait_event(event)
+                    end.record(compute)
+                    self.gpu_stalls.append((start, end))
+                if var.in_tensor is not None:
+                    var.in_tensor.record_stream(compute)
+            var.in_tensor = None
+            var.state = DEVICE
+
+    # ------------------------------------------------------------------ completion
+    def poll(self) -> None:
+        """Non-blocking: release deferred swap-outs and parked storages whose copies finished."""
+        if self.deferred:
+            for var in list(self.deferred):
+                if var.state != OUT or var.out_event is None or var.out_event.query():
+                    self.release(var, True)
+        if self.parked:
+            self.parked = [(e, s) for e, s in self.parked if e is not None and not e.query()]
+
+    def forget(self, var: Var) -> None:
+        """``var`` was freed by autograd: drop its device bytes (parked while a copy still reads
+        them) and hand its host buffer back."""
+        if var.state in (DEVICE, OUT, IN):
+            if var.state == OUT and var.out_event is not None and not var.out_event.query():
+                self.parked.append((var.out_event, var.inflight))  # the copy still reads it
+            var.set_storage(None)
+            var.inflight = None
+            var.in_tensor = None
+            self.residency.drop(var)
+        self.pending.pop(var, None)
+        self.deferred.pop(var, None)
+        if var.host is not None:
+            last = var.in_event if var.in_event is not None else var.out_event
+            self.pool.release(var.host, last)
+            var.host = None
+        var.state = FREED
+
+    def hand_over(self, vars: Iterable[Var]) -> None:
+        """The context exits while a graph still holds ``vars``: leave nothing that only a
+        later drain would free. Swap-outs in flight complete (their device bytes go); host
+        copies of vars whose bytes are on the device anyway go back to the pool; those of vars
+        only on the host move into their keepers, to die with the graph's handles."""
+        for var in vars:
+            if var.state == OUT:
+                self.release(var, True)
+            host = var.host
+            if host is None:
+                continue
+            if var.state in (DEVICE, IN):
+                last = var.in_event if var.in_event is not None else var.out_event
+                self.pool.release(host, last)
+                var.host = None
+                var.out_event = None
+            elif var.state == HOST:
+                keeper = var.keeper_ref() if var.keeper_ref is not None else None
+                if keeper is not None:
+                    keeper.host = host
+                    self.pool.give_away(host)
+                    var.host = None
+        for event, _ in self.parked:
+            if event is not None:
+                event.synchronize()
+        self.parked.clear()
+
+    def resolve_gpu_stalls(self, wait: bool) -> None:
+        keep = []
+        for start, end in self.gpu_stalls:
+            if wait:
+                end.synchronize()
+            if end.query():
+                self.counters["stall_seconds"] += start.elapsed_time(end) / 1000.0
+            else:
+                keep.append((start, end))
+        self.gpu_stalls = keep
+
+    def shutdown(self) -> None:
+        """Nothing is saved any more: wait for copies, drop parked storages, return every host
+        buffer (an interrupted swap may have left one lent) and drop the cached ones."""
+        for event, _ in self.parked:
+            if event is not None:
+                event.synchronize()
+        self.parked.clear()
+        self.resolve_gpu_stalls(wait=True)
+        self.pool.reclaim()
+        self.pool.close()

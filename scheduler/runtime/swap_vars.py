@@ -1,0 +1,134 @@
+"""What the swap runtime keeps per saved storage (``Var``) and what autograd holds instead of a
+saved tensor (``Handle``), and how handle deaths reach the runtime without running Python code.
+
+Why no ``__del__``: a Ctrl-C lands on whatever Python code runs next; when that is a destructor
+(or a weakref callback written in Python) the ``KeyboardInterrupt`` is printed as "Exception
+ignored" and lost, and training goes on. So a handle's death runs C code only:
+
+* each handle holds the var's ``Keeper`` (the one strong reference to the device storage while
+  the bytes are on the device, besides the handles' own views): when the last handle dies the
+  keeper dies with it and the device memory is freed at once, by reference counting;
+* each handle is watched by a ``HandleRef`` whose callback is ``deque.append``: the runtime
+  drains that queue at safe points (its hooks, ``stats()``, exit) and does the bookkeeping
+  there, where an interrupt propagates like any other exception;
+* when the context exits while a graph still holds vars, their host copies move into the
+  keepers too: nothing that graph holds waits for a drain that may never come.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any, Deque, List, Optional
+
+import torch
+
+from ..planners.swap_schedule import DEVICE
+
+
+class Keeper:
+    """Holds a var's device storage for as long as a handle of it is alive; after the context
+    exited, also its host copy (so a graph that outlives the context frees both as it dies)."""
+
+    __slots__ = ("storage", "host", "__weakref__")
+
+    def __init__(self, storage: Any):
+        self.storage = storage
+        self.host: Optional[torch.Tensor] = None
+
+
+class Handle:
+    """What autograd keeps instead of a saved tensor: a view of a variable."""
+
+    __slots__ = ("var", "view", "meta", "keeper", "__weakref__")
+
+    def __init__(self, var: "Var", t: torch.Tensor, keeper: Keeper):
+        self.var = var
+        self.view: Optional[torch.Tensor] = t.detach()  # detached: no grad_fn reference cycle
+        self.meta: Any = None  # (dtype, shape, stride, offset), taken when the view is dropped
+        self.keeper = keeper
+
+
+class HandleRef(weakref.ref):
+    """A weak reference to a handle that remembers its var (the handle is gone when read)."""
+
+    __slots__ = ("var",)
+
+    def __init__(self, handle: Handle, callback: Any):
+        super().__init__(handle, callback)
+        self.var = handle.var
+
+
+class Var:
+    """One saved storage: where its bytes are and who still needs them."""
+
+    __slots__ = ("vid", "it", "nbytes", "state", "keeper_ref", "inflight", "storage_ref", "ptr",
+                 "device", "stream", "host", "out_event", "in_event", "in_tensor", "handles")
+
+    def __init__(self, vid: int, it: int, storage: Any, nbytes: int, ptr: int, device: Any):
+        self.vid = vid
+        self.it = it
+        self.nbytes = nbytes
+        self.state = DEVICE
+        self.keeper_ref: Any = None       # weak: the handles own the keeper
+        self.inflight: Any = None         # the device storage while a swap-out copy reads it
+        self.storage_ref = weakref.ref(storage)
+        self.ptr = ptr
+        self.device = device
+        self.stream: Any = None           # CUDA: the stream current when it was saved
+        self.host: Optional[torch.Tensor] = None   # host copy (kept once made: never changes)
+        self.out_event: Any = None        # completion of the device-to-host copy
+        self.in_event: Any = None         # completion of the host-to-device copy
+        self.in_tensor: Optional[torch.Tensor] = None  # swapped-in memory until first use
+        self.handles: List[HandleRef] = []
+
+    # the device storage, while the bytes are on the device and a handle is alive
+    @property
+    def storage(self) -> Any:
+        keeper = self.keeper_ref() if self.keeper_ref is not None else None
+        if keeper is not None and keeper.storage is not None:
+            return keeper.storage
+        return self.inflight
+
+    def set_storage(self, storage: Any) -> None:
+        keeper = self.keeper_ref() if self.keeper_ref is not None else None
+        if keeper is not None:
+            keeper.storage = storage
+
+    def keeper(self, storage: Any) -> Keeper:
+        """The keeper new handles share (made again if every earlier handle died)."""
+        keeper = self.keeper_ref() if self.keeper_ref is not None else None
+        if keeper is None:
+            keeper = Keeper(storage)
+            self.keeper_ref = weakref.ref(keeper)
+        elif keeper.storage is None:
+            keeper.storage = storage
+        return keeper
+
+    def host_copy(self) -> Optional[torch.Tensor]:
+        """The host copy: the var's (a pooled buffer) or, after exit, its handles'."""
+        if self.host is not None:
+            return self.host
+        keeper = self.keeper_ref() if self.keeper_ref is not None else None
+        return None if keeper is None else keeper.host
+
+    def live_handles(self) -> List[Handle]:
+        return [h for h in (r() for r in self.handles) if h is not None]
+
+
+class DeathQueue:
+    """Handles that died, appended by C code (``deque.append`` as the weakref callback)."""
+
+    def __init__(self) -> None:
+        self.dead: Deque[HandleRef] = deque()
+
+    def watch(self, handle: Handle) -> HandleRef:
+        return HandleRef(handle, self.dead.append)
+
+    def __bool__(self) -> bool:
+        return bool(self.dead)
+
+    def pop(self) -> Optional[HandleRef]:
+        try:
+            return self.dead.popleft()
+        except IndexError:
+            return None

@@ -1,0 +1,179 @@
+"""Ctrl-C under ``scheduler.swap`` (issue 16 item 6): the interrupt stops training wherever it
+lands, and nothing is left behind (host buffers, live variables, resident bytes). Faults are
+injected deterministically: no signals from timers, no sleeps."""
+import _thread
+import operator
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import scheduler
+from scheduler.runtime import swap_transfers
+from scheduler.runtime.swap_vars import Handle, HandleRef
+from test_swap_runtime import MODELS, assert_bit_identical, assert_nothing_left, reference, train
+
+
+def interrupt_at(monkeypatch, n, direction):
+    """Make the ``n``-th swap copy of ``direction`` ("out": device-to-host, "in") raise."""
+    calls = {"out": 0, "in": 0}
+    real = swap_transfers.copy_bytes
+
+    def copy(dst, src, non_blocking):
+        d = "in" if id(src) in copy.hosts else "out"  # a swap-in reads a host buffer
+        if d == "out":
+            copy.hosts.add(id(dst))
+        calls[d] += 1
+        if d == direction and calls[d] == n:
+            raise KeyboardInterrupt(f"injected at {direction} copy {n}")
+        real(dst, src, non_blocking)
+
+    copy.hosts = set()
+    monkeypatch.setattr(swap_transfers, "copy_bytes", copy)
+    return calls
+
+
+@pytest.mark.parametrize("direction, n", [("out", 1), ("out", 5), ("out", 12), ("in", 1),
+                                          ("in", 4)])
+def test_an_interrupted_copy_stops_training_and_leaves_nothing(monkeypatch, direction, n):
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    calls = interrupt_at(monkeypatch, n, direction)
+    stopped_at = []
+    with pytest.warns(UserWarning):
+        try:
+            train(*MODELS["cnn"], ctx=ctx, check=stopped_at.append)
+        except KeyboardInterrupt as exc:
+            assert f"{direction} copy {n}" in str(exc)
+        else:
+            pytest.fail(f"the interrupt was lost ({calls})")
+    assert len(stopped_at) < 3  # training did not go on
+    # the exception (and the graph its frames held) is gone: every buffer is back
+    assert_nothing_left(ctx)
+    # the context is usable again, and still bit-identical
+    monkeypatch.undo()
+    got = train(*MODELS["cnn"], ctx=ctx)
+    assert_bit_identical(got, reference("cnn"))
+    assert_nothing_left(ctx)
+
+
+def test_exit_with_the_graph_still_alive_returns_every_buffer(monkeypatch):
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    interrupt_at(monkeypatch, 3, "out")
+    build, batch = MODELS["mlp"]
+    model = build()
+    with pytest.warns(UserWarning):
+        try:
+            with ctx:
+                model(batch(0)[0]).sum().backward()  # records
+                model(batch(1)[0]).sum()             # follows the plan: swap-out 3 raises
+        except KeyboardInterrupt:
+            # the traceback still holds the partial graph; the pool has every buffer back
+            # (the interrupted copy's too): the graph's host copies belong to its handles
+            st = ctx.stats()
+            assert st["live_variables"] > 0 and st["host_in_use_bytes"] == 0
+            assert any(v.host_copy() is not None for v in ctx._live)
+        else:
+            pytest.fail("the interrupt was lost")
+    assert_nothing_left(ctx)
+
+
+@pytest.mark.parametrize("then", ["backward", "drop"])
+def test_a_graph_that_outlives_the_context_frees_its_host_copies_as_it_dies(then):
+    build, batch = MODELS["mlp"]
+    torch.manual_seed(0)
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    with pytest.warns(UserWarning):
+        with ctx:
+            model(batch(0)[0]).sum().backward()  # records
+            model.zero_grad()
+            loss = model(batch(1)[0]).sum()      # follows the plan: tensors swapped out
+    assert ctx.stats()["host_in_use_bytes"] == 0
+    copies = [weakref.ref(v.host_copy()) for v in ctx._live if v.host_copy() is not None]
+    assert copies
+    if then == "backward":  # the graph still trains right: its tensors come back from the host
+        before = ctx.stats()["swapped_in_bytes"]
+        loss.backward()
+        assert ctx.stats()["swapped_in_bytes"] > before
+        ref(batch(1)[0]).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    del loss
+    # its host copies died with its handles, before any drain (no stats() call)
+    assert all(r() is None for r in copies)
+    assert_nothing_left(ctx)
+
+
+def test_handle_deaths_run_no_python_code():
+    # a KeyboardInterrupt lands on the next Python code that runs; in a destructor it would be
+    # printed as "Exception ignored" and lost. Handles have no __del__ and their death
+    # callbacks are C functions.
+    assert not hasattr(Handle, "__del__")
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    build, batch = MODELS["mlp"]
+    with ctx:
+        loss = build()(batch(0)[0]).sum()
+    refs = [r for v in ctx._live for r in v.handles]
+    assert refs and all(isinstance(r, HandleRef) for r in refs)
+    assert all(type(r.__callback__).__name__ == "builtin_function_or_method" for r in refs)
+    del loss, refs
+    assert_nothing_left(ctx)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_an_interrupt_pending_while_the_graph_dies_is_raised_not_swallowed(name):
+    # Ctrl-C arrives (interrupt_main sets the pending signal) and, before any Python bytecode
+    # runs, the graph is dropped: the handles die. Both calls are made from C (map), so the
+    # first Python code to run is whatever the deaths run; the interrupt must reach us here.
+    build, batch = MODELS[name]
+    model = build()
+    ctx = scheduler.swap(window=1, device="cpu", min_bytes=0)
+    with pytest.warns(UserWarning):
+        with ctx:
+            for i in range(2):
+                x = batch(i)[0]
+                out = model(x)
+                graph = [out.float().sum()]
+                del out
+                if i == 0:
+                    graph[0].backward()
+                    continue
+                with pytest.raises(KeyboardInterrupt):
+                    list(map(operator.call, [_thread.interrupt_main, graph.clear]))
+                    for _ in range(100):  # any bytecode would have raised it by now
+                        pass
+    assert_nothing_left(ctx)
+
+
+@pytest.mark.parametrize("where", ["end of backward", "pack", "unpack", "freeing"])
+def test_an_interrupt_in_a_hook_stops_training(monkeypatch, where):
+    from scheduler.runtime import swap_sequence
+    ctx = scheduler.swap(window="1MiB" if where != "freeing" else 1, device="cpu", min_bytes=0)
+    target, name = {"end of backward": (swap_sequence.SwapSequence, "end_iteration"),
+                    "pack": (swap_sequence.SwapSequence, "step_begin"),
+                    "unpack": (swap_sequence.SwapSequence, "step_end"),
+                    # the bookkeeping of a dead handle, half done: the exit's sweep redoes it
+                    "freeing": (swap_transfers.Transfers, "forget")}[where]
+    real = getattr(target, name)
+    calls = []
+
+    def hit(self, *args):
+        calls.append(1)
+        if len(calls) == {"end of backward": 2, "pack": 7, "unpack": 12, "freeing": 9}[where]:
+            raise KeyboardInterrupt(where)
+        return real(self, *args)
+
+    monkeypatch.setattr(target, name, hit)
+    stopped_at = []
+    with pytest.raises(KeyboardInterrupt, match=where), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(*MODELS["mlp"], ctx=ctx, check=stopped_at.append)
+    assert len(stopped_at) < 3
+    monkeypatch.undo()
+    assert_nothing_left(ctx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_bit_identical(train(*MODELS["mlp"], ctx=ctx), reference("mlp"))
+    assert_nothing_left(ctx)
