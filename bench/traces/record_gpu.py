@@ -1,0 +1,192 @@
+"""Record real allocation traces on a GPU: PyTorch's own allocation history for a few training
+steps, under plain PyTorch and under the swap runtime (issue 12, step 3).
+
+    python bench/traces/record_gpu.py [--quick] [--out bench/traces] [--steps 3]
+
+For each workload (ResNet-50 at batch 256, GPT-2 at sequence 1024, BERT with variable lengths)
+and each method (``native``: plain training; ``window``: ``scheduler.swap``) one child process
+builds the model, turns on ``torch.cuda.memory._record_memory_history`` (no stack frames: the
+trace stays small), trains ``--steps`` SGD steps on the native caching allocator, and dumps the
+snapshot. The parent turns it into the project's trace format (``vmalloc.replay.trace``,
+gzip'ed JSON, a few hundred KB) with ``meta.real_gpu_trace = True`` and what PyTorch itself
+reported: peak reserved and peak allocated bytes. It then replays the trace through the model
+of the caching allocator (``vmalloc.replay.caching_model``) and reports the model's error: its
+predicted peak reserved bytes against what PyTorch really reserved, in percent.
+
+Results: the traces in ``--out`` (``<model>-b<batch>-<method>-gpu.json.gz``) and
+``bench/results/traces-gpu.json`` (per trace: events, peaks, model error). Without CUDA it
+says so and exits 0 (``scripts/gpu-check`` runs it on every machine).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Job:
+    model: str            # bench/e2e.py's model names
+    batch: int
+    method: str           # "native" (plain) or "window" (scheduler.swap)
+    budget: Optional[str] = None   # the swap runtime's saved-tensor budget
+
+    @property
+    def stem(self) -> str:
+        return f"{self.model}-b{self.batch}-{self.method}-gpu"
+
+
+JOBS: Sequence[Job] = (
+    Job("resnet50", 256, "native"), Job("resnet50", 256, "window", "8GiB"),
+    Job("gpt2-s1024", 8, "native"), Job("gpt2-s1024", 8, "window", "4GiB"),
+    Job("bert-dyn", 32, "native"), Job("bert-dyn", 32, "window", "2GiB"),
+)
+QUICK_JOBS: Sequence[Job] = (Job("resnet50", 64, "native"), Job("resnet50", 64, "window", "2GiB"))
+MAX_ENTRIES = 2_000_000   # history ring: far more than a few steps allocate
+
+
+def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
+    """In a fresh process: train ``steps`` steps of ``job`` while recording, dump the snapshot
+    to ``snapshot_path``; return PyTorch's own peak figures."""
+    import torch
+
+    from bench.e2e import BY_NAME, build_workload, loss_of, method_context
+
+    device = torch.device("cuda")
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=MAX_ENTRIES)
+    wl = build_workload(job.model, job.batch, device, smoke=False, seed=0)
+    params = list({id(p): p for b in wl.blocks for p in b.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    method = BY_NAME[job.method]
+    budget = None if job.budget is None else _parse(job.budget)
+    torch.manual_seed(0)
+    with method_context(method, wl, budget, device, None) as (forward, _stats):
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(forward(wl.input(step)), wl)
+            loss.backward()
+            opt.step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(snapshot_path, "wb") as f:
+        pickle.dump(snap, f)
+    return {"reserved_peak": int(torch.cuda.max_memory_reserved()),
+            "allocated_peak": int(torch.cuda.max_memory_allocated()),
+            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
+def _parse(size: str) -> int:
+    from vmalloc.sizes import parse_size
+    return parse_size(size, "budget")
+
+
+def model_error(trace: Any, reserved_peak: int) -> Dict[str, Any]:
+    """The caching-allocator model's predicted peak reserved bytes for ``trace`` against what
+    PyTorch really reserved (``reserved_peak``): error in percent, positive = over-predicts."""
+    from vmalloc.replay.caching_model import CachingAllocatorModel
+    from vmalloc.replay.run import replay
+
+    res = replay(trace, CachingAllocatorModel())
+    predicted = int(res.stats["physical_peak"])
+    return {"model_reserved_peak": predicted, "reserved_peak": reserved_peak,
+            "model_error_percent": 100.0 * (predicted - reserved_peak) / reserved_peak
+            if reserved_peak else None}
+
+
+def convert(snapshot_path: str, job: Job, figures: Dict[str, Any], steps: int,
+            out_dir: Path) -> Dict[str, Any]:
+    """Snapshot -> ``out_dir/<stem>.json.gz`` with the recording's facts in ``meta``; the row
+    of ``traces-gpu.json``."""
+    from vmalloc.replay.trace import load
+
+    trace = load(snapshot_path)
+    trace.meta.update({
+        "name": job.stem, "source": "recorded: torch.cuda.memory._record_memory_history "
+        "(native caching allocator)", "real_gpu_trace": True,
+        "derived_from": f"bench/traces/record_gpu.py: {job.model} batch {job.batch}, "
+                        f"{steps} SGD steps, method {job.method}"
+                        + (f", saved-tensor budget {job.budget}" if job.budget else ""),
+        **figures})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{job.stem}.json.gz"
+    trace.save(path)
+    row = {"trace": path.name, "model": job.model, "batch": job.batch, "method": job.method,
+           "events": len(trace), "peak_requested": trace.peak_requested(),
+           "bytes_on_disk": path.stat().st_size, **figures}
+    row.update(model_error(trace, figures["reserved_peak"]))
+    return row
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small ResNet-50 pair (a minute)")
+    p.add_argument("--steps", type=int, default=3, help="training steps recorded per trace")
+    p.add_argument("--out", default=str(ROOT / "bench" / "traces"), help="where traces go")
+    p.add_argument("--results", default=str(ROOT / "bench" / "results"),
+                   help="where traces-gpu.json goes")
+    p.add_argument("--one", help=argparse.SUPPRESS)        # child: JSON job spec
+    p.add_argument("--snapshot", help=argparse.SUPPRESS)   # child: where to dump
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+
+    if args.one:
+        figures = record_one(Job(**json.loads(args.one)), args.steps, args.snapshot)
+        print("FIGURES " + json.dumps(figures), flush=True)
+        return 0
+
+    import torch
+    if not torch.cuda.is_available():
+        print("record_gpu: no CUDA device; nothing recorded (run it on a GPU machine)")
+        return 0
+    rows: List[Dict[str, Any]] = []
+    failed = 0
+    jobs = QUICK_JOBS if args.quick else JOBS
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, job in enumerate(jobs, 1):
+            print(f"[{i}/{len(jobs)}] recording {job.stem} ...", flush=True)
+            snap = os.path.join(tmp, f"{job.stem}.pickle")
+            spec = json.dumps(job.__dict__)
+            proc = subprocess.run([sys.executable, __file__, "--one", spec, "--snapshot", snap,
+                                   "--steps", str(args.steps)], capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIGURES ")]
+            if proc.returncode != 0 or not lines:
+                failed += 1
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+                print(f"  FAILED (exit {proc.returncode}):\n    " + "\n    ".join(tail))
+                rows.append({"trace": job.stem, "status": "error", "note": tail[-1:]})
+                continue
+            row = convert(snap, job, json.loads(lines[-1][len("FIGURES "):]), args.steps,
+                          Path(args.out))
+            row["status"] = "ok"
+            rows.append(row)
+            print(f"  {row['events']} events, {row['bytes_on_disk'] / 1e6:.2f} MB; reserved "
+                  f"{row['reserved_peak'] / 2**30:.2f} GiB, model "
+                  f"{row['model_reserved_peak'] / 2**30:.2f} GiB "
+                  f"({row['model_error_percent']:+.1f}%)")
+    from bench.common import write_json
+    from bench.e2e import meta   # machine, GPU, driver, torch, CUDA, date
+    command = " ".join(["python", "bench/traces/record_gpu.py", *(argv or sys.argv[1:])])
+    path = write_json("traces-gpu", {"meta": meta(torch.device("cuda"), command) |
+                                     {"steps": args.steps}, "rows": rows}, args.results)
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/traces/record_gpu.py's CPU half: a snapshot becomes a bundled trace with PyTorch's own
+figures beside it, and the caching model's error is computed against them."""
+import pickle
+
+import pytest
+
+from bench.traces import record_gpu
+from vmalloc.replay.trace import load
+
+MiB = 1 << 20
+
+
+def _snapshot():
+    e = lambda a, addr, size, t: {"action": a, "addr": addr, "size": size, "stream": 0,
+                                  "time_us": t, "frames": []}
+    trace = [e("alloc", 0x1000, 3 * MiB, 1), e("alloc", 0x2000, 12 * MiB, 2),
+             e("free_requested", 0x1000, 3 * MiB, 3), e("free_completed", 0x1000, 3 * MiB, 4),
+             e("alloc", 0x1000, 2 * MiB, 5)]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_convert_writes_a_recorded_trace_and_the_model_error(tmp_path):
+    snap = tmp_path / "s.pickle"
+    snap.write_bytes(pickle.dumps(_snapshot()))
+    job = record_gpu.Job("resnet50", 4, "native")
+    figures = {"reserved_peak": 20 * MiB, "allocated_peak": 15 * MiB, "gpu": "test"}
+    row = record_gpu.convert(str(snap), job, figures, 1, tmp_path / "traces")
+    t = load(tmp_path / "traces" / "resnet50-b4-native-gpu.json.gz")
+    assert t.meta["real_gpu_trace"] is True and "recorded" in t.meta["source"]
+    assert t.meta["reserved_peak"] == 20 * MiB
+    assert row["events"] == len(t) == 4 and row["peak_requested"] == 15 * MiB
+    # the caching model: 3 MiB opens a 20 MiB segment (requests < 10 MiB), 12 MiB and then
+    # 2 MiB are split from what is left of it: 20 MiB
+    assert row["model_reserved_peak"] == 20 * MiB
+    assert row["model_error_percent"] == pytest.approx(0.0)
+
+
+def test_without_cuda_it_records_nothing_and_says_so(capsys, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: recording would run")
+    assert record_gpu.main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
