@@ -428,7 +428,10 @@ struct Allocator::Impl {
     while (out.size() < k && !device_full && chunks_held < cap && budget_allows_one_more()) {
       if (!device_allows_one_more()) {
         device_full = true;
-        failure = "the " + std::string(drv->name()) + " backend's memory (" + human(device_limit) + ") is full";
+        failure = chunk > device_limit ? "one chunk is larger than the " + std::string(drv->name()) +
+                                             " backend's memory (" + human(device_limit) + ")"
+                                       : "the " + std::string(drv->name()) + " backend's memory (" +
+                                             human(device_limit) + ") is full";
         break;
       }
       try {
@@ -510,16 +513,32 @@ struct Allocator::Impl {
       for (; mapped < k; ++mapped) timed([&] { drv->map(addr + mapped * chunk, chunk, handles[mapped]); });
       timed([&] { drv->set_access(addr, k * chunk); });
     } catch (const std::exception& e) {
-      bool all_unmapped = true;
-      for (size_t i = 0; i < mapped; ++i) {
-        try {
-          drv->unmap(addr + i * chunk, chunk);
-        } catch (...) {
-          all_unmapped = false;  // that VA stays taken (never reused over a live mapping)
+      // Undo chunk by chunk. A chunk whose unmap fails too stays mapped where it is: it becomes a
+      // one-chunk cached range (untouched by any stream), so it is counted, reusable, trimmable.
+      for (size_t i = 0; i < k; ++i) {
+        uintptr_t at = addr + i * chunk;
+        bool unmapped = i >= mapped;
+        if (!unmapped) {
+          try {
+            drv->unmap(at, chunk);
+            ++st.num_unmap;
+            unmapped = true;
+          } catch (...) {
+          }
         }
+        if (unmapped) {
+          va->give(at, 1);
+          free_chunks.push_back(handles[i]);
+          continue;
+        }
+        Range* stuck = new Range;
+        stuck->addr = at;
+        stuck->k = 1;
+        stuck->chunks.assign(1, handles[i]);
+        stuck->all_ready = true;
+        cache_insert(stuck);
       }
-      if (all_unmapped) va->give(addr, k);
-      for (auto h : handles) free_chunks.push_back(h);
+      if (mapped) st.num_map += mapped;
       if (!dynamic_cast<const driver::DriverOutOfMemory*>(&e)) throw;
       missing = k * chunk;  // e.g. the host's vm.max_map_count: out of memory, not a crash
       failure = e.what();
