@@ -865,14 +865,21 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
       m.failure.clear();
       bool device_full = false;
       void* p = nullptr;
-      if (nbytes > kMaxRequest)
+      if (nbytes > kMaxRequest) {
         missing = nbytes;
+        device_full = true;
+        m.failure = "larger than the " + std::string(m.drv->name()) + " backend's memory (" +
+                    human(m.device_limit) + ")";
+      }
       else if (nbytes < m.small_limit)
         p = m.malloc_small(nbytes, stream, missing, device_full);
       else
         p = m.malloc_large(nbytes, stream, missing, device_full);
       if (p) return p;
-      if (attempt == 0 && m.pressure) {
+      // A request no amount of freeing can serve does not ask the pressure callback.
+      bool never_fits = nbytes > kMaxRequest || (m.device_limit != 0 && device_full &&
+                                                 (nbytes / m.chunk + (nbytes % m.chunk != 0)) * m.chunk > m.device_limit);
+      if (attempt == 0 && m.pressure && !never_fits) {
         cb = m.pressure;
         ++m.st.num_pressure_calls;
       } else {

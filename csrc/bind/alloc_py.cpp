@@ -122,7 +122,7 @@ void bind_alloc(nb::module_& m) {
             nb::gil_scoped_release release;
             return reinterpret_cast<uintptr_t>(a.malloc(static_cast<size_t>(nbytes), stream));
           },
-          "nbytes"_a, "stream"_a = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
+          "nbytes"_a.none(), "stream"_a = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
       .def(
           "free", [](Allocator& a, uintptr_t ptr) { a.free(as_ptr(ptr)); }, "ptr"_a,
           nb::call_guard<nb::gil_scoped_release>(), "Free an address returned by malloc.")
