@@ -252,3 +252,37 @@ def test_trace_is_a_bounded_ring_that_counts_what_it_dropped():
 def test_trace_capacity_is_validated():
     with pytest.raises(ValueError, match="trace_capacity: expected an event count >= 0, got -1"):
         Allocator("host", chunk_size=C, trace_capacity=-1)
+
+
+HISTORY_SCRIPT = r"""
+import ctypes, types
+import vmalloc
+from vmalloc import torch_allocator as ta
+core = ta._core()
+core._torch_configure("host", 64 << 10, 0, -1)
+reg = ta.registry()
+reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
+lib = ctypes.CDLL(core.__file__)
+malloc = lib.vmalloc_torch_malloc
+malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free = lib.vmalloc_torch_free
+free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+ta.start_recording()
+ta.set_trace_capacity(30)
+for i in range(25):                     # the native ring keeps 30 of these 50 events
+    free(malloc(1000 + i, 0, None), 1000 + i, 0, None)
+rep = vmalloc.report(format="json")
+assert rep["history"] == {"capacity": 30, "events_kept": 30, "events_dropped": 20}, rep["history"]
+for i in range(10):                     # 20 more: the Python history drops 20 of its own
+    free(malloc(2000, 0, None), 2000, 0, None)
+h = vmalloc.report(format="json")["history"]
+assert h == {"capacity": 30, "events_kept": 30, "events_dropped": 40}, h
+assert len(reg.history[0]) == 30 and reg.history[0][-1]["size"] == 2000
+print("OK")
+"""
+
+
+def test_recorded_history_is_bounded_and_the_report_counts_what_was_dropped(tmp_path):
+    r = subprocess.run([sys.executable, "-c", HISTORY_SCRIPT], capture_output=True, text=True,
+                       timeout=120, env=python_env(), cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
