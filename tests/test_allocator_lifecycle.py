@@ -286,3 +286,19 @@ def test_recorded_history_is_bounded_and_the_report_counts_what_was_dropped(tmp_
     r = subprocess.run([sys.executable, "-c", HISTORY_SCRIPT], capture_output=True, text=True,
                        timeout=120, env=python_env(), cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
+def test_interrupt_in_the_pressure_callback_propagates_and_leaves_the_allocator_usable():
+    with Allocator("host", chunk_size=C, budget=2 * C) as a:
+        p = a.malloc(2 * C)
+
+        def interrupted(missing: int) -> bool:
+            raise KeyboardInterrupt
+
+        a.set_pressure_callback(interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            a.malloc(C)
+        s = a.stats()
+        assert s["num_live"] == 1 and s["requested_current"] == 2 * C
+        a.free(p)
+        a.free(a.malloc(2 * C))
