@@ -251,7 +251,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             seed += 1
             budget = None if budget_chunks is None else budget_chunks * chunk
             rows.append(run_config(chunk, budget, ops, seed))
-    threads = [thread_stress(t, 2000 if args.quick else 20000) for t in (2, 8)]
+    threads = [thread_stress(t, 2000 if args.quick else 20000)
+               for t in ((2, 8) if args.quick else (2, 8, 64))]
     forks = fork_cases()
     total = {k: sum(r[k] for r in rows) for k in ("ops", "faults_armed", "faults_fired", "oom",
                                                   "driver_errors", "free_errors", "bytes_checked",

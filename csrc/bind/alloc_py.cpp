@@ -67,12 +67,15 @@ std::string py_repr(nb::handle h) {
   }
 }
 
-// A byte count: a Python int, never a bool (True is an int to Python, not a size).
+// A byte count: an int (or anything with __index__, e.g. numpy integers), never a bool (True is an
+// int to Python, not a size).
 int64_t byte_count(nb::handle n, const char* name) {
-  if (PyBool_Check(n.ptr()) || !PyLong_Check(n.ptr()))
+  if (PyBool_Check(n.ptr()) || !PyIndex_Check(n.ptr()))
     throw nb::type_error((std::string(name) + ": expected an int byte count, got " + py_repr(n)).c_str());
+  nb::object i = nb::steal(PyNumber_Index(n.ptr()));
+  if (!i.is_valid()) throw nb::python_error();
   int overflow = 0;
-  long long v = PyLong_AsLongLongAndOverflow(n.ptr(), &overflow);
+  long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (overflow > 0) return INT64_MAX;  // beyond any device: malloc answers OutOfMemoryError
   if (overflow < 0 || v <= 0)
     throw std::invalid_argument(std::string(name) + ": must be a positive byte count, got " + py_repr(n));
