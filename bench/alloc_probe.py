@@ -268,8 +268,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print_table(rows, ["chunk_size", "budget", "ops", "faults_fired", "oom", "driver_errors",
                        "free_errors", "corrupted_bytes", "leaked_bytes"])
     print_table([total])
-    out = {"quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks, "total": total}
-    write_json("alloc_probe.json", out, args.out)
+    out = {"command": "python bench/alloc_probe.py" + (" --quick" if args.quick else ""),
+           "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks, "total": total}
+    write_json("alloc_probe", out, args.out)
     return out
 
 
