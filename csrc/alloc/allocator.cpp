@@ -915,23 +915,28 @@ void Allocator::free(void* p) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t* found = m.live.find(addr);
-  if (!found)
+  uintptr_t v = 0;
+  if (!m.live.take(addr, v))
     throw std::invalid_argument("ptr: " + hex(addr) +
                                 " is not a live allocation of this allocator (unknown or already freed)");
-  uintptr_t v = *found;
-  // Record the events reuse must wait for first: if that fails the pointer stays live and the
-  // stats untouched (the caller may retry or leak it knowingly); nothing below fails on the driver.
-  if (is_block(v)) {
-    Block* b = as_block(v);
-    if (!b->extra_streams.empty()) {
-      m.record_on(b->extra_streams, b->events);
-      m.small.reserve_pending();
+  // Record the events reuse must wait for before anything changes: if that fails the pointer goes
+  // back into the live map (no rehash: it was just there) and the stats are untouched, so the
+  // caller may retry; nothing below fails on the driver.
+  try {
+    if (is_block(v)) {
+      Block* b = as_block(v);
+      if (!b->extra_streams.empty()) {
+        m.record_on(b->extra_streams, b->events);
+        m.small.reserve_pending();
+      }
+    } else {
+      Range* r = as_range(v);
+      if (!r->extra_streams.empty() || m.owner_event_now(r->stream)) m.record_free_events(r);
     }
-  } else {
-    m.record_free_events(as_range(v));
+  } catch (...) {
+    m.live.insert(addr, v);
+    throw;
   }
-  m.live.take(addr, v);
   if (is_block(v)) {
     Block* b = as_block(v);
     uintptr_t stream = b->slab->stream;
