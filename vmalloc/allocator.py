@@ -142,6 +142,13 @@ class Allocator(_core.Allocator):
 
         super().set_pressure_callback(trampoline)
 
+    def close(self) -> None:
+        """Return everything to the driver and drop the pressure callback; idempotent. Never
+        raises on a driver failure (each release is tried on its own). In a forked child it
+        releases nothing: the memory is the parent's."""
+        super().close()
+        self.__dict__.pop("_pressure_callback", None)
+
     def __enter__(self) -> "Allocator":
         return self
 
