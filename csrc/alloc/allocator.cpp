@@ -66,6 +66,7 @@
 #include "alloc/ptr_map.hpp"
 #include "alloc/range.hpp"
 #include "alloc/small_bins.hpp"
+#include "alloc/trace_ring.hpp"
 #include "alloc/va_space.hpp"
 #include "driver/driver.hpp"
 
@@ -79,7 +80,6 @@ namespace {
 constexpr size_t kDefaultSpanBytes = size_t(64) << 30;  // VA per reservation (nothing committed)
 constexpr size_t kMaxRequest = size_t(1) << 62;
 constexpr size_t kMaxChunk = size_t(1) << 47;  // a 47-bit user address space: larger cannot be mapped
-constexpr size_t kDefaultTraceCapacity = 100000;
 
 // Bumped in every forked child (pthread_atfork): an allocator built in another generation is dead.
 std::atomic<uint64_t> g_fork_generation{0};
@@ -151,10 +151,7 @@ struct Allocator::Impl {
   std::string failure;      // why the current malloc attempt could not get memory (for OutOfMemory)
 
   bool trace_on = false;
-  std::vector<TraceEvent> trace;  // a ring of at most trace_capacity events, oldest at trace_head
-  size_t trace_capacity = kDefaultTraceCapacity;
-  size_t trace_head = 0;
-  uint64_t trace_dropped = 0;
+  TraceRing trace{Config().trace_capacity};
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   std::function<bool(size_t)> pressure;
   uint64_t next_id = 1;
@@ -186,35 +183,7 @@ struct Allocator::Impl {
   bool forked() const { return g_fork_generation.load(std::memory_order_relaxed) != fork_generation; }
 
   void record_trace(TraceEvent::Action a, uint64_t id, size_t size, uintptr_t stream, uintptr_t addr) {
-    if (trace_capacity == 0) {
-      ++trace_dropped;
-      return;
-    }
-    TraceEvent e{a, id, size, stream, now(), addr};
-    if (trace.size() < trace_capacity) {
-      trace.push_back(e);
-      return;
-    }
-    trace[trace_head] = e;  // full: overwrite the oldest
-    trace_head = (trace_head + 1) % trace_capacity;
-    ++trace_dropped;
-  }
-  std::vector<TraceEvent> take_trace() {
-    std::rotate(trace.begin(), trace.begin() + static_cast<std::ptrdiff_t>(trace_head), trace.end());
-    trace_head = 0;
-    std::vector<TraceEvent> out;
-    out.swap(trace);
-    return out;
-  }
-  void set_trace_capacity(size_t n) {
-    std::vector<TraceEvent> kept = take_trace();
-    if (kept.size() > n) {
-      trace_dropped += kept.size() - n;
-      kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(n));
-    }
-    trace.swap(kept);
-    trace_capacity = n;
-    cfg.trace_capacity = n;
+    trace.push(TraceEvent{a, id, size, stream, now(), addr});
   }
 
   // ---- physical chunks ----
@@ -830,7 +799,7 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
   install_fork_handler();
   m.fork_generation = g_fork_generation.load(std::memory_order_relaxed);
   m.device_limit = m.drv->total_memory();
-  m.trace_capacity = cfg.trace_capacity;
+  m.trace.set_capacity(cfg.trace_capacity);
   m.chunk = cfg.chunk_size;
   m.small_limit = std::min(cfg.small_threshold, cfg.chunk_size);
   m.va = std::make_unique<VaSpace>(*m.drv, m.chunk, std::max(kDefaultSpanBytes, m.chunk));
@@ -989,7 +958,7 @@ Stats Allocator::stats() const {
   s.va_reserved = m.va->reserved_bytes();
   s.num_va_reserve = m.va->num_reserves();
   s.budget = m.cfg.budget;
-  s.num_trace_dropped = m.trace_dropped;
+  s.num_trace_dropped = m.trace.dropped();
   return s;
 }
 
@@ -1050,13 +1019,14 @@ void Allocator::set_trace(bool on) {
 std::vector<TraceEvent> Allocator::take_trace() {
   impl_->check_not_forked();
   std::lock_guard<std::mutex> g(impl_->mu);
-  return impl_->take_trace();
+  return impl_->trace.take();
 }
 
 void Allocator::set_trace_capacity(size_t events) {
   impl_->check_not_forked();
   std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->set_trace_capacity(events);
+  impl_->trace.set_capacity(events);
+  impl_->cfg.trace_capacity = events;
 }
 
 void Allocator::close() {
