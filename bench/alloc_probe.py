@@ -9,8 +9,9 @@ every allocation filled with its own byte and checked at free, and driver faults
 operation the invariants of :func:`check` hold (stats agree with the backend's own counts of
 committed and mapped memory, no overlap, budget respected); at the end everything is freed,
 trimmed and closed, and what is left committed or mapped is counted as a leak. Then C++ threads
-hammer one allocator (``_core.alloc_stress_threads``), and forked children use, free, trim, close
-and drop the parent's allocator while the parent checks its bytes.
+hammer one allocator (``_core.alloc_stress_threads``), forked children use, free, trim, close
+and drop the parent's allocator while the parent checks its bytes, and a list of bad arguments
+must each raise its own error naming the input.
 
 Writes bench/results/alloc_probe.json and prints a table. The test suite runs the same engine
 (``Probe``) in a bounded hypothesis test (tests/test_allocator_faults.py).
@@ -236,6 +237,51 @@ def fork_cases() -> Dict[str, Any]:
             "parent_stats_unchanged": all(same.values())}
 
 
+def bad_inputs() -> Dict[str, Any]:
+    """Bad arguments: each must raise its own error type with a message naming the input."""
+    a = Allocator("host", chunk_size=64 << 10, budget=1 << 20)
+    p = a.malloc(100)
+    a.free(p)
+    closed = Allocator("host", chunk_size=64 << 10)
+    closed.close()
+    cases = [
+        (lambda: a.malloc(0), ValueError, "nbytes"), (lambda: a.malloc(-5), ValueError, "nbytes"),
+        (lambda: a.malloc(True), TypeError, "nbytes"), (lambda: a.malloc(1.5), TypeError, "nbytes"),
+        (lambda: a.malloc("8"), TypeError, "nbytes"), (lambda: a.free(p), ValueError, "ptr"),
+        (lambda: a.free(12345), ValueError, "ptr"), (lambda: a.record_stream(77, 1), ValueError, "ptr"),
+        (lambda: a.malloc(2 << 20), OutOfMemoryError, "budget"),
+        (lambda: a.malloc(1 << 40), OutOfMemoryError, "out of memory"),
+        (lambda: a.malloc(2**70), OutOfMemoryError, "out of memory"),
+        (lambda: a.set_budget(100), ValueError, "budget"),
+        (lambda: closed.malloc(10), RuntimeError, "closed"),
+        (lambda: Allocator("host", chunk_size=2**63), ValueError, "chunk_size"),
+        (lambda: Allocator("host", chunk_size=5000), ValueError, "chunk_size"),
+        (lambda: Allocator("host", chunk_size=0), ValueError, "chunk_size"),
+        (lambda: Allocator("host", chunk_size=1 << 20, budget=4096), ValueError, "budget"),
+        (lambda: Allocator("gpu"), ValueError, "backend"),
+        (lambda: Allocator("host", device=-1), ValueError, "device"),
+        (lambda: Allocator("host", trace_capacity=-1), ValueError, "trace_capacity"),
+        (lambda: Allocator("host", cache_slack=-1.0), ValueError, "cache_slack"),
+        (lambda: a.set_pressure_callback(5), TypeError, "callback"),
+        (lambda: a._inject_fault("mmap"), ValueError, "call"),
+    ]
+    clear = 0
+    unclear = []
+    for i, (f, exc, word) in enumerate(cases):
+        try:
+            f()
+            unclear.append(f"case {i}: no error")
+        except exc as e:
+            if word in str(e):
+                clear += 1
+            else:
+                unclear.append(f"case {i}: {e}")
+        except Exception as e:  # noqa: BLE001 - counted as unclear: the wrong error type
+            unclear.append(f"case {i}: {type(e).__name__}: {e}")
+    a.close()
+    return {"tried": len(cases), "clear_errors": clear, "unclear": unclear}
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from bench.common import parse_args, print_table, write_json
 
@@ -254,6 +300,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     threads = [thread_stress(t, 2000 if args.quick else 20000)
                for t in ((2, 8) if args.quick else (2, 8, 64))]
     forks = fork_cases()
+    bad = bad_inputs()
     total = {k: sum(r[k] for r in rows) for k in ("ops", "faults_armed", "faults_fired", "oom",
                                                   "driver_errors", "free_errors", "bytes_checked",
                                                   "corrupted_bytes", "leaked_bytes")}
@@ -264,12 +311,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     total["fork_children"] = forks["children"]
     total["fork_failed_children"] = sum(1 for c in forks["child_exit_codes"].values() if c != 0)
     total["fork_parent_corrupted_bytes"] = forks["parent_corrupted_bytes"]
+    total["bad_inputs_tried"] = bad["tried"]
+    total["bad_inputs_unclear"] = len(bad["unclear"])
     total["seconds"] = round(time.perf_counter() - t0, 2)
     print_table(rows, ["chunk_size", "budget", "ops", "faults_fired", "oom", "driver_errors",
                        "free_errors", "corrupted_bytes", "leaked_bytes"])
     print_table([total])
     out = {"command": "python bench/alloc_probe.py" + (" --quick" if args.quick else ""),
-           "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks, "total": total}
+           "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks,
+           "bad_inputs": bad, "total": total}
     write_json("alloc_probe", out, args.out)
     return out
 

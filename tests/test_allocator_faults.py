@@ -203,3 +203,10 @@ def test_probe_calls_cover_every_hook():
     assert set(CALLS) | {"unreserve"} == {"create", "release", "map", "unmap", "reserve", "unreserve",
                                           "record", "any"}
     assert errno.EINTR in ERRNOS and errno.EFBIG in ERRNOS
+
+
+def test_probe_bad_inputs_all_get_clear_errors():
+    from bench.alloc_probe import bad_inputs
+
+    out = bad_inputs()
+    assert out["unclear"] == [] and out["clear_errors"] == out["tried"]
