@@ -5,6 +5,7 @@ module only validates arguments (naming the bad parameter and value) and adds th
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 from .sizes import SizeLike, parse_optional_size, parse_size
@@ -65,12 +66,20 @@ class Allocator(_core.Allocator):
         stays below ``(1 + cache_slack)`` x the peak of chunks in use; past that, cached chunks
         are remapped first (default 0.25; ``None``: no cap, like a caching allocator). With a
         budget, chunks are created up to the budget first.
+    trace_capacity: the allocation trace (``set_trace``) is a ring of at most this many events
+        (default 100000, about 48 bytes each); older events are dropped and counted in
+        ``stats()["num_trace_dropped"]``.
+
+    Reliability (README "Reliability"): every driver failure leaves the allocator consistent;
+    ``close()`` never raises or aborts and releases everything; in a forked child the allocator
+    is dead (every call raises, ``close()`` releases nothing of the parent's).
     """
 
     def __init__(self, backend: str = "host", chunk_size: SizeLike = 2 << 20,
                  budget: Optional[SizeLike] = None, device: int = 0, *,
                  small_threshold: SizeLike = 1 << 20, split_cached: bool = True,
-                 prefer_remap: bool = False, cache_slack: Optional[float] = 0.25) -> None:
+                 prefer_remap: bool = False, cache_slack: Optional[float] = 0.25,
+                 trace_capacity: int = 100000) -> None:
         _check_backend(backend)
         device = _check_device(device)
         chunk = parse_size(chunk_size, "chunk_size")
@@ -88,11 +97,15 @@ class Allocator(_core.Allocator):
             raise ValueError(f"cache_slack: expected a number >= 0 or None, got {cache_slack!r}")
         else:
             slack = float(cache_slack)
+        if isinstance(trace_capacity, bool) or not isinstance(trace_capacity, int) \
+                or trace_capacity < 0:
+            raise ValueError(f"trace_capacity: expected an event count >= 0, got {trace_capacity!r}")
         # The native constructor checks chunk_size against the device granularity and raises
         # ValueError naming chunk_size; the cuda backend raises RuntimeError without a driver.
         super().__init__(backend=backend, chunk_size=chunk, budget=nbudget or 0, device=device,
                          small_threshold=small, split_cached=bool(split_cached),
-                         prefer_remap=bool(prefer_remap), cache_slack=slack)
+                         prefer_remap=bool(prefer_remap), cache_slack=slack,
+                         trace_capacity=trace_capacity)
 
     def set_budget(self, budget: Optional[SizeLike]) -> None:
         """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""
@@ -108,8 +121,33 @@ class Allocator(_core.Allocator):
 
         Return True if it freed memory: the allocator then retries once. It runs without the
         allocator's lock held, so it may free (or allocate) through this allocator.
+
+        The callback is kept on this Python object (where the garbage collector sees it); the
+        native side holds only a weak reference to the allocator, so a callback that refers to
+        its allocator makes an ordinary cycle that ``gc.collect()`` frees.
         """
-        super().set_pressure_callback(callback)
+        if callback is None:
+            self._pressure_callback = None
+            super().set_pressure_callback(None)
+            return
+        if not callable(callback):
+            raise TypeError(f"callback: expected a callable or None, got {callback!r}")
+        self._pressure_callback = callback
+        ref = weakref.ref(self)
+
+        def trampoline(missing: int) -> bool:
+            me = ref()
+            cb = None if me is None else me._pressure_callback
+            return False if cb is None else cb(missing)
+
+        super().set_pressure_callback(trampoline)
+
+    def close(self) -> None:
+        """Return everything to the driver and drop the pressure callback; idempotent. Never
+        raises on a driver failure (each release is tried on its own). In a forked child it
+        releases nothing: the memory is the parent's."""
+        super().close()
+        self.__dict__.pop("_pressure_callback", None)
 
     def __enter__(self) -> "Allocator":
         return self

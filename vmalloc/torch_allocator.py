@@ -27,12 +27,17 @@ import contextlib
 import sys
 import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 
 from .sizes import SizeLike, parse_optional_size, parse_size
 
 ALL_DEVICES = -1
+# Allocation-history events kept per device: the native ring (Allocator trace_capacity) and the
+# Python history below both keep the newest this many and count what they drop, so a long
+# training run with VMALLOC_REPORT set does not grow. Change with set_trace_capacity().
+TRACE_CAPACITY = 100_000
 
 # exported symbol names of csrc/bind/torch_c_api.cpp
 _ALLOC_FN = "vmalloc_torch_malloc"
@@ -56,7 +61,9 @@ class _Registry:
     mode: Optional[str] = None            # "global" (change_current_allocator) or "pool"
     config: Dict[str, Any] = field(default_factory=dict)
     sections: Dict[int, Dict[str, Callable[[], Mapping[str, Any]]]] = field(default_factory=dict)
-    history: Dict[int, List[Dict[str, Any]]] = field(default_factory=dict)
+    history: Dict[int, Deque[Dict[str, Any]]] = field(default_factory=dict)
+    history_dropped: Dict[int, int] = field(default_factory=dict)   # by the Python history
+    trace_capacity: int = TRACE_CAPACITY
     recording: bool = False
     torch_allocator: Any = None            # the CUDAPluggableAllocator object (kept alive)
     patched: Dict[str, Any] = field(default_factory=dict)
@@ -301,13 +308,49 @@ def torch_memory_stats(s: Mapping[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _append_history(reg: _Registry, device: int, events: List[Dict[str, Any]]) -> None:
+    """Append to a device's bounded history (the newest ``reg.trace_capacity`` events), counting
+    what falls out."""
+    h = reg.history.get(device)
+    if h is None or h.maxlen != reg.trace_capacity:
+        h = reg.history[device] = deque(h or (), maxlen=reg.trace_capacity)
+    reg.history_dropped[device] = (reg.history_dropped.get(device, 0)
+                                   + max(0, len(h) + len(events) - reg.trace_capacity))
+    h.extend(events)
+
+
+def history_info(device: int) -> Dict[str, int]:
+    """How much of ``device``'s allocation history is kept and how much was dropped (native ring +
+    Python history), for the report."""
+    reg = _REGISTRY
+    native = 0
+    if reg.mode is not None and device in _core()._torch_devices():
+        native = int(_core()._torch_allocator(device).stats().get("num_trace_dropped", 0))
+    return {"capacity": reg.trace_capacity, "events_kept": len(reg.history.get(device, ())),
+            "events_dropped": native + reg.history_dropped.get(device, 0)}
+
+
+def set_trace_capacity(events: int) -> None:
+    """Keep at most ``events`` allocation-history events per device (native ring and Python)."""
+    if isinstance(events, bool) or not isinstance(events, int) or events < 0:
+        raise ValueError(f"events: expected an event count >= 0, got {events!r}")
+    _REGISTRY.trace_capacity = events
+    if _REGISTRY.mode is not None:
+        core = _core()
+        for d in core._torch_devices():
+            core._torch_allocator(d).set_trace_capacity(events)
+
+
 def _drain_history() -> None:
     """Move events recorded by the native allocators into the Python history."""
     if _REGISTRY.mode is None or not _REGISTRY.recording:
         return
     core = _core()
     for d in core._torch_devices():
-        _REGISTRY.history.setdefault(d, []).extend(core._torch_allocator(d).take_trace())
+        a = core._torch_allocator(d)
+        if a.trace_capacity != _REGISTRY.trace_capacity:
+            a.set_trace_capacity(_REGISTRY.trace_capacity)
+        _append_history(_REGISTRY, d, a.take_trace())
 
 
 def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
@@ -435,11 +478,16 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
         d = _device_index(device)
         s = stats(d)
         _drain_history()
-        events = reg.history.get(d, [])
+        events = list(reg.history.get(d, ()))
         sizes = [int(e["size"]) for e in events if e["action"] == "alloc"] or None
-        n_max = _max_live(events) if events else None
+        info = history_info(d)
+        # n_max needs the whole history: not known once events were dropped
+        n_max = _max_live(events) if events and not info["events_dropped"] else None
+        sections = reg.sections_for(d)
+        if reg.recording:
+            sections["history"] = info
         return rpt.build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
-                         sections=reg.sections_for(d),
+                         sections=sections,
                          title=f"vmalloc ({reg.mode}) on cuda:{d}")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():

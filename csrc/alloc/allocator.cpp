@@ -31,6 +31,19 @@
 // are complete. record_stream adds streams. On the host backend events are trivially complete but
 // the bookkeeping is the same.
 //
+// Failures (every driver error, not only out-of-memory): each operation either completes or leaves
+// the allocator as it was, with every chunk it holds counted once, in a place trim()/close() reach:
+// chunks gathered for a mapping go back to the free pool, a range whose unmap fails keeps its
+// still-mapped chunks (cached), a chunk whose release fails stays in the pool, free() records its
+// events before it retires the pointer. trim() releases what it can and then reports the first
+// error. close() and the destructor never throw, never allocate, and release everything (each
+// driver call on its own; the host backend's shutdown frees what a failed release left).
+//
+// fork(): an allocator belongs to the process that built it. An at-fork handler bumps a
+// generation counter; in a child every call raises, close() and the destructor release nothing
+// (the parent's chunks, memfd and handles are the parent's; the host backend's mappings are
+// MADV_DONTFORK, so the child has none of them) and the bookkeeping is left to the child's exit.
+//
 // Thread safety: one mutex around all state. The critical sections are a few hundred nanoseconds
 // on the fast paths (PyTorch's caching allocator also uses one mutex per device), the slow path's
 // driver calls are serialized inside the driver anyway, and a single lock makes "never overlap,
@@ -43,12 +56,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <atomic>
+#include <exception>
 #include <mutex>
+
+#include <pthread.h>
 
 #include "alloc/cache_buckets.hpp"
 #include "alloc/ptr_map.hpp"
 #include "alloc/range.hpp"
 #include "alloc/small_bins.hpp"
+#include "alloc/trace_ring.hpp"
 #include "alloc/va_space.hpp"
 #include "driver/driver.hpp"
 
@@ -61,6 +79,19 @@ namespace {
 
 constexpr size_t kDefaultSpanBytes = size_t(64) << 30;  // VA per reservation (nothing committed)
 constexpr size_t kMaxRequest = size_t(1) << 62;
+constexpr size_t kMaxChunk = size_t(1) << 47;  // a 47-bit user address space: larger cannot be mapped
+
+// Bumped in every forked child (pthread_atfork): an allocator built in another generation is dead.
+std::atomic<uint64_t> g_fork_generation{0};
+void on_fork_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+void install_fork_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
+}
+
+// Streams whose handle names "the default stream of the current context" (CUDA's 0, legacy and
+// per-thread handles): they never die, so events on them may be recorded late.
+inline bool is_default_stream(uintptr_t s) { return s == 0 || s == 1 || s == 2; }
 
 std::string human(size_t bytes) {
   char buf[64];
@@ -115,8 +146,12 @@ struct Allocator::Impl {
   uintptr_t first_stream = 0;
   bool multistream = false;  // more than one stream seen: record owner events eagerly at free
 
+  uint64_t fork_generation = g_fork_generation.load(std::memory_order_relaxed);
+  size_t device_limit = 0;  // device memory (host: physical RAM); 0 = unknown
+  std::string failure;      // why the current malloc attempt could not get memory (for OutOfMemory)
+
   bool trace_on = false;
-  std::vector<TraceEvent> trace;
+  TraceRing trace{Config().trace_capacity};
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   std::function<bool(size_t)> pressure;
   uint64_t next_id = 1;
@@ -145,8 +180,10 @@ struct Allocator::Impl {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  bool forked() const { return g_fork_generation.load(std::memory_order_relaxed) != fork_generation; }
+
   void record_trace(TraceEvent::Action a, uint64_t id, size_t size, uintptr_t stream, uintptr_t addr) {
-    trace.push_back(TraceEvent{a, id, size, stream, now(), addr});
+    trace.push(TraceEvent{a, id, size, stream, now(), addr});
   }
 
   // ---- physical chunks ----
@@ -163,6 +200,7 @@ struct Allocator::Impl {
     st.physical_current = chunks_held * chunk;
   }
   bool budget_allows_one_more() const { return cfg.budget == 0 || (chunks_held + 1) * chunk <= cfg.budget; }
+  bool device_allows_one_more() const { return device_limit == 0 || (chunks_held + 1) * chunk <= device_limit; }
 
   // ---- the cache of mapped ranges ----
   void cache_insert(Range* r) {
@@ -240,38 +278,99 @@ struct Allocator::Impl {
     r->all_ready = false;
   }
 
-  // A range leaves use: record what other streams must wait for, and cache it (still mapped).
-  void retire(Range* r) {
-    r->all_ready = false;
-    for (uintptr_t s : r->extra_streams) r->extra_events.push_back(drv->record_event(s));
-    r->extra_streams.clear();
-    if (multistream) {
-      r->owner_event = drv->record_event(r->stream);
-      r->has_owner_event = true;
+  // Record one event per stream of `streams` into `into`; all or nothing (a failure destroys the
+  // events it recorded and leaves `into` as it was).
+  void record_on(const std::vector<uintptr_t>& streams, std::vector<EventHandle>& into) {
+    size_t before = into.size();
+    into.reserve(before + streams.size());
+    try {
+      for (uintptr_t s : streams) into.push_back(drv->record_event(s));
+    } catch (...) {
+      for (size_t i = before; i < into.size(); ++i) quiet([&] { drv->event_destroy(into[i]); });
+      into.resize(before);
+      throw;
     }
+  }
+  // The owner's event is recorded at free when another stream may take the memory (several
+  // streams seen) or when the owner is a stream that may be destroyed later (any handle but the
+  // default ones): recording later on a dead stream is an error, or worse, another stream.
+  bool owner_event_now(uintptr_t stream) const { return multistream || !is_default_stream(stream); }
+
+  // free() of a large range, first half: record the events its reuse must wait for. Throws with
+  // nothing changed (the range stays live).
+  void record_free_events(Range* r) {
+    record_on(r->extra_streams, r->extra_events);
+    if (owner_event_now(r->stream)) {
+      try {
+        r->owner_event = drv->record_event(r->stream);
+        r->has_owner_event = true;
+      } catch (...) {
+        for (size_t i = r->extra_events.size() - r->extra_streams.size(); i < r->extra_events.size(); ++i)
+          quiet([&] { drv->event_destroy(r->extra_events[i]); });
+        r->extra_events.resize(r->extra_events.size() - r->extra_streams.size());
+        throw;
+      }
+    }
+    r->extra_streams.clear();
+  }
+  // Second half (cannot fail on a driver error): cache it, still mapped.
+  void cache_retired(Range* r) {
+    r->all_ready = false;
     r->requested = 0;
     r->id = 0;
     r->is_slab = false;
     cache_insert(r);
   }
+  // An emptied slab leaves use. If its owner event cannot be recorded now it is recorded lazily
+  // (fully_ready), as on a default stream: the slab is cached either way, never lost.
+  void retire_slab(Range* r) {
+    if (!r->has_owner_event && owner_event_now(r->stream)) {
+      try {
+        r->owner_event = drv->record_event(r->stream);
+        r->has_owner_event = true;
+      } catch (...) {
+      }
+    }
+    cache_retired(r);
+  }
 
-  // Unmap the last m chunks of a cached, fully ready range; appends their handles to `out`.
+  template <class F>
+  static void quiet(F&& f) noexcept {
+    try {
+      f();
+    } catch (...) {  // best effort (close, rollback): the driver may already be shutting down
+    }
+  }
+
+  // Unmap the last m chunks of a cached, fully ready range (last first); appends their handles to
+  // `out`. When an unmap fails, the chunks unmapped so far still leave (in `out`), the range keeps
+  // the rest, still mapped and cached, and the error propagates.
   void take_tail(Range* r, size_t m, std::vector<ChunkHandle>& out) {
+    out.reserve(out.size() + m);  // nothing may fail between an unmap and recording its chunk
     cache_remove(r);
-    for (size_t i = r->k - m; i < r->k; ++i) {
-      timed([&] { drv->unmap(r->addr + i * chunk, chunk); });
+    size_t done = 0;
+    std::exception_ptr err;
+    for (; done < m; ++done) {
+      size_t i = r->k - 1 - done;
+      try {
+        timed([&] { drv->unmap(r->addr + i * chunk, chunk); });
+      } catch (...) {
+        err = std::current_exception();
+        break;
+      }
       ++st.num_unmap;
       out.push_back(r->chunks[i]);
     }
-    if (m == r->k) {
+    if (done == r->k) {
       va->give(r->addr, r->k);
       delete r;
-      return;
+    } else {
+      if (done) va->give(r->addr + (r->k - done) * chunk, done);
+      r->k -= done;
+      r->chunks.resize(r->k);
+      cache_insert(r);
     }
-    va->give(r->addr + (r->k - m) * chunk, m);
-    r->k -= m;
-    r->chunks.resize(r->k);
-    cache_insert(r);
+    if (err) std::rethrow_exception(err);
   }
 
   // Take up to `need` chunks from cached ranges, oldest first; with `wait`, wait for pending events.
@@ -293,14 +392,24 @@ struct Allocator::Impl {
   void note_in_use() { peak_in_use_chunks = std::max(peak_in_use_chunks, in_use_chunks()); }
 
   // Create chunks until `out` has k or chunks_held reaches `cap` (and the budget allows).
+  // `out` has room for k (the caller reserved it), so a created chunk is always recorded.
   void create_chunks(size_t k, std::vector<ChunkHandle>& out, bool& device_full, size_t cap = SIZE_MAX) {
     while (out.size() < k && !device_full && chunks_held < cap && budget_allows_one_more()) {
+      if (!device_allows_one_more()) {
+        device_full = true;
+        failure = chunk > device_limit ? "one chunk is larger than the " + std::string(drv->name()) +
+                                             " backend's memory (" + human(device_limit) + ")"
+                                       : "the " + std::string(drv->name()) + " backend's memory (" +
+                                             human(device_limit) + ") is full";
+        break;
+      }
       try {
         ChunkHandle h = timed([&] { return drv->create(chunk); });
         out.push_back(h);
         on_chunk_created();
-      } catch (const driver::DriverOutOfMemory&) {
+      } catch (const driver::DriverOutOfMemory& e) {
         device_full = true;
+        failure = e.what();
       }
     }
   }
@@ -308,7 +417,7 @@ struct Allocator::Impl {
   void release_empty_slabs() {
     for (Range* r : small.take_empty_slabs()) {
       slab_chunks -= r->k;
-      retire(r);
+      retire_slab(r);
     }
   }
 
@@ -321,22 +430,33 @@ struct Allocator::Impl {
     size_t demand = std::max(peak_in_use_chunks, in_use_chunks() + k);
     double slack = cfg.prefer_remap ? 0.0 : cfg.budget != 0 ? -1.0 : cfg.cache_slack;
     size_t soft_cap = slack < 0 ? SIZE_MAX : static_cast<size_t>(std::ceil(double(demand) * (1.0 + slack)));
-    while (out.size() < k && !free_chunks.empty()) {
-      out.push_back(free_chunks.back());
-      free_chunks.pop_back();
-    }
-    create_chunks(k, out, device_full, soft_cap);
-    if (out.size() < k) reclaim_cached(k - out.size(), out, false);
-    create_chunks(k, out, device_full);
-    if (out.size() < k) {
-      release_empty_slabs();
-      reclaim_cached(k - out.size(), out, false);
-    }
-    if (out.size() < k) reclaim_cached(k - out.size(), out, true);
-    if (out.size() < k) {
-      missing = (k - out.size()) * chunk;
+    // Every chunk gathered goes back to the free pool when this fails (driver error or too few):
+    // the pool has room for all of them, so giving back cannot fail.
+    free_chunks.reserve(chunks_held + k);
+    auto give_back = [&] {
       for (auto h : out) free_chunks.push_back(h);
       out.clear();
+    };
+    try {
+      while (out.size() < k && !free_chunks.empty()) {
+        out.push_back(free_chunks.back());
+        free_chunks.pop_back();
+      }
+      create_chunks(k, out, device_full, soft_cap);
+      if (out.size() < k) reclaim_cached(k - out.size(), out, false);
+      create_chunks(k, out, device_full);
+      if (out.size() < k) {
+        release_empty_slabs();
+        reclaim_cached(k - out.size(), out, false);
+      }
+      if (out.size() < k) reclaim_cached(k - out.size(), out, true);
+    } catch (...) {
+      give_back();
+      throw;
+    }
+    if (out.size() < k) {
+      missing = (k - out.size()) * chunk;
+      give_back();
       return false;
     }
     return true;
@@ -348,20 +468,50 @@ struct Allocator::Impl {
     if (!gather(k, handles, missing, device_full)) return nullptr;
     uintptr_t addr = 0;
     size_t mapped = 0;
+    // Chunks go back to the free pool (room reserved by gather) on any failure below.
     try {
       addr = timed([&] { return va->take(k); });
+    } catch (const std::exception& e) {
+      for (auto h : handles) free_chunks.push_back(h);
+      // No address space left is running out of memory, whatever the backend calls it.
+      missing = k * chunk;
+      failure = std::string("cannot reserve ") + human(k * chunk) + " of virtual address space (" + e.what() + ")";
+      return nullptr;
+    }
+    try {
       for (; mapped < k; ++mapped) timed([&] { drv->map(addr + mapped * chunk, chunk, handles[mapped]); });
       timed([&] { drv->set_access(addr, k * chunk); });
-    } catch (...) {
-      for (size_t i = 0; i < mapped; ++i) {
-        try {
-          drv->unmap(addr + i * chunk, chunk);
-        } catch (...) {
+    } catch (const std::exception& e) {
+      // Undo chunk by chunk. A chunk whose unmap fails too stays mapped where it is: it becomes a
+      // one-chunk cached range (untouched by any stream), so it is counted, reusable, trimmable.
+      for (size_t i = 0; i < k; ++i) {
+        uintptr_t at = addr + i * chunk;
+        bool unmapped = i >= mapped;
+        if (!unmapped) {
+          try {
+            drv->unmap(at, chunk);
+            ++st.num_unmap;
+            unmapped = true;
+          } catch (...) {
+          }
         }
+        if (unmapped) {
+          va->give(at, 1);
+          free_chunks.push_back(handles[i]);
+          continue;
+        }
+        Range* stuck = new Range;
+        stuck->addr = at;
+        stuck->k = 1;
+        stuck->chunks.assign(1, handles[i]);
+        stuck->all_ready = true;
+        cache_insert(stuck);
       }
-      if (addr) va->give(addr, k);
-      for (auto h : handles) free_chunks.push_back(h);
-      throw;
+      if (mapped) st.num_map += mapped;
+      if (!dynamic_cast<const driver::DriverOutOfMemory*>(&e)) throw;
+      missing = k * chunk;  // e.g. the host's vm.max_map_count: out of memory, not a crash
+      failure = e.what();
+      return nullptr;
     }
     st.num_map += k;
     ++st.num_remaps;
@@ -401,6 +551,11 @@ struct Allocator::Impl {
           tail->chunks.assign(r->chunks.begin() + static_cast<std::ptrdiff_t>(k), r->chunks.end());
           tail->stream = r->stream;
           tail->all_ready = r->all_ready;  // else r->stream == stream: same-stream reuse is ordered
+          // The owner's event (recorded at free) covers the tail: it moves there, as r is reused
+          // on its own stream.
+          tail->owner_event = r->owner_event;
+          tail->has_owner_event = r->has_owner_event;
+          r->has_owner_event = false;
           r->k = k;
           r->chunks.resize(k);
           drop_events(r);
@@ -447,7 +602,7 @@ struct Allocator::Impl {
         released);
     for (Range* r : released) {
       slab_chunks -= r->k;
-      retire(r);
+      retire_slab(r);
     }
   }
 
@@ -487,6 +642,12 @@ struct Allocator::Impl {
       missing = k * chunk - cfg.budget;
       return nullptr;
     }
+    if (device_limit != 0 && k * chunk > device_limit) {  // could never fit: fail now, commit nothing
+      missing = k * chunk - device_limit;
+      device_full = true;
+      failure = "larger than the " + std::string(drv->name()) + " backend's memory (" + human(device_limit) + ")";
+      return nullptr;
+    }
     Range* r = acquire(k, stream, missing, device_full);
     if (!r) return nullptr;
     note_in_use();
@@ -502,77 +663,107 @@ struct Allocator::Impl {
   void check_open() const {
     if (closed) throw std::runtime_error("vmalloc: this allocator is closed");
   }
+  // Before taking the lock: in a forked child the lock may be held forever by a parent's thread.
+  void check_not_forked() const {
+    if (forked())
+      throw std::runtime_error(
+          "vmalloc: this allocator belongs to the process that created it; a forked child cannot use "
+          "it (its memory is not mapped in the child): create a new Allocator in the child");
+  }
 
-  // Release cached physical memory until physical <= target (no waiting); returns bytes released.
+  // Release cached physical memory until physical <= target; returns bytes released. A driver
+  // failure on one range or chunk does not stop the others: what is releasable is released, the
+  // rest stays counted where it is (a cached range keeps its still-mapped chunks, a chunk whose
+  // release failed stays in the free pool), then the first error is rethrown.
   size_t shrink_to(size_t target, bool wait) {
     size_t before = chunks_held * chunk;
-    if (wait && small.has_pending()) poll_small_pending(true);
-    release_empty_slabs();
-    auto release_free = [&] {
-      while (!free_chunks.empty() && chunks_held * chunk > target) {
-        release_chunk(free_chunks.back());
-        free_chunks.pop_back();
+    std::exception_ptr err;
+    auto attempt = [&](auto&& f) {
+      try {
+        f();
+        return true;
+      } catch (...) {
+        if (!err) err = std::current_exception();
+        return false;
       }
     };
+    if (wait && small.has_pending()) attempt([&] { poll_small_pending(true); });
+    release_empty_slabs();
+    // One pass over the pool; a chunk whose release fails stays in it.
+    auto release_free = [&] {
+      size_t keep = 0;
+      for (size_t i = 0; i < free_chunks.size(); ++i) {
+        ChunkHandle h = free_chunks[i];
+        if (chunks_held * chunk > target && attempt([&] { release_chunk(h); })) continue;
+        free_chunks[keep++] = h;
+      }
+      free_chunks.resize(keep);
+    };
     release_free();
-    for (Range* r = lru_head; r && chunks_held * chunk > target;) {
+    // A range whose unmap failed goes back to the LRU tail: visit only the ranges cached now.
+    size_t to_visit = 0;
+    for (Range* r = lru_head; r; r = r->lru_next) ++to_visit;
+    for (Range* r = lru_head; r && to_visit > 0 && chunks_held * chunk > target; --to_visit) {
       Range* next = r->lru_next;
-      if (wait) wait_ready(r);
-      if (fully_ready(r)) {
+      if (wait) attempt([&] { wait_ready(r); });
+      bool ready = false;
+      attempt([&] { ready = fully_ready(r); });
+      if (ready) {
         std::vector<ChunkHandle> hs;
-        take_tail(r, r->k, hs);
+        attempt([&] { take_tail(r, r->k, hs); });  // on failure r stays cached with the rest
+        free_chunks.reserve(free_chunks.size() + hs.size());
         for (auto h : hs) free_chunks.push_back(h);
         release_free();
       }
       r = next;
     }
+    if (err) std::rethrow_exception(err);
     return before - chunks_held * chunk;
   }
 
+  // Unmap a range chunk by chunk and release its chunks; every driver call on its own (close).
+  void unmap_release(Range* r) noexcept {
+    quiet([&] { drop_events(r); });
+    for (size_t i = 0; i < r->k; ++i) {
+      quiet([&] { drv->unmap(r->addr + i * chunk, chunk); });
+      ++st.num_unmap;
+      quiet([&] { drv->release(r->chunks[i]); });
+      ++st.num_chunks_released;
+    }
+    delete r;
+  }
+
+  // Allocates nothing (a close under memory pressure or at vm.max_map_count must not abort) and
+  // walks each block and range once.
   void close_locked() noexcept {
     if (closed) return;
     closed = true;
-    auto quiet = [](auto&& f) {
-      try {
-        f();
-      } catch (...) {  // best effort: the driver may already be shutting down (interpreter exit)
-      }
-    };
-    std::vector<Range*> ranges;
-    std::vector<Block*> live_blocks;
+    // cuMemUnmap / cuMemRelease do not wait for device work still using the memory (PyTorch's
+    // ExpandableSegment synchronizes before unmapping for the same reason): wait for the work
+    // queued on freed memory (deferred small blocks, slabs, cached ranges) before giving it back,
+    // as trim() does; live large ranges are the caller's and are not waited for. No-ops on the
+    // host backend.
     live.for_each([&](uintptr_t, uintptr_t v) {
-      if (is_block(v))
-        live_blocks.push_back(as_block(v));
-      else
-        ranges.push_back(as_range(v));
+      if (!is_block(v)) unmap_release(as_range(v));
     });
     live.clear();
-    const size_t n_live_ranges = ranges.size();  // the caller's: not waited for
-    std::vector<EventHandle> events;
-    small.clear(live_blocks, ranges, events);
+    small.clear(
+        [&](EventHandle e) {
+          quiet([&] { drv->event_wait(e); });
+          quiet([&] { drv->event_destroy(e); });
+        },
+        [&](Range* r) {
+          quiet([&] { wait_ready(r); });
+          unmap_release(r);
+        });
     for (Range* r = lru_head; r;) {
       Range* next = r->lru_next;
-      ranges.push_back(r);
+      quiet([&] { wait_ready(r); });
+      unmap_release(r);
       r = next;
     }
     cache.clear();
     lru_head = lru_tail = nullptr;
-    // cuMemUnmap / cuMemRelease do not wait for device work still using the memory (PyTorch's
-    // ExpandableSegment synchronizes before unmapping for the same reason): wait for the work
-    // queued on freed memory (deferred small blocks, slabs, cached ranges) before giving it back,
-    // as trim() does. No-ops on the host backend.
-    for (auto e : events) quiet([&] { drv->event_wait(e); });
-    for (size_t i = n_live_ranges; i < ranges.size(); ++i) quiet([&] { wait_ready(ranges[i]); });
-    for (auto e : events) quiet([&] { drv->event_destroy(e); });
-    for (Range* r : ranges) {
-      quiet([&] { drop_events(r); });
-      for (size_t i = 0; i < r->k; ++i) {
-        quiet([&] { drv->unmap(r->addr + i * chunk, chunk); });
-        ++st.num_unmap;
-        free_chunks.push_back(r->chunks[i]);
-      }
-      delete r;
-    }
     for (auto h : free_chunks) {
       quiet([&] { drv->release(h); });
       ++st.num_chunks_released;
@@ -581,6 +772,7 @@ struct Allocator::Impl {
     chunks_held = 0;
     cached_range_chunks = slab_chunks = 0;
     va->release_all();
+    drv->shutdown();
     st.physical_current = st.mapped_current = st.requested_current = 0;
     st.small_requested_current = 0;
   }
@@ -598,9 +790,16 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
     throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) +
                                 " bytes is not a positive multiple of the " + cfg.backend +
                                 " backend's allocation granularity (" + std::to_string(m.gran) + " bytes)");
+  if (cfg.chunk_size > kMaxChunk)
+    throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) +
+                                " bytes is larger than any address space (" + human(kMaxChunk) + ")");
   if (cfg.budget != 0 && cfg.budget < cfg.chunk_size)
     throw std::invalid_argument("budget: " + std::to_string(cfg.budget) + " bytes is smaller than one chunk (" +
                                 std::to_string(cfg.chunk_size) + " bytes)");
+  install_fork_handler();
+  m.fork_generation = g_fork_generation.load(std::memory_order_relaxed);
+  m.device_limit = m.drv->total_memory();
+  m.trace.set_capacity(cfg.trace_capacity);
   m.chunk = cfg.chunk_size;
   m.small_limit = std::min(cfg.small_threshold, cfg.chunk_size);
   m.va = std::make_unique<VaSpace>(*m.drv, m.chunk, std::max(kDefaultSpanBytes, m.chunk));
@@ -610,15 +809,21 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
 }
 
 Allocator::~Allocator() {
-  if (impl_) {
-    std::lock_guard<std::mutex> g(impl_->mu);
-    impl_->close_locked();
+  if (!impl_) return;
+  if (impl_->forked()) {
+    // A forked child: nothing here is ours (the lock may even be held by a parent's thread that
+    // does not exist here). Leave it all to the child's exit.
+    (void)impl_.release();
+    return;
   }
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->close_locked();
 }
 
 void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
   if (nbytes == 0) throw std::invalid_argument("nbytes: must be a positive byte count, got 0");
   Impl& m = *impl_;
+  m.check_not_forked();
   for (int attempt = 0;; ++attempt) {
     size_t missing = 0;
     std::function<bool(size_t)> cb;
@@ -626,22 +831,31 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
       std::lock_guard<std::mutex> g(m.mu);
       m.check_open();
       m.note_stream(stream);
+      m.failure.clear();
       bool device_full = false;
       void* p = nullptr;
-      if (nbytes > kMaxRequest)
+      if (nbytes > kMaxRequest) {
         missing = nbytes;
+        device_full = true;
+        m.failure = "larger than the " + std::string(m.drv->name()) + " backend's memory (" +
+                    human(m.device_limit) + ")";
+      }
       else if (nbytes < m.small_limit)
         p = m.malloc_small(nbytes, stream, missing, device_full);
       else
         p = m.malloc_large(nbytes, stream, missing, device_full);
       if (p) return p;
-      if (attempt == 0 && m.pressure) {
+      // A request no amount of freeing can serve does not ask the pressure callback.
+      bool never_fits = nbytes > kMaxRequest || (m.device_limit != 0 && device_full &&
+                                                 (nbytes / m.chunk + (nbytes % m.chunk != 0)) * m.chunk > m.device_limit);
+      if (attempt == 0 && m.pressure && !never_fits) {
         cb = m.pressure;
         ++m.st.num_pressure_calls;
       } else {
         ++m.st.num_oom;
         size_t k = nbytes / m.chunk + (nbytes % m.chunk != 0);
-        std::string why = m.cfg.budget != 0 && !device_full
+        std::string why = !m.failure.empty() ? m.failure
+                          : m.cfg.budget != 0 && !device_full
                               ? "budget " + human(m.cfg.budget)
                               : "the device is full (" + std::string(m.drv->name()) + " backend)";
         throw OutOfMemory("vmalloc: out of memory: requested " + human(nbytes) + " (" + std::to_string(k) +
@@ -666,6 +880,7 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
 
 void Allocator::free(void* p) {
   Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
@@ -673,6 +888,24 @@ void Allocator::free(void* p) {
   if (!m.live.take(addr, v))
     throw std::invalid_argument("ptr: " + hex(addr) +
                                 " is not a live allocation of this allocator (unknown or already freed)");
+  // Record the events reuse must wait for before anything changes: if that fails the pointer goes
+  // back into the live map (no rehash: it was just there) and the stats are untouched, so the
+  // caller may retry; nothing below fails on the driver.
+  try {
+    if (is_block(v)) {
+      Block* b = as_block(v);
+      if (!b->extra_streams.empty()) {
+        m.record_on(b->extra_streams, b->events);
+        m.small.reserve_pending();
+      }
+    } else {
+      Range* r = as_range(v);
+      if (!r->extra_streams.empty() || m.owner_event_now(r->stream)) m.record_free_events(r);
+    }
+  } catch (...) {
+    m.live.insert(addr, v);
+    throw;
+  }
   if (is_block(v)) {
     Block* b = as_block(v);
     uintptr_t stream = b->slab->stream;
@@ -681,25 +914,25 @@ void Allocator::free(void* p) {
     m.st.small_requested_current -= b->requested;
     m.on_free_stats(b->requested, b->size);
     if (!b->extra_streams.empty()) {
-      for (uintptr_t s : b->extra_streams) b->events.push_back(m.drv->record_event(s));
       b->extra_streams.clear();
       m.small.defer(b);
       return;
     }
     if (Range* r = m.small.give(b)) {
       m.slab_chunks -= r->k;
-      m.retire(r);
+      m.retire_slab(r);
     }
     return;
   }
   Range* r = as_range(v);
   if (m.trace_on) m.record_trace(TraceEvent::kFree, r->id, r->requested, r->stream, r->addr);
   m.on_free_stats(r->requested, r->k * m.chunk);
-  m.retire(r);
+  m.cache_retired(r);
 }
 
 void Allocator::record_stream(void* p, uintptr_t stream) {
   Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   auto addr = reinterpret_cast<uintptr_t>(p);
@@ -715,6 +948,7 @@ void Allocator::record_stream(void* p, uintptr_t stream) {
 
 Stats Allocator::stats() const {
   const Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   Stats s = m.st;
   s.internal_fragmentation = s.mapped_current - s.requested_current;
@@ -724,11 +958,13 @@ Stats Allocator::stats() const {
   s.va_reserved = m.va->reserved_bytes();
   s.num_va_reserve = m.va->num_reserves();
   s.budget = m.cfg.budget;
+  s.num_trace_dropped = m.trace.dropped();
   return s;
 }
 
 void Allocator::reset_peak() {
   Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   // Only the reported peaks: the growth policy's own peak (peak_in_use_chunks) is history it needs.
   m.st.requested_peak = m.st.requested_current;
@@ -738,15 +974,20 @@ void Allocator::reset_peak() {
 
 size_t Allocator::trim() {
   Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) return 0;
   size_t released = m.shrink_to(0, /*wait=*/true);
-  m.va->release_unused();
+  try {
+    m.va->release_unused();
+  } catch (...) {  // an unreserve failure keeps that span (still counted in va_reserved)
+  }
   return released;
 }
 
 void Allocator::set_budget(size_t bytes) {
   Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   if (bytes != 0 && bytes < m.chunk)
@@ -762,6 +1003,7 @@ void Allocator::set_budget(size_t bytes) {
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
   // The old callback is destroyed after the lock is released: destroying it may take other locks
   // (the Python binding's holder takes the GIL).
+  impl_->check_not_forked();
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     impl_->pressure.swap(cb);
@@ -769,34 +1011,75 @@ void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
 }
 
 void Allocator::set_trace(bool on) {
+  impl_->check_not_forked();
   std::lock_guard<std::mutex> g(impl_->mu);
   impl_->trace_on = on;
 }
 
 std::vector<TraceEvent> Allocator::take_trace() {
+  impl_->check_not_forked();
   std::lock_guard<std::mutex> g(impl_->mu);
-  std::vector<TraceEvent> out;
-  out.swap(impl_->trace);
-  return out;
+  return impl_->trace.take();
+}
+
+void Allocator::set_trace_capacity(size_t events) {
+  impl_->check_not_forked();
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->trace.set_capacity(events);
+  impl_->cfg.trace_capacity = events;
 }
 
 void Allocator::close() {
+  // In a forked child: release nothing (all of it is the parent's) and touch no lock.
+  if (impl_->forked()) {
+    impl_->closed = true;
+    return;
+  }
   std::function<bool(size_t)> cb;  // dropped at close (breaks callback -> allocator cycles), unlocked
   std::lock_guard<std::mutex> g(impl_->mu);
   impl_->pressure.swap(cb);
   impl_->close_locked();
 }
 
+bool Allocator::forked() const { return impl_->forked(); }
+
+void Allocator::inject_fault(const std::string& call, uint64_t nth, int err, uint64_t count) {
+  impl_->check_not_forked();
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->check_open();
+  impl_->drv->inject_fault(call, nth, err, count);
+}
+
+Allocator::DebugState Allocator::debug_state() const {
+  const Impl& m = *impl_;
+  m.check_not_forked();
+  std::lock_guard<std::mutex> g(m.mu);
+  DebugState d;
+  auto u = m.drv->usage();
+  d.committed_bytes = u.committed_bytes;
+  d.mapped_bytes = u.mapped_bytes;
+  d.faults_fired = u.faults_fired;
+  d.free_chunks = m.free_chunks.size();
+  d.cached_range_chunks = m.cached_range_chunks;
+  d.slab_chunks = m.slab_chunks;
+  d.chunks_held = m.chunks_held;
+  d.close_block_visits = m.small.clear_visits();
+  d.trace_events = m.trace.size();
+  return d;
+}
+
 const Config& Allocator::config() const { return impl_->cfg; }
 size_t Allocator::granularity() const { return impl_->gran; }
 
 bool Allocator::closed() const {
+  if (impl_->forked()) return true;  // dead in a forked child
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->closed;
 }
 
 size_t Allocator::allocation_size(const void* p) const {
   const Impl& m = *impl_;
+  m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   const uintptr_t* v = m.live.find(reinterpret_cast<uintptr_t>(p));
   if (!v) return 0;

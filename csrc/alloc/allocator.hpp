@@ -28,6 +28,9 @@ struct Config {
   // < 0: no such cap. With a budget, chunks are created up to the budget first. prefer_remap
   // overrides both (cache_slack = 0, budget or not).
   double cache_slack = 0.25;
+  // Allocation-trace ring (set_trace): the most recent events kept; older ones are dropped and
+  // counted (Stats::num_trace_dropped). 0 keeps none.
+  size_t trace_capacity = 100000;
 };
 
 // Thrown when a request would take physical memory past the budget (after the pressure callback,
@@ -78,6 +81,7 @@ struct Stats {
   uint64_t num_va_reserve = 0;        // VA spans reserved from the driver
   size_t va_reserved = 0;             // bytes of VA reserved
   double driver_seconds = 0;          // wall time spent in driver calls (create/map/unmap/release)
+  uint64_t num_trace_dropped = 0;     // trace events dropped by the bounded ring (oldest first)
 };
 
 // One allocation-history event, in the project's trace format (brief contract 2):
@@ -122,7 +126,8 @@ class Allocator {
   // may call free()/malloc() on this allocator.
   void set_pressure_callback(std::function<bool(size_t needed)> cb);
   void set_trace(bool on);             // start/stop recording alloc/free events
-  std::vector<TraceEvent> take_trace();  // the recorded events (and clears them)
+  std::vector<TraceEvent> take_trace();  // the recorded events, oldest first (and clears them)
+  void set_trace_capacity(size_t events);  // bound of the trace ring (Config::trace_capacity)
   void close();                        // return everything to the driver (and drop the pressure
                                        // callback); idempotent. Later malloc/free throw.
 
@@ -133,6 +138,22 @@ class Allocator {
   size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
   size_t total_memory() const;          // device memory (cuda) / machine RAM (host), bytes: for
                                         // memory fractions (torch.cuda.set_per_process_memory_fraction)
+  // True in a process forked after this allocator was built: it is dead there (every call but
+  // close()/closed() throws; close() and the destructor release nothing of the parent's).
+  bool forked() const;
+
+  // --- test hooks ---
+  // Make driver calls fail (host backend only; see driver::Driver::inject_fault).
+  void inject_fault(const std::string& call, uint64_t nth, int err, uint64_t count = 1);
+  struct DebugState {
+    size_t committed_bytes = 0;      // the backend's own count of committed memory
+    size_t mapped_bytes = 0;         // the backend's own count of mapped bytes
+    uint64_t faults_fired = 0;
+    size_t free_chunks = 0, cached_range_chunks = 0, slab_chunks = 0, chunks_held = 0;
+    uint64_t close_block_visits = 0; // small blocks walked by close() (linear: one per block)
+    size_t trace_events = 0;         // events held in the trace ring
+  };
+  DebugState debug_state() const;
 
   struct Impl;
 

@@ -1,7 +1,6 @@
 #include "alloc/small_bins.hpp"
 
 #include <algorithm>
-#include <set>
 
 namespace vmalloc {
 
@@ -45,10 +44,7 @@ Block* Pool::best_fit(size_t rounded) {
 }
 
 SmallBins::~SmallBins() {
-  std::vector<Range*> ranges;
-  std::vector<driver::EventHandle> events;
-  clear({}, ranges, events);  // ranges are owned (and freed) by the allocator
-  for (Block* b : spare_) delete b;
+  clear([](driver::EventHandle) {}, [](Range*) {});  // ranges are owned (and freed) by the allocator
 }
 
 Pool* SmallBins::pool_for(uintptr_t stream) {
@@ -108,8 +104,10 @@ void SmallBins::add_slab(Range* r, size_t bytes, uintptr_t stream) {
   s->range = r;
   s->pool = slot.get();
   s->stream = stream;
+  s->index = slabs_.size();
   slabs_.push_back(s);
   Block* b = new_block();
+  s->first = b;
   b->slab = s;
   b->addr = r->addr;
   b->size = bytes;
@@ -154,7 +152,10 @@ Range* SmallBins::give(Block* b) {
 
 void SmallBins::drop_slab(Slab* s, Block* only) {
   recycle(only);
-  slabs_.erase(std::find(slabs_.begin(), slabs_.end(), s));
+  Slab* last = slabs_.back();  // O(1) removal: the last slab takes its place
+  slabs_[s->index] = last;
+  last->index = s->index;
+  slabs_.pop_back();
   delete s;
 }
 
@@ -167,48 +168,13 @@ std::vector<Range*> SmallBins::take_empty_slabs() {
       continue;
     }
     // An empty slab is one free block starting at the range.
-    Block* only = nullptr;
-    for (size_t c = 0; c <= Pool::kTopClass && !only; ++c)
-      for (Block* b = s->pool->heads[c]; b; b = b->fnext)
-        if (b->slab == s) {
-          only = b;
-          break;
-        }
+    Block* only = s->first;
     s->pool->remove(only);
     --s->pool->empty_slabs;
     out.push_back(s->range);
-    drop_slab(s, only);  // erases slabs_[i]
+    drop_slab(s, only);  // slabs_[i] is now another slab (or gone)
   }
   return out;
-}
-
-void SmallBins::clear(const std::vector<Block*>& live, std::vector<Range*>& out,
-                      std::vector<driver::EventHandle>& events_out) {
-  // Every block is reachable by walking address order from a free, deferred or live block.
-  std::set<Block*> all;
-  auto walk = [&all](Block* b) {
-    while (b->prev) b = b->prev;
-    for (; b; b = b->next) all.insert(b);
-  };
-  for (auto& [stream, pool] : pools_) {
-    (void)stream;
-    for (Block* head : pool->heads)
-      for (Block* b = head; b; b = b->fnext) walk(b);
-  }
-  for (Block* b : pending_) walk(b);
-  for (Block* b : live) walk(b);
-  for (Block* b : all) {
-    for (auto e : b->events) events_out.push_back(e);
-    delete b;
-  }
-  for (Slab* s : slabs_) {
-    out.push_back(s->range);
-    delete s;
-  }
-  slabs_.clear();
-  pools_.clear();
-  last_pool_ = nullptr;
-  pending_.clear();
 }
 
 }  // namespace vmalloc

@@ -43,6 +43,8 @@ struct Block {
 
 struct Slab {
   Range* range = nullptr;
+  Block* first = nullptr;   // the block at range->addr: never merged away while the slab lives
+  size_t index = 0;         // position in SmallBins::slabs_
   Pool* pool = nullptr;
   uintptr_t stream = 0;
   size_t used = 0;          // bytes in blocks that are not free (live or deferred)
@@ -97,12 +99,34 @@ class SmallBins {
   }
   // Every empty slab's range (trim, memory pressure).
   std::vector<Range*> take_empty_slabs();
-  // close(): forget all blocks (`live`: the live ones, unreachable otherwise); every slab range is
-  // appended to `out`, the events of deferred blocks to `events_out`.
-  void clear(const std::vector<Block*>& live, std::vector<Range*>& out,
-             std::vector<driver::EventHandle>& events_out);
+  // close(): forget every block and slab, walking each slab's blocks once in address order (linear
+  // in blocks, allocates nothing). `on_event(e)` gets each event of a deferred block, then
+  // `on_range(r)` the slab's range (the caller owns ranges).
+  template <class OnEvent, class OnRange>
+  void clear(OnEvent&& on_event, OnRange&& on_range) {
+    for (Slab* s : slabs_) {
+      for (Block* b = s->first; b;) {
+        Block* next = b->next;
+        for (auto e : b->events) on_event(e);
+        delete b;
+        ++clear_visits_;
+        b = next;
+      }
+      on_range(s->range);
+      delete s;
+    }
+    slabs_.clear();
+    pools_.clear();
+    last_pool_ = nullptr;
+    pending_.clear();
+    for (Block* b : spare_) delete b;
+    spare_.clear();
+  }
+  // Room for one more deferred block, so defer() cannot fail after a free committed.
+  void reserve_pending() { pending_.reserve(pending_.size() + 1); }
 
   size_t slab_count() const { return slabs_.size(); }
+  uint64_t clear_visits() const { return clear_visits_; }  // blocks walked by clear() (tests: linear)
 
  private:
   Pool* pool_for(uintptr_t stream);
@@ -115,6 +139,7 @@ class SmallBins {
   std::vector<Slab*> slabs_;
   std::vector<Block*> pending_;
   std::vector<Block*> spare_;  // recycled Block objects
+  uint64_t clear_visits_ = 0;
 };
 
 }  // namespace vmalloc

@@ -53,10 +53,34 @@ nb::dict stats_dict(const vmalloc::Stats& s) {
   d["num_va_reserve"] = s.num_va_reserve;
   d["va_reserved"] = s.va_reserved;
   d["driver_seconds"] = s.driver_seconds;
+  d["num_trace_dropped"] = s.num_trace_dropped;
   return d;
 }
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+std::string py_repr(nb::handle h) {
+  try {
+    return nb::cast<std::string>(nb::repr(h));
+  } catch (...) {
+    return "<unrepresentable>";
+  }
+}
+
+// A byte count: an int (or anything with __index__, e.g. numpy integers), never a bool (True is an
+// int to Python, not a size).
+int64_t byte_count(nb::handle n, const char* name) {
+  if (PyBool_Check(n.ptr()) || !PyIndex_Check(n.ptr()))
+    throw nb::type_error((std::string(name) + ": expected an int byte count, got " + py_repr(n)).c_str());
+  nb::object i = nb::steal(PyNumber_Index(n.ptr()));
+  if (!i.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow > 0) return INT64_MAX;  // beyond any device: malloc answers OutOfMemoryError
+  if (overflow < 0 || v <= 0)
+    throw std::invalid_argument(std::string(name) + ": must be a positive byte count, got " + py_repr(n));
+  return static_cast<int64_t>(v);
+}
 
 }  // namespace
 
@@ -77,7 +101,8 @@ void bind_alloc(nb::module_& m) {
       .def(
           "__init__",
           [](Allocator* self, const std::string& backend, size_t chunk_size, size_t budget, int device,
-             size_t small_threshold, bool split_cached, bool prefer_remap, double cache_slack) {
+             size_t small_threshold, bool split_cached, bool prefer_remap, double cache_slack,
+             size_t trace_capacity) {
             vmalloc::Config cfg;
             cfg.backend = backend;
             cfg.chunk_size = chunk_size;
@@ -87,20 +112,20 @@ void bind_alloc(nb::module_& m) {
             cfg.split_cached = split_cached;
             cfg.prefer_remap = prefer_remap;
             cfg.cache_slack = cache_slack;
+            cfg.trace_capacity = trace_capacity;
             new (self) Allocator(cfg);
           },
           "backend"_a = "host", "chunk_size"_a = size_t(2) << 20, "budget"_a = 0, "device"_a = 0,
           "small_threshold"_a = size_t(1) << 20, "split_cached"_a = true, "prefer_remap"_a = false,
-          "cache_slack"_a = 0.25)
+          "cache_slack"_a = 0.25, "trace_capacity"_a = vmalloc::Config().trace_capacity)
       .def(
           "malloc",
-          [](Allocator& a, int64_t nbytes, uint64_t stream) -> uintptr_t {
-            if (nbytes <= 0)
-              throw std::invalid_argument("nbytes: must be a positive byte count, got " + std::to_string(nbytes));
+          [](Allocator& a, nb::handle n, uint64_t stream) -> uintptr_t {
+            int64_t nbytes = byte_count(n, "nbytes");
             nb::gil_scoped_release release;
             return reinterpret_cast<uintptr_t>(a.malloc(static_cast<size_t>(nbytes), stream));
           },
-          "nbytes"_a, "stream"_a = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
+          "nbytes"_a.none(), "stream"_a = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
       .def(
           "free", [](Allocator& a, uintptr_t ptr) { a.free(as_ptr(ptr)); }, "ptr"_a,
           nb::call_guard<nb::gil_scoped_release>(), "Free an address returned by malloc.")
@@ -129,11 +154,19 @@ void bind_alloc(nb::module_& m) {
             });
             a.set_pressure_callback([holder](size_t needed) -> bool {
               nb::gil_scoped_acquire g;
-              return nb::cast<bool>((*holder)(needed));
+              nb::object r = (*holder)(needed);
+              if (!PyBool_Check(r.ptr()))
+                throw nb::type_error(("pressure callback: must return True (it freed memory) or False, got " +
+                                      py_repr(r))
+                                         .c_str());
+              return r.ptr() == Py_True;
             });
           },
           "callback"_a.none())
       .def("set_trace", &Allocator::set_trace, "on"_a)
+      .def("set_trace_capacity", &Allocator::set_trace_capacity, "events"_a,
+           "Keep at most `events` trace events (a ring: the oldest are dropped and counted in "
+           "stats()['num_trace_dropped']).")
       .def("take_trace",
            [](Allocator& a) {
              nb::list out;
@@ -153,6 +186,34 @@ void bind_alloc(nb::module_& m) {
            "ptr"_a)
       .def("close", &Allocator::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Allocator::closed)
+      .def_prop_ro("forked", &Allocator::forked,
+                   "True in a process forked after the allocator was created: it is dead there.")
+      .def(
+          "_inject_fault",
+          [](Allocator& a, const std::string& call, uint64_t nth, int err, uint64_t count) {
+            a.inject_fault(call, nth, err, count);
+          },
+          "call"_a, "nth"_a = 1, "errno"_a = 5 /*EIO*/, "count"_a = 1,
+          "Test hook (host backend): the `nth` next driver call named `call` (create, release, map, unmap, "
+          "reserve, unreserve, record, any) fails with `errno`, and so do the `count` - 1 after it "
+          "(count 0: all). nth=0 disarms.")
+      .def("_debug_state",
+           [](const Allocator& a) {
+             auto s = a.debug_state();
+             nb::dict d;
+             d["committed_bytes"] = s.committed_bytes;
+             d["mapped_bytes"] = s.mapped_bytes;
+             d["faults_fired"] = s.faults_fired;
+             d["free_chunks"] = s.free_chunks;
+             d["cached_range_chunks"] = s.cached_range_chunks;
+             d["slab_chunks"] = s.slab_chunks;
+             d["chunks_held"] = s.chunks_held;
+             d["close_block_visits"] = s.close_block_visits;
+             d["trace_events"] = s.trace_events;
+             return d;
+           },
+           "Test hook: the backend's own counts (committed, mapped bytes) and the pools' sizes.")
+      .def_prop_ro("trace_capacity", [](const Allocator& a) { return a.config().trace_capacity; })
       .def_prop_ro("backend", [](const Allocator& a) { return a.config().backend; })
       .def_prop_ro("chunk_size", [](const Allocator& a) { return a.config().chunk_size; })
       .def_prop_ro("budget", [](const Allocator& a) { return a.config().budget; })

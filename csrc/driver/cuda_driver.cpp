@@ -26,6 +26,7 @@ size_t cuda_granularity(int device) { return make_cuda_driver(device)->granulari
 #include <dlfcn.h>
 
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace vmalloc {
@@ -72,6 +73,17 @@ const Api& api() {
   });
   if (!load_error.empty()) throw std::runtime_error(load_error);
   return table;
+}
+
+// cuStreamGetCtx, looked up on its own so that a driver without it (or a header that renamed it)
+// costs only the cross-context case, not the whole backend. nullptr when absent.
+using StreamGetCtxFn = CUresult (*)(CUstream, CUcontext*);
+StreamGetCtxFn stream_get_ctx() {
+  static StreamGetCtxFn fn = [] {
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return lib ? reinterpret_cast<StreamGetCtxFn>(::dlsym(lib, "cuStreamGetCtx")) : nullptr;
+  }();
+  return fn;
 }
 
 std::string error_string(CUresult r) {
@@ -129,6 +141,10 @@ class CudaDriver final : public Driver {
       Ctx g(*this);
       for (CUevent e : event_pool_) a_.cuEventDestroy(e);
     }
+    for (auto& fe : foreign_events_) {
+      Ctx g(*this, fe.second);
+      a_.cuEventDestroy(fe.first);
+    }
     a_.cuDevicePrimaryCtxRelease(dev_);
   }
 
@@ -173,6 +189,25 @@ class CudaDriver final : public Driver {
   }
 
   EventHandle record_event(uintptr_t stream) override {
+    // cuEventRecord needs the event in the stream's own context (a tensor record_stream-ed onto
+    // another device's stream): such a stream gets an event created in its context, not pooled.
+    CUcontext sctx = ctx_;
+    uintptr_t legacy = reinterpret_cast<uintptr_t>(CU_STREAM_LEGACY);
+    uintptr_t per_thread = reinterpret_cast<uintptr_t>(CU_STREAM_PER_THREAD);
+    if (stream != 0 && stream != legacy && stream != per_thread && stream_get_ctx())
+      check(stream_get_ctx()(reinterpret_cast<CUstream>(stream), &sctx), "cuStreamGetCtx");
+    if (sctx != ctx_) {
+      Ctx g(*this, sctx);
+      CUevent e = nullptr;
+      check(a_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      CUresult r = a_.cuEventRecord(e, reinterpret_cast<CUstream>(stream));
+      if (r != CUDA_SUCCESS) {
+        a_.cuEventDestroy(e);
+        check(r, "cuEventRecord");
+      }
+      foreign_events_.emplace(e, sctx);
+      return reinterpret_cast<EventHandle>(e);
+    }
     Ctx g(*this);
     CUevent e = nullptr;
     if (!event_pool_.empty()) {
@@ -202,16 +237,25 @@ class CudaDriver final : public Driver {
     check(a_.cuEventSynchronize(reinterpret_cast<CUevent>(e)), "cuEventSynchronize");
   }
   void event_destroy(EventHandle e) override {
-    if (e != 0) event_pool_.push_back(reinterpret_cast<CUevent>(e));  // reused by record_event
+    if (e == 0) return;
+    auto it = foreign_events_.find(reinterpret_cast<CUevent>(e));
+    if (it != foreign_events_.end()) {  // another context's event: destroyed there, not pooled
+      Ctx g(*this, it->second);
+      a_.cuEventDestroy(it->first);
+      foreign_events_.erase(it);
+      return;
+    }
+    event_pool_.push_back(reinterpret_cast<CUevent>(e));  // reused by record_event
   }
 
  private:
   // Makes this device's primary context current for the duration of a call (the allocator may be
   // called from threads whose current context belongs to another device, or none).
   struct Ctx {
-    explicit Ctx(CudaDriver& d) : d_(d) {
-      if (d_.a_.cuCtxGetCurrent(&prev_) == CUDA_SUCCESS && prev_ != d_.ctx_) {
-        d_.a_.cuCtxSetCurrent(d_.ctx_);
+    explicit Ctx(CudaDriver& d, CUcontext target = nullptr) : d_(d) {
+      if (!target) target = d_.ctx_;
+      if (d_.a_.cuCtxGetCurrent(&prev_) == CUDA_SUCCESS && prev_ != target) {
+        d_.a_.cuCtxSetCurrent(target);
         switched_ = true;
       }
     }
@@ -231,6 +275,7 @@ class CudaDriver final : public Driver {
   size_t granularity_ = 0;
   size_t total_ = 0;
   std::vector<CUevent> event_pool_;
+  std::unordered_map<CUevent, CUcontext> foreign_events_;  // events made in a stream's own context
 };
 
 }  // namespace

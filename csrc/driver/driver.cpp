@@ -9,5 +9,10 @@ std::unique_ptr<Driver> make_driver(const std::string& backend, int device) {
   throw std::invalid_argument("backend: unknown backend '" + backend + "' (expected 'host' or 'cuda')");
 }
 
+void Driver::inject_fault(const std::string&, uint64_t, int, uint64_t) {
+  throw std::invalid_argument(std::string("backend: fault injection is a test hook of the host backend, not of '") +
+                              name() + "'");
+}
+
 }  // namespace driver
 }  // namespace vmalloc

@@ -56,6 +56,24 @@ class Driver {
   virtual bool event_done(EventHandle e) = 0;
   virtual void event_wait(EventHandle e) = 0;
   virtual void event_destroy(EventHandle e) = 0;
+
+  // close(): everything was unmapped and released (or tried to be); drop what the backend still
+  // holds (the host backend closes its memfd, which frees any chunk a failed release left
+  // committed). No driver call follows except granularity()/total_memory(). Never throws.
+  virtual void shutdown() noexcept {}
+
+  // --- test hooks (host backend; others throw std::invalid_argument) ---
+  // The `nth` next call of `call` (1 = the very next one) and the `count` - 1 calls after it
+  // (count 0: every call from then on) fail as if the system call had returned errno `err`.
+  // `call`: create, release, map, unmap, reserve, unreserve, record, or any (every kind counts).
+  // nth = 0 disarms `call`.
+  virtual void inject_fault(const std::string& call, uint64_t nth, int err, uint64_t count);
+  struct Usage {
+    size_t committed_bytes = 0;  // physical memory the backend holds (host: the memfd's blocks)
+    size_t mapped_bytes = 0;     // bytes currently mapped by map() and not unmapped
+    uint64_t faults_fired = 0;   // injected faults that fired
+  };
+  virtual Usage usage() const { return {}; }
 };
 
 // "host" or "cuda"; std::invalid_argument naming `backend` for anything else. The cuda backend
