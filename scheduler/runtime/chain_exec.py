@@ -320,6 +320,7 @@ class ChainStep:
         self.bptr = 0
         self.next = 0                                 # the block the loop calls next
         self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
+        self.passed_through: Set[int] = set()         # storages blocks return unchanged
 
     # -------------------------------------------------------------------------- values
     def _hold(self, s: int, value: Tensors) -> None:
@@ -416,6 +417,8 @@ class ChainStep:
             out = run_first(args, kwargs)
         outs = tensor_leaves(out)
         self.prev_out = outs
+        ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
+        self.passed_through |= {accounting.storage_key(t) for t in outs if id(t) in ins}
         if kind == "F_all":
             frame.out = _detached(outs)
             frame.out_version = tuple(t._version for t in frame.out)
@@ -565,6 +568,7 @@ class ChainStep:
         ``skip`` and shared with no other held item, the tensors that ``consumer`` (the
         F_all that read this very value) saved of it aside."""
         keys = {accounting.storage_key(t) for t in accounting.tensors_of(mine)}
+        skip = skip | self._protected()
         ours = {id(t) for t in mine}
         if consumer is not None:
             ours |= {id(t) for t in consumer.saved() if accounting.storage_key(t) in keys}
@@ -576,6 +580,22 @@ class ChainStep:
             if k not in skip and k not in others and t.untyped_storage().nbytes() > 0:
                 storages[k] = t.untyped_storage()
         return list(storages.values())
+
+    def _protected(self) -> Set[int]:
+        """Storages the plan must not move: the loop's own arguments (masks, rotary tables
+        passed to every block) and values blocks pass through unchanged (T5's position bias):
+        later blocks read them whatever the plan says about the stage they came from."""
+        keys = set(self.passed_through)
+        for f in self.frames:
+            if f is not None:
+                keys |= {accounting.storage_key(t) for t in f.call.shared_tensors()}
+        return keys
+
+    def _release_copies(self, copies: Sequence[StorageCopy]) -> None:
+        protected = self._protected()  # blocks run since the offload may read it
+        for sc in copies:
+            if sc.storage._cdata not in protected:
+                Transfers.release(sc)
 
     def _offload(self, index: int, s: int) -> None:
         if self.transfers is None:
@@ -608,8 +628,7 @@ class ChainStep:
     def _release_x(self, s: int) -> None:
         off = self.host.get(s)
         if off is not None and not off.released:
-            for sc in off.copies:
-                Transfers.release(sc)
+            self._release_copies(off.copies)
             off.released = True
 
     def _offload_xbar(self, index: int, t: int) -> None:
@@ -633,8 +652,7 @@ class ChainStep:
         f = self.xbars.get(t)
         if f is None:
             return
-        for sc in f.host or ():
-            Transfers.release(sc)
+        self._release_copies(f.host or ())
         f.released = True
 
     def _prefetch(self, index: int, s: int) -> None:

@@ -276,7 +276,8 @@ class ChainRunner:
         return cplan
 
     def _key(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Hashable:
-        return (signature(args, kwargs), self._budget, self.blocks[0].training)
+        return (signature(args, kwargs), self._budget, self.blocks[0].training,
+                rng.autocast_state())
 
     def _make(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
         uses_transfers = self.planner == "pofo"
@@ -348,7 +349,7 @@ class ChainRunner:
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
                               cplan.forward_ops + cplan.backward_ops)
         storages: set = set()
-        if self.track_memory or collector is not None:
+        if self.track_memory or collector is not None or needs_transfers:
             for b in self.blocks:
                 storages |= accounting.parameter_storages(b)
         step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
