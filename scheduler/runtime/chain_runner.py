@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +24,8 @@ from ..chain import Chain
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import DEFAULT_SAMPLES, Mimose, plan_from_checkpoints
+from ..planners.mimose import (DEFAULT_SAMPLES, Estimate, Mimose, chain_from_estimate,
+                               plan_from_checkpoints)
 from . import accounting, buffers, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, signature, tensor_leaves
@@ -356,6 +358,10 @@ class ChainRunner:
                          transfers=self._transfers_for(_device_of(args, kwargs))
                          if needs_transfers else None,
                          collector=collector, param_storages=storages, name=self.name)
+        if profile_key is not None and self._sharded():
+            # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
+            # measure forward-only during this step instead (as Mimose's collector does)
+            step.collector = ShuttlingCollector(self.L)
         step.profile_key = profile_key  # type: ignore[attr-defined]
         step.input_size = self.input_size(args) if collector is not None else None  # type: ignore[attr-defined]
         self.last_stats = step.stats
@@ -367,13 +373,24 @@ class ChainRunner:
         if key is not None:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
-            chain = self._measure_step(step)
+            if step.collector is not None:
+                c = step.collector
+                chain = self._check_chain(chain_from_estimate(Estimate(
+                    accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
+                    np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"))
+            else:
+                chain = self._measure_step(step)
             self.cache.get_or_plan(key, lambda: self._make(chain, dev))
-        if step.collector is not None:
+        elif step.collector is not None:
             c = step.collector
             self.mimose.observe(step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
                                 c.xbar, c.out, c.fw)
             self.collections += 1
+
+    def _sharded(self) -> bool:
+        """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""
+        return any(type(p).__name__ == "DTensor" for p in self._params()) or \
+            any("FSDP" in type(b).__name__ for b in self.blocks)
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True
