@@ -58,10 +58,10 @@ from ..planners import window as window_planner
 from ..planners.offload_follow import chain_from_sequence, schedule_from_plan
 from ..planners.swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNPACK, SwapSchedule,
                                       VariableSequence)
+from .bandwidth import default_bandwidth
 from .host_pool import HostPool
 
 PLANNERS = ("window", "lms", "greedy", "dynprog")
-DEFAULT_BANDWIDTH = 12e9  # bytes/s host<->device for the offload planners when not given
 PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context"]
@@ -145,7 +145,7 @@ class SwapContext:
     alone. ``cache_size``: schedules kept (one per sequence signature). ``allocator``: an object
     with ``set_pressure_callback`` (default: vmalloc's registered one when enabled).
     ``planner_options``: ``swapout_threshold``/``swapin_ahead`` (lms, default 1/1),
-    ``bandwidth`` (bytes/s, default 12e9) and ``slots`` (greedy/dynprog).
+    ``bandwidth`` (bytes/s, default ``bandwidth.default_bandwidth()``: measured on a GPU, 12e9 on CPU) and ``slots`` (greedy/dynprog).
     """
 
     def __init__(self, window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,
@@ -522,7 +522,7 @@ class SwapContext:
             return lms_planner.schedule(seq, int(opts.get("swapout_threshold", 1)),
                                         int(opts.get("swapin_ahead", 1)))
         chain, stage_vars = chain_from_sequence(seq)
-        bandwidth = float(opts.get("bandwidth", DEFAULT_BANDWIDTH))
+        bandwidth = float(opts["bandwidth"]) if "bandwidth" in opts else default_bandwidth()
         solve = getattr(self._offload, self.planner)
         kwargs = {"slots": opts["slots"]} if "slots" in opts and self.planner == "dynprog" else {}
         plan: Plan = solve(chain, self.budget, bandwidth, **kwargs)
