@@ -5,6 +5,7 @@ within the plan's prediction; torch.autograd.grad, gradient accumulation, the HF
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -112,6 +113,7 @@ def chains_of(name: str) -> Tuple[List[Any], int]:
     return [r.last_plan.chain for r in rs], sum(r.L for r in rs)
 
 
+@functools.lru_cache(maxsize=None)
 def budgets(name: str) -> List[int]:
     """Three total budgets: just above rotor's smallest, half way, and everything saved."""
     chains, n_all = chains_of(name)
@@ -352,3 +354,44 @@ def test_hf_trainer_loss_curve_identical(tmp_path):
     assert len(plain) == 4 and plain == ours
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     assert runners(model)[0].last_plan.planner == "rotor"
+
+
+# ------------------------------------------------------------------------------ loops
+class Loop(nn.Module):
+    """A loop that changes the value between blocks (block 2's output is scaled) and may
+    skip a block."""
+
+    def __init__(self, skip: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.3))
+                                    for _ in range(4))
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.layers):
+            if self.skip and i == 1:
+                continue
+            x = b(x) * 1.5 if i == 2 else b(x)
+        return x.square().sum()
+
+
+def test_changed_values_retain_graph_and_skipped_blocks():
+    torch.manual_seed(0)
+    ref = Loop()
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, None, plan_from_checkpoints(4, [0, 1, 2, 3]), blocks="layers")
+    x = torch.randn(3, 8, requires_grad=True)
+    grads = []
+    for m in (ref, model):
+        torch.manual_seed(1)
+        loss = m(x)
+        g1 = torch.autograd.grad(loss, [x] + list(m.parameters()), retain_graph=True)
+        g2 = torch.autograd.grad(loss, [x] + list(m.parameters()))  # the graph was retained
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+        grads.append(g1)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert runners(model)[0].last_stats.recomputed_forwards == 4
+    skipping = Loop(skip=True)
+    scheduler.checkpoint(skipping, "1MiB", blocks="layers")
+    with pytest.raises(RuntimeError, match="block 2 was called but block 1 was expected"):
+        skipping(x)
