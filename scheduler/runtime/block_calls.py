@@ -54,7 +54,7 @@ class BlockCall:
         self.kept = list(leaves)
         for j, _ in self.slots:
             self.kept[j] = None  # the value: held (or not) as the plan says, not here
-        self.x = x
+        self.x = x  # the value at the call (the step drops it once the block has run)
         self.rg = tuple(t.requires_grad for t in x)
 
     def bind(self, x: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

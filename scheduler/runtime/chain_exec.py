@@ -427,6 +427,8 @@ class ChainStep:
             self._hold(s + 1, _detached(outs))
             if kind == "F_none":
                 self.xs.pop(s, None)
+        if s > 0 and not call.anchored:
+            call.x = ()  # x[s] is held (or not) as the plan says: the call must not pin it
         self.next = s + 1
         self._live()
         self._after(index)

@@ -166,7 +166,7 @@ class ChainRunner:
     block call goes through; ``name`` prefixes errors (the entry point the user called)."""
 
     OPTIONS = ("chain", "track_memory", "cache_size", "samples", "input_size", "mimose",
-               "loss", "measure_options")
+               "loss", "measure_options", "on_chain")
 
     def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
                  bandwidth: Any = None, *, chain: ChainArg = None, track_memory: bool = False,
@@ -174,6 +174,7 @@ class ChainRunner:
                  input_size: Optional[Callable[[Sequence[Any]], float]] = None,
                  mimose: Optional[Mimose] = None, loss: Any = "sum",
                  measure_options: Optional[Dict[str, Any]] = None,
+                 on_chain: Optional[Callable[[Chain], Chain]] = None,
                  sequential: bool = False, name: str = "scheduler.wrap"):
         self.name = name
         check_planner(planner, name)
@@ -186,6 +187,10 @@ class ChainRunner:
             raise TypeError(f"{name}: chain= must be a Chain or a callable returning one, "
                             f"got {type(chain).__name__}")
         self.chain_source = chain
+        if on_chain is not None and not callable(on_chain):
+            raise TypeError(f"{name}: on_chain= must be a callable Chain -> Chain, got "
+                            f"{type(on_chain).__name__}")
+        self.on_chain = on_chain
         self.loss = loss
         self.measure_options = dict(measure_options or {})
         self.track_memory = bool(track_memory)
@@ -236,6 +241,10 @@ class ChainRunner:
         return self._check_chain(chain)
 
     def _check_chain(self, chain: Chain) -> Chain:
+        """Every chain passes here before planning (given, measured, or from a profiling
+        step); ``on_chain`` (e.g. ranks agreeing on one chain) sees it first."""
+        if self.on_chain is not None:
+            chain = self.on_chain(chain)
         if not isinstance(chain, Chain):
             raise TypeError(f"{self.name}: chain= returned {type(chain).__name__}, not a Chain")
         if len(chain) != self.L + 1:
@@ -518,7 +527,9 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     ``mimose`` (a ``scheduler.planners.mimose.Mimose`` to use, e.g. one shared with another
     runtime; default a new one), ``loss`` (the loss stage ``measure_chain`` profiles: "sum"
     (default), "mse", "cross_entropy" or a callable on the chain's output),
-    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``).
+    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``),
+    ``on_chain`` (a callable ``Chain -> Chain`` every chain passes through before planning,
+    e.g. so that all ranks plan on one agreed chain).
     """
     unknown = set(options) - set(ChainRunner.OPTIONS)
     if unknown:

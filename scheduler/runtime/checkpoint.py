@@ -193,7 +193,7 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     decoder) each get a runner and a share of the budget proportional to their block count.
     Options: ``bandwidth`` (bytes/s, for pofo; default measured on a GPU, 12e9 on CPU) and
     those of ``scheduler.wrap`` (``chain``, ``track_memory``, ``cache_size``, ``samples``,
-    ``input_size``, ``mimose``, ``loss``, ``measure_options``); a ``chain`` callable gets
+    ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``); a ``chain`` callable gets
     block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of
     each new input shape checkpoints every block and measures the chain on the blocks' real
     calls; the plan runs from the next step on.
