@@ -395,3 +395,32 @@ def test_changed_values_retain_graph_and_skipped_blocks():
     scheduler.checkpoint(skipping, "1MiB", blocks="layers")
     with pytest.raises(RuntimeError, match="block 2 was called but block 1 was expected"):
         skipping(x)
+
+
+def test_dropped_values_are_really_freed():
+    """Storages, not the runner's bookkeeping: after the forward, a value the plan drops
+    (F_none) is gone from memory, a checkpoint (F_ck) is not, and the backward still gives
+    plain training's gradients."""
+    import weakref
+    from scheduler import Plan
+
+    torch.manual_seed(0)
+    ref = Loop()
+    plan = Plan([("F_ck", 0), ("F_none", 1), ("F_none", 2), ("F_ck", 3), ("F_all", 4),
+                 ("B", 4), ("F_all", 3), ("B", 3), ("F_ck", 0), ("F_ck", 1), ("F_all", 2),
+                 ("B", 2), ("F_all", 1), ("B", 1), ("F_all", 0), ("B", 0)])
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, None, plan, blocks="layers")
+    outs: List[Any] = []
+    for b in model.layers:
+        b.register_forward_hook(lambda m, a, o: outs.append(weakref.ref(o.untyped_storage())))
+    x = torch.randn(3, 8)
+    torch.manual_seed(1)
+    loss = model(x)
+    alive = [r() is not None for r in outs]
+    # x[1], x[2] dropped; x[3] checkpointed; the last output (x[4]) read by the loss
+    assert alive == [False, False, True, True]
+    loss.backward()
+    torch.manual_seed(1)
+    ref(x).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
