@@ -20,7 +20,6 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import torch
 from torch import nn
 
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
