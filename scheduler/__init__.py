@@ -1,8 +1,8 @@
 """Planners for activation memory: the chain model, one Plan format, an event simulator,
 the optimal dynamic programs of the papers, and the runtimes that execute their plans.
 
-The planners and the simulator never import torch; ``scheduler.swap`` and
-``scheduler.wrap`` (the runtimes) do, on first use.
+The planners and the simulator never import torch; ``scheduler.swap``,
+``scheduler.wrap`` and ``scheduler.checkpoint`` (the runtimes) do, on first use.
 """
 from importlib import import_module
 from typing import Any
@@ -13,10 +13,11 @@ from .plan import Op, Plan
 from .simulate import SimResult, simulate
 
 __all__ = ["Chain", "InfeasibleError", "InvalidPlanError", "Op", "Plan", "SimResult",
-           "simulate", "swap", "wrap", "planners", "profile", "runtime"]
+           "simulate", "swap", "wrap", "checkpoint", "planners", "profile", "runtime"]
 
 _LAZY = {"swap": ("scheduler.runtime.swap", "swap"),
-         "wrap": ("scheduler.runtime.chain_runner", "wrap")}
+         "wrap": ("scheduler.runtime.chain_runner", "wrap"),
+         "checkpoint": ("scheduler.runtime.checkpoint", "checkpoint")}
 
 
 def __getattr__(name: str) -> Any:

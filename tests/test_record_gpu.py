@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 from bench.traces import record_gpu
-from vmalloc.replay.trace import load
+from vmalloc.replay import load
 
 MiB = 1 << 20
 

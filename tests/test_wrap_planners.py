@@ -97,10 +97,12 @@ def test_new_shape_replans_and_measuring_leaves_training_unchanged():
     assert (model.stats()["misses"], model.stats()["hits"]) == (2, 1)
 
 
-def test_pofo_needs_bandwidth():
-    with pytest.raises(ValueError, match="bandwidth"):
-        scheduler.wrap(mlp_blocks(2, D), "1MiB", planner="pofo",
-                       sample_input=torch.randn(2, D), measure_options=FAST)
+def test_pofo_bandwidth_default_and_validation():
+    from scheduler.runtime.bandwidth import CPU_DEFAULT, default_bandwidth
+    assert default_bandwidth("cpu") == CPU_DEFAULT == 12e9
+    model = scheduler.wrap(mlp_blocks(2, D), "1MiB", planner="pofo",
+                           sample_input=torch.randn(2, D), measure_options=FAST)
+    assert model.last_plan is None and model.cache.misses == 1  # planned without bandwidth=
     with pytest.raises(ValueError, match="bandwidth"):
         scheduler.wrap(mlp_blocks(2, D), "1MiB", planner="pofo", bandwidth=-1)
 

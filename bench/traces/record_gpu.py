@@ -112,7 +112,7 @@ def convert(snapshot_path: str, job: Job, figures: Dict[str, Any], steps: int,
             out_dir: Path) -> Dict[str, Any]:
     """Snapshot -> ``out_dir/<stem>.json.gz`` with the recording's facts in ``meta``; the row
     of ``traces-gpu.json``."""
-    from vmalloc.replay.trace import load
+    from vmalloc.replay import load
 
     trace = load(snapshot_path)
     trace.meta.update({

@@ -1,33 +1,36 @@
-"""Execute a Plan on real blocks: forward and backward of a chain following the ops exactly.
+"""Execute a Plan on real blocks, non-reentrant: the model's own forward loop calls the
+blocks, autograd's own backward walks their real graph, and the plan decides what is kept.
 
 Stages ``s = 0 .. L-1`` are the blocks, stage ``L`` is the loss, which lives outside the
-chain: its forward is the moment the chain's output is handed to the caller, its backward
-the moment the gradient of that output arrives. The ops mean what seed 002 Table 1 and
-DESIGN.md say (the simulator is the reference):
+chain. The ops mean what seed 002 Table 1 and DESIGN.md say (the simulator is the reference):
 
 ``F_none s``  run block s without keeping anything for backward; its input, if held as x[s],
               is dropped; the output is held as x[s+1].
 ``F_ck s``    the same, but the input is kept (a checkpoint).
-``F_all s``   run block s with autograd on: what autograd saves (xbar[s], output included)
-              is kept until ``B s``.
-``B s``       backward of block s from xbar[s] and delta[s+1]: produces delta[s] and the
-              block's parameter gradients, then drops xbar[s], delta[s+1] and x[s].
-``offload s`` / ``prefetch s``  move the value held as x[s] to the host and back.
+``F_all s``   run block s keeping what autograd saves (xbar[s], output included) until ``B s``.
+``B s``       backward of block s (autograd runs it): drops xbar[s], x[s].
+``offload s`` / ``prefetch s``  move the value held as x[s] (or xbar[s-1]) to the host and back.
 
-Ops before the first ``B`` (which must be ``B L``) form the forward phase: each stage runs
-exactly once, in order, as in plain training, so the generators advance exactly as they
-would. Any forward op after it is a recomputation and runs with the random state and
-autocast settings recorded at the stage's first run, and with the block's buffers
-(batch-norm statistics) put back afterwards: the values, dropout masks included, are those
-of plain training, so gradients are bit-identical.
-
-Values between blocks are a tensor or a tuple (of tensors and constants); a tuple output is
-passed to the next block as positional arguments.
+How (as ``torch.utils.checkpoint(use_reentrant=False)``, generalised to a plan over many
+blocks): in the forward phase every block runs once, when the model's loop calls it, with
+autograd recording its real graph, so parameter gradients reach ``.grad`` through the normal
+``AccumulateGrad`` nodes exactly once (DDP, FSDP2, ``torch.autograd.grad`` and gradient hooks
+see them). What the graph saves goes through ``saved_tensors_hooks``: under ``F_all`` the
+tensor is kept in a holder; under ``F_ck``/``F_none`` only an empty holder is kept. In the
+backward, the first unpack in block s's graph runs the plan's ops up to ``B s``:
+recomputations (``F_ck``/``F_none`` without grad, from the checkpoints; ``F_all s`` with grad,
+whose saved tensors fill block s's holders in order), offloads and prefetches. Any forward
+after the first of its stage is a recomputation and runs with the random state and autocast
+settings recorded at the first run, and with the block's buffers (batch-norm statistics) put
+back afterwards: the values, dropout masks included, are those of plain training, so
+gradients are bit-identical. Recomputations call the block module again (its hooks fire:
+FSDP2 gathers its parameters), with the arguments of the loop's call (``block_calls``).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +38,7 @@ from torch import nn
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
 from . import accounting, buffers, rng
+from .block_calls import BlockCall, tensor_leaves
 from .offload import StorageCopy, Transfers
 
 Comps = Tuple[Any, ...]  # the components of a value passed between blocks
@@ -154,23 +158,19 @@ def transfer_timing(sim: Any) -> Dict[str, List[Any]]:
 
 
 # ------------------------------------------------------------------------------------ state
-@dataclass
-class Saved:
-    """What ``F_all s`` keeps: the input leaves, the output (with its graph) and, when memory
-    is tracked, the tensors autograd saved."""
-    leaves: Comps
-    out: Comps
-    saved: List[torch.Tensor] = field(default_factory=list)
-    host: Optional[List[StorageCopy]] = None  # its storages while offloaded / prefetched
-    released: bool = False                    # device memory given back (offload complete)
+Tensors = Tuple[torch.Tensor, ...]
 
 
-@dataclass
-class Offloaded:
-    """x[s] while it is on the host: the same tensor objects, their storages emptied."""
-    comps: Comps
-    copies: List[StorageCopy]
-    released: bool = False
+def _detached(ts: Sequence[torch.Tensor]) -> Tensors:
+    return tuple(t.detach() for t in ts)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 @dataclass
@@ -180,61 +180,171 @@ class RunStats:
     offloaded: int = 0
     prefetched: int = 0
     input_offloads_skipped: int = 0  # offloads of the caller's input (frees nothing)
-    op_seconds: Dict[str, float] = field(default_factory=dict)
 
 
 class Collector:
-    """Interface of the Mimose shuttling collector (``mimose_collector.ShuttlingCollector``):
-    the executor hands it the forward-phase run of every ``F_ck`` block."""
+    """Interface of the Mimose collector (``mimose_collector.ShuttlingCollector``): the step
+    hands it the forward-phase run of every ``F_ck`` block before running it."""
 
-    def shuttle(self, s: int, block: nn.Module, run: Any, inp: Comps, rg: Sequence[bool],
-                state: Optional["rng.RngState"], exclude: Set[int]) -> Tuple[Comps, bool]:
+    def measure(self, s: int, block: nn.Module, run: Any, inp: Tensors, rg: Sequence[bool],
+                state: Optional["rng.RngState"], exclude: Set[int]) -> None:
         raise NotImplementedError  # pragma: no cover - interface
 
 
-class ChainExecutor:
-    """One forward + backward of the blocks following a compiled plan."""
+class Holder:
+    """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
+    until the recomputation of the block fills it (``F_ck``/``F_none``)."""
+    __slots__ = ("frame", "value", "__weakref__")
+
+    def __init__(self, frame: "Frame", value: Optional[torch.Tensor]):
+        self.frame = frame
+        self.value = value
+
+
+class Frame:
+    """One block's run in a step: the loop's call, the holders of what its graph saved, the
+    random state of its first run, and (while it is xbar) its output."""
+
+    def __init__(self, step: "ChainStep", s: int, call: BlockCall):
+        self.step = step
+        self.s = s
+        self.call = call
+        self.holders: List[weakref.ReferenceType] = []
+        self.state: Optional[rng.RngState] = None
+        self.triggered = False
+        self.out: Tensors = ()
+        self.out_version: Tuple[int, ...] = ()
+        self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
+        self.released = False
+
+    # hooks of the first run ----------------------------------------------------------
+    def pack_keep(self, t: torch.Tensor) -> Holder:
+        h = Holder(self, t)
+        self.holders.append(weakref.ref(h))
+        return h
+
+    def pack_drop(self, t: torch.Tensor) -> Holder:
+        h = Holder(self, None)
+        self.holders.append(weakref.ref(h))
+        return h
+
+    @staticmethod
+    def unpack(h: Holder) -> torch.Tensor:
+        f = h.frame
+        if not f.triggered:
+            f.triggered = True
+            f.step.backward_reaches(f.s)
+        if h.value is None:
+            raise RuntimeError(f"{f.step.name}: block {f.s}: a saved tensor was not "
+                               "recomputed (the plan has no F_all of this block before its B)")
+        return h.value
+
+    # hooks of the recomputation ------------------------------------------------------
+    def refill(self) -> "_Refill":
+        return _Refill(self)
+
+    def saved(self) -> List[torch.Tensor]:
+        out = []
+        for r in self.holders:
+            h = r()
+            if h is not None and h.value is not None:
+                out.append(h.value)
+        return out
+
+
+class _Refill:
+    """Pack hooks of ``F_all s`` in the backward phase: the i-th tensor the recomputation
+    saves fills the i-th holder of the first run (as ``torch.utils.checkpoint`` matches them)."""
+
+    def __init__(self, frame: Frame):
+        self.frame = frame
+        self.n = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        i = self.n
+        self.n += 1
+        if i < len(self.frame.holders):
+            h = self.frame.holders[i]()
+            if h is not None:  # None: autograd already freed that node
+                h.value = t.detach() if t.requires_grad else t
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def check(self) -> None:
+        f = self.frame
+        if self.n != len(f.holders):
+            raise RuntimeError(
+                f"{f.step.name}: block {f.s} saved {len(f.holders)} tensors for backward on its "
+                f"first run but {self.n} when recomputed: its forward must do the same work when "
+                "run again with the same inputs, random state and autocast (it cannot depend on "
+                "global state that changed in between)")
+
+
+# ------------------------------------------------------------------------------------ step
+class ChainStep:
+    """One forward + backward of the blocks following a compiled plan (see module doc).
+
+    ``run_again(s, args, kwargs)`` calls block ``s`` for a recomputation (the module, so its
+    hooks fire, without going through the runner again)."""
 
     def __init__(self, blocks: Sequence[nn.Module], cplan: CompiledPlan,
-                 params: Sequence[Sequence[nn.Parameter]], *, track_memory: bool = False,
-                 transfers: Optional[Transfers] = None, collector: Optional[Collector] = None,
-                 param_storages: Optional[Set[int]] = None):
+                 run_again: Callable[[int, Tuple[Any, ...], Dict[str, Any]], Any], *,
+                 track_memory: bool = False, transfers: Optional[Transfers] = None,
+                 collector: Optional[Collector] = None,
+                 param_storages: Optional[Set[int]] = None, name: str = "scheduler.wrap"):
         self.blocks = blocks
         self.cplan = cplan
         self.L = cplan.L
-        self.params = params
+        self.run_again = run_again
         self.track = track_memory
         self.transfers = transfers
         self.collector = collector
         self.param_storages = param_storages or set()
-        self.xs: Dict[int, Comps] = {}                 # values held as x[s]
-        self.xbars: Dict[int, Saved] = {}              # F_all results
-        self.deltas: Dict[int, Comps] = {}             # gradients w.r.t. x[s]
-        self.host: Dict[int, Offloaded] = {}           # offloaded x[s]
+        self.name = name
+        self.frames: List[Optional[Frame]] = [None] * self.L
+        self.xs: Dict[int, Tensors] = {}              # values held as x[s]
+        self.versions: Dict[int, Tuple[int, ...]] = {}  # of x[s] when it was stored
+        self.anchors: Dict[int, Tensors] = {}         # x[s] the loop changed between blocks
+        self.xbars: Dict[int, Frame] = {}             # F_all results, until B s
+        self.host: Dict[int, Offloaded] = {}          # offloaded x[s]
         self.pending: Dict[int, List[StorageCopy]] = {}  # prefetched x[s], copy maybe in flight
-        self.leaving: Dict[int, Tuple[Comps, int]] = {}  # offloaded, still read until op k
+        self.leaving: Dict[int, Tuple[Tensors, int]] = {}  # offloaded, still read until op k
         self.leaving_xbar: Dict[int, int] = {}           # xbar[t] offloaded, read until op k
         self.offload_events: Dict[int, List[Any]] = {}   # offload op index -> copy events
-        self.record_saved = track_memory or bool(cplan.release)  # xbar offload needs storages
-        self.rg: Dict[int, Tuple[bool, ...]] = {}      # which components of x[s] need a gradient
-        self.is_tuple: Dict[int, bool] = {}
-        self.rng_states: Dict[int, rng.RngState] = {}
         self.stats = RunStats()
         self.devices: List[int] = []
-        self.x0_is_tuple = False
-        self.out_layout: List[int] = []
-        self.out_template: Comps = ()
-        self.n_out = 0
-        self.out_is_tuple = False
+        self.fptr = 0
+        self.bptr = 0
+        self.next = 0                                 # the block the loop calls next
+        self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
+        self.passed_through: Set[int] = set()         # storages blocks return unchanged
 
-    # -------------------------------------------------------------------------- helpers
-    def _input(self, s: int, index: int, kind: str) -> Comps:
+    # -------------------------------------------------------------------------- values
+    def _hold(self, s: int, value: Tensors) -> None:
+        self.xs[s] = value
+        self.versions[s] = tuple(t._version for t in value)
+
+    def _check_version(self, s: int, value: Tensors, versions: Tuple[int, ...]) -> None:
+        if tuple(t._version for t in value) != versions:
+            raise RuntimeError(
+                f"{self.name}: block {s} modifies its input in place, which a checkpointed "
+                "chain cannot recompute (the input is the previous block's stored output); "
+                "make the block's first operation out of place (e.g. inplace=False)")
+
+    def _input(self, s: int, index: int, kind: str) -> Tensors:
+        if s in self.anchors:
+            return self.anchors[s]
         if s in self.xs:
             self._ready_x(s)
+            self._check_version(s, self.xs[s], self.versions[s])
             return self.xs[s]
         if s - 1 in self.xbars:
-            sv = self._ready_xbar(s - 1, index, kind)
-            return tuple(c.detach() if isinstance(c, torch.Tensor) else c for c in sv.out)
+            f = self._ready_xbar(s - 1, index, kind)
+            self._check_version(s, f.out, f.out_version)
+            return f.out
         if s in self.leaving and kind in ("F_ck", "F_all"):  # read while the copy runs
             return self.leaving[s][0]
         if s in self.host and not self.host[s].copies and kind in ("F_ck", "F_all"):
@@ -248,71 +358,222 @@ class ChainExecutor:
         for sc in self.pending.pop(s, ()):
             Transfers.wait(sc)
 
-    def _ready_xbar(self, t: int, index: int, kind: str) -> Saved:
-        """xbar[t], waiting for its prefetch if one is in flight."""
-        sv = self.xbars[t]
-        if sv.released:
+    def _ready_xbar(self, t: int, index: int, kind: str) -> Frame:
+        f = self.xbars[t]
+        if f.released:
             raise InvalidPlanError(f"op {index} ({kind}): xbar[{t}] is offloaded; prefetch "
                                    f"{t + 1} first", index)
-        if sv.host is not None and t not in self.leaving_xbar:
-            for sc in sv.host:
+        if f.host is not None and t not in self.leaving_xbar:
+            for sc in f.host:
                 Transfers.wait(sc)
-        return sv
+        return f
 
-    def _out_rg(self, s: int, inp: Comps, out: Comps) -> Tuple[bool, ...]:
-        """Which output components of block s need a gradient (as in plain training)."""
-        in_rg = self.rg[s]
-        any_rg = bool(self.params[s]) or any(in_rg)
-        flags = []
-        for o in out:
-            same = next((i for i, c in enumerate(inp) if c is o), None)
-            if same is not None:
-                flags.append(in_rg[same])
-            else:
-                flags.append(_is_diff(o) and any_rg)
-        return tuple(flags)
-
-    def _run_block(self, s: int, args: Comps, index: int, kind: str) -> Tuple[Comps, bool]:
-        versions = [c._version if isinstance(c, torch.Tensor) else None for c in args]
-        try:
-            value = self.blocks[s](*args)
-        except RuntimeError as e:
-            if "leaf Variable that requires grad" in str(e) or "modified by an inplace" in str(e):
-                raise RuntimeError(
-                    f"scheduler.wrap: block {s} modifies its input in place ({e}). The runner "
-                    "keeps block inputs for recomputation, so a block may not write into its "
-                    "input: use the out-of-place op (e.g. relu instead of relu_, inplace=False), "
-                    "or make the in-place op the block's second op onwards.") from e
-            raise
-        for c, v in zip(args, versions):
-            if v is not None and c._version != v:
-                raise RuntimeError(
-                    f"scheduler.wrap: block {s} modified its input in place (op {index}, {kind} "
-                    f"{s}); a recomputed block would see the changed value. Use out-of-place "
-                    "ops on block inputs (e.g. inplace=False on the block's first activation).")
-        return as_components(value, s)
-
-    def _held_tensors(self) -> List[Any]:
-        """Every tensor the executor holds for the plan (values, F_all results, gradients)."""
-        ts: List[Any] = []
-        for comps in list(self.xs.values()) + [c for c, _ in self.leaving.values()] + \
+    def _held_tensors(self) -> List[torch.Tensor]:
+        """Every tensor the step holds for the plan (values, F_all results)."""
+        ts: List[torch.Tensor] = []
+        for comps in list(self.xs.values()) + list(self.anchors.values()) + \
+                [c for c, _ in self.leaving.values()] + \
                 [h.comps for h in self.host.values() if not h.copies]:
             ts.extend(comps)  # (released storages count 0 bytes; the caller's input counts)
-        for sv in self.xbars.values():
-            ts.extend(sv.leaves)
-            ts.extend(sv.out)
-            ts.extend(sv.saved)
-        for comps in self.deltas.values():
-            if comps is not None:
-                ts.extend(comps)
+        for f in self.xbars.values():
+            ts.extend(f.out)
+            ts.extend(f.saved())
         return ts
 
-    def _movable(self, mine: Sequence[Any], same_value: Sequence[Any],
+    def _live(self) -> None:
+        if not self.track:
+            return
+        b = accounting.tensors_bytes(self._held_tensors(), self.param_storages)
+        if b > self.stats.peak_bytes:
+            self.stats.peak_bytes = b
+
+    # -------------------------------------------------------------------------- forward
+    def forward_block(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                      run_first: Callable[..., Any], all_inputs: bool = False) -> Any:
+        """Block ``s`` as the loop calls it: the plan's ops up to its forward, then its run."""
+        if s != self.next:
+            raise RuntimeError(
+                f"{self.name}: block {s} was called but block {self.next} was expected: the "
+                f"model must call each of its {self.L} blocks once, in order, per forward "
+                "(name the list its loop walks with blocks=)")
+        call = BlockCall(args, kwargs, self.prev_out, all_inputs=all_inputs)
+        if s == 0:
+            params = [p for b in self.blocks for p in list(b.parameters())[:1]]
+            self.devices = rng.cuda_devices_of(list(call.x) + call.shared_tensors() + params)
+            self._hold(0, _detached(call.x))
+        elif call.anchored:
+            self.anchors[s] = _detached(call.x)
+        index, kind = self._forward_ops_until(s)
+        frame = Frame(self, s, call)
+        self.frames[s] = frame
+        if s in self.cplan.recomputed or self.collector is not None:
+            frame.state = rng.capture(self.devices)
+        block = self.blocks[s]
+        if self.collector is not None and kind == "F_ck":
+            self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
+                                   call.rg, frame.state, self.param_storages)
+        pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
+        with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
+            out = run_first(args, kwargs)
+        outs = tensor_leaves(out)
+        self.prev_out = outs
+        ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
+        self.passed_through |= {accounting.storage_key(t) for t in outs if id(t) in ins}
+        if kind == "F_all":
+            frame.out = _detached(outs)
+            frame.out_version = tuple(t._version for t in frame.out)
+            self.xbars[s] = frame
+        else:
+            self._hold(s + 1, _detached(outs))
+            if kind == "F_none":
+                self.xs.pop(s, None)
+        if s > 0 and not call.anchored:
+            call.x = ()  # x[s] is held (or not) as the plan says: the call must not pin it
+        self.next = s + 1
+        self._live()
+        self._after(index)
+        if s == self.L - 1:
+            self._forward_ops_until(None)
+            self.prev_out = None
+        return out
+
+    def _forward_ops_until(self, s: Optional[int]) -> Tuple[int, str]:
+        """Run the forward phase's ops up to the forward of stage ``s`` (its index and kind
+        are returned) or, for ``None``, to the end of the forward phase."""
+        ops = self.cplan.forward_ops
+        while self.fptr < len(ops):
+            index, kind, st = ops[self.fptr]
+            self.fptr += 1
+            self._sync_before(index)
+            if kind in FORWARD_KINDS:
+                if st == s:
+                    return index, kind
+                # F L: the chain's output goes to the caller (held by the loop, not by us)
+                self.xs.pop(self.L, None)
+            else:
+                self._transfer(index, kind, st)
+            self._after(index)
+        return -1, ""
+
+    # -------------------------------------------------------------------------- backward
+    def backward_reaches(self, target: int) -> None:
+        """Autograd is about to run block ``target``'s backward: run the plan's ops up to
+        ``B target`` (recomputations fill its holders)."""
+        if self.next != self.L:
+            raise RuntimeError(
+                f"{self.name}: backward reached block {target} but the forward called only "
+                f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward")
+        ops = self.cplan.backward_ops
+        while self.bptr < len(ops):
+            index, kind, st = ops[self.bptr]
+            self.bptr += 1
+            self._sync_before(index)
+            if kind == "B":
+                if st == self.L:
+                    self.xs.pop(self.L, None)
+                elif st == target:
+                    self._ready_for_b(index, st)
+                    self._after(index)
+                    return
+                elif st > target:
+                    self._drop_b(st)  # a block whose graph saved nothing: autograd ran it
+                else:
+                    raise InvalidPlanError(
+                        f"op {index}: autograd runs the backward of block {target} but the plan "
+                        f"runs B {st} first", index)
+            elif kind in FORWARD_KINDS:
+                self._recompute(index, kind, st)
+            else:
+                self._transfer(index, kind, st)
+            self._after(index)
+        raise InvalidPlanError(f"the plan has no B {target} after op {len(self.cplan.plan.ops)}",
+                               len(self.cplan.plan.ops))
+
+    def _ready_for_b(self, index: int, s: int) -> None:
+        if s not in self.xbars:
+            raise InvalidPlanError(f"op {index} (B {s}): needs xbar[{s}]; run F_all {s} first",
+                                   index)
+        self._ready_xbar(s, index, "B")
+        self._ready_x(s)  # the graph may have saved the input
+        self._live()
+        self._drop_b(s)
+
+    def _drop_b(self, s: int) -> None:
+        """What ``B s`` frees: our references (autograd frees the saved tensors it used)."""
+        f = self.xbars.pop(s, None)
+        if f is not None:
+            f.out = ()
+        self.xs.pop(s, None)
+        self.anchors.pop(s, None)
+        self.frames[s] = None
+
+    def _recompute(self, index: int, kind: str, s: int) -> None:
+        if s == self.L:
+            return
+        inp = self._input(s, index, kind)
+        frame = self.frames[s]
+        if frame is None:
+            raise InvalidPlanError(f"op {index} ({kind} {s}): block {s} already went "
+                                   "through its backward", index)
+        call = frame.call
+        leaves = tuple(t.detach().requires_grad_(rg and _is_diff(t))
+                       for t, rg in zip(inp, call.rg))
+        args, kwargs = call.bind(leaves)
+        block = self.blocks[s]
+        self.stats.recomputed_forwards += 1
+        ctx = rng.replay(frame.state) if frame.state is not None else _Null()
+        with ctx, buffers.frozen_buffers(block):
+            if kind == "F_all":
+                refill = frame.refill()
+                with torch.enable_grad(), \
+                        torch.autograd.graph.saved_tensors_hooks(refill.pack, refill.unpack):
+                    out = self.run_again(s, args, kwargs)
+                refill.check()
+                frame.out = _detached(tensor_leaves(out))
+                frame.out_version = tuple(t._version for t in frame.out)
+                frame.host, frame.released = None, False
+                self.xbars[s] = frame
+            else:
+                with torch.no_grad():
+                    out = self.run_again(s, args, kwargs)
+                self._hold(s + 1, _detached(tensor_leaves(out)))
+        del out
+        if kind == "F_none":
+            self.xs.pop(s, None)
+        self._live()
+
+    # ------------------------------------------------------------------------ transfers
+    def _sync_before(self, index: int) -> None:
+        for o in self.cplan.sync_before.get(index, ()):
+            for ev in self.offload_events.pop(o, ()):
+                ev.synchronize()  # the simulator reuses this memory from here on
+
+    def _after(self, index: int) -> None:
+        if self.leaving:  # drop device copies of offloaded values nobody reads any more
+            for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
+                del self.leaving[t]
+                self._release_x(t)
+        if self.leaving_xbar:
+            for t in [t for t, last in self.leaving_xbar.items() if last <= index]:
+                del self.leaving_xbar[t]
+                self._release_xbar(t)
+
+    def _transfer(self, index: int, kind: str, s: int) -> None:
+        if kind == "offload":
+            self._offload(index, s)
+        else:
+            self._prefetch(index, s)
+
+    def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:
         """The storages of ``mine`` (one stored item) that may move to the host: not in
-        ``skip`` and shared with no other held item, ``same_value`` aside (the detached
-        input leaves of the F_all that consumed this very value)."""
-        ours = {id(t) for t in list(mine) + list(same_value)}
+        ``skip`` and shared with no other held item, the tensors that ``consumer`` (the
+        F_all that read this very value) saved of it aside."""
+        keys = {accounting.storage_key(t) for t in accounting.tensors_of(mine)}
+        skip = skip | self._protected()
+        ours = {id(t) for t in mine}
+        if consumer is not None:
+            ours |= {id(t) for t in consumer.saved() if accounting.storage_key(t) in keys}
         others = {accounting.storage_key(t) for t in accounting.tensors_of(self._held_tensors())
                   if id(t) not in ours}
         storages = {}
@@ -322,98 +583,22 @@ class ChainExecutor:
                 storages[k] = t.untyped_storage()
         return list(storages.values())
 
-    def _live(self, extra: Sequence[Any] = ()) -> None:
-        if not self.track:
-            return
-        ts: List[Any] = list(extra) + self._held_tensors()
-        b = accounting.tensors_bytes(ts, self.param_storages)
-        if b > self.stats.peak_bytes:
-            self.stats.peak_bytes = b
+    def _protected(self) -> Set[int]:
+        """Storages the plan must not move: the loop's own arguments (masks, rotary tables
+        passed to every block) and values blocks pass through unchanged (T5's position bias):
+        later blocks read them whatever the plan says about the stage they came from."""
+        keys = set(self.passed_through)
+        for f in self.frames:
+            if f is not None:
+                keys |= {accounting.storage_key(t) for t in f.call.shared_tensors()}
+        return keys
 
-    # -------------------------------------------------------------------------- forwards
-    def _forward(self, index: int, kind: str, s: int, first: bool) -> None:
-        if s == self.L:  # the loss: its input x[L] is the chain's output, handed to the caller
-            self._input(s, index, kind)
-            return
-        inp = self._input(s, index, kind)
-        block = self.blocks[s]
-        if first and s in self.cplan.recomputed:
-            self.rng_states[s] = rng.capture(self.devices)
-        ctx_rng = rng.replay(self.rng_states[s]) if not first else _nullcontext()
-        ctx_buf = buffers.frozen_buffers(block) if not first else _nullcontext()
-        if not first:
-            self.stats.recomputed_forwards += 1
-        with ctx_rng, ctx_buf:
-            if kind == "F_all":
-                leaves = tuple(c.detach().requires_grad_(r) if isinstance(c, torch.Tensor) else c
-                               for c, r in zip(inp, self.rg[s]))
-                saved: List[torch.Tensor] = []
-                with torch.enable_grad():
-                    if self.record_saved:
-                        with accounting.SavedTensors() as rec:
-                            out, is_tuple = self._run_block(s, leaves, index, kind)
-                        saved = rec.tensors
-                    else:
-                        out, is_tuple = self._run_block(s, leaves, index, kind)
-                if first:
-                    self.rg[s + 1] = self._out_rg(s, leaves, out)
-                self.xbars[s] = Saved(leaves, out, saved)
-            else:
-                if first and self.collector is not None and kind == "F_ck":
-                    out, is_tuple = self.collector.shuttle(
-                        s, block, lambda args: self._run_block(s, args, index, kind), inp,
-                        self.rg[s], self.rng_states.get(s), self.param_storages)
-                else:
-                    with torch.no_grad():
-                        out, is_tuple = self._run_block(s, inp, index, kind)
-                if first:
-                    self.rg[s + 1] = self._out_rg(s, inp, out)
-                self.xs[s + 1] = out
-        self.is_tuple[s + 1] = is_tuple
-        self._live()
-        if kind == "F_none" and s in self.xs:
-            del self.xs[s]
+    def _release_copies(self, copies: Sequence[StorageCopy]) -> None:
+        protected = self._protected()  # blocks run since the offload may read it
+        for sc in copies:
+            if sc.storage._cdata not in protected:
+                Transfers.release(sc)
 
-    # -------------------------------------------------------------------------- backward
-    def _backward(self, index: int, s: int, grads: Optional[Comps] = None) -> None:
-        if s == self.L:
-            self._input(s, index, "B")
-            self.deltas[s] = grads
-            self._live()
-            self.xs.pop(s, None)
-            return
-        if s not in self.xbars:
-            raise InvalidPlanError(f"op {index} (B {s}): needs xbar[{s}]; run F_all {s} first",
-                                   index)
-        if s + 1 not in self.deltas:
-            raise InvalidPlanError(f"op {index} (B {s}): needs delta[{s + 1}]; run B {s + 1} "
-                                   "first", index)
-        sv = self._ready_xbar(s, index, "B")
-        self._ready_x(s)  # the graph may have saved the input
-        g = self.deltas[s + 1]
-        outs, gouts = [], []
-        for o, gi in zip(sv.out, g):
-            if isinstance(o, torch.Tensor) and o.requires_grad and gi is not None:
-                outs.append(o)
-                gouts.append(gi)
-        leaf_idx = [i for i, c in enumerate(sv.leaves)
-                    if isinstance(c, torch.Tensor) and c.requires_grad]
-        wrt = [sv.leaves[i] for i in leaf_idx] + list(self.params[s])
-        if outs and wrt:
-            # accumulate straight into .grad, as plain training does (parameter gradients are
-            # added, and their hooks fire, as soon as this block's backward has run: nothing
-            # held until the end of the chain); the input leaves' .grad is delta[s]
-            torch.autograd.backward(outs, gouts, inputs=wrt)
-        delta: List[Optional[torch.Tensor]] = [None] * len(sv.leaves)
-        for i in leaf_idx:
-            delta[i] = sv.leaves[i].grad
-        self.deltas[s] = tuple(delta)
-        self._live()
-        del self.xbars[s]
-        del self.deltas[s + 1]
-        self.xs.pop(s, None)
-
-    # ------------------------------------------------------------------------ transfers
     def _offload(self, index: int, s: int) -> None:
         if self.transfers is None:
             raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
@@ -425,15 +610,14 @@ class ChainExecutor:
                                    "in memory", index)
         self._ready_x(s)
         comps = self.xs.pop(s)
+        self.versions.pop(s, None)
         self.stats.offloaded += 1
         if s == 0:
             # the caller's input: the caller still holds it, so moving it would free nothing
             self.host[0] = Offloaded(comps, [], released=True)
             self.stats.input_offloads_skipped += 1
             return
-        # per storage, as for xbar: graphs that saved x[s] (F_all s) see it leave and return
-        same = self.xbars[s].leaves if s in self.xbars else ()
-        storages = self._movable(comps, same, set(self.param_storages))
+        storages = self._movable(comps, self.xbars.get(s), set(self.param_storages))
         self.host[s] = Offloaded(comps, [self.transfers.offload_storage(st) for st in storages])
         self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
                                       if sc.host.event is not None]
@@ -446,19 +630,19 @@ class ChainExecutor:
     def _release_x(self, s: int) -> None:
         off = self.host.get(s)
         if off is not None and not off.released:
-            for sc in off.copies:
-                Transfers.release(sc)
+            self._release_copies(off.copies)
             off.released = True
 
     def _offload_xbar(self, index: int, t: int) -> None:
         """Move what F_all t keeps (saved tensors and output, not its input) to the host."""
-        sv = self.xbars[t]
+        f = self.xbars[t]
+        inp = self.xs.get(t) or self.anchors.get(t) or \
+            (self.xbars[t - 1].out if t - 1 in self.xbars else ())
         skip = set(self.param_storages) | {accounting.storage_key(c) for c in
-                                           accounting.tensors_of(sv.leaves)}
-        same = self.xbars[t + 1].leaves if t + 1 in self.xbars else ()
-        storages = self._movable(list(sv.saved) + list(sv.out), same, skip)
-        sv.host = [self.transfers.offload_storage(st) for st in storages]
-        self.offload_events[index] = [sc.host.event for sc in sv.host if sc.host.event is not None]
+                                           accounting.tensors_of(inp)}
+        storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
+        f.host = [self.transfers.offload_storage(st) for st in storages]
+        self.offload_events[index] = [sc.host.event for sc in f.host if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving_xbar[t] = release
@@ -467,17 +651,18 @@ class ChainExecutor:
         self.stats.offloaded += 1
 
     def _release_xbar(self, t: int) -> None:
-        sv = self.xbars[t]
-        for sc in sv.host or ():
-            Transfers.release(sc)
-        sv.released = True
+        f = self.xbars.get(t)
+        if f is None:
+            return
+        self._release_copies(f.host or ())
+        f.released = True
 
     def _prefetch(self, index: int, s: int) -> None:
         if s not in self.host and s - 1 in self.xbars and self.xbars[s - 1].released:
-            sv = self.xbars[s - 1]
-            for sc in sv.host:
+            f = self.xbars[s - 1]
+            for sc in f.host:
                 self.transfers.prefetch_storage(sc)
-            sv.released = False
+            f.released = False
             self.stats.prefetched += 1
             self._live()
             return
@@ -490,110 +675,14 @@ class ChainExecutor:
             for sc in off.copies:
                 self.transfers.prefetch_storage(sc)
             self.pending[s] = off.copies
-        self.xs[s] = off.comps
+        self._hold(s, off.comps)
         self.stats.prefetched += 1
         self._live()
 
-    def _do(self, index: int, kind: str, s: int, first: bool, grads: Optional[Comps] = None):
-        for o in self.cplan.sync_before.get(index, ()):
-            for ev in self.offload_events.pop(o, ()):
-                ev.synchronize()  # the simulator reuses this memory from here on
-        if kind in FORWARD_KINDS:
-            self._forward(index, kind, s, first)
-        elif kind == "B":
-            self._backward(index, s, grads)
-        elif kind == "offload":
-            self._offload(index, s)
-        else:
-            self._prefetch(index, s)
-        if self.leaving:  # drop device copies of offloaded values nobody reads any more
-            for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
-                del self.leaving[t]
-                self._release_x(t)
-        if self.leaving_xbar:
-            for t in [t for t, last in self.leaving_xbar.items() if last <= index]:
-                del self.leaving_xbar[t]
-                self._release_xbar(t)
 
-    # ------------------------------------------------------------------------ phases
-    def run_forward(self, x0: Comps, x0_is_tuple: bool) -> Tuple[Comps, bool]:
-        """The forward phase; returns the chain's output components."""
-        self.devices = rng.cuda_devices_of(list(x0) + [p for ps in self.params for p in ps[:1]])
-        self.xs[0] = tuple(x0)
-        self.is_tuple[0] = x0_is_tuple
-        self.rg[0] = tuple(isinstance(c, torch.Tensor) and c.requires_grad for c in x0)
-        self._live()
-        for index, kind, s in self.cplan.forward_ops:
-            self._do(index, kind, s, first=kind in FORWARD_KINDS)
-        out = self._input(self.L, len(self.cplan.plan.ops), "output")
-        return out, self.is_tuple[self.L]
-
-    def run_backward(self, grads: Comps) -> Comps:
-        """The backward phase from the gradient of the output; returns the gradient of the
-        chain's input components (parameter gradients are accumulated into ``.grad``)."""
-        for k, (index, kind, s) in enumerate(self.cplan.backward_ops):
-            self._do(index, kind, s, first=False, grads=grads if k == 0 else None)
-        leftover = [f"x[{s}]" for s in self.xs] + [f"xbar[{s}]" for s in self.xbars] + \
-                   [f"delta[{s}]" for s in self.deltas if s != 0] + \
-                   [f"offloaded x[{s}]" for s in self.host]
-        if 0 not in self.deltas:
-            raise InvalidPlanError("the plan ends without B 0", len(self.cplan.plan.ops))
-        if leftover:
-            raise InvalidPlanError("the plan ends with " + ", ".join(leftover) +
-                                   " still in memory", len(self.cplan.plan.ops))
-        return self.deltas.pop(0)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-# ------------------------------------------------------------------------------ autograd
-class ChainFunction(torch.autograd.Function):
-    """Runs the forward phase in ``forward`` and the backward phase in ``backward``.
-
-    Inputs: the executor, the number of input components, the input components, then a
-    dummy tensor that requires grad (so the output requires grad even for integer inputs, as
-    ``torch.utils.checkpoint`` does). Parameters are not inputs: each block's backward
-    accumulates their gradients into ``.grad`` (with their hooks) as soon as it runs, as plain
-    training and ``torch.utils.checkpoint(use_reentrant=True)`` do, so they are never held
-    twice; hence ``torch.autograd.grad(loss, params)`` does not see them (use ``.backward()``).
-    Outputs: the tensor components of the chain's output, detached from the graphs the
-    executor keeps.
-    """
-
-    @staticmethod
-    def forward(ctx, executor: ChainExecutor, n_in: int, *args: Any):  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        x0 = args[:n_in]
-        ctx.executor = executor
-        ctx.n_in = n_in
-        ctx.n_params = len(args) - n_in
-        out, is_tuple = executor.run_forward(tuple(x0), executor.x0_is_tuple)
-        executor.out_layout = [i for i, c in enumerate(out) if isinstance(c, torch.Tensor)]
-        executor.out_template = out
-        executor.n_out = len(out)
-        executor.out_is_tuple = is_tuple
-        rg = executor.rg[executor.L]
-        tensors = [out[i].detach() for i in executor.out_layout]
-        nondiff = [t for t, i in zip(tensors, executor.out_layout) if not rg[i]]
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
-        return tuple(tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
-        ex: ChainExecutor = ctx.executor
-        full: List[Optional[torch.Tensor]] = [None] * ex.n_out
-        for i, g in zip(ex.out_layout, grads):
-            full[i] = g
-        d0 = ex.run_backward(tuple(full))
-        gx = [d0[i] if i < len(d0) else None for i in range(ctx.n_in)]
-        gp = [None] * ctx.n_params  # the dummy; parameter gradients are already in .grad
-        ctx.executor = None  # free the executor's memory with the graph
-        return (None, None, *gx, *gp)
-
+@dataclass
+class Offloaded:
+    """x[s] while it is on the host: the same tensor objects, their storages emptied."""
+    comps: Tensors
+    copies: List[StorageCopy]
+    released: bool = False

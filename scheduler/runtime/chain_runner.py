@@ -1,21 +1,20 @@
-"""``scheduler.wrap``: train a chain of blocks under an activation-memory budget by running an
-optimal plan (rotor, pofo, periodic, Mimose) instead of plain autograd.
+"""The chain runner: plans for a list of blocks, and the steps that run them.
 
-    model = scheduler.wrap(blocks, budget="6GiB", planner="rotor")
-    loss = criterion(model(x), y); loss.backward()      # gradients identical to plain training
-
-For each input signature (shapes, dtypes, devices of the inputs) and budget the runner gets
-a chain (measured with ``scheduler.profile.measure_chain`` on that input, or given), asks the
-planner for a Plan, checks it with the simulator and caches it (``PlanCache``); a new shape
-or a new budget (``model.budget = "4GiB"``) plans again. With ``planner="mimose"`` no chain
-is measured: the Mimose collector learns per-block memory online and plans per input size.
-The plan itself is executed by ``chain_exec`` (forward/backward, recomputation with the
-random state kept, offload/prefetch on side streams).
+One runner serves both entry points: ``scheduler.checkpoint(model, ...)`` (the model's own
+loop calls the blocks, see ``checkpoint``) and ``scheduler.wrap(blocks, ...)`` (a bare chain:
+``CheckpointedChain``'s loop calls them). For each input signature (shapes, dtypes, devices,
+grad flags of block 0's arguments), budget and train/eval mode the runner gets a chain
+(``_chain_for``: given, measured, or measured at the end of a first forward that
+checkpoints every block), asks the planner for a Plan, checks it with the simulator and
+caches it (``PlanCache``); a new shape or a new budget plans again. With
+``planner="mimose"`` the Mimose collector learns per-block memory online and plans per input
+size. Each forward + backward is a ``chain_exec.ChainStep`` (non-reentrant).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,9 +24,12 @@ from ..chain import Chain
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import DEFAULT_SAMPLES, Mimose, plan_from_checkpoints
+from ..planners.mimose import (DEFAULT_SAMPLES, Estimate, Mimose, chain_from_estimate,
+                               plan_from_checkpoints)
 from . import accounting, buffers, rng
-from .chain_exec import ChainExecutor, ChainFunction, CompiledPlan, RunStats
+from .bandwidth import default_bandwidth
+from .block_calls import BlockCall, signature, tensor_leaves
+from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
 
@@ -41,7 +43,8 @@ ChainArg = Union[None, Chain, Callable[..., Chain]]
 def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor",
               bandwidth: Optional[float] = None) -> Plan:
     """The Plan the named planner makes for ``chain`` under ``budget`` bytes (``None``: no
-    limit, everything saved)."""
+    limit, everything saved). ``bandwidth`` (bytes/s) for plans with transfers: default
+    ``bandwidth.default_bandwidth()`` (measured on a GPU, 12e9 on the CPU)."""
     if isinstance(planner, Plan):
         return planner
     if callable(planner):
@@ -53,8 +56,7 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
         plan = rotor.solve(chain, budget)
     elif planner == "pofo":
         if bandwidth is None:
-            raise ValueError("scheduler.wrap: planner='pofo' needs bandwidth= (bytes/s of the "
-                             "host-device link, e.g. 12e9)")
+            bandwidth = default_bandwidth()
         from ..planners import pofo
         plan = pofo.solve(chain, budget, bandwidth)
     elif planner == "periodic":
@@ -64,6 +66,8 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
         raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, a Plan "
                          f"or a callable (chain, budget) -> Plan; got {planner!r}")
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
+    if transfers and bandwidth is None:
+        bandwidth = default_bandwidth()
     res = simulate(chain, plan, bandwidth=bandwidth)
     if transfers and budget is not None:
         # pofo predicts with the simulator enforcing the budget (prefetches wait for memory):
@@ -83,23 +87,43 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
 
 
 # ------------------------------------------------------------------------------ inputs
-def signature(args: Sequence[Any]) -> Hashable:
-    """What makes two inputs need different plans: shapes, dtypes, devices, grad flags."""
-    sig = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), str(a.dtype), str(a.device), a.requires_grad))
-        else:
-            sig.append(("const", type(a).__name__))
-    return tuple(sig)
-
-
 def default_input_size(args: Sequence[Any]) -> int:
     """Mimose's input size: elements of the first input tensor (seed 004, section 3.1)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.numel()
-    raise ValueError("scheduler.wrap(planner='mimose'): the input has no tensor to size")
+    raise ValueError("planner='mimose': block 0's arguments have no tensor to size")
+
+
+def parse_budget(budget: Any, where: str) -> Optional[int]:
+    """``None`` (no limit) or a positive byte count (an int or a size string: "6GiB")."""
+    if budget is None:
+        return None
+    value = parse_size(budget, "budget")
+    if value <= 0:
+        raise ValueError(f"{where}: budget must be a positive size (e.g. '6GiB') or None for "
+                         f"no limit, got {budget!r}")
+    return value
+
+
+def parse_rate(bandwidth: Any, where: str) -> Optional[float]:
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, str):
+        return float(parse_size(bandwidth.removesuffix("/s"), "bandwidth"))
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or \
+            not bandwidth > 0:
+        raise ValueError(f"{where}: bandwidth must be positive bytes/s (e.g. 12e9 or "
+                         f"'12GB/s'), got {bandwidth!r}")
+    return float(bandwidth)
+
+
+def check_planner(planner: Any, where: str) -> None:
+    if isinstance(planner, Plan) or (callable(planner) and not isinstance(planner, type)):
+        return
+    if not isinstance(planner, str) or planner not in PLANNERS:
+        raise ValueError(f"{where}: planner must be one of {', '.join(PLANNERS)}, a Plan or a "
+                         f"callable (chain, budget) -> Plan; got {planner!r}")
 
 
 class _PreservedState:
@@ -119,63 +143,75 @@ class _PreservedState:
             p.grad = g
 
 
-# ------------------------------------------------------------------------------ module
-class CheckpointedChain(nn.Module):
-    """The blocks, run under a plan. See ``wrap``."""
+class _BoundBlock(nn.Module):
+    """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
+    the other arguments of the loop's call; returns the tensors of its output."""
+
+    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool):
+        super().__init__()
+        self.block = block
+        self.call = call
+        self.anchored = anchored
+
+    def forward(self, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if self.anchored:  # the loop changed the value between blocks: use what it passed
+            xs = tuple(t.detach().requires_grad_(r) for t, r in zip(self.call.x, self.call.rg))
+        args, kwargs = self.call.bind(xs)
+        return tensor_leaves(self.block(*args, **kwargs))
+
+
+# ------------------------------------------------------------------------------ runner
+class ChainRunner:
+    """Plans and steps for one list of blocks (see the module doc). ``call`` is what each
+    block call goes through; ``name`` prefixes errors (the entry point the user called)."""
+
+    OPTIONS = ("chain", "track_memory", "cache_size", "samples", "input_size", "mimose",
+               "loss", "measure_options", "on_chain")
 
     def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
                  bandwidth: Any = None, *, chain: ChainArg = None, track_memory: bool = False,
                  cache_size: int = 64, samples: int = DEFAULT_SAMPLES,
                  input_size: Optional[Callable[[Sequence[Any]], float]] = None,
                  mimose: Optional[Mimose] = None, loss: Any = "sum",
-                 measure_options: Optional[Dict[str, Any]] = None):
-        super().__init__()
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
-            blocks = list(blocks)
-        if not isinstance(blocks, (list, tuple)) or not blocks or \
-                not all(isinstance(b, nn.Module) for b in blocks):
-            raise TypeError("scheduler.wrap: blocks must be an nn.Sequential, an nn.ModuleList or "
-                            f"a non-empty list of nn.Module, got {type(blocks).__name__}")
-        if isinstance(planner, str) and planner not in PLANNERS:
-            raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, "
-                             f"a Plan or a callable (chain, budget) -> Plan; got {planner!r}")
-        self.blocks = nn.ModuleList(blocks)
-        self.L = len(blocks)
+                 measure_options: Optional[Dict[str, Any]] = None,
+                 on_chain: Optional[Callable[[Chain], Chain]] = None,
+                 sequential: bool = False, name: str = "scheduler.wrap"):
+        self.name = name
+        check_planner(planner, name)
+        self.blocks = list(blocks)
+        self.L = len(self.blocks)
         self.planner = planner
-        self.bandwidth = None if bandwidth is None else self._rate(bandwidth)
-        self._budget = self._parse_budget(budget)
+        self.bandwidth = parse_rate(bandwidth, name)
+        self._budget = parse_budget(budget, name)
+        if chain is not None and not isinstance(chain, Chain) and not callable(chain):
+            raise TypeError(f"{name}: chain= must be a Chain or a callable returning one, "
+                            f"got {type(chain).__name__}")
         self.chain_source = chain
+        if on_chain is not None and not callable(on_chain):
+            raise TypeError(f"{name}: on_chain= must be a callable Chain -> Chain, got "
+                            f"{type(on_chain).__name__}")
+        self.on_chain = on_chain
         self.loss = loss
         self.measure_options = dict(measure_options or {})
-        self.track_memory = track_memory
+        self.track_memory = bool(track_memory)
+        self.sequential = sequential
         self.cache: PlanCache[CompiledPlan] = PlanCache(cache_size)
         self.input_size = input_size or default_input_size
         if mimose is not None and (not isinstance(mimose, Mimose) or mimose.n != self.L):
-            raise ValueError(f"scheduler.wrap: mimose= must be a scheduler.planners.mimose.Mimose "
+            raise ValueError(f"{name}: mimose= must be a scheduler.planners.mimose.Mimose "
                              f"for {self.L} blocks, got {mimose!r}")
         self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if planner == "mimose" else None
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
+        self.current: Optional[ChainStep] = None
+        self.passthrough = False   # recomputing or measuring: block calls go straight through
         self.last_stats: Optional[RunStats] = None
         self.last_plan: Optional[Plan] = None
         self.collections = 0
+        self.profiling_steps = 0
 
     # -------------------------------------------------------------------------- knobs
-    @staticmethod
-    def _parse_budget(budget: Any) -> Optional[int]:
-        return None if budget is None else parse_size(budget, "budget")
-
-    @staticmethod
-    def _rate(bandwidth: Any) -> float:
-        if isinstance(bandwidth, str):
-            return float(parse_size(bandwidth.removesuffix("/s"), "bandwidth"))
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or \
-                not bandwidth > 0:
-            raise ValueError(f"scheduler.wrap: bandwidth must be positive bytes/s (e.g. 12e9 or "
-                             f"'12GB/s'), got {bandwidth!r}")
-        return float(bandwidth)
-
     @property
     def budget(self) -> Optional[int]:
         return self._budget
@@ -183,33 +219,62 @@ class CheckpointedChain(nn.Module):
     @budget.setter
     def budget(self, value: Any) -> None:
         """A new budget plans again on the next forward (plans are cached per budget)."""
-        self._budget = self._parse_budget(value)
+        self._budget = parse_budget(value, self.name)
+
+    def _rate(self, device: Optional[torch.device]) -> float:
+        return self.bandwidth if self.bandwidth is not None else default_bandwidth(device)
 
     # -------------------------------------------------------------------------- planning
-    def _chain_for(self, args: Sequence[Any]) -> Chain:
+    def _chain_for(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[Chain]:
+        """The chain to plan on for a call of block 0 with these arguments: ``chain=`` (a Chain,
+        or a callable given block 0's arguments: the hook input-aware prediction plugs into),
+        else measured on a bare chain, else ``None`` (measured after a profiling forward)."""
         src = self.chain_source
         if isinstance(src, Chain):
             chain = src
         elif callable(src):
-            chain = src(*args)
+            chain = src(*args, **kwargs)
+        elif self.sequential:
+            chain = self._measure(list(self.blocks), tuple(args))
         else:
-            try:
-                from ..profile import measure_chain  # issue 4: rotor's parameter estimation
-            except ImportError as e:
-                raise RuntimeError("scheduler.wrap: no chain given and scheduler.profile."
-                                   "measure_chain is not available in this build") from e
-            keep = _PreservedState(self.blocks, args)
-            grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-            try:
-                chain = measure_chain(list(self.blocks), args[0] if len(args) == 1 else args,
-                                      loss=self.loss, input_grad=grad_in,
-                                      **self.measure_options)
-            finally:
-                keep.restore()
+            return None
+        return self._check_chain(chain)
+
+    def _check_chain(self, chain: Chain) -> Chain:
+        """Every chain passes here before planning (given, measured, or from a profiling
+        step); ``on_chain`` (e.g. ranks agreeing on one chain) sees it first."""
+        if self.on_chain is not None:
+            chain = self.on_chain(chain)
+        if not isinstance(chain, Chain):
+            raise TypeError(f"{self.name}: chain= returned {type(chain).__name__}, not a Chain")
         if len(chain) != self.L + 1:
-            raise ValueError(f"scheduler.wrap: the chain has {len(chain)} stages but there are "
+            raise ValueError(f"{self.name}: the chain has {len(chain)} stages but there are "
                              f"{self.L} blocks (a chain has one stage per block plus the loss)")
         return chain
+
+    def _measure(self, stages: List[nn.Module], x0: Tuple[Any, ...]) -> Chain:
+        try:
+            from ..profile import measure_chain  # issue 4: rotor's parameter estimation
+        except ImportError as e:
+            raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
+                               "measure_chain is not available in this build") from e
+        keep = _PreservedState(self.blocks, x0)
+        grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
+        was, self.passthrough = self.passthrough, True
+        try:
+            return measure_chain(stages, x0[0] if len(x0) == 1 else x0, loss=self.loss,
+                                 input_grad=grad_in, **self.measure_options)
+        finally:
+            self.passthrough = was
+            keep.restore()
+
+    def _measure_step(self, step: ChainStep) -> Chain:
+        """The chain measured on the calls of a forward that just ran (a profiling step)."""
+        calls = [f.call for f in step.frames]
+        stages = [_BoundBlock(b, c, c.anchored and s > 0)
+                  for s, (b, c) in enumerate(zip(self.blocks, calls))]
+        x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
+        return self._check_chain(self._measure(stages, x0))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
@@ -221,14 +286,31 @@ class CheckpointedChain(nn.Module):
         self._compiled[id(plan)] = (plan, cplan)
         return cplan
 
-    def _plan_chain(self, args: Sequence[Any]) -> CompiledPlan:
+    def _key(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Hashable:
+        return (signature(args, kwargs), self._budget, self.blocks[0].training,
+                rng.autocast_state())
+
+    def _make(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
+        uses_transfers = self.planner == "pofo"
+        return self._compile(make_plan(chain, self._budget, self.planner,
+                                       self._rate(device) if uses_transfers else self.bandwidth))
+
+    def _plan(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[CompiledPlan, Any]:
+        """The compiled plan for this forward, and the cache key to fill after it if the
+        chain must first be measured on it (a profiling step), else ``None``."""
         if isinstance(self.planner, Plan):
-            return self._compile(self.planner)
-        chain = None if self._budget is None and not callable(self.planner) \
-            else self._chain_for(args)
-        if chain is None:
-            return self._compile(plan_from_checkpoints(self.L, [], planner="none"))
-        return self._compile(make_plan(chain, self._budget, self.planner, self.bandwidth))
+            return self._compile(self.planner), None
+        if self._budget is None and not callable(self.planner):
+            return self._compile(plan_from_checkpoints(self.L, [], planner="none")), None
+        key = self._key(args, kwargs)
+        if key in self.cache:
+            return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
+        chain = self._chain_for(args, kwargs)
+        if chain is None:  # checkpoint every block while the chain is measured on this step
+            return self._compile(plan_from_checkpoints(self.L, range(self.L),
+                                                       planner="profile")), key
+        dev = _device_of(args, kwargs)
+        return self.cache.get_or_plan(key, lambda: self._make(chain, dev)), None
 
     def _plan_mimose(self, args: Sequence[Any]) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
         size = self.input_size(args)
@@ -242,75 +324,114 @@ class CheckpointedChain(nn.Module):
             return self._compile(plan_from_checkpoints(self.L, [], planner="none")), None
         return self._compile(m.plan(size, self._budget)), None
 
-    def plan_for(self, *args: Any) -> Plan:
-        """The plan the next forward on ``args`` will run (planned and cached if new)."""
+    def plan_for(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Plan:
+        """The plan the next forward with block 0 called on ``args`` will run (planned and
+        cached if new; on a model whose chain is measured in a profiling forward, the
+        profiling plan until then)."""
+        kwargs = kwargs or {}
         if self.mimose is not None:
             return self._plan_mimose(args)[0].plan
-        key = (signature(args), self._budget)
-        return self.cache.get_or_plan(key, lambda: self._plan_chain(args)).plan
+        return self._plan(args, kwargs)[0].plan
 
-    # -------------------------------------------------------------------------- forward
-    def _params(self) -> List[List[nn.Parameter]]:
-        return [[p for p in b.parameters() if p.requires_grad] for b in self.blocks]
+    # -------------------------------------------------------------------------- steps
+    def _params(self) -> List[nn.Parameter]:
+        return [p for b in self.blocks for p in b.parameters()]
 
-    def _plain(self, args: Sequence[Any]) -> Any:
-        value: Any = args if len(args) > 1 else args[0]
-        for b in self.blocks:
-            value = b(*value) if isinstance(value, tuple) else b(value)
-        return value
+    def _needs_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if any(p.requires_grad for p in self._params()):
+            return True
+        return any(isinstance(v, torch.Tensor) and v.requires_grad
+                   for v in tensor_leaves((tuple(args), kwargs)))
 
-    def _transfers_for(self, args: Sequence[Any]) -> Transfers:
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)),
-                   next((p.device for p in self.parameters()), torch.device("cpu")))
+    def _transfers_for(self, dev: Optional[torch.device]) -> Transfers:
+        dev = dev or next((p.device for p in self._params()), torch.device("cpu"))
         if str(dev) not in self._transfers:
             self._transfers[str(dev)] = Transfers(dev)
         return self._transfers[str(dev)]
 
-    def forward(self, *args: Any) -> Any:
-        if not args:
-            raise TypeError("scheduler.wrap: the wrapped chain needs at least one input")
-        params = self._params()
-        needs_grad = any(params) or any(isinstance(a, torch.Tensor) and a.requires_grad
-                                        for a in args)
-        if not torch.is_grad_enabled() or not needs_grad:
-            return self._plain(args)  # nothing to differentiate: no plan needed
+    def _begin(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> ChainStep:
+        collector, profile_key = None, None
         if self.mimose is not None:
             cplan, collector = self._plan_mimose(args)
         else:
-            key = (signature(args), self._budget)
-            cplan = self.cache.get_or_plan(key, lambda: self._plan_chain(args))
-            collector = None
+            cplan, profile_key = self._plan(args, kwargs)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
                               cplan.forward_ops + cplan.backward_ops)
-        storages = accounting.parameter_storages(self) \
-            if (self.track_memory or collector is not None) else set()
-        ex = ChainExecutor(list(self.blocks), cplan, params, track_memory=self.track_memory,
-                           transfers=self._transfers_for(args) if needs_transfers else None,
-                           collector=collector, param_storages=storages)
-        ex.x0_is_tuple = len(args) > 1
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        dummy = torch.empty(0, device=dev, requires_grad=True)
-        outs = ChainFunction.apply(ex, len(args), *args, dummy)
-        if isinstance(outs, torch.Tensor):
-            outs = (outs,)
-        if collector is not None:
-            self.mimose.observe(self.input_size(args),
-                                accounting.tensors_bytes(args), collector.xbar,
-                                collector.out, collector.fw)
-            self.collections += 1
-        self.last_stats = ex.stats
+        storages: set = set()
+        if self.track_memory or collector is not None or needs_transfers:
+            for b in self.blocks:
+                storages |= accounting.parameter_storages(b)
+        step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
+                         transfers=self._transfers_for(_device_of(args, kwargs))
+                         if needs_transfers else None,
+                         collector=collector, param_storages=storages, name=self.name)
+        if profile_key is not None and self._sharded():
+            # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
+            # measure forward-only during this step instead (as Mimose's collector does)
+            step.collector = ShuttlingCollector(self.L)
+        step.profile_key = profile_key  # type: ignore[attr-defined]
+        step.input_size = self.input_size(args) if collector is not None else None  # type: ignore[attr-defined]
+        self.last_stats = step.stats
         self.last_plan = cplan.plan
-        it = iter(outs)
-        comps = [next(it) if k in ex.out_layout else c for k, c in enumerate(ex.out_template)]
-        ex.out_template = ()  # the output now belongs to the caller
-        return tuple(comps) if ex.out_is_tuple else comps[0]
+        return step
+
+    def _end_forward(self, step: ChainStep) -> None:
+        key = getattr(step, "profile_key", None)
+        if key is not None:
+            self.profiling_steps += 1
+            dev = _device_of(step.frames[0].call.x, {})
+            if step.collector is not None:
+                c = step.collector
+                chain = self._check_chain(chain_from_estimate(Estimate(
+                    accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
+                    np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"))
+            else:
+                chain = self._measure_step(step)
+            self.cache.get_or_plan(key, lambda: self._make(chain, dev))
+        elif step.collector is not None:
+            c = step.collector
+            self.mimose.observe(step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
+                                c.xbar, c.out, c.fw)
+            self.collections += 1
+
+    def _sharded(self) -> bool:
+        """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""
+        return any(type(p).__name__ == "DTensor" for p in self._params()) or \
+            any("FSDP" in type(b).__name__ for b in self.blocks)
+
+    def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        was, self.passthrough = self.passthrough, True
+        try:
+            return self.blocks[s](*args, **kwargs)
+        finally:
+            self.passthrough = was
+
+    def call(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+             run_first: Callable[[Tuple[Any, ...], Dict[str, Any]], Any],
+             all_inputs: bool = False) -> Any:
+        """Block ``s`` called with ``(args, kwargs)``; ``run_first`` runs it (first run)."""
+        if self.passthrough:
+            return run_first(args, kwargs)
+        if s == 0:
+            self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
+        step = self.current
+        if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
+            return run_first(args, kwargs)
+        out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
+        if s == self.L - 1:
+            self.current = None
+            self._end_forward(step)
+        return out
 
     # -------------------------------------------------------------------------- report
     def stats(self) -> Dict[str, Any]:
         """Plan cache figures, planning time, and the last run's peak (tracked runs)."""
         cache = self.mimose.cache if self.mimose is not None else self.cache
         out: Dict[str, Any] = {"planner": self.planner if isinstance(self.planner, str)
-                               else type(self.planner).__name__, "budget": self._budget}
+                               else type(self.planner).__name__, "budget": self._budget,
+                               "profiling_steps": self.profiling_steps}
         out.update(cache.stats())
         if self.last_stats is not None:
             out.update(last_peak_bytes=self.last_stats.peak_bytes,
@@ -327,6 +448,58 @@ class CheckpointedChain(nn.Module):
         return out
 
 
+def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.device]:
+    return next((t.device for t in tensor_leaves((tuple(args), kwargs))), None)
+
+
+# ------------------------------------------------------------------------------ wrap
+class CheckpointedChain(nn.Module):
+    """The blocks of a bare chain, run under a plan. See ``wrap``."""
+
+    def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
+                 bandwidth: Any = None, **options: Any):
+        super().__init__()
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+            blocks = list(blocks)
+        if not isinstance(blocks, (list, tuple)) or not blocks or \
+                not all(isinstance(b, nn.Module) for b in blocks):
+            raise TypeError("scheduler.wrap: blocks must be an nn.Sequential, an nn.ModuleList or "
+                            f"a non-empty list of nn.Module, got {type(blocks).__name__}")
+        self.blocks = nn.ModuleList(blocks)
+        self.L = len(blocks)
+        self.runner = ChainRunner(list(blocks), budget, planner, bandwidth, sequential=True,
+                                  name="scheduler.wrap", **options)
+
+    # the runner's knobs and reports, as attributes of the module
+    budget = property(lambda self: self.runner.budget,
+                      lambda self, v: setattr(self.runner, "budget", v))
+    planner = property(lambda self: self.runner.planner)
+    cache = property(lambda self: self.runner.cache)
+    mimose = property(lambda self: self.runner.mimose)
+    last_stats = property(lambda self: self.runner.last_stats)
+    last_plan = property(lambda self: self.runner.last_plan)
+    collections = property(lambda self: self.runner.collections)
+
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan the next forward on ``args`` will run (planned and cached if new)."""
+        return self.runner.plan_for(args)
+
+    def stats(self) -> Dict[str, Any]:
+        return self.runner.stats()
+
+    def forward(self, *args: Any) -> Any:
+        if not args:
+            raise TypeError("scheduler.wrap: the wrapped chain needs at least one input")
+        value: Tuple[Any, ...] = args
+        out: Any = None
+        for s, block in enumerate(self.blocks):
+            out = self.runner.call(s, value, {}, lambda a, k, b=block: b(*a, **k),
+                                   all_inputs=True)
+            comps, is_tuple = as_components(out, s)
+            value = comps if is_tuple else (out,)
+        return out
+
+
 def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: PlannerArg = "rotor",
          bandwidth: Any = None, sample_input: Any = None, **options: Any) -> CheckpointedChain:
     """Run ``blocks`` (an ``nn.Sequential``, ``nn.ModuleList`` or list of modules: a chain)
@@ -334,12 +507,15 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     no limit) with the plans of ``planner``:
 
     - ``"rotor"`` (default): optimal checkpointing (seed 002);
-    - ``"pofo"``: checkpointing + offloading (seed 001), needs ``bandwidth`` (bytes/s);
+    - ``"pofo"``: checkpointing + offloading (seed 001); ``bandwidth`` (bytes/s) defaults to
+      ``scheduler.runtime.bandwidth.default_bandwidth()`` (measured once on a GPU, 12e9 on CPU);
     - ``"periodic"``: ``checkpoint_sequential`` with the fastest segment count that fits;
     - ``"mimose"``: input-aware checkpointing learnt online (seed 004), for dynamic shapes;
     - ``"none"``: plain training (everything saved);
     - a ``Plan`` (run as is) or a callable ``(chain, budget) -> Plan``.
 
+    Each block's output is passed to the next as its positional arguments (a tuple is
+    unpacked). The same runner as ``scheduler.checkpoint`` (non-reentrant: see README).
     ``sample_input`` (a tensor or a tuple of the block-0 arguments) plans right away, so an
     infeasible budget raises ``InfeasibleError`` here rather than on the first step.
 
@@ -351,10 +527,11 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     ``mimose`` (a ``scheduler.planners.mimose.Mimose`` to use, e.g. one shared with another
     runtime; default a new one), ``loss`` (the loss stage ``measure_chain`` profiles: "sum"
     (default), "mse", "cross_entropy" or a callable on the chain's output),
-    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``).
+    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``),
+    ``on_chain`` (a callable ``Chain -> Chain`` every chain passes through before planning,
+    e.g. so that all ranks plan on one agreed chain).
     """
-    unknown = set(options) - {"chain", "track_memory", "cache_size", "samples", "input_size",
-                              "mimose", "loss", "measure_options"}
+    unknown = set(options) - set(ChainRunner.OPTIONS)
     if unknown:
         raise TypeError(f"scheduler.wrap: unknown option(s) {sorted(unknown)}")
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):

@@ -3,8 +3,7 @@
 While the estimator is still learning, every block is checkpointed and its forward runs
 twice: first with autograd on, to measure what it saves for backward (bytes, output
 included) and how long it takes, after which that output and everything it holds is
-dropped; then again without saving anything, keeping only the output, which the next block
-consumes. The random state is put back between the two runs and the block's buffers
+dropped; then again as the plan's checkpointed training run. The random state is put back between the two runs and the block's buffers
 restored after the first, so the second run (the one training uses) draws the same numbers
 plain training would: training is unchanged. Memory stays that of checkpointing every block
 plus one block's activations.
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from . import accounting, buffers, rng
+from .block_calls import tensor_leaves
 
 
 def _sync(comps: Sequence[Any]) -> None:
@@ -37,12 +37,12 @@ class ShuttlingCollector:
         self.fw = [0.0] * n_blocks
         self.seen = [False] * n_blocks
 
-    def shuttle(self, s: int, block: nn.Module,
-                run: Callable[[Tuple[Any, ...]], Tuple[Tuple[Any, ...], bool]],
+    def measure(self, s: int, block: nn.Module, run: Callable[[Tuple[Any, ...]], Any],
                 inp: Tuple[Any, ...], rg: Sequence[bool], state: Optional["rng.RngState"],
-                exclude: Set[int]) -> Tuple[Tuple[Any, ...], bool]:
-        """Both forwards of block ``s``; returns the output of the second (components, and
-        whether the block returned a tuple)."""
+                exclude: Set[int]) -> None:
+        """The measuring run of block ``s`` (``run`` calls it on the given chain value); the
+        random state is put back afterwards, so the training run that follows draws what
+        plain training draws."""
         if state is None:
             state = rng.capture(rng.cuda_devices_of(inp))
         leaves = tuple(c.detach().requires_grad_(r) if isinstance(c, torch.Tensor) else c
@@ -51,7 +51,7 @@ class ShuttlingCollector:
             _sync(inp)
             t0 = time.perf_counter()
             with torch.enable_grad(), accounting.SavedTensors() as rec:
-                out1, _ = run(leaves)
+                out1 = tensor_leaves(run(leaves))
             _sync(out1)
             self.fw[s] = time.perf_counter() - t0
         self.xbar[s] = accounting.xbar_bytes(rec.tensors, out1, leaves, exclude)
@@ -60,8 +60,6 @@ class ShuttlingCollector:
         self.seen[s] = True
         del out1, rec, leaves  # drop the first run's graph: its activations go with it
         rng.restore(state)
-        with torch.no_grad():
-            return run(inp)
 
     def complete(self) -> bool:
         return all(self.seen)

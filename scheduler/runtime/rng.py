@@ -28,7 +28,7 @@ class RngState:
     autocast: Tuple[Tuple[str, bool, Optional[torch.dtype]], ...]
 
 
-def _autocast_state() -> Tuple[Tuple[str, bool, Optional[torch.dtype]], ...]:
+def autocast_state() -> Tuple[Tuple[str, bool, Optional[torch.dtype]], ...]:
     out = []
     for dev in ("cpu", "cuda"):
         try:
@@ -44,7 +44,7 @@ def capture(devices: Iterable[int] = ()) -> RngState:
     """The current CPU and CUDA generator states and autocast settings."""
     return RngState(cpu=torch.get_rng_state(),
                     cuda=[(d, torch.cuda.get_rng_state(d)) for d in devices],
-                    autocast=_autocast_state())
+                    autocast=autocast_state())
 
 
 def _set(state: RngState) -> None:

@@ -59,14 +59,14 @@ from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 from ..errors import InfeasibleError
 from ..planners.swap_schedule import DEVICE, FREED, HOST, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
-from .swap_planning import DEFAULT_BANDWIDTH, PLANNERS, Entry, PlannerLike, SwapPlanner
+from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import Transfers
 from .swap_vars import DeathQueue, Handle, Var
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
-           "PLANNERS", "DEFAULT_BANDWIDTH"]
+           "PLANNERS"]
 
 
 def _find_vmalloc_allocator(device: torch.device) -> Any:
@@ -95,7 +95,7 @@ class SwapContext:
     alone. ``cache_size``: schedules kept (one per sequence signature). ``allocator``: an object
     with ``set_pressure_callback`` (default: vmalloc's registered one when enabled).
     ``planner_options``: ``swapout_threshold``/``swapin_ahead`` (lms, default 1/1),
-    ``bandwidth`` (bytes/s, default 12e9) and ``slots`` (greedy/dynprog).
+    ``bandwidth`` (bytes/s, default ``bandwidth.default_bandwidth()``: measured on a GPU, 12e9 on the CPU) and ``slots`` (greedy/dynprog).
     """
 
     def __init__(self, window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,

@@ -13,9 +13,9 @@ from ..planners import lms as lms_planner
 from ..planners import window as window_planner
 from ..planners.offload_follow import chain_from_sequence, schedule_from_plan
 from ..planners.swap_schedule import SwapSchedule, VariableSequence
+from .bandwidth import default_bandwidth
 
 PLANNERS = ("window", "lms", "greedy", "dynprog")
-DEFAULT_BANDWIDTH = 12e9  # bytes/s host<->device for the offload planners when not given
 PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
 
 
@@ -79,7 +79,8 @@ class SwapPlanner:
             return lms_planner.schedule(seq, int(opts.get("swapout_threshold", 1)),
                                         int(opts.get("swapin_ahead", 1)))
         chain, stage_vars = chain_from_sequence(seq)
-        bandwidth = float(opts.get("bandwidth", DEFAULT_BANDWIDTH))
+        # one default for every transferring planner: measured on a GPU, 12e9 on the CPU
+        bandwidth = float(opts["bandwidth"]) if "bandwidth" in opts else default_bandwidth()
         solve = getattr(self._offload, self.planner)
         kwargs = {"slots": opts["slots"]} if "slots" in opts and self.planner == "dynprog" else {}
         plan: Plan = solve(chain, self.budget, bandwidth, **kwargs)

@@ -1,0 +1,84 @@
+"""One call of a block as the model's own loop made it, kept so the block can run again.
+
+A recomputation must call block ``s`` exactly as the loop did: the same positional and
+keyword arguments (attention masks, rotary embeddings, ``cache_position``, flags), but with
+the chain's value ``x[s]`` (the previous block's outputs) coming from the plan rather than
+from the loop. ``BlockCall`` flattens the arguments (``torch.utils._pytree``), marks the
+tensors that ARE outputs of the previous block (by identity: the loop passed them on) as
+slots, and keeps every other argument by reference (shared tensors cost nothing extra: the
+loop holds them for every block anyway).
+
+For block 0 (and a block whose loop changed the value between blocks, e.g. ``h = h * 2``),
+no argument is a previous output: the first tensor argument is the chain's value. Such a
+value is *anchored*: held as it was passed, never taken from a recomputed output.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+Tensors = Tuple[torch.Tensor, ...]
+
+
+def tensor_leaves(value: Any) -> Tensors:
+    """The tensors in a block's output (tuples, lists, dicts, ModelOutputs), in order."""
+    return tuple(v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor))
+
+
+class BlockCall:
+    """The arguments of one block call with the chain's value taken out (see module doc)."""
+
+    def __init__(self, args: Sequence[Any], kwargs: Dict[str, Any],
+                 prev_out: Optional[Tensors], all_inputs: bool = False):
+        leaves, self.spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        self.slots: List[Tuple[int, int]] = []      # (leaf position, index in x)
+        self.anchored = True
+        x: Tensors = ()
+        if prev_out:
+            where = {id(t): i for i, t in enumerate(prev_out)}
+            self.slots = [(j, where[id(v)]) for j, v in enumerate(leaves)
+                          if isinstance(v, torch.Tensor) and id(v) in where]
+            if self.slots:
+                x, self.anchored = prev_out, False
+        if not self.slots:
+            n_args = len(pytree.tree_leaves(tuple(args)))
+            tensors = [j for j, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+            if all_inputs:  # a bare chain: every tensor input is the chain's value
+                picked = [j for j in tensors if j < n_args] or tensors
+            else:
+                picked = [j for j in tensors if j < n_args][:1] or tensors[:1]
+            self.slots = [(j, i) for i, j in enumerate(picked)]
+            x = tuple(leaves[j] for j in picked)
+        self.kept = list(leaves)
+        for j, _ in self.slots:
+            self.kept[j] = None  # the value: held (or not) as the plan says, not here
+        self.x = x  # the value at the call (the step drops it once the block has run)
+        self.rg = tuple(t.requires_grad for t in x)
+
+    def bind(self, x: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """``(args, kwargs)`` of the call with ``x`` as the chain's value."""
+        leaves = list(self.kept)
+        for j, i in self.slots:
+            leaves[j] = x[i]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+    def shared_tensors(self) -> List[torch.Tensor]:
+        return [v for v in self.kept if isinstance(v, torch.Tensor)]
+
+
+def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    """What makes two calls need different plans: shapes, dtypes, devices and grad flags of
+    the tensors, the types (and small constant values) of everything else."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    sig = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            sig.append((tuple(v.shape), str(v.dtype), str(v.device), v.requires_grad))
+        elif isinstance(v, (bool, int, float, str, type(None))):
+            sig.append(("const", v))
+        else:
+            sig.append(("const", type(v).__name__))
+    return (str(spec), tuple(sig))

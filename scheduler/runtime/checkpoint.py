@@ -1,0 +1,230 @@
+"""``scheduler.checkpoint``: budgeted optimal checkpointing of any model with a repeated block
+list, in place, in one line (public contract, DESIGN.md "The chain runtime").
+
+    model = scheduler.checkpoint(model, budget="6GiB", planner="rotor")
+
+Finds the block list (``blocks=`` names it; else the ``nn.ModuleList`` whose entries are
+Hugging Face ``GradientCheckpointingLayer``s, the list HF's own gradient checkpointing walks,
+else the outermost ``ModuleList`` of same-class modules) and replaces each block's
+``forward`` (an instance attribute: parameter names, ``state_dict`` and module hooks stay as
+they were) by a call through one ``ChainRunner`` per list. The model's own loop keeps calling
+the blocks with whatever arguments it uses; see ``chain_exec`` for how a step runs.
+
+Calling it again on the same model first undoes the previous call (never wraps twice);
+``undo(model)`` restores the original forwards.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
+
+NAME = "scheduler.checkpoint"
+_ATTR = "_vmalloc_checkpoint"
+BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, nn.Module]]]
+
+
+class Checkpointed:
+    """What ``checkpoint`` installed on a model: the block lists and their runners."""
+
+    def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner]):
+        self.lists = lists
+        self.runners = runners
+
+    def stats(self) -> Dict[str, Any]:
+        """Per block list: the runner's figures (plans, cache, last peak)."""
+        return {name: r.stats() for (name, _), r in zip(self.lists, self.runners)}
+
+
+# ------------------------------------------------------------------------------ block lists
+def _is_hf_layer(m: nn.Module) -> bool:
+    layers = sys.modules.get("transformers.modeling_layers")
+    cls = getattr(layers, "GradientCheckpointingLayer", None) if layers else None
+    return cls is not None and isinstance(m, cls)
+
+
+def _same_class_list(m: nn.Module) -> bool:
+    kids = list(m.children())
+    return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and \
+        len({type(k) for k in kids}) == 1 and any(True for _ in m.parameters())
+
+
+def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, nn.Module]]:
+    """The block lists to run under plans, as ``(dotted name, list)`` pairs."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if blocks is not None:
+        items = [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                try:
+                    mod = model.get_submodule(item)
+                except AttributeError as e:
+                    raise ValueError(f"{NAME}: blocks={item!r} names no submodule of "
+                                     f"{type(model).__name__}") from e
+                name = item
+            elif isinstance(item, nn.Module):
+                mod, name = item, names.get(id(item))
+                if name is None:
+                    raise ValueError(f"{NAME}: blocks= is a {type(item).__name__} that is not "
+                                     f"part of the model")
+            else:
+                raise TypeError(f"{NAME}: blocks= must be a ModuleList, a dotted path or a list "
+                                f"of those, got {type(item).__name__}")
+            if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0:
+                raise TypeError(f"{NAME}: blocks={name!r} is a {type(mod).__name__}; it must be "
+                                "a non-empty nn.ModuleList or nn.Sequential the model's forward "
+                                "loops over")
+            out.append((name, mod))
+        return out
+    hf = [(n, m) for n, m in model.named_modules()
+          if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1 and
+          all(_is_hf_layer(k) for k in m.children())]
+    found = hf or [(n, m) for n, m in model.named_modules() if _same_class_list(m)]
+    # outermost lists only (a list inside a block is part of that block)
+    found = [(n, m) for n, m in found
+             if not any(n != o and n.startswith(o + ".") for o, _ in found)]
+    if not found:
+        raise ValueError(f"{NAME}: found no repeated block list in {type(model).__name__}; name "
+                         "the nn.ModuleList its forward loops over with blocks= (e.g. "
+                         "blocks='transformer.h')")
+    return found
+
+
+# ------------------------------------------------------------------------------ interception
+class _CacheGuard:
+    """Under a plan a block runs again in the backward: a KV cache it writes would be written
+    twice. As HF's own gradient checkpointing does, training steps run without the cache."""
+
+    warned = False
+
+    @classmethod
+    def clean(cls, block: nn.Module, args: Tuple[Any, ...],
+              kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        if getattr(block, "_can_checkpoint_with_cache", False):
+            return args, kwargs
+        utils = sys.modules.get("transformers.cache_utils")
+        cache_cls = getattr(utils, "Cache", None) if utils else None
+        changed = False
+        if kwargs.get("use_cache"):
+            kwargs = dict(kwargs, use_cache=False)
+            changed = True
+        for key in ("past_key_values", "past_key_value", "layer_past"):
+            if kwargs.get(key) is not None:
+                kwargs = dict(kwargs, **{key: None})
+                changed = True
+        if cache_cls is not None and any(isinstance(a, cache_cls) for a in args):
+            args = tuple(None if isinstance(a, cache_cls) else a for a in args)
+            changed = True
+        if changed and not cls.warned:
+            cls.warned = True
+            warnings.warn(f"{NAME}: training steps run the blocks without their KV cache "
+                          "(use_cache=False), as Hugging Face's gradient checkpointing does: "
+                          "a recomputed block would write it twice", stacklevel=4)
+        return args, kwargs
+
+
+class _BlockForward:
+    """The instance ``forward`` of a checkpointed block: the call goes through the runner."""
+
+    def __init__(self, runner: ChainRunner, s: int, block: nn.Module, original: Any,
+                 installed: bool):
+        self.runner = runner
+        self.s = s
+        self.original = original       # the forward to call (bound)
+        self.installed = installed     # whether the block had its own instance forward
+        self.thread: Optional[int] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        r = self.runner
+        if r.passthrough:  # a recomputation or a measurement: the block itself
+            return self.original(*args, **kwargs)
+        me = threading.get_ident()
+        if self.s == 0:
+            r.thread = me  # type: ignore[attr-defined]
+            step = r._needs_grad(args, kwargs)
+        else:
+            if r.current is not None and getattr(r, "thread", None) != me:
+                raise RuntimeError(f"{NAME}: blocks of one model are running in several threads "
+                                   "at once (nn.DataParallel?); use DistributedDataParallel, "
+                                   "one process per device")
+            step = r.current is not None
+        if step:
+            args, kwargs = _CacheGuard.clean(r.blocks[self.s], args, kwargs)
+        return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Give the blocks back their own forwards (a no-op on a model not checkpointed)."""
+    done: Optional[Checkpointed] = model.__dict__.pop(_ATTR, None)
+    if done is None:
+        return model
+    for (_, lst), runner in zip(done.lists, done.runners):
+        for block in lst:
+            fwd = block.__dict__.get("forward")
+            if isinstance(fwd, _BlockForward):
+                if fwd.installed:
+                    block.forward = fwd.original
+                else:
+                    del block.__dict__["forward"]
+    return model
+
+
+def checkpointed(model: nn.Module) -> Optional[Checkpointed]:
+    """What ``checkpoint`` installed on ``model`` (its runners, ``stats()``), or None."""
+    return model.__dict__.get(_ATTR)
+
+
+def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "rotor",
+               blocks: BlocksArg = None, **options: Any) -> nn.Module:
+    """Run ``model``'s repeated blocks under an activation-memory ``budget`` (bytes or a size
+    string; ``None``: no limit) with the plans of ``planner`` (``"rotor"``, ``"pofo"``,
+    ``"periodic"``, ``"mimose"``, ``"none"``, a Plan or a callable ``(chain, budget) -> Plan``);
+    returns ``model``, changed in place.
+
+    ``blocks``: the ``nn.ModuleList`` (or its dotted path, or a list of them) the model's
+    forward loops over; default: found (see module doc). Several lists (T5's encoder and
+    decoder) each get a runner and a share of the budget proportional to their block count.
+    Options: ``bandwidth`` (bytes/s, for pofo; default measured on a GPU, 12e9 on CPU) and
+    those of ``scheduler.wrap`` (``chain``, ``track_memory``, ``cache_size``, ``samples``,
+    ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``); a ``chain`` callable gets
+    block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of
+    each new input shape checkpoints every block and measures the chain on the blocks' real
+    calls; the plan runs from the next step on.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{NAME}: model must be an nn.Module, got {type(model).__name__}")
+    bandwidth = options.pop("bandwidth", None)
+    unknown = set(options) - set(ChainRunner.OPTIONS)
+    if unknown:
+        raise TypeError(f"{NAME}: unknown option(s) {sorted(unknown)}")
+    check_planner(planner, NAME)
+    total = parse_budget(budget, NAME)
+    parse_rate(bandwidth, NAME)
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    if getattr(model, flag, False):
+        raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
+                         "call model.gradient_checkpointing_disable() first (the plan decides "
+                         "what is recomputed)")
+    if planner == "mimose" and options.get("mimose") is not None:
+        raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
+    undo(model)  # calling again re-plans with the new arguments, never wraps twice
+    lists = find_blocks(model, blocks)
+    n_all = sum(len(lst) for _, lst in lists)
+    runners = []
+    for name, lst in lists:
+        share = None if total is None else max(1, total * len(lst) // n_all)
+        runner = ChainRunner(list(lst), share, planner, bandwidth, name=NAME, **options)
+        runners.append(runner)
+        for s, block in enumerate(lst):
+            own = block.__dict__.get("forward")
+            block.forward = _BlockForward(runner, s, block, own or block.forward,
+                                          installed=own is not None)
+    model.__dict__[_ATTR] = Checkpointed(lists, runners)
+    return model
