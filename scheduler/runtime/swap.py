@@ -95,7 +95,8 @@ class SwapContext:
     alone. ``cache_size``: schedules kept (one per sequence signature). ``allocator``: an object
     with ``set_pressure_callback`` (default: vmalloc's registered one when enabled).
     ``planner_options``: ``swapout_threshold``/``swapin_ahead`` (lms, default 1/1),
-    ``bandwidth`` (bytes/s, default ``bandwidth.default_bandwidth()``: measured on a GPU, 12e9 on the CPU) and ``slots`` (greedy/dynprog).
+    ``bandwidth`` (bytes/s, default ``bandwidth.default_bandwidth()``: measured on a GPU,
+    12e9 on the CPU) and ``slots`` (greedy/dynprog).
     """
 
     def __init__(self, window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,
