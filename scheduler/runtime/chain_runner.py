@@ -26,7 +26,7 @@ from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
 from ..planners.mimose import DEFAULT_SAMPLES, Mimose, plan_from_checkpoints
-from . import accounting, buffers, rng
+from . import accounting, buffers, distributed, rng
 from .chain_exec import ChainExecutor, ChainFunction, CompiledPlan, RunStats
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
@@ -209,7 +209,8 @@ class CheckpointedChain(nn.Module):
         if len(chain) != self.L + 1:
             raise ValueError(f"scheduler.wrap: the chain has {len(chain)} stages but there are "
                              f"{self.L} blocks (a chain has one stage per block plus the loss)")
-        return chain
+        # issue 15: ranks plan on one chain (the max over ranks) so they run the same plan
+        return chain if src is chain else distributed.agree_chain(chain, key=signature(args))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
