@@ -263,6 +263,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank{rank}.jsonl")
     with open(path, "w") as f:
         def emit(rec: Dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 import dist_worker as W
 from _subproc import autoload_env
-from vmalloc import report as vreport
+from vmalloc.report import load as load_report
 
 pytestmark = pytest.mark.skipif(not site.ENABLE_USER_SITE,
                                 reason="user site-packages disabled (the autoload .pth lives there)")
@@ -143,7 +143,7 @@ def test_one_report_per_rank_and_none_from_the_launcher(runs):
     for rank in (0, 1):
         path = tmp / f"frag.rank{rank}.json"
         assert path.exists() and path.stat().st_size > 0, path
-        rep = vreport.load(str(path))
+        rep = load_report(str(path))
         proc = rep["process"]
         assert (proc["rank"], proc["world_size"]) == (rank, 2)
         assert proc["pid"] == runs["cases"][rank]["process"]["pid"]
