@@ -87,6 +87,7 @@ def runs(tmp_path_factory) -> Dict[str, dict]:
         assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stderr[-4000:]}"
     cases = read_cases(str(tmp / "main"))
     for rank, recs in read_cases(str(tmp / "window")).items():
+        recs["window-process"] = recs.pop("process")
         cases[rank].update(recs)
     return {"tmp": tmp, "cases": cases, "window_stdout": window.stdout}
 
@@ -154,6 +155,6 @@ def test_stdout_reports_name_their_rank(runs):
     out = runs["window_stdout"]
     assert out.count("vmalloc report:") == 2, out[-2000:]
     for rank in (0, 1):
-        pid = runs["cases"][rank]["process"]["pid"]
+        pid = runs["cases"][rank]["window-process"]["pid"]
         assert f"process: rank {rank}/2, local rank {rank}, pid {pid}" in out
-    assert all(runs["cases"][r]["process"]["window"] == "64KiB" for r in (0, 1))
+    assert all(runs["cases"][r]["window-process"]["window"] == "64KiB" for r in (0, 1))

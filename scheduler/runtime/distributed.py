@@ -13,28 +13,21 @@ a new input signature, so the ranks must see the same sequence of new signatures
 shapes, or dynamic shapes that every rank draws alike, e.g. padded to the longest batch of
 the step). When they do not, the ranks find out here: the agreement first compares the
 ranks' signature fingerprints and stages and raises on every rank with a message naming the
-difference, and its collectives run on a separate gloo group with a timeout (``timeout_s``,
-default 600 s, which also bounds a slow rank's measurement), so a rank that never arrives
-turns into an error, not a hang.
+difference; a rank that never arrives turns into the process group's timeout error
+(``init_process_group(timeout=...)``), not a silent hang.
 
-The exchange is two all-reduces of ``7 (L + 1)`` float64 values on the CPU: microseconds
-next to measuring a chain. Integer sizes stay integers (float64 holds them exactly below
+The exchange is two all-reduces (4 and ``7 (L + 1)`` float64 values) on the group's own
+backend (CPU tensors for gloo, CUDA for NCCL): microseconds next to measuring a chain. Integer sizes stay integers (float64 holds them exactly below
 2**53).
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable
 
 import torch
 
 from ..chain import FIELDS, Chain
-
-DEFAULT_TIMEOUT_S = 600.0
-
-_groups: Dict[Tuple[Any, float], Any] = {}
-
 
 def active(group: Any = None) -> bool:
     """A process group is initialised and has more than one rank."""
@@ -42,19 +35,12 @@ def active(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _agreement_group(group: Any, timeout_s: float) -> Any:
-    """A gloo group over the same ranks (CPU tensors whatever the training backend; its own
-    timeout). Created collectively the first time, so the first agreement is where every rank
-    meets; reused afterwards."""
-    dist = torch.distributed
-    key = (group, timeout_s)
-    g = _groups.get(key)
-    if g is None:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        g = dist.new_group(ranks=ranks, backend="gloo",
-                           timeout=datetime.timedelta(seconds=timeout_s))
-        _groups[key] = g
-    return g
+def _device(group: Any) -> torch.device:
+    """Where the exchanged tensor lives: CUDA for an NCCL-only group, else the CPU (gloo, or a
+    group with a CPU backend beside NCCL)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _fingerprint(key: Hashable, L: int) -> float:
@@ -64,8 +50,7 @@ def _fingerprint(key: Hashable, L: int) -> float:
     return float(int.from_bytes(h[:6], "little"))
 
 
-def agree_chain(chain: Chain, key: Hashable = None, group: Any = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> Chain:
+def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
     """The element-wise maximum of ``chain`` over the ranks of ``group`` (default: the world),
     the same ``Chain`` on every rank; ``chain`` itself without an initialised process group.
 
@@ -77,11 +62,12 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None,
     if not active(group):
         return chain
     dist = torch.distributed
-    g = _agreement_group(group, float(timeout_s))
+    dev = _device(group)
     fp = _fingerprint(key, chain.L)
-    head = torch.tensor([fp, -fp, float(chain.L), -float(chain.L)], dtype=torch.float64)
+    head = torch.tensor([fp, -fp, float(chain.L), -float(chain.L)], dtype=torch.float64,
+                        device=dev)
     try:
-        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=g)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as exc:
         raise RuntimeError(
             f"agree_chain: rank {dist.get_rank()} waited for the other ranks to plan (input "
@@ -94,8 +80,10 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None,
             f"(rank {dist.get_rank()}: {key!r}, {chain.L} stages); give every rank the same "
             f"shapes at the same step (e.g. pad each step's batches to one length), or plan "
             f"once and pass the plan (planner=Plan) to every rank")
-    values = torch.tensor([v for f in FIELDS for v in getattr(chain, f)], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=g)
+    values = torch.tensor([v for f in FIELDS for v in getattr(chain, f)], dtype=torch.float64,
+                          device=dev)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    values = values.cpu()
     n = len(chain)
     agreed: Dict[str, Any] = {}
     for i, f in enumerate(FIELDS):
