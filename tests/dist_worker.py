@@ -133,6 +133,13 @@ def _wrap(planner: str) -> Callable[[Net, int], nn.Module]:
     return prepare
 
 
+def _input_aware(net: Net, budget: int) -> nn.Module:
+    from scheduler.runtime.input_aware import InputAwareChain
+    blocks = list(net.blocks)
+    return scheduler.wrap(blocks, budget, planner="rotor",
+                          chain=InputAwareChain(blocks, samples=3, measure_options={"repeat": 1}))
+
+
 def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     def prepare(net: Net, budget: int) -> nn.Module:
         return scheduler.checkpoint(net, budget, planner=planner, bandwidth=BANDWIDTH)
@@ -151,6 +158,7 @@ RUNTIMES: Dict[str, Runtime] = {
     "swap": Runtime(lambda net, budget: net,
                     lambda: scheduler.swap(window="64KiB", device="cpu", min_bytes=0)),
     **{f"wrap-{p}": Runtime(_wrap(p)) for p in ("rotor", "pofo", "mimose")},
+    "wrap-rotor-input-aware": Runtime(_input_aware),
     **{f"checkpoint-{p}": Runtime(_checkpoint(p), missing=_no_checkpoint)
        for p in ("rotor", "pofo", "mimose")},
 }
@@ -244,6 +252,8 @@ def agreement_checks(rank: int) -> Dict[str, Any]:
             for f in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
     out: Dict[str, Any] = {"agreed": got.to_dict(), "is_max": all(
         list(getattr(got, f)) == want[f] for f in want)}
+    # rank k holds its inputs on cuda:k: the same signature for the agreement
+    out["device_index_ignored"] = agree_chain(mine, key=(((4, 3), f"cuda:{rank}"),)).L == 5
     try:
         agree_chain(mine, key=f"rank{rank}")
         out["mismatch"] = "no error"

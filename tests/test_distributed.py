@@ -33,8 +33,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.p
 LAUNCH_TIMEOUT_S = 300
 MODELS = ("cnn", "transformer")
 MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
-                 "checkpoint-rotor", "checkpoint-pofo", "checkpoint-mimose")
-WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose")
+                 "wrap-rotor-input-aware", "checkpoint-rotor", "checkpoint-pofo",
+                 "checkpoint-mimose")
+WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
 
 # what today's scheduler.wrap gets wrong (issue 15); strict: they flip to failures (XPASS) when
 # the non-reentrant runner lands, and the marks go then
@@ -133,6 +134,7 @@ def test_agree_chain_takes_the_max_and_rejects_different_inputs(runs):
     fields = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")
     assert [a0["agreed"][f] for f in fields] == [a1["agreed"][f] for f in fields]
     assert a0["is_max"] and a1["is_max"]
+    assert a0["device_index_ignored"] and a1["device_index_ignored"]
     assert a0["agreed"]["meta"]["agreed_over_ranks"] == 2
     for a in (a0, a1):
         assert "different inputs" in a["mismatch"], a["mismatch"]

@@ -23,6 +23,7 @@ backend (CPU tensors for gloo, CUDA for NCCL): microseconds next to measuring a 
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Dict, Hashable
 
 import torch
@@ -45,8 +46,10 @@ def _device(group: Any) -> torch.device:
 
 def _fingerprint(key: Hashable, L: int) -> float:
     """A number equal on two ranks iff they agree on what they are planning for (float64
-    holds 52 bits of the hash exactly)."""
-    h = hashlib.sha256(repr((key, L)).encode()).digest()
+    holds 48 bits of the hash exactly). Device indices are left out of ``key``: rank k
+    trains on ``cuda:k``, the same input signature otherwise."""
+    text = re.sub(r"\b([a-z]+):\d+\b", r"\1", repr((key, L)))
+    h = hashlib.sha256(text.encode()).digest()
     return float(int.from_bytes(h[:6], "little"))
 
 
