@@ -271,7 +271,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--models", default="gpt2,bert,llama")
         p.add_argument("--steps", type=int, default=None)
-        p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
+        p.add_argument("--threads", type=int, default=1,
+                       help="CPU intra-op threads (default 1: steadier on a shared machine)")
     args = parse_args(__doc__.split("\n")[0], argv, extra)
     quick, device = args.quick, args.device
     if device == "cpu":
