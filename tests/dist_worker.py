@@ -236,6 +236,8 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
     plan = getattr(inner, "last_plan", None)
     if plan is not None:
         rec["plan"] = hashlib.sha256(repr(plan.ops).encode()).hexdigest()
+        chain = plan.chain
+        rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
     return rec
 
 

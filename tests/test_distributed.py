@@ -136,6 +136,8 @@ def test_plans_agree_across_ranks(runs):
     assert any("/wrap-rotor/" in n for n in planned)
     for name in planned:
         assert runs["cases"][0][name]["plan"] == runs["cases"][1][name]["plan"], name
+        if "/wrap-rotor" in name or "/wrap-pofo/" in name:  # planned on the agreed chain
+            assert runs["cases"][0][name]["agreed_over_ranks"] == 2, name
 
 
 def test_agree_chain_takes_the_max_and_rejects_different_inputs(runs):

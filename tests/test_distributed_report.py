@@ -1,4 +1,5 @@
-"""The per-process naming rule of the VMALLOC_REPORT exit report (issue 15), without torchrun."""
+"""Issue 15 without torchrun: the per-process naming rule of the VMALLOC_REPORT exit report,
+and agree_chain outside a process group."""
 import importlib
 import multiprocessing
 import os
@@ -62,3 +63,12 @@ def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):
     rep = R.load(str(tmp_path / "frag.rank1.json"))
     assert (rep["process"]["rank"], rep["process"]["world_size"]) == (1, 2)
     assert not (tmp_path / "frag.json").exists()
+
+
+def test_agree_chain_without_a_process_group_is_the_chain_itself():
+    from scheduler import Chain
+    from scheduler.runtime.distributed import active, agree_chain
+    c = Chain.random(4, seed=2)
+    assert not active() and agree_chain(c, key="x") is c
+    with pytest.raises(TypeError, match="Chain"):
+        agree_chain("not a chain")
