@@ -22,3 +22,19 @@ def test_quick_run_writes_rows_for_every_method(tmp_path):
     import readme_results
     text = readme_results.render(str(tmp_path), str(tmp_path))
     assert "Hugging Face models" in text and "could not read" not in text.lower()
+
+
+def test_goal_check_reads_rotor_rows_against_hf_checkpointing():
+    sys.path.insert(0, f"{ROOT}/bench")
+    import hf
+    rows = [{"method": "plain", "budget": None, "status": "ok", "step_s": 1.0, "peak": 100},
+            {"method": "hf-ckpt", "budget": None, "status": "ok", "step_s": 1.4, "peak": 30},
+            {"method": "rotor", "budget": 24, "status": "ok", "step_s": 1.5, "peak": 24},
+            {"method": "rotor", "budget": 30, "status": "ok", "step_s": 1.3, "peak": 29},
+            {"method": "rotor", "budget": 60, "status": "ok", "step_s": 1.1, "peak": 58}]
+    assert hf.goal_check(rows) == {"faster_at_hf_peak": True, "less_memory_at_hf_time": True,
+                                   "below_hf_peak": True}
+    rows[3].update(step_s=1.45)
+    assert hf.goal_check(rows)["faster_at_hf_peak"] is False
+    skipped = [r for r in rows if r["method"] != "rotor"]
+    assert set(hf.goal_check(skipped).values()) == {None}
