@@ -52,7 +52,17 @@ KNOWN_BROKEN: Dict[Tuple[str, str], str] = {
 
 
 def launch(out: str, tmp_path, args: List[str], **env: str) -> subprocess.CompletedProcess:
-    """torchrun with 2 ranks on a free localhost port; the process group is killed on timeout."""
+    """torchrun with 2 ranks on a free localhost port, started again once if it failed before
+    any case ran (the free port it picked was taken meanwhile by another job on the machine)."""
+    r = _launch_once(out, tmp_path, args, **env)
+    ran = [case for recs in read_cases(out).values() for case in recs if case != "process"]
+    if r.returncode != 0 and not ran:
+        r = _launch_once(out, tmp_path, args, **env)
+    return r
+
+
+def _launch_once(out: str, tmp_path, args: List[str], **env: str) -> subprocess.CompletedProcess:
+    """One torchrun launch; its process group is killed on timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc_per_node", "2", WORKER, out, *args]
     os.makedirs(out, exist_ok=True)
