@@ -83,3 +83,22 @@ def pyplot():
         return plt
     except ImportError:
         return None
+
+
+def run_meta(command: str, device: str = "cpu") -> Dict[str, Any]:
+    """What a results file is tagged with: machine, GPU (or "cpu"), torch (and transformers)
+    version, date, command; ``device_tag`` names the file (``cpu`` or the GPU's name)."""
+    import datetime
+    import platform
+    import torch
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    meta: Dict[str, Any] = {"machine": platform.machine(), "host_cpus": os.cpu_count(),
+                            "device": device, "gpu": gpu, "torch": torch.__version__,
+                            "date": datetime.date.today().isoformat(), "command": command,
+                            "device_tag": "cpu" if gpu == "cpu" else gpu.replace(" ", "_")}
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return meta

@@ -1,13 +1,16 @@
 """Mimose (seed 004) on a BERT-style model with sequence lengths drawn from a realistic
 distribution, under several activation budgets: Mimose vs a static plan made for the largest
-input (Sublinear-style: one plan for every batch) vs no checkpointing.
+input (Sublinear-style: one plan for every batch) vs rotor on input-aware chains (issue 13
+item 4: ``InputAwareChain`` profiles the first 10 sizes, then predicts each new shape's chain
+and rotor plans it) vs no checkpointing.
 
 Reported per budget: training time, block forwards recomputed, the peak of activation bytes
 held per step (CPU accounting of what autograd keeps, the chain runner's ``track_memory``)
 against the budget, and whether losses stay bit-identical to plain training. Also: Mimose's
 planning latency per new input size (Algorithm 1 alone, and with the simulator check that
 makes the plan's peak fit the budget), the collection overhead, and the estimator's error
-on input sizes it never saw.
+on input sizes it never saw; for input-aware rotor, the time to plan a new shape (chain
+prediction + rotor solve) on this model and on a synthetic 48-block chain.
 
     python bench/mimose.py [--quick] [--device cpu|cuda]
 
@@ -33,7 +36,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import scheduler  # noqa: E402
 from bench.models import bert  # noqa: E402
 from scheduler.planners import mimose as M  # noqa: E402
+from scheduler.planners import rotor as R  # noqa: E402
+from scheduler.runtime.input_aware import InputAwareChain  # noqa: E402
 
+METHODS = ("static", "mimose", "rotor-ia")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -55,6 +61,8 @@ def step(wrapped, ids: torch.Tensor, seed: int, device: str) -> Dict[str, Any]:
     torch.manual_seed(seed)
     if device == "cuda":
         torch.cuda.synchronize()
+    src = getattr(wrapped, "chain_source", None)
+    measured = getattr(src, "measurements", 0)
     t0 = time.perf_counter()
     logits = wrapped(ids)
     loss = torch.nn.functional.cross_entropy(logits, torch.zeros(ids.shape[0], dtype=torch.long,
@@ -69,7 +77,8 @@ def step(wrapped, ids: torch.Tensor, seed: int, device: str) -> Dict[str, Any]:
             else None,
             "peak": st.get("last_peak_bytes", 0),
             "recomputed": st.get("last_recomputed_forwards", 0),
-            "planner": wrapped.last_plan.planner if wrapped.last_plan is not None else ""}
+            "planner": wrapped.last_plan.planner if wrapped.last_plan is not None else "",
+            "profiled": getattr(src, "measurements", 0) > measured}
 
 
 def run_interleaved(methods: Dict[str, Any], lens: List[int], batch: int, device: str, zoo
@@ -156,7 +165,13 @@ def main() -> None:
     chain_max = M.chain_from_estimate(truth[hi])
     full = scheduler.simulate(chain_max, M.plan_from_checkpoints(L, [])).peak_memory
     floor = scheduler.simulate(chain_max, M.plan_from_checkpoints(L, range(L))).peak_memory
-    budgets = [max(int(full * f), int(floor)) for f in fracs]
+    # rotor plans on the profiled chain (transients and gradients counted): its least budget
+    # at the largest input can sit above the estimate's every-block-checkpointed floor
+    measured_hi = scheduler.profile.measure_chain(
+        copy.deepcopy(blocks), batch_of(zoo, hi, batch, 0, device), loss="cross_entropy",
+        input_grad=False, repeat=1)
+    rotor_floor = R.min_memory(measured_hi, slots=500, memory=full)
+    budgets = [max(int(full * f), int(floor), int(rotor_floor * 1.02)) for f in fracs]
     print(f"activation peak at seq {hi}: {full / 2**20:.2f} MiB without checkpointing, "
           f"{floor / 2**20:.2f} MiB with every block checkpointed")
 
@@ -167,6 +182,7 @@ def main() -> None:
                      "intermediate": inter, "batch": batch},
                  "steps": steps, "seq_lens": lens, "seq_range": [lo, hi],
                  "full_peak_at_max": full, "floor_peak_at_max": floor,
+                 "rotor_min_budget_at_max": rotor_floor,
                  "budget_fractions_of_full_peak": fracs,
                  "command": "python bench/mimose.py" + (" --quick" if quick else "")},
         "runs": [], "planning": {}, "estimator": {}}
@@ -184,6 +200,11 @@ def main() -> None:
                                                      planner=static_plan, track_memory=True)
         methods[f"mimose@{budget}"] = scheduler.wrap(copy.deepcopy(blocks), budget,
                                                      planner="mimose", track_memory=True)
+        ia_blocks = copy.deepcopy(blocks)
+        methods[f"rotor-ia@{budget}"] = scheduler.wrap(
+            ia_blocks, budget, planner="rotor", track_memory=True,
+            chain=InputAwareChain(ia_blocks, samples=M.DEFAULT_SAMPLES, loss="cross_entropy",
+                                  measure_options={"repeat": 3}))
     all_rows = run_interleaved(methods, lens, batch, device, zoo)
     plain_rows = all_rows["none"]
     plain_bits = [r["loss_bits"] for r in plain_rows]
@@ -196,12 +217,15 @@ def main() -> None:
         # the steps after Mimose's collection phase (the same steps for every method)
         responsive = [k for k, r in enumerate(all_rows[f"mimose@{budget}"])
                       if r["planner"] != "mimose-collect"]
-        for name in ("static", "mimose"):
+        for name in METHODS:
             wrapped, rows = methods[f"{name}@{budget}"], all_rows[f"{name}@{budget}"]
             if name == "mimose":
                 mimose_model = wrapped
                 st = wrapped.stats()
                 coll = [r for r in rows if r["planner"] == "mimose-collect"]
+            elif name == "rotor-ia":
+                st = wrapped.stats()
+                coll = [r for r in rows if r.get("profiled")]
             else:
                 st, coll = {}, []
             resp = [rows[k] for k in responsive]
@@ -220,6 +244,7 @@ def main() -> None:
                 "responsive_paired_median_vs_none": paired_median(rows, plain_rows, responsive),
                 "responsive_recomputed_forwards": sum(r["recomputed"] for r in resp),
                 "collection_steps": len(coll), "collection_time": sum(r["time"] for r in coll),
+                **({"chain_source": wrapped.chain_source.stats()} if name == "rotor-ia" else {}),
                 "plan_cache": {k: st.get(k) for k in ("hits", "misses", "planning_seconds")}})
             table.append((budget, name, t, t / t_plain,
                           paired_median(rows, plain_rows, responsive),
@@ -252,6 +277,16 @@ def main() -> None:
         "estimator_predict_us": 1e6 * min(
             timeit_once(lambda: est.predict(batch * 100.5)) for _ in range(50)),
         "paper_ms": 0.3, "goal_ms": 0.1}
+    ia = methods[f"rotor-ia@{mid}"].chain_source
+    results["input_aware"] = {
+        "this_model": input_aware_latency(ia.estimator, new_sizes[::7], mid),
+        "synthetic_L48": synthetic_latency(48, quick),
+        "goal_ms": 1.0, "goal_step_vs_mimose": 1.10}
+    ia_runs = {r["budget"]: r for r in results["runs"] if r["method"] == "rotor-ia"}
+    mi_runs = {r["budget"]: r for r in results["runs"] if r["method"] == "mimose"}
+    results["input_aware"]["step_vs_mimose"] = {
+        str(b): ia_runs[b]["responsive_paired_median_vs_none"]
+        / mi_runs[b]["responsive_paired_median_vs_none"] for b in ia_runs}
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -273,8 +308,63 @@ def main() -> None:
           f"estimator predict {p['estimator_predict_us']:.1f} us (goal 0.1 ms, paper 0.3 ms)")
     print(f"estimator error after {e['samples']} samples: total {100 * e['max_total_error']:.3f}%, "
           f"worst block {100 * e['max_block_error']:.3f}% (goal 0.5%)")
+    ia = results["input_aware"]
+    for where in ("this_model", "synthetic_L48"):
+        r = ia[where]
+        print(f"input-aware rotor, new shape (L={r['L']}): predict {r['predict_ms']:.3f} ms + "
+              f"rotor {r['rotor_ms_slots500']:.3f} ms (500 slots) / {r['rotor_ms_slots100']:.3f} "
+              f"ms (100) / {r['rotor_ms_slots50']:.3f} ms (50); goal 1 ms")
+    print("input-aware rotor step time / Mimose's, per budget: " + ", ".join(
+        f"{int(b) / 2**20:.1f} MiB: {v:.3f}" for b, v in ia["step_vs_mimose"].items())
+        + " (goal <= 1.10)")
     plot(results, args.out.replace(".json", ".png"))
     print(f"wrote {args.out}")
+
+
+def input_aware_latency(est: M.ChainEstimator, sizes: List[float], budget: float,
+                        slots_list=(500, 100, 50)) -> Dict[str, Any]:
+    """Milliseconds to plan a new shape with input-aware rotor: the chain prediction, and the
+    rotor solve on it at several slot counts (median over ``sizes``)."""
+    pred_t, chains = [], []
+    for s in sizes:
+        t0 = time.perf_counter()
+        chains.append(est.predict(s))
+        pred_t.append(time.perf_counter() - t0)
+    out: Dict[str, Any] = {"L": est.L, "n": len(sizes),
+                           "predict_ms": 1e3 * statistics.median(pred_t)}
+    for slots in slots_list:
+        ts = []
+        for c in chains:
+            t0 = time.perf_counter()
+            try:
+                R.solve(c, budget, slots=slots)
+            except scheduler.InfeasibleError:
+                pass
+            ts.append(time.perf_counter() - t0)
+        out[f"rotor_ms_slots{slots}"] = 1e3 * statistics.median(ts)
+        out[f"total_ms_slots{slots}"] = out["predict_ms"] + out[f"rotor_ms_slots{slots}"]
+    return out
+
+
+def synthetic_latency(L: int, quick: bool) -> Dict[str, Any]:
+    """The same on a 48-block chain whose fields grow quadratically with the input size (the
+    goal's L <= 48): an estimator fitted on 10 sizes, new sizes planned at half the full peak."""
+    rng = np.random.default_rng(0)
+    coef = rng.uniform(0.5, 2.0, size=(len(scheduler.chain.FIELDS), L + 1, 3))
+
+    def chain(n: float) -> scheduler.Chain:
+        v = coef[..., 0] * n * n + coef[..., 1] * n * 100 + coef[..., 2] * 1e4
+        f = {k: v[i].tolist() for i, k in enumerate(scheduler.chain.FIELDS)}
+        for k in scheduler.chain.FIELDS[2:]:
+            f[k] = [int(x) for x in f[k]]
+        f["xbar"] = [f["xbar"][s] + (f["x"][s + 1] if s < L else 0) for s in range(L + 1)]
+        return scheduler.Chain(**f)
+    est = M.ChainEstimator(L, samples=10)
+    for n in np.linspace(100, 1000, 10):
+        est.observe(float(n), chain(float(n)))
+    sizes = [float(n) + 0.5 for n in range(120, 980, 40 if quick else 9)]
+    full = scheduler.simulate(chain(1000.0), M.plan_from_checkpoints(L, [])).peak_memory
+    return input_aware_latency(est, sizes, full * 0.5)
 
 
 def timeit_once(fn) -> float:
@@ -305,10 +395,12 @@ def plot(results: Dict[str, Any], path: str) -> None:
                 title=f"per step, budget {b / 2**20:.2f} MiB (cf. seed 004 Fig. 14)")
     axes[0].legend()
     width = 0.35
-    for k, name in enumerate(("static", "mimose")):
+    width = 0.8 / len(METHODS)
+    for k, name in enumerate(METHODS):
         vals = [next(r["responsive_paired_median_vs_none"] for r in runs
                      if r["method"] == name and r["budget"] == bb) for bb in budgets]
-        axes[1].bar(np.arange(len(budgets)) + (k - 0.5) * width, vals, width, label=name)
+        axes[1].bar(np.arange(len(budgets)) + (k - (len(METHODS) - 1) / 2) * width, vals, width,
+                    label=name)
     axes[1].axhline(1.0, color="k", ls="--", lw=1, label="no checkpointing")
     axes[1].set_xticks(range(len(budgets)), [f"{bb / 2**20:.2f}" for bb in budgets])
     axes[1].set(xlabel="budget (MiB)", ylabel="step time / no checkpointing (median)",

@@ -473,6 +473,30 @@ def mimose(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                 "(goal 0.5%)."]
         ctx.goal("mimose", "estimator error <= 0.5% after 10 samples",
                  f"{num(worst)}% (worst block {num(100 * e['max_block_error'])}%)", worst <= 0.5)
+    ia = d.get("input_aware")
+    if ia:
+        goal_ms = ia.get("goal_ms", 1.0)
+        lat = []
+        for where in ("this_model", "synthetic_L48"):
+            r = ia[where]
+            lat.append(f"L={r['L']}: prediction {num(r['predict_ms'])} ms + rotor "
+                       f"{num(r['rotor_ms_slots500'])} ms at 500 slots, "
+                       f"{num(r['rotor_ms_slots50'])} ms at 50")
+        out += ["", "Input-aware rotor (`rotor-ia`, issue 13 item 4): `InputAwareChain` profiles "
+                "the first 10 input sizes, then rotor plans each new shape on the chain the "
+                "estimator predicts. Planning a new shape: " + "; ".join(lat) + "."]
+        l48 = ia["synthetic_L48"]
+        best = min(l48[k] for k in l48 if k.startswith("total_ms_"))
+        ctx.goal("mimose", f"input-aware rotor plans a new shape in < {g(goal_ms)} ms (L <= 48)",
+                 f"{num(best)} ms at L=48 (best slot count)", best < goal_ms)
+        ratios = ia.get("step_vs_mimose", {})
+        if ratios:
+            worst = max(ratios.values())
+            ia_runs = [r for r in runs if r["method"] == "rotor-ia"]
+            over = sum(r["steps_over_budget"] for r in ia_runs)
+            ctx.goal("mimose", "input-aware rotor within 10% of Mimose's step time, no step "
+                     "over the budget", f"worst budget {num(worst)}x Mimose's; {over} steps "
+                     "over", worst <= ia.get("goal_step_vs_mimose", 1.1) and over == 0)
     out += [""] + ctx.figures(["mimose.png"])
     out += ["", reproduce(meta.get("command", "python bench/mimose.py"))]
     return out
@@ -557,6 +581,49 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     return out
 
 
+def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
+    meta = d.get("meta", {})
+    cpu = meta.get("device", "cpu") == "cpu"
+    out = [("Measured on the CPU (small configs, random weights; peaks: activation bytes autograd "
+            "holds, CPU accounting)" if cpu else f"Measured on {meta.get('gpu')} (peaks: "
+            "max_memory_allocated above the step's start)") + f". Goal: {meta.get('goal', '')}.",
+           meta_line(meta, (("gpu", "device"), ("torch", "torch"),
+                            ("transformers", "transformers"), ("date", "date"),
+                            ("steps", "timed steps"))), ""]
+    rows = []
+    measured_any = False
+    for m in d["models"]:
+        for r in m["rows"]:
+            ok = r.get("status") == "ok"
+            if r.get("status") == "skipped":
+                continue  # said once below
+            rows.append((m["model"], r["method"], size(r["budget"]) if r.get("budget") else "-",
+                         num(1e3 * r["step_s"]) if ok else "-", size(r["peak"]) if ok else "-",
+                         "ok" if ok else r.get("status", "-")))
+        goal = m.get("goal", {})
+        where = "CPU" if cpu else meta.get("gpu")
+        if all(v is None for v in goal.values()):
+            continue
+        measured_any = True
+        for key, what in (("faster_at_hf_peak", "rotor faster at HF checkpointing's peak"),
+                          ("less_memory_at_hf_time", "rotor less memory at HF's step time"),
+                          ("below_hf_peak", "rotor reaches budgets below HF's peak")):
+            ok = goal.get(key)
+            ctx.goal(f"hf ({where})", f"{m['model']}: {what}", "yes" if ok else "no", ok)
+    if not measured_any:
+        ctx.goal(f"hf ({'CPU' if cpu else meta.get('gpu')})", meta.get("goal", "rotor vs HF "
+                 "checkpointing"), "not run: no rotor rows (scheduler.checkpoint not in the "
+                 "build that made this file)", None)
+    out += table(["model", "method", "budget", "step ms", "peak", "status"], rows,
+                 right=(2, 3, 4))
+    if not meta.get("checkpoint_available", True):
+        out += ["", "rotor/pofo/mimose rows were skipped: `scheduler.checkpoint` was not in the "
+                "build that made this file."]
+    out += [""] + ctx.figures([name[:-5] + ".png"])
+    out += ["", reproduce(meta.get("command", "python bench/hf.py"))]
+    return out
+
+
 # ------------------------------------------------------------------------------ assembly
 Section = Tuple[str, str, str, Callable[..., List[str]]]   # (file or glob, title, command, renderer)
 SECTIONS: List[Section] = [
@@ -575,6 +642,8 @@ SECTIONS: List[Section] = [
     ("mimose.json", "Mimose: dynamic input sizes", "python bench/mimose.py", mimose),
     ("checkpoint_real-*.json", "Checkpointing real models", "python bench/checkpoint_real.py",
      checkpoint_real),
+    ("hf-*.json", "Hugging Face models: plain, HF checkpointing, rotor/pofo/mimose",
+     "python bench/hf.py", hf),
 ]
 
 

@@ -18,3 +18,24 @@ def python_env(*extra_path: str, base: Dict[str, str] = None, **variables: str) 
     env.update(variables)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*extra_path, PACKAGES, ROOT]))
     return env
+
+
+PTH = os.path.join(ROOT, "vmalloc", "vmalloc_autoload.pth")
+
+
+def autoload_env(tmp_path, *extra_path: str, **variables: str) -> Dict[str, str]:
+    """``python_env`` (without the caller's ``VMALLOC*`` variables) for a fresh interpreter
+    that runs the ``VMALLOC*`` autoload: its user site-packages (``tmp_path/userbase``) holds
+    the ``.pth`` file, exactly as pip installs it into site-packages."""
+    import subprocess
+    import sys
+    base = os.path.join(str(tmp_path), "userbase")
+    sp = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
+                        env={**os.environ, "PYTHONUSERBASE": base}, capture_output=True,
+                        text=True, check=True).stdout.strip()
+    os.makedirs(sp, exist_ok=True)
+    with open(PTH) as src, open(os.path.join(sp, "vmalloc_autoload.pth"), "w") as dst:
+        dst.write(src.read())
+    return python_env(*extra_path, base={k: v for k, v in os.environ.items()
+                                         if not k.startswith("VMALLOC")},
+                      PYTHONUSERBASE=base, **variables)

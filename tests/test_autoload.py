@@ -3,7 +3,6 @@
 Each case starts a fresh interpreter whose user site-packages (a temporary directory) holds the
 .pth file, exactly as pip installs it into site-packages.
 """
-import os
 import site
 import subprocess
 import sys
@@ -11,25 +10,13 @@ import textwrap
 
 import pytest
 
-from _subproc import python_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PTH = os.path.join(ROOT, "vmalloc", "vmalloc_autoload.pth")
+from _subproc import PTH, autoload_env
 
 pytestmark = pytest.mark.skipif(not site.ENABLE_USER_SITE, reason="user site-packages disabled")
 
 
 def run(tmp_path, code, env=None, extra_path=()):
-    base = tmp_path / "userbase"
-    sp = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
-                        env={**os.environ, "PYTHONUSERBASE": str(base)}, capture_output=True,
-                        text=True, check=True).stdout.strip()
-    os.makedirs(sp, exist_ok=True)
-    with open(PTH) as src, open(os.path.join(sp, "vmalloc_autoload.pth"), "w") as dst:
-        dst.write(src.read())
-    clean = python_env(*extra_path, base={k: v for k, v in os.environ.items()
-                                          if not k.startswith("VMALLOC")},
-                       PYTHONUSERBASE=str(base), **(env or {}))
+    clean = autoload_env(tmp_path, *extra_path, **(env or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean,
                           capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
 

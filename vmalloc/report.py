@@ -163,6 +163,8 @@ def to_text(rep: Mapping[str, Any]) -> str:
     if rep.get("budget"):
         extras.append(f"budget {format_size(rep['budget'])}")
     out.append(head + (f" ({', '.join(extras)})" if extras else ""))
+    if rep.get("process"):
+        out.append(f"  process: {_who(rep)}")
     mem = rep["memory"]
     out.append(f"  {'':<22}{'current':>14}{'peak':>14}")
     for row in ("requested", "allocated", "mapped", "physical"):
@@ -206,7 +208,8 @@ def to_text(rep: Mapping[str, Any]) -> str:
 
 
 _CORE_KEYS = {"version", "title", "source", "device", "chunk_size", "budget", "memory",
-              "fragmentation", "cache", "driver", "histogram", "timeline", "min_budget"}
+              "fragmentation", "cache", "driver", "histogram", "timeline", "min_budget",
+              "process"}
 
 
 def comparison_json(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping[str, Any]] = None
@@ -333,9 +336,12 @@ def remove_section(name: str, device: Optional[int] = None) -> None:
 
 
 def collect(device: Optional[int] = None) -> Dict[str, Any]:
-    """The live report of ``device`` as a dict (see :func:`report`)."""
+    """The live report of ``device`` as a dict (see :func:`report`), naming the process that
+    made it (rank, pid, host, device: several ranks' reports stay apart)."""
     from . import torch_allocator
-    return torch_allocator.live_report(device)
+    rep = torch_allocator.live_report(device)
+    rep["process"] = process_identity(rep.get("device"))
+    return rep
 
 
 def report(format: str = "text", device: Optional[int] = None) -> Any:
@@ -353,16 +359,127 @@ def report(format: str = "text", device: Optional[int] = None) -> Any:
     return rep if format == "json" else to_text(rep)
 
 
-def write_exit_report(target: str) -> None:
-    """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path."""
+# ---------------------------------------------------------------------------------------------
+# one report per process (issue 15: torchrun starts a launcher and one process per rank, and
+# every one of them inherits VMALLOC_REPORT)
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    raw = environ.get(name, "").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else None
+
+
+def process_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """This process's rank: ``RANK`` (torchrun, torch.distributed, most MPI launchers), else
+    ``LOCAL_RANK``; ``None`` when neither is set."""
+    env = os.environ if environ is None else environ
+    rank = _env_int(env, "RANK")
+    return rank if rank is not None else _env_int(env, "LOCAL_RANK")
+
+
+def is_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True in torchrun's own process (the elastic agent that starts the ranks): it has no rank
+    of its own, runs ``torch.distributed.run``/``launch`` as its main program, and trains
+    nothing, yet imports torch (so the autoload's exit report would run there too)."""
+    if process_rank(environ) is not None:
+        return False  # every worker torchrun starts has RANK set
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name in ("torch.distributed.run", "torch.distributed.launch"):
+        return True   # python -m torch.distributed.run ...
+    if os.path.basename(sys.argv[0] if sys.argv else "") in ("torchrun", "torchrun.exe"):
+        return True   # the torchrun console script
+    # another front end driving the elastic agent in this process
+    return "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+
+
+def _is_child_process() -> bool:
+    """A ``multiprocessing`` child (spawn/fork workers): it shares its parent's environment."""
     try:
+        import multiprocessing
+        return multiprocessing.parent_process() is not None
+    except Exception:  # noqa: BLE001 - old Pythons, odd embeddings: treat as a lone process
+        return False
+
+
+def process_identity(device: Optional[int] = None,
+                     environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """Who writes a report: rank, local rank and world size (``None`` outside a distributed
+    launch), pid, host and device."""
+    env = os.environ if environ is None else environ
+    import socket
+    return {"rank": process_rank(env), "local_rank": _env_int(env, "LOCAL_RANK"),
+            "world_size": _env_int(env, "WORLD_SIZE"), "pid": os.getpid(),
+            "host": socket.gethostname(), "device": device}
+
+
+def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
+                pid: Optional[int] = None) -> Optional[str]:
+    """Where this process writes the ``VMALLOC_REPORT`` exit report; ``None``: write none.
+
+    - ``-`` / ``stderr``: unchanged (each report names its rank and pid on its second line, "process: ...");
+    - the launcher (:func:`is_launcher`) writes no report;
+    - a path with ``{rank}`` or ``{pid}`` in it: filled in (``{rank}`` is the pid's
+      ``pid<N>`` when there is no rank);
+    - under a distributed launch (``RANK`` or ``LOCAL_RANK`` set) the rank goes before the
+      extension: ``frag.json`` -> ``frag.rank0.json``, ``frag.txt`` -> ``frag.rank1.txt``;
+    - in a ``multiprocessing`` child without a rank, the pid: ``frag.pid4242.json``;
+    - a lone process writes the path as given.
+    """
+    env = os.environ if environ is None else environ
+    if is_launcher(env):
+        return None
+    if target == "-" or target.lower() == "stderr":
+        return target
+    pid = os.getpid() if pid is None else pid
+    rank = process_rank(env)
+    if "{rank}" in target or "{pid}" in target:
+        return target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
+                     .replace("{pid}", str(pid))
+    if rank is not None:
+        tag = f"rank{rank}"
+    elif _is_child_process():
+        tag = f"pid{pid}"
+    else:
+        return target
+    root, ext = os.path.splitext(target)
+    return f"{root}.{tag}{ext}"
+
+
+def _who(rep: Mapping[str, Any]) -> str:
+    p = rep.get("process") or {}
+    parts = []
+    if p.get("rank") is not None:
+        ws = p.get("world_size")
+        parts.append(f"rank {p['rank']}" + (f"/{ws}" if ws is not None else ""))
+    if p.get("local_rank") is not None:
+        parts.append(f"local rank {p['local_rank']}")
+    if p.get("pid") is not None:
+        parts.append(f"pid {p['pid']}")
+    if p.get("host"):
+        parts.append(f"host {p['host']}")
+    dev = p.get("device")
+    parts.append("device " + (f"cuda:{dev}" if dev is not None else "none"))
+    return ", ".join(parts)
+
+
+def write_exit_report(target: str) -> None:
+    """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path made
+    per process by :func:`report_path` (nothing from torchrun's launcher)."""
+    try:
+        path = report_path(target)
+        if path is None:
+            return
         rep = collect(None)
     except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
         print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
         return
-    if target == "-":
-        print(to_text(rep))
-    elif target.lower() == "stderr":
-        print(to_text(rep), file=sys.stderr)
+    if path == "-":
+        print(to_text(rep), flush=True)
+    elif path.lower() == "stderr":
+        print(to_text(rep), file=sys.stderr, flush=True)
     else:
-        save(rep, target)
+        try:
+            save(rep, path)
+        except OSError as exc:
+            print(f"vmalloc: could not write the exit report to {path!r}: {exc}", file=sys.stderr)

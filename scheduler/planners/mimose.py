@@ -8,6 +8,10 @@ feeds it lives in ``scheduler.runtime.mimose_collector``.
   activation sizes are within 10% share a bucket, a bucket lists its blocks earliest first,
   and blocks are picked until the excess memory is covered (the nearest-size bucket when one
   block can cover the rest, the largest bucket otherwise).
+- ``ChainEstimator``: the same fits for every field of a whole ``Chain`` (fw, bw, x, xbar,
+  delta, transients) per stage, learnt from chains measured on the first samples; predicts
+  the chain of an input size never measured, for rotor or pofo (issue 13 item 4; the torch
+  side is ``scheduler.runtime.input_aware.InputAwareChain``).
 - ``Mimose``: the planner: estimator + greedy + a ``PlanCache`` keyed by (input size, budget),
   returning a ``scheduler.Plan`` (checkpointed blocks run ``F_ck`` forward and ``F_all, B``
   in the backward, as ``torch.utils.checkpoint`` does; the others ``F_all``).
@@ -30,7 +34,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..chain import Chain
+from ..chain import FIELDS as CHAIN_FIELDS, Chain
 from ..errors import InfeasibleError
 from ..plan import Plan
 from ..plan_cache import PlanCache
@@ -51,35 +55,30 @@ class Estimate:
     fw: np.ndarray      # each block's forward time
 
 
-class Estimator:
-    """Order-2 polynomial fits per block of activation bytes, output bytes and forward time
-    against the input size (number of elements of the input tensor, as in seed 004 3.1)."""
+class PolyFit:
+    """Order-``order`` polynomial fits of a vector of non-negative values against one input
+    size (numpy ``polyfit`` on sizes scaled to <= 1, one fit per vector entry), from the rows
+    observed per distinct size. Shared by Mimose's ``Estimator`` and ``ChainEstimator``."""
 
-    def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER):
-        if not isinstance(n_blocks, int) or n_blocks < 1:
-            raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
+    def __init__(self, width: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER,
+                 name: str = "Estimator"):
         if not isinstance(samples, int) or samples < order + 1:
-            raise ValueError(f"Estimator: samples must be an int >= {order + 1} (an order-{order}"
+            raise ValueError(f"{name}: samples must be an int >= {order + 1} (an order-{order}"
                              f" fit needs that many distinct sizes), got {samples!r}")
-        self.n = n_blocks
+        self.width = width
         self.samples = samples
         self.order = order
-        self._rows: Dict[float, np.ndarray] = {}   # size -> [in, xbar(n), out(n), fw(n)]
+        self.name = name
+        self._rows: Dict[float, np.ndarray] = {}
         self._coef: Optional[np.ndarray] = None
         self._scale = 1.0
 
-    def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
-                out: Sequence[float], fw: Sequence[float]) -> None:
-        """Record one measured input size (the latest measurement of a size wins)."""
-        for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
-            if len(v) != self.n:
-                raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
-                                 f"one per block ({self.n})")
+    def observe(self, input_size: float, row: np.ndarray) -> None:
+        """Record the row of one input size (the latest measurement of a size wins)."""
         if not input_size > 0:
-            raise ValueError(f"Estimator.observe: input_size must be positive, got {input_size!r}")
-        self._rows[float(input_size)] = np.concatenate(
-            [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
-             np.asarray(fw, float)])
+            raise ValueError(f"{self.name}.observe: input_size must be positive, got "
+                             f"{input_size!r}")
+        self._rows[float(input_size)] = row
         self._coef = None
 
     @property
@@ -94,47 +93,160 @@ class Estimator:
     def has(self, input_size: float) -> bool:
         return float(input_size) in self._rows
 
+    def row(self, input_size: float) -> Optional[np.ndarray]:
+        return self._rows.get(float(input_size))
+
     def fit(self) -> None:
         if len(self._rows) < self.order + 1:
-            raise ValueError(f"Estimator.fit: {len(self._rows)} distinct input sizes seen, an "
+            raise ValueError(f"{self.name}.fit: {len(self._rows)} distinct input sizes seen, an "
                              f"order-{self.order} fit needs {self.order + 1}")
         xs = np.array(self.sizes)
         self._scale = float(xs.max())  # fit on sizes scaled to <= 1: well conditioned
         ys = np.stack([self._rows[x] for x in self.sizes])
         order = min(self.order, len(xs) - 1)
-        coef = np.polyfit(xs / self._scale, ys, order)          # (order+1, 1 + 3n)
+        coef = np.polyfit(xs / self._scale, ys, order)          # (order+1, width)
         if order < self.order:
             coef = np.vstack([np.zeros((self.order - order, coef.shape[1])), coef])
         self._coef = coef
 
-    def _eval(self, input_size: float) -> np.ndarray:
+    def eval(self, input_size: float) -> np.ndarray:
         if self._coef is None:
             self.fit()
         u = float(input_size) / self._scale
         powers = u ** np.arange(self.order, -1, -1)
         return np.maximum(powers @ self._coef, 0.0)
 
+
+class Estimator:
+    """Order-2 polynomial fits per block of activation bytes, output bytes and forward time
+    against the input size (number of elements of the input tensor, as in seed 004 3.1)."""
+
+    def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER):
+        if not isinstance(n_blocks, int) or n_blocks < 1:
+            raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
+        self.n = n_blocks
+        self._fit = PolyFit(1 + 3 * n_blocks, samples, order)   # [in, xbar(n), out(n), fw(n)]
+        self.samples = samples
+        self.order = order
+
+    def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
+                out: Sequence[float], fw: Sequence[float]) -> None:
+        """Record one measured input size (the latest measurement of a size wins)."""
+        for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
+            if len(v) != self.n:
+                raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
+                                 f"one per block ({self.n})")
+        self._fit.observe(input_size, np.concatenate(
+            [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
+             np.asarray(fw, float)]))
+
+    @property
+    def sizes(self) -> List[float]:
+        return self._fit.sizes
+
+    @property
+    def ready(self) -> bool:
+        """Enough distinct sizes seen to fit (``samples`` of them)."""
+        return self._fit.ready
+
+    def has(self, input_size: float) -> bool:
+        return self._fit.has(input_size)
+
+    def fit(self) -> None:
+        self._fit.fit()
+
+    def _estimate(self, row: np.ndarray) -> Estimate:
+        n = self.n
+        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+
     def predict(self, input_size: float) -> np.ndarray:
         """Per-block activation bytes (xbar) for ``input_size``."""
-        return self._eval(input_size)[1:1 + self.n]
+        return self._fit.eval(input_size)[1:1 + self.n]
 
     def estimate(self, input_size: float) -> Estimate:
-        row = self._eval(input_size)
-        n = self.n
-        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+        return self._estimate(self._fit.eval(input_size))
 
     def measured(self, input_size: float) -> Optional[Estimate]:
-        row = self._rows.get(float(input_size))
-        if row is None:
-            return None
-        n = self.n
-        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+        row = self._fit.row(input_size)
+        return None if row is None else self._estimate(row)
 
     def relative_error(self, input_size: float, actual_xbar: Sequence[float]) -> float:
         """|predicted - actual| / actual of the total activation bytes."""
         pred = float(self.predict(input_size).sum())
         act = float(np.sum(actual_xbar))
         return abs(pred - act) / act if act else abs(pred)
+
+
+class ChainEstimator:
+    """A whole ``Chain`` predicted for an input size never measured (issue 13 item 4).
+
+    Learns, per stage, every chain field (forward and backward time, x, xbar, delta, forward
+    and backward transients) against the input size with the same order-2 fits as Mimose's
+    ``Estimator``, from the chains measured on the first ``samples`` distinct sizes; after
+    that, ``predict(size)`` is a few numpy operations, so a new shape is planned by rotor or
+    pofo on the prediction instead of profiling again. Sizes are rounded up to whole bytes
+    (integer chains, as measured), and ``xbar[s] >= x[s+1]`` is kept (a forward keeps its
+    output)."""
+
+    def __init__(self, L: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER):
+        if not isinstance(L, int) or L < 1:
+            raise ValueError(f"ChainEstimator: L (stages before the loss) must be a positive "
+                             f"int, got {L!r}")
+        self.L = L
+        self._fit = PolyFit(len(CHAIN_FIELDS) * (L + 1), samples, order, "ChainEstimator")
+        self._chains: Dict[float, Chain] = {}
+
+    def observe(self, input_size: float, chain: Chain) -> None:
+        """Record the chain measured on one input size."""
+        if not isinstance(chain, Chain) or chain.L != self.L:
+            raise ValueError(f"ChainEstimator.observe: expected a Chain of {self.L} stages, got "
+                             f"{chain!r:.80}")
+        self._fit.observe(input_size, np.array(
+            [v for f in CHAIN_FIELDS for v in getattr(chain, f)], dtype=float))
+        self._chains[float(input_size)] = chain
+
+    @property
+    def sizes(self) -> List[float]:
+        return self._fit.sizes
+
+    @property
+    def ready(self) -> bool:
+        return self._fit.ready
+
+    def has(self, input_size: float) -> bool:
+        return self._fit.has(input_size)
+
+    def measured(self, input_size: float) -> Optional[Chain]:
+        return self._chains.get(float(input_size))
+
+    def predict(self, input_size: float, name: str = "") -> Chain:
+        """The chain for ``input_size``: the measured one when this size was measured, else
+        the fits' prediction."""
+        hit = self._chains.get(float(input_size))
+        if hit is not None:
+            return hit
+        row = self._fit.eval(input_size).reshape(len(CHAIN_FIELDS), self.L + 1)
+        sizes = np.ceil(row[2:]).astype(np.int64)            # x, xbar, delta, fw_tmp, bw_tmp
+        sizes[1, :-1] = np.maximum(sizes[1, :-1], sizes[0, 1:])  # xbar[s] >= x[s+1]
+        fields = {"fw": row[0].tolist(), "bw": row[1].tolist()}
+        fields.update({f: sizes[k].tolist() for k, f in enumerate(CHAIN_FIELDS[2:])})
+        return Chain(**fields, name=name or f"predicted-size{input_size:g}",
+                     meta={"source": "ChainEstimator", "input_size": float(input_size),
+                           "samples": len(self._chains)})
+
+    def relative_error(self, input_size: float, actual: Chain) -> Dict[str, float]:
+        """Per field, |predicted - actual| / actual of the field's total over the stages."""
+        pred = self.predict(input_size) if not self.has(input_size) else None
+        if pred is None:  # a measured size: predict it from the fit all the same
+            row = self._fit.eval(input_size).reshape(len(CHAIN_FIELDS), self.L + 1)
+            got = {f: float(row[k].sum()) for k, f in enumerate(CHAIN_FIELDS)}
+        else:
+            got = {f: float(sum(getattr(pred, f))) for f in CHAIN_FIELDS}
+        out = {}
+        for f in CHAIN_FIELDS:
+            act = float(sum(getattr(actual, f)))
+            out[f] = abs(got[f] - act) / act if act else abs(got[f])
+        return out
 
 
 # ---------------------------------------------------------------------------- Algorithm 1

@@ -26,7 +26,7 @@ from ..plan_cache import PlanCache
 from ..simulate import simulate
 from ..planners.mimose import (DEFAULT_SAMPLES, Estimate, Mimose, chain_from_estimate,
                                plan_from_checkpoints)
-from . import accounting, buffers, rng
+from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
@@ -235,14 +235,21 @@ class ChainRunner:
         elif callable(src):
             chain = src(*args, **kwargs)
         elif self.sequential:
-            chain = self._measure(list(self.blocks), tuple(args))
+            return self._check_chain(self._measure(list(self.blocks), tuple(args)),
+                                     agree_on=signature(args, {}))
         else:
             return None
         return self._check_chain(chain)
 
-    def _check_chain(self, chain: Chain) -> Chain:
+    def _check_chain(self, chain: Chain, agree_on: Hashable = None) -> Chain:
         """Every chain passes here before planning (given, measured, or from a profiling
-        step); ``on_chain`` (e.g. ranks agreeing on one chain) sees it first."""
+        step). A chain this runner measured (``agree_on``: what it was measured for) is first
+        agreed across ranks when a process group is up (issue 15: the max over ranks, so every
+        rank runs the same plan and holds the same peak); a given chain, or one from a
+        ``chain=`` callable, is the caller's (``InputAwareChain`` agrees its own measurements).
+        Then ``on_chain`` sees it."""
+        if agree_on is not None:
+            chain = distributed.agree_chain(chain, key=agree_on)
         if self.on_chain is not None:
             chain = self.on_chain(chain)
         if not isinstance(chain, Chain):
@@ -274,7 +281,7 @@ class ChainRunner:
         stages = [_BoundBlock(b, c, c.anchored and s > 0)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        return self._check_chain(self._measure(stages, x0))
+        return self._check_chain(self._measure(stages, x0), agree_on=signature(x0, {}))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
@@ -386,7 +393,8 @@ class ChainRunner:
                 c = step.collector
                 chain = self._check_chain(chain_from_estimate(Estimate(
                     accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
-                    np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"))
+                    np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"),
+                    agree_on=key)
             else:
                 chain = self._measure_step(step)
             self.cache.get_or_plan(key, lambda: self._make(chain, dev))

@@ -1,0 +1,98 @@
+"""Plans that agree across ranks (issue 15).
+
+Each rank measures its own chain, and measured times differ from rank to rank (and sizes too,
+when the ranks see different shapes), so planning on each rank's own measurement can give the
+ranks different plans with different peaks. ``agree_chain`` makes every rank plan on the same
+chain: the element-wise maximum of the ranks' chains (every time, size and transient), so the
+plan is made for the slowest rank's timing and fits every rank's memory. A runner calls it
+right after measuring a chain and before planning; outside a process group (or with one rank)
+it returns the chain unchanged and costs nothing.
+
+Every rank must call it at the same point: the runners call it when they measure, which is on
+a new input signature, so the ranks must see the same sequence of new signatures (fixed
+shapes, or dynamic shapes that every rank draws alike, e.g. padded to the longest batch of
+the step). When they do not, the ranks find out here: the agreement first compares the
+ranks' signature fingerprints and stages and raises on every rank with a message naming the
+difference; a rank that never arrives turns into the process group's timeout error
+(``init_process_group(timeout=...)``), not a silent hang.
+
+The exchange is two all-reduces (4 and ``7 (L + 1)`` float64 values) on the group's own
+backend (CPU tensors for gloo, CUDA for NCCL): microseconds next to measuring a chain. Integer sizes stay integers (float64 holds them exactly below
+2**53).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Dict, Hashable
+
+import torch
+
+from ..chain import FIELDS, Chain
+
+def active(group: Any = None) -> bool:
+    """A process group is initialised and has more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _device(group: Any) -> torch.device:
+    """Where the exchanged tensor lives: CUDA for an NCCL-only group, else the CPU (gloo, or a
+    group with a CPU backend beside NCCL)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fingerprint(key: Hashable, L: int) -> float:
+    """A number equal on two ranks iff they agree on what they are planning for (float64
+    holds 48 bits of the hash exactly). Device indices are left out of ``key``: rank k
+    trains on ``cuda:k``, the same input signature otherwise."""
+    text = re.sub(r"\b([a-z]+):\d+\b", r"\1", repr((key, L)))
+    h = hashlib.sha256(text.encode()).digest()
+    return float(int.from_bytes(h[:6], "little"))
+
+
+def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
+    """The element-wise maximum of ``chain`` over the ranks of ``group`` (default: the world),
+    the same ``Chain`` on every rank; ``chain`` itself without an initialised process group.
+
+    ``key`` names what the chain is for (the runner passes the input signature and budget):
+    ranks planning for different keys, or for chains of different lengths, raise
+    ``RuntimeError`` on every rank rather than mixing unrelated chains (or hanging later)."""
+    if not isinstance(chain, Chain):
+        raise TypeError(f"agree_chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    if not active(group):
+        return chain
+    dist = torch.distributed
+    dev = _device(group)
+    fp = _fingerprint(key, chain.L)
+    head = torch.tensor([fp, -fp, float(chain.L), -float(chain.L)], dtype=torch.float64,
+                        device=dev)
+    try:
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"agree_chain: rank {dist.get_rank()} waited for the other ranks to plan (input "
+            f"{key!r}) and they did not come: every rank must meet a new input signature at "
+            f"the same step (same shapes on every rank, or none in a process group). "
+            f"Underlying error: {exc}") from exc
+    if head[0].item() != -head[1].item() or head[2].item() != -head[3].item():
+        raise RuntimeError(
+            f"agree_chain: the ranks are planning for different inputs at the same step "
+            f"(rank {dist.get_rank()}: {key!r}, {chain.L} stages); give every rank the same "
+            f"shapes at the same step (e.g. pad each step's batches to one length), or plan "
+            f"once and pass the plan (planner=Plan) to every rank")
+    values = torch.tensor([v for f in FIELDS for v in getattr(chain, f)], dtype=torch.float64,
+                          device=dev)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    values = values.cpu()
+    n = len(chain)
+    agreed: Dict[str, Any] = {}
+    for i, f in enumerate(FIELDS):
+        mine = getattr(chain, f)
+        got = values[i * n:(i + 1) * n].tolist()
+        agreed[f] = tuple(int(v) if isinstance(m, int) else float(v) for v, m in zip(got, mine))
+    meta = dict(chain.meta)
+    meta["agreed_over_ranks"] = dist.get_world_size(group)
+    return chain.replace(meta=meta, **agreed)

@@ -1,0 +1,95 @@
+"""Input-aware optimal plans (issue 13 item 4): rotor or pofo on a chain predicted for each
+new input shape, instead of profiling every shape again.
+
+    source = InputAwareChain(blocks)                 # samples=10 distinct sizes profiled
+    model = scheduler.wrap(blocks, "2GiB", planner="rotor", chain=source)
+
+``InputAwareChain`` is a chain source for the runner's ``chain=`` option (a callable taking
+the inputs and returning a ``Chain``). For the first ``samples`` distinct input sizes it
+measures the chain (``scheduler.profile.measure_chain``, with the blocks' random state,
+buffers and gradients put back, as the runner does) and teaches it to a
+``scheduler.planners.mimose.ChainEstimator``; after that every new size gets the estimator's
+prediction (every chain field per stage, order-2 in the input size), which is a few numpy
+operations: the runner then plans it (rotor, pofo, ...) and caches the plan per signature as
+for a measured chain. ``measurements`` and ``predictions`` count what it did.
+
+The input size is Mimose's: the element count of the first input tensor (``input_size=`` to
+change it). In a process group the measured chains are agreed across ranks before the
+estimator learns them (``distributed.agree_chain``), so every rank fits the same estimator and
+predicts the same chains.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..chain import Chain
+from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
+from . import distributed
+
+
+def default_input_size(args: Sequence[Any]) -> int:
+    """Elements of the first input tensor (Mimose's input size, seed 004 section 3.1)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.numel()
+    raise ValueError("InputAwareChain: the input has no tensor to size")
+
+
+class InputAwareChain:
+    """Chain source: measured on the first ``samples`` distinct input sizes, predicted after."""
+
+    def __init__(self, blocks: Sequence[nn.Module], samples: int = DEFAULT_SAMPLES,
+                 input_size: Optional[Callable[[Sequence[Any]], float]] = None,
+                 loss: Any = "sum", measure_options: Optional[Dict[str, Any]] = None,
+                 estimator: Optional[ChainEstimator] = None):
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+            blocks = list(blocks)
+        if not isinstance(blocks, (list, tuple)) or not blocks or \
+                not all(isinstance(b, nn.Module) for b in blocks):
+            raise TypeError("InputAwareChain: blocks must be an nn.Sequential, an nn.ModuleList "
+                            f"or a non-empty list of nn.Module, got {type(blocks).__name__}")
+        self.blocks = list(blocks)
+        self.L = len(self.blocks)
+        if estimator is not None and (not isinstance(estimator, ChainEstimator)
+                                      or estimator.L != self.L):
+            raise ValueError(f"InputAwareChain: estimator= must be a ChainEstimator of {self.L} "
+                             f"stages, got {estimator!r}")
+        self.estimator = estimator or ChainEstimator(self.L, samples)
+        self.input_size = input_size or default_input_size
+        self.loss = loss
+        self.measure_options = dict(measure_options or {})
+        self.measurements = 0
+        self.predictions = 0
+
+    @property
+    def collecting(self) -> bool:
+        """Still profiling new sizes (fewer than ``samples`` distinct sizes measured)."""
+        return not self.estimator.ready
+
+    def __call__(self, *args: Any) -> Chain:
+        size = self.input_size(args)
+        if self.estimator.has(size) or self.estimator.ready:
+            self.predictions += 0 if self.estimator.has(size) else 1
+            return self.estimator.predict(size)
+        chain = distributed.agree_chain(self._measure(args), key=("input-aware", float(size)))
+        self.measurements += 1
+        self.estimator.observe(size, chain)
+        return chain
+
+    def _measure(self, args: Sequence[Any]) -> Chain:
+        from ..profile import measure_chain
+        from .chain_runner import _PreservedState  # the runner's own way of measuring safely
+        keep = _PreservedState(self.blocks, args)
+        grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        try:
+            return measure_chain(self.blocks, args[0] if len(args) == 1 else args,
+                                 loss=self.loss, input_grad=grad_in, **self.measure_options)
+        finally:
+            keep.restore()
+
+    def stats(self) -> Dict[str, Any]:
+        return {"measurements": self.measurements, "predictions": self.predictions,
+                "sizes_measured": len(self.estimator.sizes), "collecting": self.collecting}

@@ -1,0 +1,305 @@
+"""One rank of the multi-process tests (issue 15), run by ``torchrun`` (``python -m
+torch.distributed.run``) on localhost with gloo. One launch runs many cases and appends one
+JSON line per case to ``OUT/rank<R>.jsonl`` as it goes (a hang or crash still leaves the
+cases before it); ``tests/test_distributed.py`` starts the launches and reads the lines.
+
+A case is (model, runtime, parallel): the runtime is looked up in ``RUNTIMES`` (name ->
+how it wraps the model and runs a step), the parallel wrapper in ``PARALLEL``. For each step
+the case records a SHA-256 of every parameter's gradient on this rank (after the
+reduction), so the test compares a runtime against the plain run of the same model and
+parallel setup, per rank and per step, bit for bit, across launches.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_worker.py \\
+        OUT [--runtimes plain,swap,...] [--models cnn,transformer] [--parallel ddp,...] [--extra]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+import traceback
+from contextlib import nullcontext
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import scheduler
+from scheduler.planners import mimose as M
+
+STEPS = 2
+BANDWIDTH = 12e9
+SEQ_LENS = [12, 16]          # the transformer's sequence length per step (same on all ranks)
+
+
+# ------------------------------------------------------------------------------ models
+class ResBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.c1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.b1 = nn.BatchNorm2d(c)
+        self.c2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.b2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
+class Pool(nn.Module):
+    """Mean over ``dims`` (the image's pixels, the sequence's tokens), then a linear head."""
+
+    def __init__(self, c: int, n: int, dims: tuple):
+        super().__init__()
+        self.fc = nn.Linear(c, n)
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=self.dims))
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, d: int, max_len: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos[: ids.shape[1]]
+
+
+class Net(nn.Module):
+    """The model people write: a block list and a forward loop over it."""
+
+    def __init__(self, blocks: List[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build(model: str) -> Net:
+    torch.manual_seed(0)  # the same weights on every rank
+    if model == "cnn":  # skips and BatchNorm
+        return Net([nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+                    ResBlock(8), ResBlock(8), ResBlock(8), Pool(8, 5, (2, 3))])
+    if model == "transformer":  # 4 layers with dropout
+        layers = [nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+                  for _ in range(4)]
+        return Net([Embed(50, 32), *layers, Pool(32, 5, (1,))])
+    raise ValueError(f"dist_worker: unknown model {model!r}")
+
+
+def batch(model: str, rank: int, step: int, micro: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    if model == "cnn":
+        return torch.randn(4, 3, 12, 12, generator=g)
+    return torch.randint(1, 50, (4, SEQ_LENS[step % len(SEQ_LENS)]), generator=g)
+
+
+def budget_for(model: str) -> int:
+    """Half-way between every-block-checkpointed and nothing-checkpointed at the largest
+    input: a budget under which every planner must recompute (bytes: equal on every rank)."""
+    net = build(model)
+    x = batch(model, 0, SEQ_LENS.index(max(SEQ_LENS)))
+    chain = scheduler.profile.measure_chain(list(net.blocks), x, loss="sum", repeat=1,
+                                             input_grad=x.is_floating_point())
+    full = scheduler.simulate(chain, M.plan_from_checkpoints(chain.L, [])).peak_memory
+    floor = scheduler.simulate(chain, M.plan_from_checkpoints(chain.L, range(chain.L))).peak_memory
+    return int((full + floor) / 2)
+
+
+# ------------------------------------------------------------------------------ runtimes
+class Runtime:
+    """How a runtime changes the model (``prepare``) and wraps a step (``context``).
+    ``missing``: a reason to skip (the runtime is not in this build)."""
+
+    def __init__(self, prepare: Callable[[Net, int], nn.Module],
+                 context: Callable[[], Any] = nullcontext,
+                 missing: Callable[[], Optional[str]] = lambda: None):
+        self.prepare, self.context, self.missing = prepare, context, missing
+
+
+def _wrap(planner: str) -> Callable[[Net, int], nn.Module]:
+    def prepare(net: Net, budget: int) -> nn.Module:
+        return scheduler.wrap(list(net.blocks), budget, planner=planner, bandwidth=BANDWIDTH,
+                              samples=3)
+    return prepare
+
+
+def _input_aware(net: Net, budget: int) -> nn.Module:
+    from scheduler.runtime.input_aware import InputAwareChain
+    blocks = list(net.blocks)
+    return scheduler.wrap(blocks, budget, planner="rotor",
+                          chain=InputAwareChain(blocks, samples=3, measure_options={"repeat": 1}))
+
+
+def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
+    def prepare(net: Net, budget: int) -> nn.Module:
+        return scheduler.checkpoint(net, budget, planner=planner, bandwidth=BANDWIDTH)
+    return prepare
+
+
+def _no_checkpoint() -> Optional[str]:
+    return None if hasattr(scheduler, "checkpoint") else \
+        "scheduler.checkpoint is not in this build yet (the ckpt runner)"
+
+
+RUNTIMES: Dict[str, Runtime] = {
+    "plain": Runtime(lambda net, budget: net),
+    # the global byte window (VMALLOC_WINDOW) is "plain" run in a launch with the variable set
+    "window": Runtime(lambda net, budget: net),
+    "swap": Runtime(lambda net, budget: net,
+                    lambda: scheduler.swap(window="64KiB", device="cpu", min_bytes=0)),
+    **{f"wrap-{p}": Runtime(_wrap(p)) for p in ("rotor", "pofo", "mimose")},
+    "wrap-rotor-input-aware": Runtime(_input_aware),
+    **{f"checkpoint-{p}": Runtime(_checkpoint(p), missing=_no_checkpoint)
+       for p in ("rotor", "pofo", "mimose")},
+}
+
+
+# ------------------------------------------------------------------------------ parallel
+def _ddp(**options: Any) -> Callable[[nn.Module], nn.Module]:
+    def apply(m: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(m, **options)
+    return apply
+
+
+def _fsdp(per_block: bool) -> Callable[[nn.Module], nn.Module]:
+    def apply(m: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+        if per_block:
+            for b in m.blocks:
+                fully_shard(b)
+        fully_shard(m)
+        return m
+    return apply
+
+
+PARALLEL: Dict[str, Callable[[nn.Module], nn.Module]] = {
+    "ddp": _ddp(),
+    "ddp-unused": _ddp(find_unused_parameters=True),
+    "ddp-bucket-view": _ddp(gradient_as_bucket_view=True),
+    "ddp-static": _ddp(static_graph=True),
+    "ddp-no-sync": _ddp(),              # two micro-batches, the first under no_sync()
+    "fsdp-block": _fsdp(per_block=True),
+    "fsdp-whole": _fsdp(per_block=False),
+}
+
+
+def grad_digest(model: nn.Module) -> Dict[str, Any]:
+    h = hashlib.sha256()
+    missing = []
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            missing.append(name)
+            h.update(b"None")
+            continue
+        if hasattr(g, "to_local"):  # FSDP2: this rank's shard
+            g = g.to_local()
+        h.update(g.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return {"sha": h.hexdigest(), "missing": missing}
+
+
+def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) -> Dict[str, Any]:
+    rt = RUNTIMES[runtime]
+    why = rt.missing()
+    if why:
+        return {"status": "skipped", "reason": why}
+    net = build(model)
+    wrapped = PARALLEL[parallel](rt.prepare(net, budget))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    steps = []
+    micro = 2 if parallel == "ddp-no-sync" else 1
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for k in range(micro):
+            torch.manual_seed(1000 * step + 10 * k + rank)  # dropout: per rank, step, micro
+            sync = wrapped.no_sync() if k < micro - 1 else nullcontext()
+            with sync, rt.context():
+                out = wrapped(batch(model, rank, step, k))
+                loss = out.float().pow(2).mean()
+                loss.backward()
+            losses.append(loss.item())
+        steps.append({"losses": losses, **grad_digest(wrapped)})
+        opt.step()
+    rec: Dict[str, Any] = {"status": "ok", "steps": steps}
+    inner = getattr(wrapped, "module", wrapped)
+    plan = getattr(inner, "last_plan", None)
+    if plan is not None:
+        rec["plan"] = hashlib.sha256(repr(plan.ops).encode()).hexdigest()
+        chain = plan.chain
+        rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
+    return rec
+
+
+# ------------------------------------------------------------------------------ agreement
+def agreement_checks(rank: int) -> Dict[str, Any]:
+    """agree_chain itself: ranks with different chains get one chain, the element-wise max;
+    ranks planning for different inputs raise on every rank."""
+    from scheduler.runtime.distributed import agree_chain
+    mine = scheduler.Chain.random(5, seed=rank)
+    got = agree_chain(mine, key="same")
+    all_chains = [None] * dist.get_world_size()
+    dist.all_gather_object(all_chains, mine.to_dict())
+    want = {f: [max(c[f][s] for c in all_chains) for s in range(len(mine))]
+            for f in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
+    out: Dict[str, Any] = {"agreed": got.to_dict(), "is_max": all(
+        list(getattr(got, f)) == want[f] for f in want)}
+    # rank k holds its inputs on cuda:k: the same signature for the agreement
+    out["device_index_ignored"] = agree_chain(mine, key=(((4, 3), f"cuda:{rank}"),)).L == 5
+    try:
+        agree_chain(mine, key=f"rank{rank}")
+        out["mismatch"] = "no error"
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--models", default="cnn,transformer")
+    ap.add_argument("--runtimes", default="plain")
+    ap.add_argument("--parallel", default=",".join(PARALLEL))
+    ap.add_argument("--agreement", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    # generous: on a loaded 2-core CI machine one rank can lag the other by many seconds
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
+    rank = dist.get_rank()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"rank{rank}.jsonl")
+    with open(path, "w") as f:
+        def emit(rec: Dict[str, Any]) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        emit({"case": "process", "rank": rank, "world_size": dist.get_world_size(),
+              "pid": os.getpid(), "window": os.environ.get("VMALLOC_WINDOW")})
+        if args.agreement:
+            emit({"case": "agreement", **agreement_checks(rank)})
+        for model in args.models.split(","):
+            budget = budget_for(model)
+            for runtime in args.runtimes.split(","):
+                for parallel in args.parallel.split(","):
+                    try:
+                        rec = run_case(model, runtime, parallel, budget, rank)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the test decides
+                        rec = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+                               "trace": traceback.format_exc(limit=4)}
+                        dist.barrier()   # both ranks leave the failed case together
+                    emit({"case": f"{model}/{runtime}/{parallel}", **rec})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

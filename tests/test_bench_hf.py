@@ -1,0 +1,40 @@
+"""bench/hf.py --quick runs (CI smoke) and writes a results file readme_results can render."""
+import json
+import subprocess
+import sys
+
+from _subproc import ROOT, python_env
+
+
+def test_quick_run_writes_rows_for_every_method(tmp_path):
+    r = subprocess.run([sys.executable, f"{ROOT}/bench/hf.py", "--quick", "--models", "gpt2",
+                        "--out", str(tmp_path)], env=python_env(), cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.load(open(tmp_path / "hf-cpu.json"))
+    rows = d["models"][0]["rows"]
+    assert {r["method"] for r in rows} == {"plain", "hf-ckpt", "rotor", "pofo", "mimose"}
+    plain, hf = rows[0], rows[1]
+    assert 0 < hf["peak"] < plain["peak"]  # checkpointing every layer holds less
+    for k in ("machine", "gpu", "torch", "date", "transformers"):
+        assert d["meta"][k]
+    sys.path.insert(0, f"{ROOT}/bench")
+    import readme_results
+    text = readme_results.render(str(tmp_path), str(tmp_path))
+    assert "Hugging Face models" in text and "could not read" not in text.lower()
+
+
+def test_goal_check_reads_rotor_rows_against_hf_checkpointing():
+    sys.path.insert(0, f"{ROOT}/bench")
+    import hf
+    rows = [{"method": "plain", "budget": None, "status": "ok", "step_s": 1.0, "peak": 100},
+            {"method": "hf-ckpt", "budget": None, "status": "ok", "step_s": 1.4, "peak": 30},
+            {"method": "rotor", "budget": 24, "status": "ok", "step_s": 1.5, "peak": 24},
+            {"method": "rotor", "budget": 30, "status": "ok", "step_s": 1.3, "peak": 29},
+            {"method": "rotor", "budget": 60, "status": "ok", "step_s": 1.1, "peak": 58}]
+    assert hf.goal_check(rows) == {"faster_at_hf_peak": True, "less_memory_at_hf_time": True,
+                                   "below_hf_peak": True}
+    rows[3].update(step_s=1.45)
+    assert hf.goal_check(rows)["faster_at_hf_peak"] is False
+    skipped = [r for r in rows if r["method"] != "rotor"]
+    assert set(hf.goal_check(skipped).values()) == {None}

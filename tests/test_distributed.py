@@ -1,0 +1,181 @@
+"""Several processes (issue 15): DDP and FSDP2 under torchrun with 2 gloo ranks on localhost,
+with every runtime, gradients per rank and step bit-identical to the plain run of the same
+setup, plans agreeing across ranks, and one vmalloc report per rank (none from the launcher).
+
+Two launches of ``tests/dist_worker.py`` run every case (a launch costs seconds of start-up,
+so cases are batched): the first with ``VMALLOC_REPORT=<tmp>/frag.json`` runs plain training,
+``scheduler.swap``, ``scheduler.wrap`` and ``scheduler.checkpoint`` (rotor, pofo, mimose);
+the second runs plain training with ``VMALLOC_WINDOW`` (the global byte window) and
+``VMALLOC_REPORT=-``. Each launch is bounded by a timeout that kills the whole process group.
+
+To cover a new runtime, add it to ``dist_worker.RUNTIMES`` (and to ``MAIN_RUNTIMES`` here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import site
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+
+import dist_worker as W
+from _subproc import autoload_env, python_env
+from vmalloc.report import load as load_report
+
+# the VMALLOC_* variables act through the autoload .pth, installed in a user site-packages; where
+# that is disabled (a venv), the DDP/FSDP matrix still runs, the window and report cases skip
+AUTOLOAD = site.ENABLE_USER_SITE
+needs_autoload = pytest.mark.skipif(not AUTOLOAD, reason="user site-packages disabled (the "
+                                    "autoload .pth that reads VMALLOC_* lives there)")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
+LAUNCH_TIMEOUT_S = 300
+MODELS = ("cnn", "transformer")
+MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
+                 "wrap-rotor-input-aware", "checkpoint-rotor", "checkpoint-pofo",
+                 "checkpoint-mimose")
+WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
+
+# what today's scheduler.wrap gets wrong (issue 15); strict: they flip to failures (XPASS) when
+# the non-reentrant runner lands, and the marks go then
+# (runtime, parallel) pairs that cannot work yet, each with the reason (strict xfail: fixing one
+# fails the test until it leaves this map). The non-reentrant runner made every wrap case work.
+KNOWN_BROKEN: Dict[Tuple[str, str], str] = {}
+
+
+def launch(out: str, tmp_path, args: List[str], **env: str) -> subprocess.CompletedProcess:
+    """torchrun with 2 ranks on a free localhost port, started again once if it failed before
+    any case ran (the free port it picked was taken meanwhile by another job on the machine)."""
+    r = _launch_once(out, tmp_path, args, **env)
+    ran = [case for recs in read_cases(out).values() for case in recs if case != "process"]
+    if r.returncode != 0 and not ran:
+        r = _launch_once(out, tmp_path, args, **env)
+    return r
+
+
+def _launch_once(out: str, tmp_path, args: List[str], **env: str) -> subprocess.CompletedProcess:
+    """One torchrun launch; its process group is killed on timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", "2", WORKER, out, *args]
+    os.makedirs(out, exist_ok=True)
+    variables = dict(OMP_NUM_THREADS="1", **env)
+    environ = autoload_env(tmp_path, **variables) if AUTOLOAD else python_env(**variables)
+    proc = subprocess.Popen(cmd, env=environ,
+                            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        done = read_cases(out).get(0, {})
+        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s (a hang?); cases done on "
+                    f"rank 0: {list(done)}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def read_cases(out: str) -> Dict[int, Dict[str, dict]]:
+    got: Dict[int, Dict[str, dict]] = {}
+    for rank in (0, 1):
+        path = os.path.join(out, f"rank{rank}.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                got[rank] = {r["case"]: r for r in map(json.loads, f)}
+    return got
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    main = launch(str(tmp / "main"), tmp, ["--agreement", "--runtimes", ",".join(MAIN_RUNTIMES)],
+                  VMALLOC_REPORT=str(tmp / "frag.json"))
+    assert main.returncode == 0, f"torchrun failed ({main.returncode}):\n{main.stderr[-4000:]}"
+    cases = read_cases(str(tmp / "main"))
+    if not AUTOLOAD:
+        return {"tmp": tmp, "cases": cases, "window_stdout": ""}
+    window = launch(str(tmp / "window"), tmp, ["--runtimes", "window"],
+                    VMALLOC_WINDOW="64KiB", VMALLOC_REPORT="-")
+    assert window.returncode == 0, f"torchrun failed ({window.returncode}):\n{window.stderr[-4000:]}"
+    for rank, recs in read_cases(str(tmp / "window")).items():
+        recs["window-process"] = recs.pop("process")
+        cases[rank].update(recs)
+    return {"tmp": tmp, "cases": cases, "window_stdout": window.stdout}
+
+
+def _case_params():
+    for model in MODELS:
+        for runtime in (*MAIN_RUNTIMES[1:], "window"):
+            for parallel in W.PARALLEL:
+                marks = []
+                reason = KNOWN_BROKEN.get((runtime, parallel))
+                if reason:
+                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                if runtime == "window":
+                    marks.append(needs_autoload)
+                yield pytest.param(model, runtime, parallel, marks=marks,
+                                   id=f"{model}-{runtime}-{parallel}")
+
+
+@pytest.mark.parametrize("model,runtime,parallel", list(_case_params()))
+def test_gradients_match_plain_per_rank_and_step(runs, model, runtime, parallel):
+    name = f"{model}/{runtime}/{parallel}"
+    for rank in (0, 1):
+        rec = runs["cases"][rank][name]
+        if rec["status"] == "skipped":
+            pytest.skip(rec["reason"])
+        assert rec["status"] == "ok", f"rank {rank}: {rec['error']}\n{rec.get('trace', '')}"
+        ref = runs["cases"][rank][f"{model}/plain/{parallel}"]
+        assert ref["status"] == "ok", ref.get("error")
+        for step, (got, want) in enumerate(zip(rec["steps"], ref["steps"])):
+            assert not got["missing"], f"rank {rank} step {step}: no gradient for {got['missing']}"
+            assert got["losses"] == want["losses"], f"rank {rank} step {step}: losses differ"
+            assert got["sha"] == want["sha"], f"rank {rank} step {step}: gradients differ"
+        assert len(rec["steps"]) == len(ref["steps"]) == W.STEPS
+
+
+def test_plans_agree_across_ranks(runs):
+    planned = [name for name, rec in runs["cases"][0].items() if "plan" in rec]
+    assert any("/wrap-rotor/" in n for n in planned)
+    for name in planned:
+        assert runs["cases"][0][name]["plan"] == runs["cases"][1][name]["plan"], name
+        if "/wrap-rotor" in name or "/wrap-pofo/" in name:  # planned on the agreed chain
+            assert runs["cases"][0][name]["agreed_over_ranks"] == 2, name
+
+
+def test_agree_chain_takes_the_max_and_rejects_different_inputs(runs):
+    a0, a1 = (runs["cases"][r]["agreement"] for r in (0, 1))
+    fields = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")
+    assert [a0["agreed"][f] for f in fields] == [a1["agreed"][f] for f in fields]
+    assert a0["is_max"] and a1["is_max"]
+    assert a0["device_index_ignored"] and a1["device_index_ignored"]
+    assert a0["agreed"]["meta"]["agreed_over_ranks"] == 2
+    for a in (a0, a1):
+        assert "different inputs" in a["mismatch"], a["mismatch"]
+
+
+@needs_autoload
+def test_one_report_per_rank_and_none_from_the_launcher(runs):
+    tmp = runs["tmp"]
+    assert not (tmp / "frag.json").exists(), "the launcher (or a rank) wrote the unsuffixed path"
+    for rank in (0, 1):
+        path = tmp / f"frag.rank{rank}.json"
+        assert path.exists() and path.stat().st_size > 0, path
+        rep = load_report(str(path))
+        proc = rep["process"]
+        assert (proc["rank"], proc["world_size"]) == (rank, 2)
+        assert proc["pid"] == runs["cases"][rank]["process"]["pid"]
+        assert "device" in proc
+
+
+@needs_autoload
+def test_stdout_reports_name_their_rank(runs):
+    out = runs["window_stdout"]
+    assert out.count("vmalloc report:") == 2, out[-2000:]
+    for rank in (0, 1):
+        pid = runs["cases"][rank]["window-process"]["pid"]
+        assert f"process: rank {rank}/2, local rank {rank}, pid {pid}" in out
+    assert all(runs["cases"][r]["window-process"]["window"] == "64KiB" for r in (0, 1))

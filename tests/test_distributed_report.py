@@ -1,0 +1,74 @@
+"""Issue 15 without torchrun: the per-process naming rule of the VMALLOC_REPORT exit report,
+and agree_chain outside a process group."""
+import importlib
+import multiprocessing
+import os
+import sys
+
+import pytest
+
+R = importlib.import_module("vmalloc.report")  # the module (vmalloc.report is also a function)
+
+
+@pytest.mark.parametrize("target,env,want", [
+    ("frag.json", {}, "frag.json"),                                     # a lone process
+    ("frag.json", {"RANK": "3", "WORLD_SIZE": "4"}, "frag.rank3.json"),
+    ("out/frag.txt", {"LOCAL_RANK": "1"}, "out/frag.rank1.txt"),        # LOCAL_RANK alone
+    ("frag", {"RANK": "0", "LOCAL_RANK": "5"}, "frag.rank0"),           # RANK wins, no extension
+    ("r{rank}-{pid}.json", {"RANK": "2"}, "r2-77.json"),                # placeholders
+    ("r{rank}.json", {}, "rpid77.json"),
+    ("-", {"RANK": "1"}, "-"),
+    ("stderr", {"RANK": "1"}, "stderr"),
+])
+def test_report_path(target, env, want):
+    assert R.report_path(target, env, pid=77) == want
+
+
+def _child_path(q):
+    q.put(R.report_path("frag.json", {}, pid=5))
+
+
+def test_a_multiprocessing_child_without_rank_gets_its_pid():
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_path, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=120) == "frag.pid5.json"
+    finally:
+        p.join(timeout=120)
+
+
+def test_the_launcher_writes_none_and_a_rank_is_never_the_launcher(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/usr/bin/torchrun", "--nproc-per-node", "2", "t.py"])
+    assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
+    assert not R.is_launcher({"RANK": "0"})
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    assert not R.is_launcher({}) or \
+        "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+
+
+def test_every_report_names_its_process():
+    rep = R.collect()
+    p = rep["process"]
+    assert p["pid"] == os.getpid() and "rank" in p and "device" in p and p["host"]
+    text = R.to_text(rep)
+    assert f"pid {os.getpid()}" in text.splitlines()[1]
+
+
+def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    R.write_exit_report(str(tmp_path / "frag.json"))
+    rep = R.load(str(tmp_path / "frag.rank1.json"))
+    assert (rep["process"]["rank"], rep["process"]["world_size"]) == (1, 2)
+    assert not (tmp_path / "frag.json").exists()
+
+
+def test_agree_chain_without_a_process_group_is_the_chain_itself():
+    from scheduler import Chain
+    from scheduler.runtime.distributed import active, agree_chain
+    c = Chain.random(4, seed=2)
+    assert not active() and agree_chain(c, key="x") is c
+    with pytest.raises(TypeError, match="Chain"):
+        agree_chain("not a chain")
