@@ -40,8 +40,6 @@ MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
                  "checkpoint-mimose")
 WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
 
-# what today's scheduler.wrap gets wrong (issue 15); strict: they flip to failures (XPASS) when
-# the non-reentrant runner lands, and the marks go then
 # (runtime, parallel) pairs that cannot work yet, each with the reason (strict xfail: fixing one
 # fails the test until it leaves this map). The non-reentrant runner made every wrap case work.
 KNOWN_BROKEN: Dict[Tuple[str, str], str] = {}
