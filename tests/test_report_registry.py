@@ -95,15 +95,6 @@ def test_registry_entry_points_and_shims_on_the_host_backend(tmp_path):
     assert "not a live allocation" in r.stderr or "0x1234" in r.stderr
 
 
-def test_oom_is_pytorchs_own_error_type():
-    torch = pytest.importorskip("torch")  # loads libc10, whose OutOfMemoryError we throw
-    from vmalloc import _core
-    assert _core._torch_oom_kind() == "c10::OutOfMemoryError"
-    with pytest.raises(RuntimeError, match="vmalloc test message"):
-        _core._torch_throw_oom_for_test("vmalloc test message")
-    del torch
-
-
 def test_torch_memory_stats_mapping():
     from vmalloc.torch_allocator import torch_memory_stats
     s = {"requested_current": 10, "requested_peak": 20, "physical_current": 64, "physical_peak": 128,

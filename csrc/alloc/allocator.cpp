@@ -616,9 +616,10 @@ Allocator::~Allocator() {
   }
 }
 
-void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
+// malloc and try_malloc: `use_pressure` = false never calls the pressure callback (try_malloc's
+// callers hold a lock the callback may need).
+static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bool use_pressure) {
   if (nbytes == 0) throw std::invalid_argument("nbytes: must be a positive byte count, got 0");
-  Impl& m = *impl_;
   for (int attempt = 0;; ++attempt) {
     size_t missing = 0;
     std::function<bool(size_t)> cb;
@@ -635,7 +636,7 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
       else
         p = m.malloc_large(nbytes, stream, missing, device_full);
       if (p) return p;
-      if (attempt == 0 && m.pressure) {
+      if (attempt == 0 && use_pressure && m.pressure) {
         cb = m.pressure;
         ++m.st.num_pressure_calls;
       } else {
@@ -661,6 +662,16 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
                             " missing and the pressure callback freed nothing",
                         nbytes, m.st.physical_current, m.cfg.budget);
     }
+  }
+}
+
+void* Allocator::malloc(size_t nbytes, uintptr_t stream) { return malloc_impl(*impl_, nbytes, stream, true); }
+
+void* Allocator::try_malloc(size_t nbytes, uintptr_t stream) {
+  try {
+    return malloc_impl(*impl_, nbytes, stream, false);
+  } catch (const OutOfMemory&) {
+    return nullptr;  // counted in num_oom by malloc_impl
   }
 }
 
