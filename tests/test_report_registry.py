@@ -16,7 +16,7 @@ from vmalloc import torch_allocator as ta
 from vmalloc.replay import from_snapshot
 
 MiB = 1 << 20
-core = ta._core()
+core = ta.core()
 core._torch_configure("host", 64 << 10, 0, -1)     # what enable() does, on the host backend
 reg = ta.registry()
 reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
@@ -27,7 +27,8 @@ malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_in
 free = lib.vmalloc_torch_free
 free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 lib.vmalloc_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-assert set(core._torch_entry_points()) == {"vmalloc_torch_malloc", "vmalloc_torch_free",
+assert set(core._torch_entry_points()) == {"vmalloc_torch_malloc", "vmalloc_torch_malloc_pool",
+    "vmalloc_torch_free",
     "vmalloc_torch_record_stream", "vmalloc_torch_empty_cache", "vmalloc_torch_memory_fraction",
     "vmalloc_torch_init"}
 
@@ -39,7 +40,7 @@ free(None, 0, 0, None)                                   # and freeing it is a n
 fake_C = types.SimpleNamespace(_cuda_memoryStats=None, _cuda_resetPeakMemoryStats=None,
     _cuda_resetAccumulatedMemoryStats=None, _cuda_memorySnapshot=None,
     _cuda_record_memory_history=None)
-ta._install_shims(types.SimpleNamespace(_C=fake_C))
+ta.install_shims(types.SimpleNamespace(_C=fake_C))
 fake_C._cuda_record_memory_history("all", "all", "all", 1000)
 
 p = malloc(3 * MiB, 0, ctypes.c_void_p(5))
@@ -68,6 +69,21 @@ lib.vmalloc_torch_memory_fraction(0.5, 0)
 total = core._torch_allocator(0).total_memory
 assert vmalloc.stats(0)["budget"] == int(0.5 * total), (vmalloc.stats(0)["budget"], total)
 
+# vmalloc.pool()'s entry point: null past the budget, and no pressure callback (PyTorch holds its
+# allocator mutex there; the callback would take the GIL)
+pool_malloc = lib.vmalloc_torch_malloc_pool
+pool_malloc.restype, pool_malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+core._torch_set_budget(1, 128 << 10)
+a1 = core._torch_allocator(1, True)
+calls = []
+a1.set_pressure_callback(lambda need: calls.append(need) or False)
+r = pool_malloc(64 << 10, 1, None)
+assert r
+assert pool_malloc(1 * MiB, 1, None) is None
+assert calls == [] and a1.stats()["num_oom"] == 1 and a1.stats()["num_pressure_calls"] == 0
+free(r, 64 << 10, 1, None)
+a1.set_pressure_callback(None)
+
 snap = fake_C._cuda_memorySnapshot(None)
 acts = [e["action"] for e in snap["device_traces"][0]]
 assert acts == ["alloc", "alloc", "free_requested", "free_completed",
@@ -95,13 +111,72 @@ def test_registry_entry_points_and_shims_on_the_host_backend(tmp_path):
     assert "not a live allocation" in r.stderr or "0x1234" in r.stderr
 
 
-def test_oom_is_pytorchs_own_error_type():
-    torch = pytest.importorskip("torch")  # loads libc10, whose OutOfMemoryError we throw
-    from vmalloc import _core
-    assert _core._torch_oom_kind() == "c10::OutOfMemoryError"
-    with pytest.raises(RuntimeError, match="vmalloc test message"):
-        _core._torch_throw_oom_for_test("vmalloc test message")
-    del torch
+SHIMS = r"""
+import types, warnings
+import torch
+from vmalloc import torch_allocator as ta
+
+core = ta.core()
+core._torch_configure("host", 64 << 10, 0, -1)
+reg = ta.registry()
+reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
+a = core._torch_allocator(0, True)
+total = a.total_memory
+torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(total_memory=total)
+torch.backends.cudnn.benchmark = True            # set before vmalloc: turned off, with a warning
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    ta.install_shims(torch)
+    assert torch.backends.cudnn.benchmark is False
+    torch.backends.cudnn.benchmark = True
+    assert torch.backends.cudnn.benchmark is False
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+        assert torch.backends.cudnn.benchmark is False
+assert any("cacheInfo" in str(x.message) for x in w), [str(x.message) for x in w]
+
+C = torch._C
+# torch.cuda.get_per_process_memory_fraction
+assert C._cuda_getMemoryFraction(0) == 1.0                # no budget
+core._torch_set_budget(0, total // 4)
+assert abs(C._cuda_getMemoryFraction(0) - 0.25) < 1e-6
+
+# torch.accelerator.memory_* (torch >= 2.8) read these entry points at call time
+assert C._accelerator_isAllocatorInitialized()
+p = a.malloc(3 << 20, 0)
+st = C._accelerator_getDeviceStats(0)
+assert st["allocated_bytes"]["all"]["current"] == 3 << 20
+assert all(not isinstance(v, str) for v in st.values())   # memory_stats() flattens numbers only
+a.free(p)
+assert a.stats()["physical_current"] > 0
+C._accelerator_emptyCache()                               # torch.accelerator.empty_cache()
+assert a.stats()["physical_current"] == 0
+C._accelerator_resetPeakStats(0)
+assert a.stats()["physical_peak"] == 0
+if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+    import torch.accelerator.memory as am
+    am._get_device_index = lambda d, optional=True: 0     # no CUDA here: pin the device index
+    assert torch.accelerator.memory_allocated(0) == 0
+    assert torch.accelerator.memory_stats(0)["num_device_alloc"] == a.stats()["num_map"]
+print("OK")
+"""
+
+
+def test_shims_for_fraction_accelerator_and_cudnn_benchmark(tmp_path):
+    r = subprocess.run([sys.executable, "-c", SHIMS], capture_output=True, text=True, timeout=120,
+                       env=python_env(), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("OK")
+
+
+def test_pool_without_cuda_says_so():
+    pytest.importorskip("torch")
+    import torch
+    import vmalloc
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(RuntimeError, match="vmalloc.pool: .*(without CUDA|no CUDA device)"):
+        with vmalloc.pool():
+            pass
 
 
 def test_torch_memory_stats_mapping():

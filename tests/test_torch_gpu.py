@@ -161,3 +161,51 @@ def test_enable_after_cuda_init_says_why():
         print("POOL")
     """)
     assert "OK" in out and "POOL" in out
+
+
+def test_pool_mode_oom_is_pytorchs_own_after_its_retry():
+    """In pool mode vmalloc returns null past its budget (no throw, no pressure callback):
+    PyTorch frees its cached segments, retries, then raises torch.OutOfMemoryError itself."""
+    out = run("""
+        import torch, vmalloc
+        torch.zeros(1, device="cuda")
+        with vmalloc.pool(budget="64MiB"):
+            keep = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            try:
+                torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            except torch.OutOfMemoryError:
+                print("OOM")
+            del keep
+            again = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        print("OK")
+    """)
+    assert "OOM" in out and "OK" in out
+
+
+def test_memory_api_with_vmalloc_on():
+    """get_per_process_memory_fraction, torch.accelerator's memory functions, UntypedStorage on
+    cuda, and cudnn.benchmark (kept off with a warning) with vmalloc as the allocator."""
+    out = run("""
+        import warnings, torch, vmalloc
+        vmalloc.enable()
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        assert abs(torch.cuda.get_per_process_memory_fraction() - 0.5) < 1e-3
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        n = vmalloc.stats()["num_malloc"]
+        s = torch.UntypedStorage(8 << 20, device="cuda")
+        assert vmalloc.stats()["num_malloc"] == n + 1, "UntypedStorage bypassed vmalloc"
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+            assert torch.accelerator.memory_allocated() == torch.cuda.memory_allocated() > 0
+            assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] > 0
+            del x, s
+            torch.accelerator.empty_cache()
+            assert vmalloc.stats()["cached_bytes"] == 0
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.backends.cudnn.benchmark = True
+        assert torch.backends.cudnn.benchmark is False and w
+        conv = torch.nn.Conv2d(3, 8, 3).cuda()
+        conv(torch.randn(4, 3, 32, 32, device="cuda")).sum().backward()
+        print("OK")
+    """)
+    assert "OK" in out

@@ -38,9 +38,10 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     """
     import cupy
 
-    from . import torch_allocator as ta
-    core = ta._core()
-    reg = ta.registry()
+    from .pluggable.registry import core as native_core
+    from .pluggable.registry import registry
+    core = native_core()
+    reg = registry()
     if reg.mode is None:
         chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
         cap = parse_optional_size(budget, "budget") or 0

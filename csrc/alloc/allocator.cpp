@@ -820,9 +820,10 @@ Allocator::~Allocator() {
   impl_->close_locked();
 }
 
-void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
+// malloc and try_malloc: `use_pressure` = false never calls the pressure callback (try_malloc's
+// callers hold a lock the callback may need).
+static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bool use_pressure) {
   if (nbytes == 0) throw std::invalid_argument("nbytes: must be a positive byte count, got 0");
-  Impl& m = *impl_;
   m.check_not_forked();
   for (int attempt = 0;; ++attempt) {
     size_t missing = 0;
@@ -848,7 +849,7 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
       // A request no amount of freeing can serve does not ask the pressure callback.
       bool never_fits = nbytes > kMaxRequest || (m.device_limit != 0 && device_full &&
                                                  (nbytes / m.chunk + (nbytes % m.chunk != 0)) * m.chunk > m.device_limit);
-      if (attempt == 0 && m.pressure && !never_fits) {
+      if (attempt == 0 && use_pressure && m.pressure && !never_fits) {
         cb = m.pressure;
         ++m.st.num_pressure_calls;
       } else {
@@ -875,6 +876,16 @@ void* Allocator::malloc(size_t nbytes, uintptr_t stream) {
                             " missing and the pressure callback freed nothing",
                         nbytes, m.st.physical_current, m.cfg.budget);
     }
+  }
+}
+
+void* Allocator::malloc(size_t nbytes, uintptr_t stream) { return malloc_impl(*impl_, nbytes, stream, true); }
+
+void* Allocator::try_malloc(size_t nbytes, uintptr_t stream) {
+  try {
+    return malloc_impl(*impl_, nbytes, stream, false);
+  } catch (const OutOfMemory&) {
+    return nullptr;  // counted in num_oom by malloc_impl
   }
 }
 

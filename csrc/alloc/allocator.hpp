@@ -111,6 +111,10 @@ class Allocator {
   // (small) / chunk aligned (large). Throws OutOfMemory past the budget, std::invalid_argument for
   // nbytes == 0, std::runtime_error once closed.
   void* malloc(size_t nbytes, uintptr_t stream = 0);
+  // Like malloc, but returns nullptr where malloc throws OutOfMemory, and never calls the pressure
+  // callback (for callers holding a lock the callback may need: PyTorch's MemPool path). Other
+  // errors (closed, nbytes == 0, driver failures) still throw.
+  void* try_malloc(size_t nbytes, uintptr_t stream = 0);
   // Throws std::invalid_argument if `p` is not a live allocation (unknown or already freed).
   void free(void* p);
   // `p` is also used on `stream`: its memory is not reused until the work queued on `stream` up to

@@ -6,10 +6,15 @@
 //  * alloc  `void*(size_t size, int device, cudaStream_t stream)`: called for every CUDA tensor
 //    with the current device and stream. The result is NOT checked for nullptr: a null return
 //    becomes a tensor with a null data pointer. So we never return null for size > 0: running out
-//    throws a C++ exception, which propagates through the op to Python. We throw PyTorch's own
-//    c10::OutOfMemoryError when libc10 exports what that needs (so Python sees
-//    torch.OutOfMemoryError, like the native allocator's OOM), else std::runtime_error
-//    (RuntimeError, pytorch/pytorch#133280).
+//    throws a C++ exception, which propagates through the op to Python: PyTorch's own
+//    c10::OutOfMemoryError (Python sees torch.OutOfMemoryError, and cuDNN's engine fallback,
+//    which catches only that type, picks a smaller workspace), built as described in torch_oom.cpp;
+//    std::runtime_error (RuntimeError) only where torch's libraries are not loaded.
+//    vmalloc.pool() mode uses vmalloc_torch_malloc_pool instead: there PyTorch's caching
+//    allocator is the caller, checks for null (cudaErrorMemoryAllocation: it frees its cached
+//    blocks, retries, then raises its own OOM) and holds its allocator mutex, so that entry point
+//    returns null and never calls back into Python (no pressure callback: the GIL must be taken
+//    before PyTorch's allocator lock, never after).
 //  * free `void(void*, size_t size, int device, cudaStream_t stream)`: PyTorch keeps the
 //    allocation-time size/device/stream and passes them back. Called from a DataPtr deleter, so it
 //    must not throw.
@@ -18,9 +23,6 @@
 //  * set_memory_fraction_fn `void(double, int)`: torch.cuda.set_per_process_memory_fraction.
 //  * set_init_fn `void(int device_count)`: CUDA lazy initialisation.
 // A size of 0 (empty tensors, pytorch/pytorch#159892) gets nullptr, as the native allocator does.
-#include <cxxabi.h>
-#include <dlfcn.h>
-
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -35,6 +37,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "alloc/allocator.hpp"
+#include "bind/torch_oom.hpp"
 
 namespace nb = nanobind;
 
@@ -93,51 +96,6 @@ std::string fmt_bytes(size_t n) {
   return buf;
 }
 
-// ---- raising PyTorch's OutOfMemoryError without linking libtorch ----------------------------
-// libc10 exports c10::OutOfMemoryError(SourceLocation, std::string) and its typeinfo. We build the
-// object in exception storage with that constructor and throw it with __cxa_throw; its destructor
-// is the first slot of its vtable (Itanium C++ ABI: std::exception's virtual destructor comes
-// first, complete-object destructor before the deleting one).
-struct C10SourceLocation {  // c10/util/StringUtil.h
-  const char* function;
-  const char* file;
-  uint32_t line;
-};
-using OomCtor = void (*)(void*, C10SourceLocation, std::string);
-constexpr size_t kExceptionStorage = 1024;  // >= sizeof(c10::Error) (about 200 bytes)
-
-struct TorchOom {
-  OomCtor ctor = nullptr;
-  std::type_info* type = nullptr;
-};
-
-const TorchOom& torch_oom() {
-  static TorchOom t = [] {
-    TorchOom o;
-    void* h = dlopen("libc10.so", RTLD_NOLOAD | RTLD_LAZY);  // only if torch already loaded it
-    if (!h) return o;
-    o.ctor = reinterpret_cast<OomCtor>(dlsym(
-        h, "_ZN3c1016OutOfMemoryErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
-    o.type = reinterpret_cast<std::type_info*>(dlsym(h, "_ZTIN3c1016OutOfMemoryErrorE"));
-    if (!o.ctor || !o.type) o = TorchOom{};
-    return o;
-  }();
-  return t;
-}
-
-[[noreturn]] void throw_oom(const std::string& msg) {
-  const TorchOom& t = torch_oom();
-  if (t.ctor) {
-    void* exc = abi::__cxa_allocate_exception(kExceptionStorage);
-    std::memset(exc, 0, kExceptionStorage);
-    t.ctor(exc, C10SourceLocation{"vmalloc_torch_malloc", __FILE__, static_cast<uint32_t>(__LINE__)},
-           msg);
-    auto dtor = reinterpret_cast<void (*)(void*)>((*reinterpret_cast<void***>(exc))[0]);
-    abi::__cxa_throw(exc, t.type, dtor);
-  }
-  throw std::runtime_error(msg);
-}
-
 }  // namespace
 
 // ---- the entry points ----------------------------------------------------------------------
@@ -148,12 +106,27 @@ VMALLOC_EXPORT void* vmalloc_torch_malloc(size_t size, int device, void* stream)
   try {
     return a->malloc(size, reinterpret_cast<uintptr_t>(stream));
   } catch (const vmalloc::OutOfMemory& e) {
-    throw_oom("CUDA out of memory (vmalloc). Tried to allocate " + fmt_bytes(e.requested) +
+    vmalloc::throw_torch_oom("CUDA out of memory (vmalloc). Tried to allocate " + fmt_bytes(e.requested) +
               ". GPU " + std::to_string(device) + ": vmalloc holds " + fmt_bytes(e.in_use) +
               " of physical memory" + (e.budget ? " with a budget of " + fmt_bytes(e.budget) : "") +
               ". Free tensors (or raise VMALLOC_BUDGET / set_per_process_memory_fraction) and "
               "retry; vmalloc stays usable. Detail: " + e.what());
   }
+}
+
+// vmalloc.pool() mode (see the top of this file): null on OOM, no pressure callback, no throw.
+VMALLOC_EXPORT void* vmalloc_torch_malloc_pool(size_t size, int device, void* stream) noexcept {
+  if (size == 0) return nullptr;
+  try {
+    return get(device, true)->try_malloc(size, reinterpret_cast<uintptr_t>(stream));
+  } catch (const std::exception& e) {
+    // not an OOM (a driver error, a bad device): PyTorch reports null as out of memory, so say
+    // what really happened here
+    std::fprintf(stderr, "vmalloc: pool malloc(%zu) on device %d failed: %s\n", size, device, e.what());
+  } catch (...) {
+    std::fprintf(stderr, "vmalloc: pool malloc(%zu) on device %d failed\n", size, device);
+  }
+  return nullptr;
 }
 
 VMALLOC_EXPORT void vmalloc_torch_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
@@ -213,6 +186,13 @@ VMALLOC_EXPORT void vmalloc_torch_init(int device_count) {
   registry().device_count = device_count;
 }
 
+// Test-only: throws what an OOM throws, by `path` (0 auto, 1 constructor, 2 vtable), for C++
+// built against torch to catch (tests/test_torch_oom.py); Python cannot catch a C++ type.
+VMALLOC_EXPORT void vmalloc_torch_throw_oom_for_test(const char* msg, int path) {
+  if (path < 0 || path > 2) throw std::invalid_argument("path: expected 0, 1 or 2, got " + std::to_string(path));
+  vmalloc::throw_torch_oom(msg, static_cast<vmalloc::OomPath>(path));
+}
+
 // ---- Python side of the registry (vmalloc.torch_allocator) ----------------------------------
 
 void bind_torch(nb::module_& m) {
@@ -258,14 +238,17 @@ void bind_torch(nb::module_& m) {
     r.trace = on;
     for (auto& a : r.alloc) if (auto* p = a.load()) p->set_trace(on);
   });
-  m.def("_torch_throw_oom_for_test", [](const std::string& msg) { throw_oom(msg); },
+  m.def("_torch_throw_oom_for_test", [](const std::string& msg) { vmalloc::throw_torch_oom(msg); },
         "Throws what an out-of-memory malloc throws (tests the c10::OutOfMemoryError path).");
-  m.def("_torch_oom_kind", [] {
-    return std::string(torch_oom().ctor ? "c10::OutOfMemoryError" : "std::runtime_error");
-  });
+  m.def("_torch_oom_kind", [](int path) { return std::string(vmalloc::torch_oom_kind(static_cast<vmalloc::OomPath>(path))); },
+        nb::arg("path") = 0,
+        "How an OOM is raised now: 'c10::OutOfMemoryError (constructor|vtable)' or "
+        "'std::runtime_error' (torch not loaded). path: 0 = what malloc uses, 1 = only the "
+        "exported constructor, 2 = only the c10::Error constructor + vtable (torch 2.11).");
   m.def("_torch_entry_points", [] {
     nb::dict d;
     d["vmalloc_torch_malloc"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_malloc);
+    d["vmalloc_torch_malloc_pool"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_malloc_pool);
     d["vmalloc_torch_free"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_free);
     d["vmalloc_torch_record_stream"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_record_stream);
     d["vmalloc_torch_empty_cache"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_empty_cache);

@@ -14,7 +14,8 @@ namespace driver {
 std::unique_ptr<Driver> make_cuda_driver(int) {
   throw std::runtime_error(
       "backend 'cuda': this build of vmalloc was compiled without cuda.h (no CUDA toolkit and no "
-      "nvidia-cuda-runtime wheel at build time); rebuild with one of them installed, or use backend='host'");
+      "nvidia-cuda-runtime wheel at build time); rebuild with one of them installed (and "
+      "VMALLOC_REQUIRE_CUDA=1 so that a missing cuda.h stops the build), or use backend='host'");
 }
 size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
 }  // namespace driver

@@ -1,0 +1,124 @@
+"""Registration with PyTorch: ``enable()`` (vmalloc is PyTorch's CUDA allocator for the process)
+and ``pool()`` (a scoped ``torch.cuda.MemPool`` whose segments come from vmalloc).
+
+Both hand PyTorch the C entry points of ``csrc/bind/torch_c_api.cpp`` (exported from
+``vmalloc._core``) through ``torch.cuda.memory.CUDAPluggableAllocator`` and wire the four extra
+hooks PyTorch offers a pluggable allocator (``torch/csrc/cuda/CUDAPluggableAllocator.h``, torch
+2.4 - 2.13): ``set_record_stream_fn`` (``Tensor.record_stream``), ``set_reset_fn``
+(``torch.cuda.empty_cache()`` -> trim), ``set_memory_fraction_fn``
+(``set_per_process_memory_fraction`` -> budget), ``set_init_fn`` (device count).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional
+
+from ..sizes import SizeLike, parse_optional_size, parse_size
+from .registry import ALLOC_FN, FREE_FN, HOOKS, POOL_ALLOC_FN, REGISTRY, core, entry_point
+
+
+def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = None,
+           device: Optional[int] = None, backend: str = "cuda") -> None:
+    """Make vmalloc PyTorch's CUDA allocator for this process (every device; one allocator per
+    device, created on its first allocation).
+
+    ``chunk_size`` (default 2 MiB) and ``budget`` (physical bytes; None = no cap) accept sizes like
+    ``"2MiB"``; ``device`` limits the budget to that device (None = every device). Must run before
+    CUDA is initialised - ``VMALLOC=1`` does this for you at ``import torch``. Calling it again
+    with the same settings is a no-op.
+    """
+    chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
+    cap = parse_optional_size(budget, "budget") or 0
+    if device is not None and (not isinstance(device, int) or device < 0):
+        raise ValueError(f"device: expected a CUDA device index >= 0 or None, got {device!r}")
+    cfg = {"chunk_size": chunk, "budget": cap, "device": device, "backend": backend}
+    reg = REGISTRY
+    with reg.lock:
+        if reg.enabled:
+            if reg.config == cfg:
+                return
+            raise RuntimeError(f"vmalloc.enable: already enabled with {reg.config}; PyTorch cannot "
+                               f"swap its allocator twice, so {cfg} cannot take effect")
+        import torch
+        _require_cuda(torch, "vmalloc.enable")
+        if torch.cuda.is_initialized():
+            used = _native_reserved(torch)
+            raise RuntimeError(
+                "vmalloc.enable: CUDA is already initialised"
+                + (f" and PyTorch's own allocator holds {used} bytes" if used else "")
+                + "; PyTorch only accepts a new allocator before that (\"Can't swap an already "
+                "initialized allocator\"). Call vmalloc.enable() before any CUDA work, or set "
+                "VMALLOC=1 in the environment, or use the scoped form `with vmalloc.pool(): ...`.")
+        native = core()
+        native._torch_configure(backend, chunk, cap, -1 if device is None else device)
+        if reg.recording:
+            native._torch_set_trace(True)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, ALLOC_FN, FREE_FN)
+        _wire_hooks(native, alloc.allocator())
+        torch.cuda.memory.change_current_allocator(alloc)
+        reg.torch_allocator = alloc
+        reg.enabled, reg.mode, reg.config = True, "global", cfg
+        from .shims import install_shims
+        install_shims(torch)
+
+
+@contextlib.contextmanager
+def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = None,
+         device: Optional[int] = None) -> Iterator[Any]:
+    """Scoped form (PyTorch with ``torch.cuda.MemPool``): allocations of this thread inside the
+    block come from vmalloc, also after CUDA was initialised.
+
+    PyTorch's caching allocator stays in charge of the pool (it asks vmalloc for whole segments
+    and caches them until the pool is destroyed), so vmalloc's anti-fragmentation applies to
+    segments, not tensors; prefer :func:`enable` when you can set it up before CUDA starts.
+    Running out returns null to PyTorch (``vmalloc_torch_malloc_pool``), which frees its cached
+    segments, retries, and then raises its own ``torch.OutOfMemoryError``; no pressure callback
+    is called in this mode (PyTorch holds its allocator lock there).
+    """
+    import torch
+    if not hasattr(torch.cuda, "MemPool"):
+        raise RuntimeError("vmalloc.pool: this PyTorch has no torch.cuda.MemPool (added in 2.5); "
+                           "use vmalloc.enable() before CUDA is initialised instead")
+    _require_cuda(torch, "vmalloc.pool")
+    if REGISTRY.enabled:
+        raise RuntimeError("vmalloc.pool: vmalloc is already PyTorch's allocator (vmalloc.enable)")
+    native = core()
+    chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
+    cap = parse_optional_size(budget, "budget") or 0
+    native._torch_configure("cuda", chunk, cap, -1 if device is None else device)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, POOL_ALLOC_FN, FREE_FN)
+    _wire_hooks(native, alloc.allocator())
+    mem_pool = torch.cuda.MemPool(alloc.allocator())
+    REGISTRY.mode = "pool"
+    REGISTRY.config = {"chunk_size": chunk, "budget": cap, "device": device, "backend": "cuda"}
+    with torch.cuda.use_mem_pool(mem_pool, device=device):
+        yield mem_pool
+
+
+def _require_cuda(torch: Any, who: str) -> None:
+    """A clear error where PyTorch has no CUDA (a CPU build) or sees no device."""
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise RuntimeError(f"{who}: this PyTorch ({torch.__version__}) is built without CUDA; "
+                           "vmalloc.Allocator(backend='host') works without one")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: no CUDA device is available (torch.cuda.is_available() is "
+                           "False); vmalloc.Allocator(backend='host') works without one")
+
+
+def _wire_hooks(native: Any, raw: Any) -> None:
+    for setter, symbol in HOOKS.items():
+        fn = getattr(raw, setter, None)
+        if fn is None:  # a torch without this hook: say which feature is missing, keep going
+            warnings.warn(f"vmalloc: this PyTorch has no CUDAAllocator.{setter}; "
+                          f"{symbol.replace('vmalloc_torch_', '')} will not reach vmalloc",
+                          RuntimeWarning, stacklevel=3)
+            continue
+        fn(entry_point(native, symbol))
+
+
+def _native_reserved(torch: Any) -> int:
+    try:
+        return int(torch.cuda.memory_reserved())
+    except Exception:  # noqa: BLE001
+        return 0

@@ -1,0 +1,197 @@
+"""PyTorch's memory API answered by vmalloc while it is PyTorch's allocator (``enable()``).
+
+A pluggable allocator leaves most of PyTorch's memory API raising ("CUDAPluggableAllocator does
+not yet support getDeviceStats", torch/csrc/cuda/CUDAPluggableAllocator.cpp) or answering from
+the unused native allocator. Every such function of torch 2.4 - 2.13 reads a ``torch._C`` entry
+point at call time, so replacing those entry points here makes the public functions answer from
+vmalloc:
+
+* ``torch.cuda``: ``memory_stats`` & co. (``_cuda_memoryStats``), ``reset_peak_memory_stats``,
+  ``reset_accumulated_memory_stats`` (warns: not supported), ``memory_snapshot`` / ``_snapshot``
+  / ``_record_memory_history`` (vmalloc's own history), ``get_per_process_memory_fraction``
+  (``_cuda_getMemoryFraction``: budget / device memory, 1.0 without a budget);
+* ``torch.accelerator`` (torch >= 2.8; they go through ``c10::getDeviceAllocator(kCUDA)``, the
+  native allocator, whatever the current one is): ``memory_stats`` & co.
+  (``_accelerator_getDeviceStats``), ``reset_peak_memory_stats``, ``empty_cache``
+  (``_accelerator_emptyCache``: vmalloc's trim), ``_accelerator_isAllocatorInitialized``;
+* ``torch.backends.cudnn.benchmark = True``: cuDNN's autotuner asks the allocator for its largest
+  free block (``cacheInfo``), which a pluggable allocator cannot answer (it raises in every
+  convolution). Not shimmable from Python: setting it warns and leaves it off.
+
+``get_memory_info`` / ``mem_get_info`` ask the driver (cudaMemGetInfo) and stay right as they are.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Mapping
+
+from .history import drain_history, history_snapshot
+from .registry import REGISTRY, core, device_allocator, device_index, stats
+
+
+def torch_memory_stats(s: Mapping[str, Any]) -> Dict[str, Any]:
+    """vmalloc stats as ``torch._C._cuda_memoryStats`` returns them (nested dict).
+
+    Mapping (documented in the README): ``allocated_bytes`` and ``requested_bytes`` and
+    ``active_bytes`` = bytes requested by live tensors (vmalloc hands out exactly what is asked;
+    its rounding shows up in mapped bytes); ``reserved_bytes`` = physical bytes held (in use +
+    cached chunks); ``allocation`` / ``active`` = live allocations; ``segment`` = chunks held;
+    ``num_device_alloc`` / ``num_device_free`` = chunk maps / unmaps; ``num_ooms`` = OOMs raised.
+    The ``small_pool`` rows are vmalloc's small-block bins; ``large_pool`` the chunked ranges.
+    """
+    def stat(cur: int, peak: int, allocated: int = 0, freed: int = 0) -> Dict[str, int]:
+        return {"current": int(cur), "peak": int(max(peak, cur)), "allocated": int(allocated),
+                "freed": int(freed)}
+
+    req, req_peak = s["requested_current"], s["requested_peak"]
+    small_req = s.get("small_requested_current", 0)
+    live = s.get("num_live", s["num_malloc"] - s["num_free"])
+    phys, phys_peak = s["physical_current"], s["physical_peak"]
+    chunk = s.get("chunk_size") or 1
+    small_live = s.get("num_small_malloc", 0) - s.get("num_small_free", 0)
+
+    def pools(total: Dict[str, int], small_cur: int) -> Dict[str, Dict[str, int]]:
+        return {"all": total, "small_pool": stat(small_cur, small_cur),
+                "large_pool": stat(total["current"] - small_cur, total["current"] - small_cur)}
+
+    return {
+        "allocated_bytes": pools(stat(req, req_peak), small_req),
+        "requested_bytes": pools(stat(req, req_peak), small_req),
+        "active_bytes": pools(stat(req, req_peak), small_req),
+        "reserved_bytes": pools(stat(phys, phys_peak), s.get("small_pool_bytes", 0)),
+        "inactive_split_bytes": pools(stat(0, 0), 0),
+        "allocation": pools(stat(live, live, s["num_malloc"], s["num_free"]), small_live),
+        "active": pools(stat(live, live, s["num_malloc"], s["num_free"]), small_live),
+        "segment": pools(stat(phys // chunk, phys_peak // chunk), 0),
+        "inactive_split": pools(stat(0, 0), 0),
+        "num_alloc_retries": int(s.get("num_pressure_calls", 0)),
+        "num_ooms": int(s.get("num_oom", 0)),
+        "num_sync_all_streams": 0,
+        "num_device_alloc": int(s.get("num_map", 0)),
+        "num_device_free": int(s.get("num_unmap", 0)),
+        "max_split_size": -1,
+        "oversize_allocations": stat(0, 0),
+        "oversize_segments": stat(0, 0),
+        "requested_bytes_backend": "vmalloc",
+    }
+
+
+def install_shims(torch: Any) -> None:
+    """Replace the ``torch._C`` entry points listed in the module doc (originals kept in
+    ``registry().patched``)."""
+    C = torch._C
+    reg = REGISTRY
+
+    def memory_stats(device: Any = None) -> Dict[str, Any]:
+        return torch_memory_stats(stats(device_index(device)))
+
+    def reset_peak(device: Any = None) -> None:
+        a = device_allocator(device)
+        if a is not None:
+            a.reset_peak()
+
+    def reset_accumulated(device: Any = None) -> None:
+        _warn_once("reset_acc", "vmalloc: accumulated counters are not reset")
+
+    def memory_snapshot(arg: Any = None) -> Dict[str, Any]:
+        cfg = reg.config
+        include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and not arg[2])
+        snap = history_snapshot(chunk_size=cfg.get("chunk_size", 2 << 20))
+        if not include_traces:
+            snap["device_traces"] = [[] for _ in snap["device_traces"]]
+        return snap
+
+    def record_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        on = bool(enabled)
+        native = core()
+        with reg.lock:
+            if on and kwargs.get("clear_history", len(args) > 3 and args[3]):
+                reg.history.clear()
+            if not on:
+                drain_history()
+                reg.history.clear()
+            reg.recording = on
+            native._torch_set_trace(on)
+
+    def memory_fraction(device: Any = None) -> float:
+        return budget_fraction(stats(device_index(device)), _total_memory(torch, device_index(device)))
+
+    def accelerator_stats(device: Any = None) -> Dict[str, Any]:
+        return {k: v for k, v in memory_stats(device).items() if not isinstance(v, str)}
+
+    def empty_cache() -> None:
+        core()._torch_trim()
+
+    replacements = {
+        "_cuda_memoryStats": memory_stats,
+        "_cuda_resetPeakMemoryStats": reset_peak,
+        "_cuda_resetAccumulatedMemoryStats": reset_accumulated,
+        "_cuda_memorySnapshot": memory_snapshot,
+        "_cuda_record_memory_history": record_history,
+        "_cuda_record_memory_history_legacy": lambda enabled, *a, **k: record_history(
+            "all" if enabled else None),
+        "_cuda_getMemoryFraction": memory_fraction,
+        "_accelerator_getDeviceStats": accelerator_stats,
+        "_accelerator_resetPeakStats": reset_peak,
+        "_accelerator_resetAccumulatedStats": reset_accumulated,
+        "_accelerator_emptyCache": empty_cache,
+        "_accelerator_isAllocatorInitialized": lambda: True,
+    }
+    for name, fn in replacements.items():
+        # set even where this torch lacks the entry point: nothing calls it there, and the
+        # CPU tests drive the shims through a CPU build of torch
+        reg.patched.setdefault(name, getattr(C, name, None))
+        setattr(C, name, fn)
+    guard_cudnn_benchmark(torch)
+
+
+def budget_fraction(s: Mapping[str, Any], total_memory: int) -> float:
+    """``get_per_process_memory_fraction``: the budget as a fraction of the device memory (1.0
+    without a budget, as PyTorch answers before any fraction was set)."""
+    budget = int(s.get("budget") or 0)
+    if budget <= 0 or total_memory <= 0:
+        return 1.0
+    return min(1.0, budget / total_memory)
+
+
+def _total_memory(torch: Any, device: int) -> int:
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+CUDNN_BENCHMARK_WARNING = (
+    "vmalloc: torch.backends.cudnn.benchmark = True is left off: cuDNN's autotuner asks the "
+    "allocator for its largest free block (CUDAAllocator::cacheInfo), which PyTorch's pluggable "
+    "allocator does not support (every convolution would raise). Convolutions use cuDNN's "
+    "heuristics instead; run without vmalloc (VMALLOC=0) to autotune.")
+
+
+def guard_cudnn_benchmark(torch: Any) -> None:
+    """Keep ``cudnn.benchmark`` off with a warning (see the module doc), also when it was already
+    on and through ``torch.backends.cudnn.flags(benchmark=True)``."""
+    C = torch._C
+    original = REGISTRY.patched.get("_set_cudnn_benchmark") or getattr(C, "_set_cudnn_benchmark", None)
+    if original is None:
+        return
+    REGISTRY.patched.setdefault("_set_cudnn_benchmark", original)
+
+    def set_benchmark(value: Any) -> None:
+        if value:
+            _warn_once("cudnn_benchmark", CUDNN_BENCHMARK_WARNING)
+        original(False)
+
+    C._set_cudnn_benchmark = set_benchmark
+    cudnn = getattr(getattr(torch, "backends", None), "cudnn", None)
+    prop = type(cudnn).__dict__.get("benchmark") if cudnn is not None else None
+    if prop is not None and hasattr(prop, "setter"):   # ContextProp bound the original setter
+        prop.setter = set_benchmark
+    if getattr(C, "_get_cudnn_benchmark", lambda: False)():
+        set_benchmark(True)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
