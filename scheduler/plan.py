@@ -38,6 +38,16 @@ def _op(item: Any, index: int) -> Op:
     return Op(kind, stage)
 
 
+def _limit(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value < 0 or value == float("inf"):
+        raise ValueError(f"Plan.memory_limit: expected None or a non-negative finite number "
+                         f"of bytes, got {value!r}")
+    return value
+
+
 @dataclass
 class Plan:
     """A schedule: the ops in order, who made it, and what it should cost."""
@@ -47,11 +57,15 @@ class Plan:
     predicted_time: Optional[float] = None
     predicted_peak: Optional[float] = None
     meta: Dict[str, Any] = field(default_factory=dict)
+    # the memory limit (bytes) it was planned for: scheduler.simulate enforces it unless
+    # told otherwise (memory=None), so predicted_peak and the simulated peak agree
+    memory_limit: Optional[float] = None
     # the chain it was planned for, so str() can show running memory; not part of identity
     chain: Optional["Chain"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.ops = [_op(item, i) for i, item in enumerate(self.ops)]
+        self.memory_limit = _limit(self.memory_limit)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -70,6 +84,8 @@ class Plan:
             head += f", predicted time {self.predicted_time:g}"
         if self.predicted_peak is not None:
             head += f", predicted peak {self.predicted_peak:g}"
+        if self.memory_limit is not None:
+            head += f", limit {self.memory_limit:g}"
         lines = [head]
         steps = None
         if chain is not None:
@@ -89,14 +105,16 @@ class Plan:
     # ------------------------------------------------------------------------ JSON I/O
     def to_dict(self) -> Dict[str, Any]:
         return {"planner": self.planner, "predicted_time": self.predicted_time,
-                "predicted_peak": self.predicted_peak, "meta": self.meta,
+                "predicted_peak": self.predicted_peak, "memory_limit": self.memory_limit,
+                "meta": self.meta,
                 "ops": [[op.kind, op.stage] for op in self.ops]}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
         return cls(ops=[tuple(o) for o in d["ops"]], planner=d.get("planner", ""),
                    predicted_time=d.get("predicted_time"),
-                   predicted_peak=d.get("predicted_peak"), meta=dict(d.get("meta") or {}))
+                   predicted_peak=d.get("predicted_peak"), meta=dict(d.get("meta") or {}),
+                   memory_limit=d.get("memory_limit"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

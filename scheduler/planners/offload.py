@@ -283,7 +283,8 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner)
 
 
-def _finish(plan: Plan, sim: SimResult, chain: Chain, **meta) -> Plan:
+def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, **meta) -> Plan:
+    plan.memory_limit = memory
     plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain = chain
@@ -345,7 +346,7 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
     with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
     plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy")
-    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))
 
 
 # ----------------------------------------------------------------------------- DYNPROG
@@ -426,7 +427,9 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
         fallback, idle, states = True, math.nan, 0
         got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
     plan, sim = got
-    return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
+    relaxed = chain.total_compute() + idle
+    return _finish(plan, sim, chain, memory, relaxed_time=relaxed,
+                   dp_value=None if fallback else relaxed,
                    dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
 
@@ -446,4 +449,4 @@ def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]
         sets.append(above)
         sets.append(above[::2])
     plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn")
-    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))

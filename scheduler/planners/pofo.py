@@ -196,8 +196,8 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
-    plan.chain, plan.planner = chain, "pofo"
-    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
+    plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
+    plan.meta.update(dp_time=dp_time, dp_value=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
                      simulated_time=sim.makespan)
     return plan
 
@@ -361,7 +361,7 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
         raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
                               need)
     plan, sim = best
-    plan.planner = "autocapper"
+    plan.planner, plan.memory_limit = "autocapper", memory
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
@@ -401,7 +401,7 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
             if r.makespan <= last:              # the channel is idle: next group
                 break
         groups.append((h, k - 1))
-    plan.planner = "opportunist"
+    plan.planner, plan.memory_limit = "opportunist", memory
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["groups"] = groups
     return plan
