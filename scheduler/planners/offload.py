@@ -386,11 +386,20 @@ def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequ
 
 
 def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
-            slots: Optional[int] = 500) -> Plan:
+            slots: Optional[int] = 500, improve: bool = True) -> Plan:
     """Seed 000 Algorithm 1 (hash tables of (M_F, Delta_F, Delta_B) per stage, equations
     1-10 including the idle time between the phases), then the no-wait ordered schedule
     with its offload decisions. ``slots``: memory discretisation (None = exact bytes, for
-    small integer chains). ``meta["relaxed_time"]`` is the DP's optimum of the relaxation."""
+    small integer chains). ``meta["relaxed_time"]`` (= ``meta["dp_value"]``) is the DP's
+    optimum of the relaxation.
+
+    ``improve`` (default True) adds our own step on top, not seed 000's: the DP's decisions
+    and GREEDY's are both converted and the faster kept, then
+    :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
+    simulator says they cost less idle time (whole-activation transfers of a few large
+    activations, as on ResNets, are where the relaxation's plan loses most).
+    ``meta["paper_time"]`` is the simulated time of the paper's plan, ``meta["variant"]``
+    which decisions won. ``improve=False`` returns the paper's plan."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
     slots = slots_arg(slots)
     # Rounding sizes up to whole slots can make a limit just above min_memory look too
@@ -427,11 +436,32 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
         fallback, idle, states = True, math.nan, 0
         got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
     plan, sim = got
+    paper_time, variant = sim.makespan, "greedy-fallback" if fallback else "dp"
+    if improve and beta > 0:
+        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant)
     relaxed = chain.total_compute() + idle
-    return _finish(plan, sim, chain, memory, relaxed_time=relaxed,
+    return _finish(plan, sim, chain, memory, relaxed_time=relaxed, paper_time=paper_time,
+                   variant=variant, improve=improve,
                    dp_value=None if fallback else relaxed,
                    dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
+
+
+def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
+              variant: str) -> Tuple[Plan, SimResult, str]:
+    """dynprog's own step on top of the paper (see its docstring)."""
+    from .improve import improve_transfers
+    if variant == "dp":
+        try:
+            g = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
+            if g[1].makespan < sim.makespan:
+                plan, sim, variant = g[0], g[1], "greedy-set"
+        except InfeasibleError:
+            pass
+    better, bsim, _ = improve_transfers(chain, plan, memory, beta)
+    if bsim.makespan < sim.makespan:
+        plan, sim, variant = better, bsim, variant + "+placement"
+    return plan, sim, variant
 
 
 # -------------------------------------------------------------------------------- VDNN

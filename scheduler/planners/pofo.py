@@ -127,14 +127,17 @@ def auto_delta_step(chain: Chain, slots: Optional[int]) -> int:
 
 
 def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str, None],
-          slots: Optional[int] = 50, delta_step: Optional[int] = None) -> Plan:
+          slots: Optional[int] = 50, delta_step: Optional[int] = None,
+          improve: bool = True) -> Plan:
     """pofo: the optimal persistent sequence of F_all / F_ck / F_none / B / offload /
     prefetch under seed 001's assumptions (see the module docstring for what is exact).
     ``slots``: memory discretisation (seed 001 uses 50; None = exact bytes, small integer
     chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only).
     ``delta_step``: the forward states' Delta_F / Delta_B are rounded up to multiples of this
     many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
-    state space is cubic in the slots, and this trades a little optimism for speed."""
+    state space is cubic in the slots, and this trades a little optimism for speed.
+    ``improve`` (default True): our own step on top of seed 001 (see :func:`_improve`);
+    ``improve=False`` is the paper's DP and conversion alone."""
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
@@ -193,13 +196,48 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             f"(the smallest feasible limit is {need:g}; discretisation rounds sizes up, "
             "so a limit just above it may need more slots)", need)
     plan, sim, t, name = best
+    paper_time = sim.makespan
+    if improve and beta > 0:
+        plan, sim, name = _improve(chain, plan, sim, name, memory, beta)
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
     plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
-    plan.meta.update(dp_time=dp_time, dp_value=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
-                     simulated_time=sim.makespan)
+    plan.meta.update(dp_time=dp_time, dp_value=dp_time, variant=name, exact=not transfers,
+                     delta_step=delta_step, simulated_time=sim.makespan,
+                     paper_time=paper_time, improve=improve)
     return plan
+
+
+def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
+             beta: float) -> Tuple[Plan, SimResult, str]:
+    """Our own step, not seed 001's. The DP's transfers release and reserve memory
+    continuously (assumption 3); whole activations wait for their copies, so the converted
+    plan can lose to plans the DP ranks lower. Here: the offload-only plans of seed 000
+    (DYNPROG and GREEDY) and, on short chains (L <= 30, where they are cheap), seed 001's
+    autocapper and opportunist join the candidates (all lie in pofo's space),
+    and the winner's transfers are re-placed by the simulator-scored local search
+    (:mod:`scheduler.planners.improve`)."""
+    from . import offload
+    from .improve import improve_transfers
+    cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=False)),
+             ("greedy", offload.greedy)]
+    if chain.L <= 30:
+        cands += [("autocapper", autocapper),
+                  ("opportunist", opportunist)]
+    for who, f in cands:
+        try:
+            cand = f(chain, memory, beta)
+        except (InfeasibleError, InvalidPlanError):
+            continue
+        csim = simulate(chain, cand, beta, memory=memory)
+        if csim.makespan < sim.makespan - 1e-12 * sim.makespan:
+            plan, sim, name = cand, csim, who
+    if any(op.kind in ("offload", "prefetch") for op in plan.ops):
+        better, bsim, _ = improve_transfers(chain, plan, memory, beta)
+        if bsim.makespan < sim.makespan:
+            plan, sim, name = better, bsim, name + "+placement"
+    return plan, sim, name
 
 
 def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:
