@@ -3,7 +3,10 @@
 :func:`solve` runs the remat-only planner (rotor), and with a transfer channel the
 offload-only (DYNPROG, GREEDY) and combined ones (pofo, autocapper, opportunist), simulates
 every plan they return under the limit, and keeps the fastest (ties: the first in that
-order, so rotor, which needs no transfer channel, wins ties). The winner's ``planner`` is
+order, so rotor, which needs no transfer channel, wins ties). Each runs with its default
+memory slots, or in exact units for small integer chains (limit <= ``EXACT_UNITS``).
+Cost: the sum of the planners' solve times (autocapper's 40 rotor solves dominate on long
+chains; pass ``planners=`` to restrict). The winner's ``planner`` is
 its own; ``meta["chosen_by"] = "best"`` and ``meta["candidates"]`` (planner -> simulated
 seconds, or the reason it has none) say how it was chosen.
 """
@@ -21,15 +24,23 @@ from .offload import Number, bandwidth_arg, memory_arg
 
 __all__ = ["solve", "PLANNERS"]
 
-# name -> planner(chain, memory, bandwidth); the order breaks ties
-Planner = Callable[[Chain, Number, float], Plan]
+EXACT_UNITS = 2048   # integer chains with a limit up to this many bytes: DPs in exact units
+
+# planner(chain, memory, bandwidth, slots); slots None = exact units, else each one's default
+Planner = Callable[[Chain, Number, float, Optional[int]], Plan]
+
+
+def _slots(slots: Optional[int], default: int) -> dict:
+    return {"slots": default if slots == -1 else slots}
+
+
 PLANNERS: Tuple[Tuple[str, bool, Planner], ...] = (   # (name, needs transfers, planner)
-    ("rotor", False, lambda c, m, b: rotor.solve(c, m)),
-    ("pofo", True, lambda c, m, b: pofo.solve(c, m, b)),
-    ("dynprog", True, lambda c, m, b: offload.dynprog(c, m, b)),
-    ("greedy", True, lambda c, m, b: offload.greedy(c, m, b)),
-    ("autocapper", True, lambda c, m, b: pofo.autocapper(c, m, b)),
-    ("opportunist", True, lambda c, m, b: pofo.opportunist(c, m, b)),
+    ("rotor", False, lambda c, m, b, s: rotor.solve(c, m, **_slots(s, 500))),
+    ("pofo", True, lambda c, m, b, s: pofo.solve(c, m, b, **_slots(s, 50))),
+    ("dynprog", True, lambda c, m, b, s: offload.dynprog(c, m, b, **_slots(s, 500))),
+    ("greedy", True, lambda c, m, b, s: offload.greedy(c, m, b)),
+    ("autocapper", True, lambda c, m, b, s: pofo.autocapper(c, m, b, **_slots(s, 50))),
+    ("opportunist", True, lambda c, m, b, s: pofo.opportunist(c, m, b, **_slots(s, 50))),
 )
 
 
@@ -50,6 +61,8 @@ def solve(chain: Chain, memory: Union[Number, str],
         if bad or not planners:
             raise ValueError(f"planners: expected a non-empty list of {', '.join(names)}, "
                              f"got {planners!r}")
+    # small integer chains: the DPs' exact units (no slot rounding) are cheap and better
+    slots = None if chain.is_integer and memory <= EXACT_UNITS else -1
     best: Optional[Tuple[float, Plan]] = None
     report: Dict[str, Union[float, str]] = {}
     needs: List[float] = []
@@ -60,7 +73,7 @@ def solve(chain: Chain, memory: Union[Number, str],
             report[name] = "no transfer channel"
             continue
         try:
-            plan = plan_for(chain, memory, beta)
+            plan = plan_for(chain, memory, beta, slots)
             sim = simulate(chain, plan, beta if beta > 0 else None, memory=memory)
         except InfeasibleError as err:
             report[name] = f"infeasible: {err}"
