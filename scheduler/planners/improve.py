@@ -17,7 +17,6 @@ its input.
 """
 from __future__ import annotations
 
-import time
 from typing import List, Optional, Sequence, Tuple
 
 from ..chain import Chain
@@ -27,14 +26,15 @@ from ..simulate import SimResult, simulate
 
 SHIFTS = (-1, -2, -4, -8, -16, 1, 2, 4, 8)
 NEAR = 4            # transfers tried on each side of a waiting op (in plan order)
-SECONDS = 1.0       # wall-clock cap of one search (the planners' solve-time goals)
+OP_BUDGET = 40_000  # simulated ops per search (~1 s on L = 107): keeps long chains' solves short
 
 
 def default_budget(plan: Plan) -> int:
-    """Simulations one search may spend: enough for a few moves per transfer on small
-    chains, bounded on long ones (a simulation of L = 107 takes ~5-10 ms)."""
+    """Simulations one search may spend: a few moves per transfer on small chains, bounded
+    by :data:`OP_BUDGET` simulated ops on long ones. A count, not a clock, so the same
+    inputs give the same plan on every machine (ranks must agree on plans)."""
     n = sum(1 for op in plan.ops if op.kind in TRANSFER_KINDS)
-    return min(400, 40 + 12 * n)
+    return max(20, min(400, 40 + 12 * n, OP_BUDGET // max(1, len(plan.ops))))
 
 
 def _move(ops: Sequence[Op], j: int, shift: int) -> Optional[List[Op]]:
@@ -53,13 +53,11 @@ def _move(ops: Sequence[Op], j: int, shift: int) -> Optional[List[Op]]:
 
 
 def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
-                      bandwidth: Optional[float], budget: Optional[int] = None,
-                      seconds: float = SECONDS) -> Tuple[Plan, SimResult, int]:
+                      bandwidth: Optional[float], budget: Optional[int] = None
+                      ) -> Tuple[Plan, SimResult, int]:
     """The local search above. Returns ``(plan, its simulation, simulations spent)``; the
     plan is a new Plan with the same planner and meta (``plan`` itself is unchanged).
-    ``budget``: simulations at most (default :func:`default_budget`); ``seconds``: stop
-    starting new moves after this long (the result then depends on the machine's speed)."""
-    deadline = time.perf_counter() + seconds
+    ``budget``: simulations at most (default :func:`default_budget`)."""
     ops = list(plan.ops)
     sim = simulate(chain, Plan(ops), bandwidth, memory=memory)
     if not any(op.kind in TRANSFER_KINDS for op in ops):
@@ -81,8 +79,7 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
             best: Optional[Tuple[float, List[Op], SimResult]] = None
             for j in before + after:
                 for shift in SHIFTS:
-                    if spent >= budget or time.perf_counter() > deadline:
-                        spent = max(spent, budget)
+                    if spent >= budget:
                         break
                     cand = _move(ops, j, shift)
                     if cand is None:

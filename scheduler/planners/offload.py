@@ -394,7 +394,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     optimum of the relaxation.
 
     ``improve`` (default True) adds our own step on top, not seed 000's: the DP's decisions
-    and GREEDY's are both converted and the faster kept, then
+    (sizes rounded to the nearest slot and rounded up) and GREEDY's are converted and the
+    fastest kept, then
     :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
     simulator says they cost less idle time (whole-activation transfers of a few large
     activations, as on ResNets, are where the relaxation's plan loses most).
@@ -438,7 +439,7 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     plan, sim = got
     paper_time, variant = sim.makespan, "greedy-fallback" if fallback else "dp"
     if improve and beta > 0:
-        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant)
+        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant, slots)
     relaxed = chain.total_compute() + idle
     return _finish(plan, sim, chain, memory, relaxed_time=relaxed, paper_time=paper_time,
                    variant=variant, improve=improve,
@@ -448,16 +449,23 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
 
 
 def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
-              variant: str) -> Tuple[Plan, SimResult, str]:
+              variant: str, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
     """dynprog's own step on top of the paper (see its docstring)."""
     from .improve import improve_transfers
     if variant == "dp":
-        try:
-            g = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
+        sets = [("greedy-set", _greedy_set(chain, memory))]
+        if slots is not None:   # the decisions with sizes rounded up (the paper rounds to nearest)
+            args, _ = _dp_inputs(chain, memory, beta, slots, False)
+            ok, _, flags, _ = _core().offload_dynprog(*args)
+            if ok:
+                sets.append(("dp-rounded-up", [i for i, f in enumerate(flags) if f]))
+        for name, chosen in sets:
+            try:
+                g = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+            except InfeasibleError:
+                continue
             if g[1].makespan < sim.makespan:
-                plan, sim, variant = g[0], g[1], "greedy-set"
-        except InfeasibleError:
-            pass
+                plan, sim, variant = g[0], g[1], name
     better, bsim, _ = improve_transfers(chain, plan, memory, beta)
     if bsim.makespan < sim.makespan:
         plan, sim, variant = better, bsim, variant + "+placement"

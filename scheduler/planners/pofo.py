@@ -23,6 +23,9 @@ that needs it. Then:
   ``meta["dp_time"]``. The DP's value can be optimistic (continuous release) or, because
   its Lemma 1 idle placement is conservative in places, pessimistic, so neither direction
   is guaranteed for the converted plan;
+* ``improve=True`` (the default) adds our own step on top of the paper (:func:`_improve`:
+  more candidates, then a simulator-scored search over transfer placement);
+  ``meta["paper_time"]`` is the simulated time of the paper's plan, ``improve=False`` returns it;
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
@@ -45,6 +48,7 @@ __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_me
            "dp", "auto_delta_step"]
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
+AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
 
 
 def _chain(chain: Chain) -> Chain:
@@ -214,17 +218,19 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
     """Our own step, not seed 001's. The DP's transfers release and reserve memory
     continuously (assumption 3); whole activations wait for their copies, so the converted
     plan can lose to plans the DP ranks lower. Here: the offload-only plans of seed 000
-    (DYNPROG and GREEDY) and, on short chains (L <= 30, where they are cheap), seed 001's
-    autocapper and opportunist join the candidates (all lie in pofo's space),
+    (DYNPROG and GREEDY), seed 001's opportunist and, on chains of at most
+    ``AUTOCAPPER_MAX_L`` stages, its autocapper join the candidates (all lie in pofo's space:
+    the DP at 50 slots can miss them; autocapper's 40 rotor solves cost tens of seconds
+    at tight limits on longer chains),
     and the winner's transfers are re-placed by the simulator-scored local search
     (:mod:`scheduler.planners.improve`)."""
     from . import offload
     from .improve import improve_transfers
     cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=False)),
              ("greedy", offload.greedy)]
-    if chain.L <= 30:
-        cands += [("autocapper", autocapper),
-                  ("opportunist", opportunist)]
+    cands.append(("opportunist", opportunist))
+    if chain.L <= AUTOCAPPER_MAX_L:
+        cands.append(("autocapper", autocapper))
     for who, f in cands:
         try:
             cand = f(chain, memory, beta)
