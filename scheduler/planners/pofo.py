@@ -202,7 +202,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     plan, sim, t, name = best
     paper_time = sim.makespan
     if improve and beta > 0:
-        plan, sim, name = _improve(chain, plan, sim, name, memory, beta)
+        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots)
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
@@ -214,23 +214,27 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
 
 
 def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
-             beta: float) -> Tuple[Plan, SimResult, str]:
+             beta: float, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
     """Our own step, not seed 001's. The DP's transfers release and reserve memory
     continuously (assumption 3); whole activations wait for their copies, so the converted
     plan can lose to plans the DP ranks lower. Here: the offload-only plans of seed 000
-    (DYNPROG and GREEDY), seed 001's opportunist and, on chains of at most
-    ``AUTOCAPPER_MAX_L`` stages, its autocapper join the candidates (all lie in pofo's space:
+    (DYNPROG, with its own improvement on short chains, and GREEDY), seed 001's
+    opportunist and, on chains of at most ``AUTOCAPPER_MAX_L`` stages, its autocapper join
+    the candidates (all lie in pofo's space:
     the DP at 50 slots can miss them; autocapper's 40 rotor solves cost tens of seconds
     at tight limits on longer chains),
     and the winner's transfers are re-placed by the simulator-scored local search
     (:mod:`scheduler.planners.improve`)."""
     from . import offload
     from .improve import improve_transfers
-    cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=False)),
-             ("greedy", offload.greedy)]
-    cands.append(("opportunist", opportunist))
-    if chain.L <= AUTOCAPPER_MAX_L:
-        cands.append(("autocapper", autocapper))
+    # the same units as this solve: exact (slots=None) or each planner's default grid
+    exact = {"slots": None} if slots is None else {}
+    short = chain.L <= AUTOCAPPER_MAX_L   # where the extra candidates are cheap
+    cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=short, **exact)),
+             ("greedy", offload.greedy),
+             ("opportunist", lambda c, m, b: opportunist(c, m, b, slots=slots))]
+    if short:
+        cands.append(("autocapper", lambda c, m, b: autocapper(c, m, b, slots=slots)))
     for who, f in cands:
         try:
             cand = f(chain, memory, beta)
