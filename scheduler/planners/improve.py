@@ -56,7 +56,8 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
                       bandwidth: Optional[float], budget: Optional[int] = None
                       ) -> Tuple[Plan, SimResult, int]:
     """The local search above. Returns ``(plan, its simulation, simulations spent)``; the
-    plan is a new Plan with the same planner and meta (``plan`` itself is unchanged).
+    plan is a new Plan with the same planner, meta and limit and the simulation's time and
+    peak as its prediction (``plan`` itself is unchanged; returned as is without transfers).
     ``budget``: simulations at most (default :func:`default_budget`)."""
     ops = list(plan.ops)
     sim = simulate(chain, Plan(ops), bandwidth, memory=memory)
@@ -103,7 +104,7 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
                 break
         if not moved:
             break
-    out = Plan(ops, planner=plan.planner, predicted_time=plan.predicted_time,
-               predicted_peak=plan.predicted_peak, meta=dict(plan.meta),
+    out = Plan(ops, planner=plan.planner, predicted_time=sim.makespan,
+               predicted_peak=sim.peak_memory, meta=dict(plan.meta),
                memory_limit=plan.memory_limit, chain=plan.chain)
     return out, sim, spent
