@@ -152,3 +152,17 @@ def test_best_rejects_bad_arguments():
         best.solve(c, 100, 1.0, planners=["nope"])
     with pytest.raises(InfeasibleError):
         best.solve(c, 1, 1.0)
+
+
+def test_transfer_search_moves_a_late_prefetch_ahead_of_the_backward_before_its_consumer():
+    """The issue's pattern: ``prefetch`` issued right before its consumer, after the
+    backward that precedes it, so the consumer waits for the whole copy."""
+    c = Chain(fw=[1] * 4, bw=[2] * 4, x=[4] * 4, xbar=[4] * 4, delta=[4] * 4)
+    ops = [("offload", 0), ("F_all", 0), ("F_all", 1), ("F_all", 2), ("F_all", 3),
+           ("B", 3), ("B", 2), ("B", 1), ("prefetch", 0), ("B", 0)]
+    late = Plan(ops, memory_limit=None)
+    before = simulate(c, late, 1.0)
+    assert before.steps[-1].wait == 4          # B 0 waits for the 4-second copy
+    better, r, _ = improve_transfers(c, late, None, 1.0)
+    assert r.makespan == c.total_compute() < before.makespan
+    assert better.ops.index(("prefetch", 0)) < better.ops.index(("B", 1))
