@@ -394,8 +394,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     optimum of the relaxation.
 
     ``improve`` (default True) adds our own step on top, not seed 000's: the DP's decisions
-    (sizes rounded to the nearest slot and rounded up) and GREEDY's are converted and the
-    fastest kept, then
+    (sizes rounded to the nearest slot, and on chains of at most ``ROUNDED_UP_MAX_L`` stages
+    rounded up) and GREEDY's are converted and the fastest kept, then
     :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
     simulator says they cost less idle time (whole-activation transfers of a few large
     activations, as on ResNets, are where the relaxation's plan loses most).
@@ -448,13 +448,18 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
                    lower_bound=lower_bound(chain, memory, beta))
 
 
+ROUNDED_UP_MAX_L = 40
+
+
 def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
               variant: str, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
     """dynprog's own step on top of the paper (see its docstring)."""
     from .improve import improve_transfers
     if variant == "dp":
         sets = [("greedy-set", _greedy_set(chain, memory))]
-        if slots is not None:   # the decisions with sizes rounded up (the paper rounds to nearest)
+        # the decisions with sizes rounded up (the paper rounds to nearest): one more DP
+        # solve, affordable on short chains (on ResNet-152 it costs seconds)
+        if slots is not None and chain.L <= ROUNDED_UP_MAX_L:
             args, _ = _dp_inputs(chain, memory, beta, slots, False)
             ok, _, flags, _ = _core().offload_dynprog(*args)
             if ok:
