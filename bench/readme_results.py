@@ -295,7 +295,7 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
         rel = [r.get("dynprog_relaxed") for r in rs]
         paper = _finite([r.get("dynprog_paper") for r in rs])
         rows.append((c["name"], c["L"], num(max(dyn)), num(sum(dyn) / len(dyn)),
-                     num(max(paper), default=None) if paper else "-",
+                     num(max(paper)) if paper else "-",
                      num(max(_finite([r.get("greedy") for r in rs]), default=None)),
                      num(max(_finite([r.get("vdnn") for r in rs]), default=None)),
                      num(max(_finite(rel), default=None)),
