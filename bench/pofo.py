@@ -51,6 +51,7 @@ def run_point(chain: Chain, M: float, bw: float) -> Dict[str, Optional[float]]:
         "pofo": lambda: pofo.solve(chain, M, bw, slots=SLOTS),
         "rotor": lambda: rotor.solve(chain, M, slots=500),
         "offload-only": lambda: offload.dynprog(chain, M, bw, slots=500),
+        "greedy": lambda: offload.greedy(chain, M, bw),
         "autocapper": lambda: pofo.autocapper(chain, M, bw, slots=SLOTS),
         "opportunist": lambda: pofo.opportunist(chain, M, bw, slots=SLOTS),
     }
@@ -61,10 +62,17 @@ def run_point(chain: Chain, M: float, bw: float) -> Dict[str, Optional[float]]:
         except (InfeasibleError, InvalidPlanError):
             out[name] = None
             continue
-        r = simulate(chain, p, bw if p.count("offload") else None, memory=M)
+        out[name + "_s"] = time.perf_counter() - t0
+        assert p.memory_limit == M, (name, p.memory_limit, M)
+        r = simulate(chain, p, bw if p.count("offload") else None)   # the plan's own limit
         assert r.peak_memory <= M * (1 + 1e-9), (name, r.peak_memory, M)
         out[name] = seq / r.makespan
-        out[name + "_s"] = time.perf_counter() - t0
+        if name == "pofo":
+            out["pofo_sim_over_dp"] = r.makespan / p.meta["dp_value"]
+            out["pofo_variant"] = p.meta["variant"]
+    others = [out[k] for k in planners if k != "pofo" and out.get(k)]
+    if out.get("pofo") and others:   # throughputs: >= 1 means pofo is at least as fast
+        out["pofo_over_best_other"] = out["pofo"] / max(others)
     return out
 
 
@@ -88,7 +96,8 @@ def main() -> None:
         for bw in bws:
             fig3.append(dict(chain=n, L=chain.L, bandwidth_gbs=bw, memory_gib=M / 2 ** 30,
                              **run_point(chain, M, bw * GB)))
-    cols = ["chain", "pofo", "rotor", "offload-only", "autocapper", "opportunist", "pofo_s"]
+    cols = ["chain", "pofo", "rotor", "offload-only", "greedy", "autocapper", "opportunist",
+            "pofo_s", "pofo_sim_over_dp"]
     print_table(fig2, cols[:1] + ["alpha"] + cols[1:],
                 title="Figure 2: throughput / sequential throughput, 12 GB/s")
     print_table(fig3, cols[:1] + ["bandwidth_gbs"] + cols[1:],
@@ -99,8 +108,17 @@ def main() -> None:
         pts = [(r["pofo"], r[other]) for r in rows if r.get("pofo") and r.get(other)]
         return {"points": len(pts), "pofo_ge": sum(p >= o - 1e-9 for p, o in pts),
                 "mean_gain_pct": 100 * sum(p / o - 1 for p, o in pts) / max(1, len(pts))}
-    summary = {f"vs_{o}": cmp(fig2 + fig3, o) for o in ("rotor", "offload-only", "autocapper",
-                                                         "opportunist")}
+    summary = {f"vs_{o}": cmp(fig2 + fig3, o) for o in ("rotor", "offload-only", "greedy",
+                                                         "autocapper", "opportunist")}
+    rows = [r for r in fig2 + fig3 if r.get("pofo_sim_over_dp")]
+    goals = {"pofo_sim_over_dp_max": max(r["pofo_sim_over_dp"] for r in rows),
+             "goal_sim_over_dp": 1.02,
+             "pofo_slower_than_best_other": sum(r.get("pofo_over_best_other", 1) < 1 - 1e-9
+                                                for r in rows),
+             "pofo_over_best_other_min": min(r.get("pofo_over_best_other", 1) for r in rows),
+             "points": len(rows)}
+    print_table([goals], title="issue 14 goals (pofo simulated time / its DP value; pofo "
+                                "throughput / the best other planner's)")
     timing = None
     big = _chain(TIMING_CHAIN) if not args.quick else None
     if big is not None:
@@ -116,7 +134,7 @@ def main() -> None:
         print_table([timing], title="pofo solve time")
     print_table([dict(against=k, **v) for k, v in summary.items()], title="pofo vs others")
     write_json("pofo", {"slots": SLOTS, "figure2": fig2, "figure3": fig3, "summary": summary,
-                        "timing": timing}, args.out)
+                        "goals": goals, "timing": timing}, args.out)
 
     plt = pyplot()
     if plt is None:
@@ -128,6 +146,7 @@ def main() -> None:
         for ax, n in zip(axes.flat, chains):
             pts = [r for r in rows if r["chain"] == n]
             for name, style in (("pofo", "o-"), ("rotor", "s--"), ("offload-only", "^-"),
+                                ("greedy", "<-."),
                                 ("autocapper", "v:"), ("opportunist", "x:")):
                 xs = [r[xkey] for r in pts if r.get(name)]
                 ys = [r[name] for r in pts if r.get(name)]

@@ -293,22 +293,31 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
         rs = c["rows"]
         dyn = _finite([r.get("dynprog") for r in rs])
         rel = [r.get("dynprog_relaxed") for r in rs]
+        paper = _finite([r.get("dynprog_paper") for r in rs])
         rows.append((c["name"], c["L"], num(max(dyn)), num(sum(dyn) / len(dyn)),
+                     num(max(paper)) if paper else "-",
                      num(max(_finite([r.get("greedy") for r in rs]), default=None)),
                      num(max(_finite([r.get("vdnn") for r in rs]), default=None)),
                      num(max(_finite(rel), default=None)),
                      sum(1 for x in rel if x is None or math.isnan(x))))
-    out += table(["chain", "L", "DYNPROG worst", "DYNPROG mean", "GREEDY worst", "VDNN worst",
-                  "DYNPROG relaxed worst", "relaxed fallbacks"], rows, right=tuple(range(1, 8)))
+    out += table(["chain", "L", "DYNPROG worst", "DYNPROG mean", "paper's DYNPROG worst",
+                  "GREEDY worst", "VDNN worst", "DYNPROG relaxed worst", "relaxed fallbacks"],
+                 rows, right=tuple(range(1, 9)))
     s = d.get("summary", {})
     if s:
         out += ["", f"All chains: DYNPROG worst {num(s['dynprog_max_ratio'])}, mean "
                 f"{num(s['dynprog_mean_ratio'])} (seed 000: below 1.3 everywhere; aim 1.1); "
                 f"longest DYNPROG solve {num(s.get('dynprog_max_solve_s'))} s. 'Relaxed' is "
                 "Algorithm 1's own value before the whole-activation conversion."]
-        ctx.goal("offloading", "DYNPROG <= 1.3 x lower bound everywhere (aim 1.1)",
+        if "dynprog_paper_max_ratio" in s:
+            out += ["", "DYNPROG includes our own step on top of seed 000 (GREEDY's decisions "
+                    "as a candidate, then a simulator-scored search over transfer placement); "
+                    f"the paper's plan alone: worst {num(s['dynprog_paper_max_ratio'])}, mean "
+                    f"{num(s['dynprog_paper_mean_ratio'])}. DYNPROG slower than GREEDY at "
+                    f"{s.get('dynprog_slower_than_greedy')} of {sum(len(c['rows']) for c in d['chains'])} points."]
+        ctx.goal("offloading", "DYNPROG <= 1.3 x lower bound everywhere, mean <= 1.1",
                  f"worst {num(s['dynprog_max_ratio'])}, mean {num(s['dynprog_mean_ratio'])}",
-                 s["dynprog_max_ratio"] <= 1.3)
+                 s["dynprog_max_ratio"] <= 1.3 and s["dynprog_mean_ratio"] <= 1.1)
     out += [""] + ctx.figures(["offloading.png"])
     out += ["", reproduce("python bench/offloading.py" + (" --quick" if points and points < 11 else ""))]
     return out
@@ -330,13 +339,25 @@ def pofo(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     rows = d.get("figure2", []) + d.get("figure3", [])
     losses = {}
     for r in rows:
-        for other in ("autocapper", "opportunist", "rotor", "offload-only"):
+        for other in ("autocapper", "opportunist", "rotor", "offload-only", "greedy"):
             if r.get("pofo") and r.get(other) and r["pofo"] < r[other] - 1e-9:
                 losses.setdefault(other, []).append(r["chain"])
     if losses:
         out += ["", "Points where another planner beats pofo: " + "; ".join(
             f"{o}: {len(c)} ({', '.join(f'{n} x{c.count(n)}' for n in sorted(set(c)))})"
             for o, c in sorted(losses.items())) + "."]
+    goals = d.get("goals")
+    if goals:
+        out += ["", f"pofo's simulated time / its DP value: worst "
+                f"{num(goals['pofo_sim_over_dp_max'])} over {goals['points']} points (goal <= "
+                f"{goals['goal_sim_over_dp']}); pofo slower than the best of the other planners "
+                f"at {goals['pofo_slower_than_best_other']} points (worst throughput ratio "
+                f"{num(goals['pofo_over_best_other_min'])})."]
+        ctx.goal("pofo", "simulated time <= 1.02 x DP value; never slower than the best other",
+                 f"worst {num(goals['pofo_sim_over_dp_max'])}; slower at "
+                 f"{goals['pofo_slower_than_best_other']}/{goals['points']}",
+                 goals["pofo_sim_over_dp_max"] <= goals["goal_sim_over_dp"]
+                 and goals["pofo_slower_than_best_other"] == 0)
     t = d.get("timing")
     if t:
         out += ["", f"pofo solve time on {t['chain']} (L={t['L']}, slots {t['slots']}): "
@@ -636,7 +657,7 @@ SECTIONS: List[Section] = [
      "python bench/checkpointing.py", checkpointing),
     ("offloading.json", "Offloading: GREEDY, DYNPROG, VDNN vs the lower bound (seed 000 Fig. 4)",
      "python bench/offloading.py", offloading),
-    ("pofo.json", "pofo vs rotor, offload-only, autocapper, opportunist (seed 001 Figs. 2-3)",
+    ("pofo.json", "pofo vs rotor, offload-only, GREEDY, autocapper, opportunist (seed 001 Figs. 2-3)",
      "python bench/pofo.py", pofo),
     ("swap.json", "Swap runtime overhead", "python bench/swap.py", swap),
     ("mimose.json", "Mimose: dynamic input sizes", "python bench/mimose.py", mimose),

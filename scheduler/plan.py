@@ -52,6 +52,16 @@ def _op(item: Any, index: int) -> Op:
     return Op(kind, stage)
 
 
+def _limit(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value < 0 or value == float("inf"):
+        raise ValueError(f"Plan.memory_limit: expected None or a non-negative finite number "
+                         f"of bytes, got {value!r}")
+    return value
+
+
 @dataclass
 class Plan:
     """A schedule: the ops in order, who made it, and what it should cost."""
@@ -61,11 +71,15 @@ class Plan:
     predicted_time: Optional[float] = None
     predicted_peak: Optional[float] = None
     meta: Dict[str, Any] = field(default_factory=dict)
+    # the memory limit (bytes) it was planned for: scheduler.simulate enforces it unless
+    # told otherwise (memory=None), so predicted_peak and the simulated peak agree
+    memory_limit: Optional[float] = None
     # the chain it was planned for, so str() can show running memory; not part of identity
     chain: Optional["Chain"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.ops = [_op(item, i) for i, item in enumerate(self.ops)]
+        self.memory_limit = _limit(self.memory_limit)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -84,6 +98,8 @@ class Plan:
             head += f", predicted time {self.predicted_time:g}"
         if self.predicted_peak is not None:
             head += f", predicted peak {self.predicted_peak:g}"
+        if self.memory_limit is not None:
+            head += f", limit {self.memory_limit:g}"
         lines = [head]
         steps = None
         if chain is not None:
@@ -103,7 +119,8 @@ class Plan:
     # ------------------------------------------------------------------------ JSON I/O
     def to_dict(self) -> Dict[str, Any]:
         return {"planner": self.planner, "predicted_time": self.predicted_time,
-                "predicted_peak": self.predicted_peak, "meta": self.meta,
+                "predicted_peak": self.predicted_peak, "memory_limit": self.memory_limit,
+                "meta": self.meta,
                 "ops": [[op.kind, op.stage] for op in self.ops]}
 
     @classmethod
@@ -118,7 +135,7 @@ class Plan:
         planner = d.get("planner", "")
         if not isinstance(planner, str):
             raise ValueError(f"Plan.planner: expected a string, got {planner!r:.80}")
-        for name in ("predicted_time", "predicted_peak"):
+        for name in ("predicted_time", "predicted_peak", "memory_limit"):
             v = d.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"Plan.{name}: expected a number or null, got {v!r:.80}")
@@ -127,7 +144,8 @@ class Plan:
             raise ValueError(f"Plan.meta: expected an object, got {meta!r:.80}")
         return cls(ops=[o if not isinstance(o, list) else tuple(o) for o in ops],
                    planner=planner, predicted_time=d.get("predicted_time"),
-                   predicted_peak=d.get("predicted_peak"), meta=dict(meta))
+                   predicted_peak=d.get("predicted_peak"), meta=dict(meta),
+                   memory_limit=d.get("memory_limit"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -55,7 +55,11 @@ instantaneous. Strings such as ``"12GB"`` are read as bytes per second.
 
 Memory limit and idle time (seed 001 Lemma 1)
 ---------------------------------------------
-With ``memory=None`` nothing ever waits for memory: ops start as soon as their data and
+By default the limit is the plan's own, ``plan.memory_limit`` (the limit its planner
+planned for; a plan without one is not limited), so a plan's ``predicted_peak`` and
+``predicted_time`` are what ``simulate(chain, plan, bandwidth)`` reports. ``memory=M``
+overrides it; ``memory=None`` enforces no limit.
+With no limit nothing ever waits for memory: ops start as soon as their data and
 resource are ready, and the peak is reported. With ``memory=M`` the simulator enforces M
 with a no-wait policy (seed 000 Proposition 1): a compute op or a prefetch starts at the
 first instant when, on top of what is in memory, its allocations fit under M (offloads
@@ -281,12 +285,24 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
 
 
 # ------------------------------------------------------------------ pass 2: event loop
+class _PlanLimit:
+    """The default of ``simulate(memory=)``: the plan's own ``memory_limit``."""
+
+    def __repr__(self) -> str:
+        return "PLAN_LIMIT"
+
+
+PLAN_LIMIT: Any = _PlanLimit()
+
+
 def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = None, *,
-             memory: Optional[Union[float, str]] = None, complete: bool = True) -> SimResult:
+             memory: Optional[Union[float, str]] = PLAN_LIMIT,
+             complete: bool = True) -> SimResult:
     """Execute ``plan`` on ``chain``; see the module docstring for the exact semantics.
 
     ``bandwidth``: host<->device bytes per second (None: transfers are not allowed).
-    ``memory``: a limit to enforce by waiting (None: never wait, just report the peak).
+    ``memory``: a limit to enforce by waiting; by default ``plan.memory_limit`` (the limit
+    the plan was made for); ``None``: no limit (never wait, just report the peak).
     ``complete``: require the plan to finish the backward (B 0).
     Raises ``InvalidPlanError`` (with ``.index``) for an op that cannot run.
     """
@@ -295,7 +311,7 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
     if not isinstance(plan, Plan):
         raise ValueError(f"plan: expected a scheduler.Plan, got {type(plan).__name__}")
     bw = _number(bandwidth, "bandwidth", allow_inf=True)
-    limit = _number(memory, "memory")
+    limit = _number(plan.memory_limit if memory is PLAN_LIMIT else memory, "memory")
     flow = _plan_data_flow(chain, plan, bw, complete)
     ops = plan.ops
     n = len(ops)

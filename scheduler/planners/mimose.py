@@ -399,5 +399,6 @@ class Mimose:
                     f"checkpointed ({res.peak_memory:g} B) for input size {input_size:g}",
                     res.peak_memory)
         best.chain = chain
+        best.memory_limit = budget   # verified under the simulator above
         best.meta["input_size"] = float(input_size)
         return best

@@ -283,7 +283,8 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner)
 
 
-def _finish(plan: Plan, sim: SimResult, chain: Chain, **meta) -> Plan:
+def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, **meta) -> Plan:
+    plan.memory_limit = memory
     plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain = chain
@@ -345,7 +346,7 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
     with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
     plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy")
-    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))
 
 
 # ----------------------------------------------------------------------------- DYNPROG
@@ -385,11 +386,21 @@ def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequ
 
 
 def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
-            slots: Optional[int] = 500) -> Plan:
+            slots: Optional[int] = 500, improve: bool = True) -> Plan:
     """Seed 000 Algorithm 1 (hash tables of (M_F, Delta_F, Delta_B) per stage, equations
     1-10 including the idle time between the phases), then the no-wait ordered schedule
     with its offload decisions. ``slots``: memory discretisation (None = exact bytes, for
-    small integer chains). ``meta["relaxed_time"]`` is the DP's optimum of the relaxation."""
+    small integer chains). ``meta["relaxed_time"]`` (= ``meta["dp_value"]``) is the DP's
+    optimum of the relaxation.
+
+    ``improve`` (default True) adds our own step on top, not seed 000's: the DP's decisions
+    (sizes rounded to the nearest slot, and on chains of at most ``ROUNDED_UP_MAX_L`` stages
+    rounded up) and GREEDY's are converted and the fastest kept, then
+    :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
+    simulator says they cost less idle time (whole-activation transfers of a few large
+    activations, as on ResNets, are where the relaxation's plan loses most).
+    ``meta["paper_time"]`` is the simulated time of the paper's plan, ``meta["variant"]``
+    which decisions won. ``improve=False`` returns the paper's plan."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
     slots = slots_arg(slots)
     # Rounding sizes up to whole slots can make a limit just above min_memory look too
@@ -426,9 +437,44 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
         fallback, idle, states = True, math.nan, 0
         got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
     plan, sim = got
-    return _finish(plan, sim, chain, relaxed_time=chain.total_compute() + idle,
+    paper_time, variant = sim.makespan, "greedy-fallback" if fallback else "dp"
+    if improve and beta > 0:
+        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant, slots)
+    relaxed = chain.total_compute() + idle
+    return _finish(plan, sim, chain, memory, relaxed_time=relaxed, paper_time=paper_time,
+                   variant=variant, improve=improve,
+                   dp_value=None if fallback else relaxed,
                    dp_states=states, slots=slots, fallback=fallback,
                    lower_bound=lower_bound(chain, memory, beta))
+
+
+ROUNDED_UP_MAX_L = 40
+
+
+def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
+              variant: str, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
+    """dynprog's own step on top of the paper (see its docstring)."""
+    from .improve import improve_transfers
+    if variant == "dp":
+        sets = [("greedy-set", _greedy_set(chain, memory))]
+        # the decisions with sizes rounded up (the paper rounds to nearest): one more DP
+        # solve, affordable on short chains (on ResNet-152 it costs seconds)
+        if slots is not None and chain.L <= ROUNDED_UP_MAX_L:
+            args, _ = _dp_inputs(chain, memory, beta, slots, False)
+            ok, _, flags, _ = _core().offload_dynprog(*args)
+            if ok:
+                sets.append(("dp-rounded-up", [i for i, f in enumerate(flags) if f]))
+        for name, chosen in sets:
+            try:
+                g = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+            except InfeasibleError:
+                continue
+            if g[1].makespan < sim.makespan:
+                plan, sim, variant = g[0], g[1], name
+    better, bsim, _ = improve_transfers(chain, plan, memory, beta)
+    if bsim.makespan < sim.makespan:
+        plan, sim, variant = better, bsim, variant + "+placement"
+    return plan, sim, variant
 
 
 # -------------------------------------------------------------------------------- VDNN
@@ -446,4 +492,4 @@ def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]
         sets.append(above)
         sets.append(above[::2])
     plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn")
-    return _finish(plan, sim, chain, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))

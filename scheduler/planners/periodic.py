@@ -10,7 +10,8 @@ saving, the segment's input kept) and the rest normally. Here the functions are 
 * backward: ``B`` over the last segment, then for each checkpointed segment from the last
   one: recompute ``F_all a .. b`` from x[a], then ``B b .. a``.
 
-The prediction comes from the simulator (no memory model of its own).
+The prediction comes from the simulator (no memory model of its own). ``solve`` plans for
+no limit (``memory_limit`` None); ``best`` records the limit it chose for.
 """
 from __future__ import annotations
 
@@ -63,4 +64,6 @@ def best(chain: Chain, memory: Optional[float] = None) -> Plan:
         lowest = min(p.predicted_peak for p in plans)
         raise InfeasibleError(f"periodic: no segment count fits memory {memory:g}; the smallest "
                               f"peak is {lowest:g}", lowest)
-    return min(fitting, key=lambda p: (p.predicted_time, p.predicted_peak))
+    plan = min(fitting, key=lambda p: (p.predicted_time, p.predicted_peak))
+    plan.memory_limit = memory
+    return plan

@@ -23,6 +23,9 @@ that needs it. Then:
   ``meta["dp_time"]``. The DP's value can be optimistic (continuous release) or, because
   its Lemma 1 idle placement is conservative in places, pessimistic, so neither direction
   is guaranteed for the converted plan;
+* ``improve=True`` (the default) adds our own step on top of the paper (:func:`_improve`:
+  more candidates, then a simulator-scored search over transfer placement);
+  ``meta["paper_time"]`` is the simulated time of the paper's plan, ``improve=False`` returns it;
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
@@ -45,6 +48,7 @@ __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_me
            "dp", "auto_delta_step"]
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
+AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
 
 
 def _chain(chain: Chain) -> Chain:
@@ -127,14 +131,17 @@ def auto_delta_step(chain: Chain, slots: Optional[int]) -> int:
 
 
 def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str, None],
-          slots: Optional[int] = 50, delta_step: Optional[int] = None) -> Plan:
+          slots: Optional[int] = 50, delta_step: Optional[int] = None,
+          improve: bool = True) -> Plan:
     """pofo: the optimal persistent sequence of F_all / F_ck / F_none / B / offload /
     prefetch under seed 001's assumptions (see the module docstring for what is exact).
     ``slots``: memory discretisation (seed 001 uses 50; None = exact bytes, small integer
     chains only). ``bandwidth`` in bytes/s (0 or None: rematerialization only).
     ``delta_step``: the forward states' Delta_F / Delta_B are rounded up to multiples of this
     many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
-    state space is cubic in the slots, and this trades a little optimism for speed."""
+    state space is cubic in the slots, and this trades a little optimism for speed.
+    ``improve`` (default True): our own step on top of seed 001 (see :func:`_improve`);
+    ``improve=False`` is the paper's DP and conversion alone."""
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
@@ -193,13 +200,54 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             f"(the smallest feasible limit is {need:g}; discretisation rounds sizes up, "
             "so a limit just above it may need more slots)", need)
     plan, sim, t, name = best
+    paper_time = sim.makespan
+    if improve and beta > 0:
+        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots)
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
-    plan.chain, plan.planner = chain, "pofo"
-    plan.meta.update(dp_time=dp_time, variant=name, exact=not transfers, delta_step=delta_step,
-                     simulated_time=sim.makespan)
+    plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
+    plan.meta.update(dp_time=dp_time, dp_value=dp_time, variant=name, exact=not transfers,
+                     delta_step=delta_step, simulated_time=sim.makespan,
+                     paper_time=paper_time, improve=improve)
     return plan
+
+
+def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
+             beta: float, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
+    """Our own step, not seed 001's. The DP's transfers release and reserve memory
+    continuously (assumption 3); whole activations wait for their copies, so the converted
+    plan can lose to plans the DP ranks lower. Here: the offload-only plans of seed 000
+    (DYNPROG, with its own improvement on short chains, and GREEDY), seed 001's
+    opportunist and, on chains of at most ``AUTOCAPPER_MAX_L`` stages, its autocapper join
+    the candidates (all lie in pofo's space:
+    the DP at 50 slots can miss them; autocapper's 40 rotor solves cost tens of seconds
+    at tight limits on longer chains),
+    and the winner's transfers are re-placed by the simulator-scored local search
+    (:mod:`scheduler.planners.improve`)."""
+    from . import offload
+    from .improve import improve_transfers
+    # the same units as this solve: exact (slots=None) or each planner's default grid
+    exact = {"slots": None} if slots is None else {}
+    short = chain.L <= AUTOCAPPER_MAX_L   # where the extra candidates are cheap
+    cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=short, **exact)),
+             ("greedy", offload.greedy),
+             ("opportunist", lambda c, m, b: opportunist(c, m, b, slots=slots))]
+    if short:
+        cands.append(("autocapper", lambda c, m, b: autocapper(c, m, b, slots=slots)))
+    for who, f in cands:
+        try:
+            cand = f(chain, memory, beta)
+        except (InfeasibleError, InvalidPlanError):
+            continue
+        csim = simulate(chain, cand, beta, memory=memory)
+        if csim.makespan < sim.makespan - 1e-12 * sim.makespan:
+            plan, sim, name = cand, csim, who
+    if any(op.kind in ("offload", "prefetch") for op in plan.ops):
+        better, bsim, _ = improve_transfers(chain, plan, memory, beta)
+        if bsim.makespan < sim.makespan:
+            plan, sim, name = better, bsim, name + "+placement"
+    return plan, sim, name
 
 
 def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:
@@ -361,7 +409,7 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
         raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
                               need)
     plan, sim = best
-    plan.planner = "autocapper"
+    plan.planner, plan.memory_limit = "autocapper", memory
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
@@ -401,7 +449,7 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
             if r.makespan <= last:              # the channel is idle: next group
                 break
         groups.append((h, k - 1))
-    plan.planner = "opportunist"
+    plan.planner, plan.memory_limit = "opportunist", memory
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["groups"] = groups
     return plan

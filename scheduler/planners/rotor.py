@@ -143,8 +143,9 @@ def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner:
     if all(isinstance(v, int) for v in chain.fw + chain.bw) and float(time).is_integer():
         time = int(time)
     return Plan([(KIND_NAMES[k], s) for k, s in ops], planner=planner, predicted_time=time,
-                predicted_peak=peak, chain=chain,
-                meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget})
+                predicted_peak=peak, chain=chain, memory_limit=memory,
+                meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget,
+                      "dp_value": time})
 
 
 def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
@@ -172,6 +173,7 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
         else:
             hi = mid
     plan.meta.update(memory=limit, nominal_memory=plan.meta["memory"], refine=refine)
+    plan.memory_limit = limit
     return plan
 
 

@@ -1,0 +1,103 @@
+"""The default choice: the fastest valid plan any planner finds for a memory limit.
+
+:func:`solve` runs the remat-only planner (rotor), and with a transfer channel the
+offload-only (DYNPROG, GREEDY) and combined ones (pofo, autocapper, opportunist), simulates
+every plan they return under the limit, and keeps the fastest (ties: the first in that
+order, so rotor, which needs no transfer channel, wins ties). Each runs with its default
+memory slots, or in exact units for small integer chains (limit <= ``EXACT_UNITS``).
+Cost: the sum of the planners' solve times (autocapper's 40 rotor solves dominate on long
+chains; pass ``planners=`` to restrict). The winner's ``planner`` is
+its own; ``meta["chosen_by"] = "best"`` and ``meta["candidates"]`` (planner -> simulated
+seconds, or the reason it has none) say how it was chosen.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from ..chain import Chain
+from ..errors import InfeasibleError, InvalidPlanError
+from ..plan import Plan
+from ..simulate import simulate
+from . import offload, pofo, rotor
+from .offload import Number, bandwidth_arg, memory_arg
+
+__all__ = ["solve", "PLANNERS"]
+
+EXACT_UNITS = 2048   # integer chains with a limit up to this many bytes: DPs in exact units
+
+# planner(chain, memory, bandwidth, slots); slots None = exact units, else each one's default
+Planner = Callable[[Chain, Number, float, Optional[int]], Plan]
+
+
+def _slots(slots: Optional[int], default: int) -> dict:
+    return {"slots": default if slots == -1 else slots}
+
+
+PLANNERS: Tuple[Tuple[str, bool, Planner], ...] = (   # (name, needs transfers, planner)
+    ("rotor", False, lambda c, m, b, s: rotor.solve(c, m, **_slots(s, 500))),
+    ("pofo", True, lambda c, m, b, s: pofo.solve(c, m, b, **_slots(s, 50))),
+    ("dynprog", True, lambda c, m, b, s: offload.dynprog(c, m, b, **_slots(s, 500))),
+    ("greedy", True, lambda c, m, b, s: offload.greedy(c, m, b)),
+    ("autocapper", True, lambda c, m, b, s: pofo.autocapper(c, m, b, **_slots(s, 50))),
+    ("opportunist", True, lambda c, m, b, s: pofo.opportunist(c, m, b, **_slots(s, 50))),
+)
+
+
+def solve(chain: Chain, memory: Union[Number, str],
+          bandwidth: Union[Number, str, None] = None,
+          planners: Optional[List[str]] = None) -> Plan:
+    """The fastest plan (simulated, under ``memory``) among the planners; ``bandwidth`` in
+    bytes/s (None or 0: no transfer channel, remat-only). ``planners``: restrict to these
+    names (default: all of :data:`PLANNERS`). Raises ``InfeasibleError`` with the smallest
+    limit any of them reported when none fits."""
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    memory = memory_arg(memory)
+    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    names = [n for n, _, _ in PLANNERS]
+    if planners is not None:
+        bad = [p for p in planners if p not in names]
+        if bad or not planners:
+            raise ValueError(f"planners: expected a non-empty list of {', '.join(names)}, "
+                             f"got {planners!r}")
+    # small integer chains: the DPs' exact units (no slot rounding) are cheap and better
+    slots = None if chain.is_integer and memory <= EXACT_UNITS else -1
+    best: Optional[Tuple[float, Plan]] = None
+    report: Dict[str, Union[float, str]] = {}
+    needs: List[float] = []
+    for name, transfers, plan_for in PLANNERS:
+        if planners is not None and name not in planners:
+            continue
+        if transfers and beta == 0:
+            report[name] = "no transfer channel"
+            continue
+        try:
+            plan = plan_for(chain, memory, beta, slots)
+            sim = simulate(chain, plan, beta if beta > 0 else None, memory=memory)
+        except InfeasibleError as err:
+            report[name] = f"infeasible: {err}"
+            if getattr(err, "min_memory", None) is not None:
+                needs.append(err.min_memory)
+            continue
+        except InvalidPlanError as err:
+            report[name] = f"invalid plan: {err}"
+            continue
+        report[name] = sim.makespan
+        if sim.peak_memory > memory * (1 + 1e-9):   # cannot happen: the limit is enforced
+            report[name] = f"peak {sim.peak_memory:g} over the limit"
+            continue
+        if best is None or sim.makespan < best[0] - 1e-12 * max(1.0, sim.makespan):
+            best = (sim.makespan, plan)
+            plan.predicted_time, plan.predicted_peak = sim.makespan, sim.peak_memory
+    if best is None:
+        need = min(needs) if needs else None
+        raise InfeasibleError(
+            f"best.solve: no planner found a plan of {chain.name or 'the chain'} under memory "
+            f"{memory:g}" + (f" (the smallest limit one of them can meet is {need:g})"
+                             if need is not None and math.isfinite(need) else "")
+            + "; " + "; ".join(f"{k}: {v}" for k, v in report.items()), need)
+    plan = best[1]
+    plan.memory_limit, plan.chain = memory, chain
+    plan.meta.update(chosen_by="best", candidates=report)
+    return plan
