@@ -53,7 +53,18 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--full", str(tmp_path / "f")],
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
-    assert "bench/e2e.py --out" in r.stdout and "--quick" not in r.stdout
+    assert "--quick" not in r.stdout and "-m pytest" not in r.stdout
+    for m in ("resnet50", "gpt2-s1024", "gpt2-s2048", "bert-dyn"):   # one step (and JSON) each
+        assert f"bench/e2e.py --models {m} --out" in r.stdout, (m, r.stdout)
+    assert "--coexist" in r.stdout
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--full", "--models",
+                        "bert-dyn", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=120, env=python_env())
+    assert "--models bert-dyn" in r.stdout and "--models resnet50 --out" not in r.stdout
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--traces", str(tmp_path / "t")],
+                       capture_output=True, text=True, timeout=120, env=python_env())
+    assert r.returncode == 0, r.stderr
+    assert "bench/traces/record_gpu.py" in r.stdout and "bench/e2e.py" not in r.stdout
 
 
 def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
