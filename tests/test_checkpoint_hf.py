@@ -21,7 +21,7 @@ from scheduler.runtime.checkpoint import checkpointed, undo
 
 from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency (pyproject [test]): never skip silently
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", message=".*(use_cache|is_gradient_checkpointing).*")
 

@@ -65,6 +65,24 @@ def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):
     assert not (tmp_path / "frag.json").exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_write_its_parents_report(tmp_path):
+    """A child forked from the process that registered the exit hook inherits it; exiting
+    normally it must not overwrite (or truncate) the parent's report."""
+    target = str(tmp_path / "frag.json")
+    pid = os.fork()
+    if pid == 0:   # the child: the hook as atexit would call it, with the parent's pid
+        try:
+            R.write_exit_report(target, owner_pid=os.getppid())
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not os.path.exists(target) and not list(tmp_path.iterdir())
+    R.write_exit_report(target, owner_pid=os.getpid())   # the owner writes it
+    assert R.load(target)["process"]["pid"] == os.getpid()
+
+
 def test_agree_chain_without_a_process_group_is_the_chain_itself():
     from scheduler import Chain
     from scheduler.runtime.distributed import active, agree_chain

@@ -463,9 +463,13 @@ def _who(rep: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def write_exit_report(target: str) -> None:
+def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
     """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path made
-    per process by :func:`report_path` (nothing from torchrun's launcher)."""
+    per process by :func:`report_path` (nothing from torchrun's launcher). ``owner_pid``: the
+    process that registered the hook; a child forked from it (which inherits the hook and
+    exits through it) writes nothing: the allocators are its parent's, and so is the file."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
     try:
         path = report_path(target)
         if path is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import os
 import sys
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -53,4 +54,4 @@ def _max_live(events: List[Mapping[str, Any]]) -> int:
 
 def register_exit_report(target: str) -> None:
     rpt = importlib.import_module("vmalloc.report")
-    atexit.register(rpt.write_exit_report, target)
+    atexit.register(rpt.write_exit_report, target, os.getpid())
