@@ -24,6 +24,18 @@ def test_report_path(target, env, want):
     assert R.report_path(target, env, pid=77) == want
 
 
+def test_a_training_process_that_imports_the_elastic_agent_is_no_launcher(monkeypatch):
+    """HF's Trainer (through accelerate) imports torch's elastic agent in every training
+    process: that must not be taken for torchrun's launcher (its report would be lost)."""
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert not R.is_launcher({}) and R.report_path("frag.json", {}, pid=1) == "frag.json"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/torchrun", "train.py"])
+    assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/accelerate", "launch", "train.py"])
+    assert R.is_launcher({})
+
+
 def _child_path(q):
     q.put(R.report_path("frag.json", {}, pid=5))
 

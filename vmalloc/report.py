@@ -387,10 +387,13 @@ def is_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name in ("torch.distributed.run", "torch.distributed.launch"):
         return True   # python -m torch.distributed.run ...
-    if os.path.basename(sys.argv[0] if sys.argv else "") in ("torchrun", "torchrun.exe"):
+    argv = sys.argv or [""]
+    prog = os.path.basename(argv[0])
+    if prog in ("torchrun", "torchrun.exe"):
         return True   # the torchrun console script
-    # another front end driving the elastic agent in this process
-    return "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+    # `accelerate launch` drives the same elastic agent. (Whether the agent's module is merely
+    # imported says nothing: HF's Trainer imports it in every training process.)
+    return prog in ("accelerate", "accelerate.exe") and argv[1:2] == ["launch"]
 
 
 def _is_child_process() -> bool:
