@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from _subproc import python_env
+
 from vmalloc.env import VARIABLES, EnvConfig, parse_flag, read_env
 
 
@@ -84,9 +86,10 @@ def test_streams_and_writable_paths_are_accepted(tmp_path, monkeypatch, target):
 
 
 def test_an_unwritable_report_stops_the_interpreter_with_exit_2(tmp_path):
-    env = dict(os.environ, VMALLOC_REPORT=str(tmp_path / "missing" / "r.txt"),
-               PYTHONPATH=os.getcwd())
+    # the vmalloc this process imported (installed in CI), run from outside the checkout
+    env = python_env(VMALLOC_REPORT=str(tmp_path / "missing" / "r.txt"))
     code = "from vmalloc import _autoload; _autoload.install(); print('went on')"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=str(tmp_path))
     assert r.returncode == 2 and "went on" not in r.stdout
     assert "VMALLOC_REPORT" in r.stderr and "does not exist" in r.stderr
