@@ -308,6 +308,7 @@ class ChainStep:
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
         self.versions: Dict[int, Tuple[int, ...]] = {}  # of x[s] when it was stored
         self.anchors: Dict[int, Tensors] = {}         # x[s] the loop changed between blocks
+        self.anchor_versions: Dict[int, Tuple[int, ...]] = {}  # of anchors[s] when anchored
         self.xbars: Dict[int, Frame] = {}             # F_all results, until B s
         self.host: Dict[int, Offloaded] = {}          # offloaded x[s]
         self.pending: Dict[int, List[StorageCopy]] = {}  # prefetched x[s], copy maybe in flight
@@ -336,6 +337,7 @@ class ChainStep:
 
     def _input(self, s: int, index: int, kind: str) -> Tensors:
         if s in self.anchors:
+            self._check_version(s, self.anchors[s], self.anchor_versions[s])
             return self.anchors[s]
         if s in self.xs:
             self._ready_x(s)
@@ -403,6 +405,7 @@ class ChainStep:
             self._hold(0, _detached(call.x))
         elif call.anchored:
             self.anchors[s] = _detached(call.x)
+            self.anchor_versions[s] = tuple(t._version for t in self.anchors[s])
         index, kind = self._forward_ops_until(s)
         frame = Frame(self, s, call)
         self.frames[s] = frame
@@ -505,6 +508,7 @@ class ChainStep:
             f.out = ()
         self.xs.pop(s, None)
         self.anchors.pop(s, None)
+        self.anchor_versions.pop(s, None)
         self.frames[s] = None
 
     def _recompute(self, index: int, kind: str, s: int) -> None:
@@ -516,6 +520,15 @@ class ChainStep:
             raise InvalidPlanError(f"op {index} ({kind} {s}): block {s} already went "
                                    "through its backward", index)
         call = frame.call
+        changed = call.changed_arguments()
+        if changed:
+            # plain autograd raises here too (a saved tensor's version moved); recomputing
+            # with the new values would give wrong gradients without a word
+            raise RuntimeError(
+                f"{self.name}: block {s}: {len(changed)} of its tensor arguments (flattened "
+                f"argument position(s) {changed}) were modified in place after the block ran "
+                "and before the backward recomputed it; do not change a block's arguments "
+                "(masks, position tables) in place until the backward is done")
         leaves = tuple(t.detach().requires_grad_(rg and _is_diff(t))
                        for t, rg in zip(inp, call.rg))
         args, kwargs = call.bind(leaves)

@@ -1,0 +1,93 @@
+"""A recomputation calls a block again with the loop's own arguments (masks, position tables):
+if the loop changed one of them in place between the forward and the backward, plain autograd
+raises (the saved tensor's version moved); the runner must raise too, never recompute with the
+new values and hand back wrong gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import scheduler
+from scheduler.planners.mimose import plan_from_checkpoints
+
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
+
+
+class Blk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * mask
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Blk() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x, mask)
+        return x
+
+
+def _every_block_recomputed(chain, budget):
+    return plan_from_checkpoints(4, range(4), planner="test")
+
+
+@pytest.mark.parametrize("changed", ["mask", "anchor"])
+def test_an_argument_changed_in_place_before_the_backward_raises(changed):
+    torch.manual_seed(0)
+    plain = Net()
+    x, mask = torch.randn(8, 16), torch.ones(8, 16)
+    if changed == "mask":  # plain autograd refuses it: so must the runner
+        loss = plain(x, mask).sum()
+        mask.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        mask.fill_(1.0)
+    model = scheduler.checkpoint(Net(), budget="1GiB", planner=_every_block_recomputed)
+    if changed == "mask":
+        loss = model(x, mask).sum()
+        mask.mul_(0.5)
+    else:  # block 0's input (the chain's anchored value) changed by the caller
+        x.requires_grad_(False)
+        loss = model(x, mask).sum()
+        x.mul_(0.5)
+    with pytest.raises(RuntimeError, match="in place"):
+        loss.backward()
+
+
+def test_unchanged_arguments_still_match_plain_training():
+    torch.manual_seed(0)
+    plain = Net()
+    model = scheduler.checkpoint(Net(), budget="1GiB", planner=_every_block_recomputed)
+    model.load_state_dict(plain.state_dict())
+    x, mask = torch.randn(8, 16), torch.rand(8, 16)
+    plain(x, mask).sum().backward()
+    model(x, mask).sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class Scaled(Net):
+    """The loop changes the value between blocks (anchored values) and keeps what it passed."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.passed = []
+        for b in self.layers:
+            y = x * 2
+            self.passed.append(y)
+            x = b(y, mask)
+        return x
+
+
+def test_an_anchored_value_changed_in_place_before_the_backward_raises():
+    model = scheduler.checkpoint(Scaled(), budget="1GiB", planner=_every_block_recomputed)
+    loss = model(torch.randn(8, 16), torch.ones(8, 16)).sum()
+    model.passed[2].mul_(0.5)
+    with pytest.raises(RuntimeError, match="in place"):
+        loss.backward()
