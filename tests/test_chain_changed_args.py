@@ -91,3 +91,54 @@ def test_an_anchored_value_changed_in_place_before_the_backward_raises():
     model.passed[2].mul_(0.5)
     with pytest.raises(RuntimeError, match="in place"):
         loss.backward()
+
+
+class NormBlk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.bn(self.lin(x)))
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([NormBlk() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def test_a_recomputation_saving_other_shapes_raises_instead_of_crashing(tmp_path):
+    # model.eval() between the forward and the backward: batch norm recomputes in eval mode and
+    # saves as many tensors, of other shapes. Handing those to the train-mode backward read
+    # out of bounds (a segfault); it must be a clear error (in a child: a crash stays there).
+    script = r'''
+import torch, scheduler
+from torch import nn
+from scheduler.planners.mimose import plan_from_checkpoints
+import test_chain_changed_args as T
+model = scheduler.checkpoint(T.NormNet(), budget="1GiB",
+                             planner=lambda c, b: plan_from_checkpoints(4, range(4), planner="t"))
+loss = model(torch.randn(8, 16)).pow(2).sum()
+model.eval()
+try:
+    loss.backward()
+except RuntimeError as e:
+    assert "block 3" in str(e) and "shape" in str(e), e
+    print("OK")
+'''
+    import os
+    import subprocess
+    import sys
+    from _subproc import python_env
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, env=python_env(here), cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stdout,
+                                                                     r.stderr[-2000:])

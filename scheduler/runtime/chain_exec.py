@@ -194,11 +194,16 @@ class Collector:
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
-    __slots__ = ("frame", "value", "__weakref__")
+    __slots__ = ("frame", "value", "meta", "__weakref__")
 
-    def __init__(self, frame: "Frame", value: Optional[torch.Tensor]):
+    def __init__(self, frame: "Frame", value: Optional[torch.Tensor], meta: Any = None):
         self.frame = frame
         self.value = value
+        self.meta = meta  # (shape, dtype, device) of what the recomputation must give back
+
+
+def _meta(t: torch.Tensor) -> Tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device)
 
 
 class Frame:
@@ -224,7 +229,7 @@ class Frame:
         return h
 
     def pack_drop(self, t: torch.Tensor) -> Holder:
-        h = Holder(self, None)
+        h = Holder(self, None, _meta(t))
         self.holders.append(weakref.ref(h))
         return h
 
@@ -259,6 +264,7 @@ class _Refill:
     def __init__(self, frame: Frame):
         self.frame = frame
         self.n = 0
+        self.mismatch: Optional[Tuple[int, Any, Any]] = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         i = self.n
@@ -266,6 +272,11 @@ class _Refill:
         if i < len(self.frame.holders):
             h = self.frame.holders[i]()
             if h is not None:  # None: autograd already freed that node
+                if h.meta is not None and _meta(t) != h.meta:
+                    # handing it to the first run's backward would read out of bounds
+                    if self.mismatch is None:
+                        self.mismatch = (i, h.meta, _meta(t))
+                    return t
                 h.value = t.detach() if t.requires_grad else t
         return t
 
@@ -275,6 +286,13 @@ class _Refill:
 
     def check(self) -> None:
         f = self.frame
+        if self.mismatch is not None:
+            i, first, again = self.mismatch
+            raise RuntimeError(
+                f"{f.step.name}: block {f.s}: saved tensor {i} had shape/dtype/device {first} "
+                f"on its first run but {again} when recomputed: its forward must do the same "
+                "work when run again (same train/eval mode, inputs, random state and autocast; "
+                "do not call model.eval() between the forward and the backward)")
         if self.n != len(f.holders):
             raise RuntimeError(
                 f"{f.step.name}: block {f.s} saved {len(f.holders)} tensors for backward on its "
