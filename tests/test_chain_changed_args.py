@@ -114,19 +114,58 @@ class NormNet(nn.Module):
         return x
 
 
+def test_eval_between_forward_and_backward_recomputes_in_the_first_runs_mode():
+    # model.eval() before the backward: plain autograd's backward uses what the train-mode
+    # forward saved; a recomputation in eval mode would save other tensors (batch norm: other
+    # shapes, read out of bounds by the backward: a segfault before this was fixed)
+    torch.manual_seed(0)
+    plain = NormNet()
+    model = scheduler.checkpoint(NormNet(), budget="1GiB", planner=_every_block_recomputed)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 16)
+    for m in (plain, model):
+        loss = m(x).pow(2).sum()
+        m.eval()
+        loss.backward()
+        assert not any(mod.training for mod in m.modules())  # the caller's mode stays
+        m.train()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    for a, b in zip(plain.buffers(), model.buffers()):
+        assert torch.equal(a, b)
+
+
+class Scale(nn.Module):
+    """A block whose saved tensor's shape follows an attribute changed between forward and
+    backward: what it saves when recomputed cannot be handed to the first run's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = torch.ones(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class ScaleNet(NormNet):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.layers = nn.ModuleList([Scale() for _ in range(4)])
+
+
 def test_a_recomputation_saving_other_shapes_raises_instead_of_crashing(tmp_path):
-    # model.eval() between the forward and the backward: batch norm recomputes in eval mode and
-    # saves as many tensors, of other shapes. Handing those to the train-mode backward read
-    # out of bounds (a segfault); it must be a clear error (in a child: a crash stays there).
+    # in a child: a crash stays there
     script = r'''
 import torch, scheduler
 from torch import nn
 from scheduler.planners.mimose import plan_from_checkpoints
 import test_chain_changed_args as T
-model = scheduler.checkpoint(T.NormNet(), budget="1GiB",
+model = scheduler.checkpoint(T.ScaleNet(), budget="1GiB",
                              planner=lambda c, b: plan_from_checkpoints(4, range(4), planner="t"))
 loss = model(torch.randn(8, 16)).pow(2).sum()
-model.eval()
+for b in model.layers:
+    b.scale = torch.ones(1)
 try:
     loss.backward()
 except RuntimeError as e:

@@ -28,9 +28,10 @@ FSDP2 gathers its parameters), with the arguments of the loop's call (``block_ca
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -191,6 +192,27 @@ class Collector:
         raise NotImplementedError  # pragma: no cover - interface
 
 
+@contextlib.contextmanager
+def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
+    """The block's modules in the train/eval modes of its first run (a model.eval() between
+    the forward and the backward must not change what the recomputation computes), then back."""
+    if modes is None:
+        yield
+        return
+    mods = list(block.modules())
+    now = [m.training for m in mods]
+    if now == modes or len(mods) != len(modes):
+        yield
+        return
+    for m, t in zip(mods, modes):
+        m.training = t
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, now):
+            m.training = t
+
+
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
@@ -221,6 +243,7 @@ class Frame:
         self.out_version: Tuple[int, ...] = ()
         self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
         self.released = False
+        self.modes: Optional[List[bool]] = None  # train/eval flags of its modules at the first run
 
     # hooks of the first run ----------------------------------------------------------
     def pack_keep(self, t: torch.Tensor) -> Holder:
@@ -427,9 +450,10 @@ class ChainStep:
         index, kind = self._forward_ops_until(s)
         frame = Frame(self, s, call)
         self.frames[s] = frame
+        block = self.blocks[s]
         if s in self.cplan.recomputed or self.collector is not None:
             frame.state = rng.capture(self.devices)
-        block = self.blocks[s]
+            frame.modes = [m.training for m in block.modules()]
         if self.collector is not None and kind == "F_ck":
             self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
                                    call.rg, frame.state, self.param_storages)
@@ -553,7 +577,7 @@ class ChainStep:
         block = self.blocks[s]
         self.stats.recomputed_forwards += 1
         ctx = rng.replay(frame.state) if frame.state is not None else _Null()
-        with ctx, buffers.frozen_buffers(block):
+        with ctx, buffers.frozen_buffers(block), _modes_as(block, frame.modes):
             if kind == "F_all":
                 refill = frame.refill()
                 with torch.enable_grad(), \
