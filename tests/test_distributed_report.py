@@ -65,8 +65,18 @@ def test_the_launcher_writes_none_and_a_rank_is_never_the_launcher(monkeypatch):
     assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
     assert not R.is_launcher({"RANK": "0"})
     monkeypatch.setattr("sys.argv", ["train.py"])
-    assert not R.is_launcher({}) or \
-        "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+    assert not R.is_launcher({})
+
+
+def test_a_lone_script_that_imported_the_elastic_agent_still_writes_its_report(monkeypatch):
+    # `import torch.distributed.checkpoint` and `from transformers import Trainer` import
+    # torch's elastic agent module: that alone must not silence a lone process's report
+    import types
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.setitem(sys.modules, "torch.distributed.elastic.agent.server.local_elastic_agent",
+                        types.ModuleType("local_elastic_agent"))
+    assert not R.is_launcher({})
+    assert R.report_path("frag.json", {}) == "frag.json"
 
 
 def test_every_report_names_its_process():

@@ -387,10 +387,10 @@ def is_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name in ("torch.distributed.run", "torch.distributed.launch"):
         return True   # python -m torch.distributed.run ...
-    if os.path.basename(sys.argv[0] if sys.argv else "") in ("torchrun", "torchrun.exe"):
-        return True   # the torchrun console script
-    # another front end driving the elastic agent in this process
-    return "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+    # the torchrun console script. (Not "the elastic agent module is imported": a lone script
+    # importing torch.distributed.checkpoint or transformers.Trainer imports it too, and would
+    # silently lose its report; another front end's launcher writes one report of its own.)
+    return os.path.basename(sys.argv[0] if sys.argv else "") in ("torchrun", "torchrun.exe")
 
 
 def _is_child_process() -> bool:
