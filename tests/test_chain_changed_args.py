@@ -181,3 +181,31 @@ except RuntimeError as e:
                        timeout=300, env=python_env(here), cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stdout,
                                                                      r.stderr[-2000:])
+
+
+def _watch_steps(runner) -> list:
+    """Weak references to every step the runner begins."""
+    import weakref
+    refs = []
+    begin = runner._begin
+
+    def watched(*a, **k):
+        step = begin(*a, **k)
+        refs.append(weakref.ref(step))
+        return step
+    runner._begin = watched
+    return refs
+
+
+def test_training_steps_are_freed_after_their_backward():
+    # a recomputation's own graph (never run backward) must not keep itself alive through its
+    # saved outputs: it would keep the recomputed activations, the frames and the step, every
+    # step (on a GPU: out of memory after a few steps)
+    import gc
+    from scheduler.runtime.checkpoint import checkpointed
+    model = scheduler.checkpoint(Net(), budget="1GiB", planner=_every_block_recomputed)
+    steps = _watch_steps(checkpointed(model).runners[0])
+    for _ in range(3):
+        model(torch.randn(8, 16), torch.ones(8, 16)).sum().backward()
+    gc.collect()
+    assert len(steps) == 3 and all(r() is None for r in steps)

@@ -301,7 +301,11 @@ class _Refill:
                         self.mismatch = (i, h.meta, _meta(t))
                     return t
                 h.value = t.detach() if t.requires_grad else t
-        return t
+        # detached, as torch.utils.checkpoint's recomputation hook returns: the recomputed
+        # graph is never run backward, and a saved output packed with its own grad_fn makes a
+        # node -> saved tensor -> grad_fn -> node cycle the garbage collector cannot see (the
+        # recomputed activations, this frame and its step would never be freed)
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
