@@ -197,6 +197,58 @@ def _watch_steps(runner) -> list:
     return refs
 
 
+def test_a_forward_that_raises_mid_chain_lets_go_of_its_step():
+    # an OOM in block k: what the step held (checkpoints x[0..k]) must not stay allocated
+    # until the next forward (a retry with a smaller batch would find that memory taken)
+    import gc
+    import weakref
+    from scheduler.runtime.checkpoint import checkpointed
+
+    def boom(self: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        raise ValueError("out of memory, say")
+
+    net = Net()
+    net.layers[2].forward = boom.__get__(net.layers[2])
+    model = scheduler.checkpoint(net, budget="1GiB", planner=_every_block_recomputed)
+    runner = checkpointed(model).runners[0]
+    steps = _watch_steps(runner)
+    raised = False
+    try:  # (not pytest.raises: its traceback would keep the frames, and the step, alive)
+        model(torch.randn(8, 16), torch.ones(8, 16))
+    except ValueError:
+        raised = True
+    assert raised and runner.current is None
+    gc.collect()
+    assert len(steps) == 1 and steps[0]() is None
+
+
+class StopsBetweenBlocks(Net):
+    stop = True
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.layers):
+            if i == 2 and self.stop:
+                raise ValueError("the loop itself raised")
+            x = b(x, mask)
+        return x
+
+
+def test_a_forward_stopped_between_blocks_is_freed_by_the_next_forward():
+    import gc
+    from scheduler.runtime.checkpoint import checkpointed
+    model = scheduler.checkpoint(StopsBetweenBlocks(), budget="1GiB",
+                                 planner=_every_block_recomputed)
+    steps = _watch_steps(checkpointed(model).runners[0])
+    try:
+        model(torch.randn(8, 16), torch.ones(8, 16))
+    except ValueError:
+        pass
+    model.stop = False
+    model(torch.randn(8, 16), torch.ones(8, 16)).sum().backward()
+    gc.collect()
+    assert len(steps) == 2 and all(r() is None for r in steps)
+
+
 def test_training_steps_are_freed_after_their_backward():
     # a recomputation's own graph (never run backward) must not keep itself alive through its
     # saved outputs: it would keep the recomputed activations, the frames and the step, every

@@ -366,7 +366,25 @@ class ChainStep:
         self.bptr = 0
         self.next = 0                                 # the block the loop calls next
         self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
+        self.failed_call: Optional[BlockCall] = None  # the call of the block running now
         self.passed_through: Set[int] = set()         # storages blocks return unchanged
+
+    def abandon(self) -> None:
+        """The forward failed half way: drop every reference to values and to the partial
+        graph. (The last output, ``prev_out``, and the failed call's arguments reach the graph,
+        whose holders reach the frames and this step: a cycle through autograd's C++ nodes
+        that the garbage collector cannot see, so it would never be freed.)"""
+        self.prev_out = None
+        if self.failed_call is not None:
+            self.failed_call.x, self.failed_call.kept = (), []
+        for f in self.frames:
+            if f is not None:
+                f.call.x = ()
+                f.call.kept = []
+                f.out = ()
+        self.frames = [None] * self.L
+        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving):
+            d.clear()
 
     # -------------------------------------------------------------------------- values
     def _hold(self, s: int, value: Tensors) -> None:
@@ -444,6 +462,7 @@ class ChainStep:
                 f"model must call each of its {self.L} blocks once, in order, per forward "
                 "(name the list its loop walks with blocks=)")
         call = BlockCall(args, kwargs, self.prev_out, all_inputs=all_inputs)
+        self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
             params = [p for b in self.blocks for p in list(b.parameters())[:1]]
             self.devices = rng.cuda_devices_of(list(call.x) + call.shared_tensors() + params)
@@ -476,6 +495,7 @@ class ChainStep:
             self._hold(s + 1, _detached(outs))
             if kind == "F_none":
                 self.xs.pop(s, None)
+        self.failed_call = None
         if s > 0 and not call.anchored:
             call.x = ()  # x[s] is held (or not) as the plan says: the call must not pin it
         self.next = s + 1
