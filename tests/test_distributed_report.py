@@ -51,13 +51,44 @@ def test_a_multiprocessing_child_without_rank_gets_its_pid():
         p.join(timeout=120)
 
 
+def _ranked_child_path(q):
+    q.put([R.report_path("frag.json", {"RANK": "0"}, pid=5),
+           R.report_path("r{rank}.json", {"RANK": "0"}, pid=5)])
+
+
+def test_a_multiprocessing_child_of_a_rank_does_not_take_the_ranks_report():
+    # a spawned DataLoader worker inherits RANK and runs the autoload too (spawn children exit
+    # through atexit): it must not overwrite its rank's report with its own empty one
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_ranked_child_path, args=(q,))
+    p.start()
+    try:
+        paths = q.get(timeout=120)
+    finally:
+        p.join(timeout=120)
+    assert paths[0] != R.report_path("frag.json", {"RANK": "0"}, pid=5) == "frag.rank0.json"
+    assert paths[1] != R.report_path("r{rank}.json", {"RANK": "0"}, pid=5) == "r0.json"
+    assert paths == ["frag.rank0.pid5.json", "r0.pid5.json"]
+
+
 def test_the_launcher_writes_none_and_a_rank_is_never_the_launcher(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/usr/bin/torchrun", "--nproc-per-node", "2", "t.py"])
     assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
     assert not R.is_launcher({"RANK": "0"})
     monkeypatch.setattr("sys.argv", ["train.py"])
-    assert not R.is_launcher({}) or \
-        "torch.distributed.elastic.agent.server.local_elastic_agent" in sys.modules
+    assert not R.is_launcher({})
+
+
+def test_a_lone_script_that_imported_the_elastic_agent_still_writes_its_report(monkeypatch):
+    # `import torch.distributed.checkpoint` and `from transformers import Trainer` import
+    # torch's elastic agent module: that alone must not silence a lone process's report
+    import types
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.setitem(sys.modules, "torch.distributed.elastic.agent.server.local_elastic_agent",
+                        types.ModuleType("local_elastic_agent"))
+    assert not R.is_launcher({})
+    assert R.report_path("frag.json", {}) == "frag.json"
 
 
 def test_every_report_names_its_process():

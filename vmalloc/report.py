@@ -426,7 +426,9 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
       ``pid<N>`` when there is no rank);
     - under a distributed launch (``RANK`` or ``LOCAL_RANK`` set) the rank goes before the
       extension: ``frag.json`` -> ``frag.rank0.json``, ``frag.txt`` -> ``frag.rank1.txt``;
-    - in a ``multiprocessing`` child without a rank, the pid: ``frag.pid4242.json``;
+    - in a ``multiprocessing`` child, the pid too: ``frag.pid4242.json``, and under a rank
+      ``frag.rank0.pid4242.json`` (a spawned DataLoader worker inherits its rank's ``RANK``:
+      it must not overwrite that rank's report with its own);
     - a lone process writes the path as given.
     """
     env = os.environ if environ is None else environ
@@ -436,17 +438,19 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
         return target
     pid = os.getpid() if pid is None else pid
     rank = process_rank(env)
+    child = _is_child_process()
     if "{rank}" in target or "{pid}" in target:
-        return target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
+        path = target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
                      .replace("{pid}", str(pid))
-    if rank is not None:
-        tag = f"rank{rank}"
-    elif _is_child_process():
-        tag = f"pid{pid}"
-    else:
+        if not child or "{pid}" in target or rank is None:
+            return path
+        root, ext = os.path.splitext(path)
+        return f"{root}.pid{pid}{ext}"
+    tags = ([f"rank{rank}"] if rank is not None else []) + ([f"pid{pid}"] if child else [])
+    if not tags:
         return target
     root, ext = os.path.splitext(target)
-    return f"{root}.{tag}{ext}"
+    return f"{root}.{'.'.join(tags)}{ext}"
 
 
 def _who(rep: Mapping[str, Any]) -> str:

@@ -211,6 +211,12 @@ void bind_torch(nb::module_& m) {
     } else {
       r.budget.at(static_cast<size_t>(device)) = budget;
     }
+    // Allocators made by an earlier configuration (a previous vmalloc.pool()) take the new
+    // budget too: they are the ones the next pool uses.
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (device >= 0 && d != device) continue;
+      if (vmalloc::Allocator* a = r.alloc[d].load()) a->set_budget(r.budget[d]);
+    }
   }, nb::arg("backend"), nb::arg("chunk_size"), nb::arg("budget"), nb::arg("device"),
      "Settings for the per-device allocators PyTorch's entry points create lazily.");
   m.def("_torch_devices", [] {

@@ -56,6 +56,9 @@ class BlockCall:
             self.kept[j] = None  # the value: held (or not) as the plan says, not here
         self.x = x  # the value at the call (the step drops it once the block has run)
         self.rg = tuple(t.requires_grad for t in x)
+        # versions of the other tensor arguments at the call: a recomputation reads them again
+        self.kept_versions = tuple((j, v._version) for j, v in enumerate(self.kept)
+                                   if isinstance(v, torch.Tensor))
 
     def bind(self, x: Sequence[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """``(args, kwargs)`` of the call with ``x`` as the chain's value."""
@@ -67,6 +70,11 @@ class BlockCall:
 
     def shared_tensors(self) -> List[torch.Tensor]:
         return [v for v in self.kept if isinstance(v, torch.Tensor)]
+
+    def changed_arguments(self) -> List[int]:
+        """Leaf positions of tensor arguments modified in place since the call (a
+        recomputation would read values the first run never saw)."""
+        return [j for j, v in self.kept_versions if self.kept[j]._version != v]
 
 
 def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Any:

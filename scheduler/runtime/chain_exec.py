@@ -28,9 +28,10 @@ FSDP2 gathers its parameters), with the arguments of the loop's call (``block_ca
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -191,14 +192,40 @@ class Collector:
         raise NotImplementedError  # pragma: no cover - interface
 
 
+@contextlib.contextmanager
+def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
+    """The block's modules in the train/eval modes of its first run (a model.eval() between
+    the forward and the backward must not change what the recomputation computes), then back."""
+    if modes is None:
+        yield
+        return
+    mods = list(block.modules())
+    now = [m.training for m in mods]
+    if now == modes or len(mods) != len(modes):
+        yield
+        return
+    for m, t in zip(mods, modes):
+        m.training = t
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, now):
+            m.training = t
+
+
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
-    __slots__ = ("frame", "value", "__weakref__")
+    __slots__ = ("frame", "value", "meta", "__weakref__")
 
-    def __init__(self, frame: "Frame", value: Optional[torch.Tensor]):
+    def __init__(self, frame: "Frame", value: Optional[torch.Tensor], meta: Any = None):
         self.frame = frame
         self.value = value
+        self.meta = meta  # (shape, dtype, device) of what the recomputation must give back
+
+
+def _meta(t: torch.Tensor) -> Tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device)
 
 
 class Frame:
@@ -216,6 +243,7 @@ class Frame:
         self.out_version: Tuple[int, ...] = ()
         self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
         self.released = False
+        self.modes: Optional[List[bool]] = None  # train/eval flags of its modules at the first run
 
     # hooks of the first run ----------------------------------------------------------
     def pack_keep(self, t: torch.Tensor) -> Holder:
@@ -224,7 +252,7 @@ class Frame:
         return h
 
     def pack_drop(self, t: torch.Tensor) -> Holder:
-        h = Holder(self, None)
+        h = Holder(self, None, _meta(t))
         self.holders.append(weakref.ref(h))
         return h
 
@@ -259,6 +287,7 @@ class _Refill:
     def __init__(self, frame: Frame):
         self.frame = frame
         self.n = 0
+        self.mismatch: Optional[Tuple[int, Any, Any]] = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         i = self.n
@@ -266,8 +295,17 @@ class _Refill:
         if i < len(self.frame.holders):
             h = self.frame.holders[i]()
             if h is not None:  # None: autograd already freed that node
+                if h.meta is not None and _meta(t) != h.meta:
+                    # handing it to the first run's backward would read out of bounds
+                    if self.mismatch is None:
+                        self.mismatch = (i, h.meta, _meta(t))
+                    return t
                 h.value = t.detach() if t.requires_grad else t
-        return t
+        # detached, as torch.utils.checkpoint's recomputation hook returns: the recomputed
+        # graph is never run backward, and a saved output packed with its own grad_fn makes a
+        # node -> saved tensor -> grad_fn -> node cycle the garbage collector cannot see (the
+        # recomputed activations, this frame and its step would never be freed)
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +313,13 @@ class _Refill:
 
     def check(self) -> None:
         f = self.frame
+        if self.mismatch is not None:
+            i, first, again = self.mismatch
+            raise RuntimeError(
+                f"{f.step.name}: block {f.s}: saved tensor {i} had shape/dtype/device {first} "
+                f"on its first run but {again} when recomputed: its forward must do the same "
+                "work when run again (same train/eval mode, inputs, random state and autocast; "
+                "do not call model.eval() between the forward and the backward)")
         if self.n != len(f.holders):
             raise RuntimeError(
                 f"{f.step.name}: block {f.s} saved {len(f.holders)} tensors for backward on its "
@@ -308,6 +353,7 @@ class ChainStep:
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
         self.versions: Dict[int, Tuple[int, ...]] = {}  # of x[s] when it was stored
         self.anchors: Dict[int, Tensors] = {}         # x[s] the loop changed between blocks
+        self.anchor_versions: Dict[int, Tuple[int, ...]] = {}  # of anchors[s] when anchored
         self.xbars: Dict[int, Frame] = {}             # F_all results, until B s
         self.host: Dict[int, Offloaded] = {}          # offloaded x[s]
         self.pending: Dict[int, List[StorageCopy]] = {}  # prefetched x[s], copy maybe in flight
@@ -320,7 +366,25 @@ class ChainStep:
         self.bptr = 0
         self.next = 0                                 # the block the loop calls next
         self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
+        self.failed_call: Optional[BlockCall] = None  # the call of the block running now
         self.passed_through: Set[int] = set()         # storages blocks return unchanged
+
+    def abandon(self) -> None:
+        """The forward failed half way: drop every reference to values and to the partial
+        graph. (The last output, ``prev_out``, and the failed call's arguments reach the graph,
+        whose holders reach the frames and this step: a cycle through autograd's C++ nodes
+        that the garbage collector cannot see, so it would never be freed.)"""
+        self.prev_out = None
+        if self.failed_call is not None:
+            self.failed_call.x, self.failed_call.kept = (), []
+        for f in self.frames:
+            if f is not None:
+                f.call.x = ()
+                f.call.kept = []
+                f.out = ()
+        self.frames = [None] * self.L
+        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving):
+            d.clear()
 
     # -------------------------------------------------------------------------- values
     def _hold(self, s: int, value: Tensors) -> None:
@@ -336,6 +400,7 @@ class ChainStep:
 
     def _input(self, s: int, index: int, kind: str) -> Tensors:
         if s in self.anchors:
+            self._check_version(s, self.anchors[s], self.anchor_versions[s])
             return self.anchors[s]
         if s in self.xs:
             self._ready_x(s)
@@ -397,18 +462,21 @@ class ChainStep:
                 f"model must call each of its {self.L} blocks once, in order, per forward "
                 "(name the list its loop walks with blocks=)")
         call = BlockCall(args, kwargs, self.prev_out, all_inputs=all_inputs)
+        self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
             params = [p for b in self.blocks for p in list(b.parameters())[:1]]
             self.devices = rng.cuda_devices_of(list(call.x) + call.shared_tensors() + params)
             self._hold(0, _detached(call.x))
         elif call.anchored:
             self.anchors[s] = _detached(call.x)
+            self.anchor_versions[s] = tuple(t._version for t in self.anchors[s])
         index, kind = self._forward_ops_until(s)
         frame = Frame(self, s, call)
         self.frames[s] = frame
+        block = self.blocks[s]
         if s in self.cplan.recomputed or self.collector is not None:
             frame.state = rng.capture(self.devices)
-        block = self.blocks[s]
+            frame.modes = [m.training for m in block.modules()]
         if self.collector is not None and kind == "F_ck":
             self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
                                    call.rg, frame.state, self.param_storages)
@@ -427,6 +495,7 @@ class ChainStep:
             self._hold(s + 1, _detached(outs))
             if kind == "F_none":
                 self.xs.pop(s, None)
+        self.failed_call = None
         if s > 0 and not call.anchored:
             call.x = ()  # x[s] is held (or not) as the plan says: the call must not pin it
         self.next = s + 1
@@ -505,6 +574,7 @@ class ChainStep:
             f.out = ()
         self.xs.pop(s, None)
         self.anchors.pop(s, None)
+        self.anchor_versions.pop(s, None)
         self.frames[s] = None
 
     def _recompute(self, index: int, kind: str, s: int) -> None:
@@ -516,13 +586,22 @@ class ChainStep:
             raise InvalidPlanError(f"op {index} ({kind} {s}): block {s} already went "
                                    "through its backward", index)
         call = frame.call
+        changed = call.changed_arguments()
+        if changed:
+            # plain autograd raises here too (a saved tensor's version moved); recomputing
+            # with the new values would give wrong gradients without a word
+            raise RuntimeError(
+                f"{self.name}: block {s}: {len(changed)} of its tensor arguments (flattened "
+                f"argument position(s) {changed}) were modified in place after the block ran "
+                "and before the backward recomputed it; do not change a block's arguments "
+                "(masks, position tables) in place until the backward is done")
         leaves = tuple(t.detach().requires_grad_(rg and _is_diff(t))
                        for t, rg in zip(inp, call.rg))
         args, kwargs = call.bind(leaves)
         block = self.blocks[s]
         self.stats.recomputed_forwards += 1
         ctx = rng.replay(frame.state) if frame.state is not None else _Null()
-        with ctx, buffers.frozen_buffers(block):
+        with ctx, buffers.frozen_buffers(block), _modes_as(block, frame.modes):
             if kind == "F_all":
                 refill = frame.refill()
                 with torch.enable_grad(), \

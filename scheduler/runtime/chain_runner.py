@@ -423,11 +423,21 @@ class ChainRunner:
         if self.passthrough:
             return run_first(args, kwargs)
         if s == 0:
+            if self.current is not None:  # the last forward stopped between blocks (raised)
+                self.current, stale = None, self.current
+                stale.abandon()  # else its holders/graph cycle would never be freed
             self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)
-        out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
+        try:
+            out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
+        except BaseException:
+            # the forward is over (an OOM, an interrupt): what the step holds (checkpoints)
+            # must not stay allocated until the next forward, e.g. a retry with a smaller batch
+            self.current = None
+            step.abandon()
+            raise
         if s == self.L - 1:
             self.current = None
             self._end_forward(step)
