@@ -398,7 +398,10 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     rounded up) and GREEDY's are converted and the fastest kept, then
     :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
     simulator says they cost less idle time (whole-activation transfers of a few large
-    activations, as on ResNets, are where the relaxation's plan loses most).
+    activations, as on ResNets, are where the relaxation's plan loses most); on chains of
+    at most ``DERATED_MAX_L`` stages, the DP's decisions for links ``DERATE`` times as fast
+    (its relaxation then frees memory later, closer to whole-activation copies) compete
+    too, each with its transfers re-placed.
     ``meta["paper_time"]`` is the simulated time of the paper's plan, ``meta["variant"]``
     which decisions won. ``improve=False`` returns the paper's plan."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
@@ -449,6 +452,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
 
 
 ROUNDED_UP_MAX_L = 40
+DERATED_MAX_L = 24                    # ... and the derated ones below (5 solves each)
+DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # the slower links the DP is also solved for
 
 
 def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
@@ -474,6 +479,23 @@ def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: fl
     better, bsim, _ = improve_transfers(chain, plan, memory, beta)
     if bsim.makespan < sim.makespan:
         plan, sim, variant = better, bsim, variant + "+placement"
+    if slots is not None and chain.L <= DERATED_MAX_L:
+        # the DP's decisions for a slower link: its relaxation frees memory as a copy
+        # progresses, whole activations free it at the end, so a slower link in the DP
+        # is closer to what the simulator does; each set with its transfers re-placed
+        for k in DERATE:
+            args, _ = _dp_inputs(chain, memory, beta * k, slots, False)
+            ok, _, flags, _ = _core().offload_dynprog(*args)
+            if not ok:
+                continue
+            try:
+                g = _best_of(chain, [[i for i, f in enumerate(flags) if f]], memory, beta,
+                             "offload.dynprog")
+            except InfeasibleError:
+                continue
+            q, qsim, _ = improve_transfers(chain, g[0], memory, beta)
+            if qsim.makespan < sim.makespan:
+                plan, sim, variant = q, qsim, f"dp@{k:g}bw+placement"
     return plan, sim, variant
 
 
