@@ -10,10 +10,18 @@ Throughput = batch / simulated makespan, relative to the sequential time (sum of
 forward and backward times, infinite memory) as in the paper; a planner that finds no
 sequence under the limit shows no point. Also measured: pofo's solve time at slots = 50 on
 the longest chain (DenseNet-201, L = 107; seed 001 reports up to 4 minutes).
+
+``--random``: pofo's simulated time against its DP value on random integer chains (60
+seeds, L = 2..8, bandwidth 0.5 and 2, three limits from the least feasible up, exact units),
+with the exhaustive class optimum (every persistent sequence x offload subset, simulated;
+tests/_oracle.py) where L <= 4: it splits the gap into what no whole-activation plan of
+pofo's class can close (class optimum / DP value) and what the plan leaves (pofo / class
+optimum). Results in ``pofo_random.json``.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Dict, Optional
 
@@ -76,8 +84,73 @@ def run_point(chain: Chain, M: float, bw: float) -> Dict[str, Optional[float]]:
     return out
 
 
+RANDOM_SEEDS = 60
+ORACLE_MAX_L = 4
+
+
+def random_sweep(quick: bool) -> Dict:
+    """See the module docstring (``--random``)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(CHAIN_DIR)), "tests"))
+    from _oracle import pofo_class_optimum
+    rows = []
+    t_all = time.perf_counter()
+    for seed in range(12 if quick else RANDOM_SEEDS):
+        L = 2 + seed % 7
+        c = Chain.random(L, seed=seed)
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        for bw in (0.5, 2.0):
+            for M in sorted({lo, (3 * lo + hi) // 4, (lo + hi) // 2}):
+                t0 = time.perf_counter()
+                try:
+                    p = pofo.solve(c, M, bw, slots=None)
+                except InfeasibleError:
+                    continue
+                solve_s = time.perf_counter() - t0
+                r = simulate(c, p, bw)
+                assert r.makespan == p.predicted_time and r.peak_memory <= M
+                row = dict(seed=seed, L=L, bandwidth=bw, memory=M, dp_value=p.meta["dp_value"],
+                           pofo=r.makespan, paper=p.meta["paper_time"],
+                           variant=p.meta["variant"], solve_s=solve_s,
+                           sim_over_dp=r.makespan / p.meta["dp_value"],
+                           paper_over_dp=p.meta["paper_time"] / p.meta["dp_value"])
+                if L <= ORACLE_MAX_L:
+                    best = pofo_class_optimum(c, M, bw)
+                    row["class_optimum"] = best
+                    if best is not None:
+                        row["class_over_dp"] = best / p.meta["dp_value"]
+                        row["pofo_over_class"] = r.makespan / best
+                rows.append(row)
+    ratios = [r["sim_over_dp"] for r in rows]
+    orc = [r for r in rows if r.get("class_over_dp")]
+    summary = {
+        "cases": len(rows), "goal_sim_over_dp": 1.02,
+        "sim_over_dp_max": max(ratios), "sim_over_dp_mean": sum(ratios) / len(ratios),
+        "over_goal": sum(x > 1.02 + 1e-12 for x in ratios),
+        "paper_over_dp_max": max(r["paper_over_dp"] for r in rows),
+        "paper_over_goal": sum(r["paper_over_dp"] > 1.02 + 1e-12 for r in rows),
+        "oracle_cases": len(orc),
+        "class_over_dp_max": max((r["class_over_dp"] for r in orc), default=None),
+        "class_over_goal": sum(r["class_over_dp"] > 1.02 + 1e-12 for r in orc),
+        "pofo_over_class_max": max((r["pofo_over_class"] for r in orc), default=None),
+        "pofo_slower_than_class": sum(r["pofo_over_class"] > 1 + 1e-12 for r in orc),
+        "solve_s_max": max(r["solve_s"] for r in rows),
+        "total_s": time.perf_counter() - t_all}
+    worst = sorted(rows, key=lambda r: -r["sim_over_dp"])[:8]
+    print_table(worst, ["seed", "L", "bandwidth", "memory", "dp_value", "pofo", "paper",
+                        "class_optimum", "sim_over_dp", "variant"],
+                title="random chains: the worst pofo simulated time / DP value")
+    print_table([summary], title="random chains summary")
+    return {"seeds": 12 if quick else RANDOM_SEEDS, "oracle_max_L": ORACLE_MAX_L,
+            "summary": summary, "rows": rows}
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument(
+        "--random", action="store_true",
+        help="random integer chains with the exhaustive class optimum (pofo_random.json)"))
+    if args.random:
+        write_json("pofo_random", random_sweep(args.quick), args.out)
+        return
     names = QUICK if args.quick else CHAINS
     alphas = [0.1, 0.2, 0.5, 1.0] if args.quick else ALPHAS
     bws = [12, 36] if args.quick else BANDWIDTHS

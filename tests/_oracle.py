@@ -9,10 +9,12 @@ count grows like 1, 2, 6, 22, 90, 394, 1806 for 1..7 stages.
 """
 from __future__ import annotations
 
+import itertools
 from functools import lru_cache
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from scheduler import Chain, Plan, simulate
+from scheduler import Chain, InvalidPlanError, Plan, simulate
+from scheduler.plan import Op
 
 Ops = Tuple[Tuple[str, int], ...]
 
@@ -51,3 +53,39 @@ def optimum_by_memory(chain: Chain, ad_model: bool = False) -> Dict[int, float]:
     lo = min(p for _, p, _ in scored)
     hi = max(p for t, p, _ in scored if t == min(t for t, _, _ in scored))
     return {m: min(t for t, p, _ in scored if p <= m) for m in range(int(lo), int(hi) + 1)}
+
+
+def pofo_class_optimum(c: Chain, M: float, bw: float) -> Optional[float]:
+    """Least simulated time over pofo's class: every persistent sequence x every subset of
+    the inputs it keeps through the forward phase to offload (each offload right before
+    its head, prefetches placed by ``offload.with_prefetches`` as pofo's conversion does).
+    None if nothing fits. Used by tests/test_pofo.py and ``bench/pofo.py --random``."""
+    from scheduler.planners import offload
+    best = None
+    for seq in persistent_sequences(0, c.L):
+        ops = [Op(k, s) for k, s in seq]
+        loss = ops.index(Op("F_all", c.L))
+        heads = [i for i in range(loss) if ops[i].kind in ("F_all", "F_ck")]
+        for k in range(len(heads) + 1):
+            for sub in itertools.combinations(heads, k):
+                new, idx, pre = [], {}, []
+                for i, op in enumerate(ops):
+                    if i in sub:
+                        new.append(Op("offload", op.stage))
+                    idx[i] = len(new)
+                    new.append(op)
+                for i in sub:
+                    s = ops[i].stage
+                    use = next(j for j in range(loss + 1, len(ops))
+                               if ops[j].stage == s and ops[j].kind != "F_none")
+                    pre.append((s, idx[use]))
+                try:
+                    if pre:
+                        _, sim = offload.with_prefetches(c, new, sorted(pre, key=lambda p: p[1]),
+                                                         M, bw, idx[loss] + 1, "oracle")
+                    else:
+                        sim = simulate(c, Plan(new), None, memory=M)
+                except InvalidPlanError:
+                    continue
+                best = sim.makespan if best is None else min(best, sim.makespan)
+    return best

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from scheduler import Chain, InfeasibleError, InvalidPlanError, Plan, simulate
 from scheduler.plan import TRANSFER_KINDS
 from scheduler.planners import best, offload, periodic, pofo, revolve, rotor
-from scheduler.planners.improve import improve_transfers
+from scheduler.planners.improve import _swap, improve_transfers
 
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
 
@@ -166,3 +166,48 @@ def test_transfer_search_moves_a_late_prefetch_ahead_of_the_backward_before_its_
     better, r, _ = improve_transfers(c, late, None, 1.0)
     assert r.makespan == c.total_compute() < before.makespan
     assert better.ops.index(("prefetch", 0)) < better.ops.index(("B", 1))
+
+
+def test_dp_never_offloads_a_barred_stage_and_barring_all_is_recompute_only():
+    """``pofo.dp(no_offload=...)`` (our recompute-instead-of-transfer move's DP)."""
+    for seed in range(6):
+        c = Chain.random(4, seed=seed)
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        for M in (lo, (lo + hi) // 2):
+            full = pofo.dp(c, M, 0.5, None)
+            if full is None:
+                continue
+            offloaded = sorted({op.stage for op in full[1] if op.kind == "offload"})
+            for s in offloaded:
+                got = pofo.dp(c, M, 0.5, None, no_offload=(s,))
+                if got is not None:
+                    assert all(op != ("offload", s) for op in got[1])
+                    assert got[0] >= full[0] - 1e-9     # a restriction of the same DP
+            every = pofo.dp(c, M, 0.5, None, no_offload=range(c.L + 1))
+            remat = pofo.dp(c, M, 0.5, None, offload=False)
+            assert (every is None) == (remat is None)
+            if every is not None:
+                assert every[0] == pytest.approx(remat[0])
+                assert not any(op.kind == "offload" for op in every[1])
+
+
+def test_transfer_search_reorders_the_channel():
+    """Two prefetches issued together in the wrong order: the consumer of the second copy
+    runs first, so exchanging them on the (FIFO) channel removes the wait."""
+    c = Chain(fw=[1] * 4, bw=[4] * 4, x=[4, 1, 4, 4], xbar=[4, 4, 4, 4], delta=[4] * 4)
+    ops = [("offload", 0), ("F_all", 0), ("offload", 1), ("F_all", 1), ("F_all", 2),
+           ("F_all", 3), ("B", 3), ("prefetch", 0), ("prefetch", 1), ("B", 2), ("B", 1),
+           ("B", 0)]
+    plan = Plan(ops, memory_limit=None)
+    before = simulate(c, plan, 1.0)
+    transfers = [j for j, op in enumerate(plan.ops) if op.kind in TRANSFER_KINDS]
+    swapped = _swap(plan.ops, 7, transfers)       # the move itself: same slots, new order
+    assert swapped[7:9] == [("prefetch", 1), ("prefetch", 0)]
+    assert swapped[:7] == plan.ops[:7] and swapped[9:] == plan.ops[9:]
+    assert _swap(plan.ops, 8, transfers) is None  # the last transfer has no next one
+    moved = simulate(c, Plan(swapped), 1.0)
+    assert moved.makespan < before.makespan
+    better, r, _ = improve_transfers(c, plan, None, 1.0)
+    assert r.makespan <= moved.makespan
+    assert r.makespan == pytest.approx(simulate(c, better, 1.0).makespan)
+    assert sorted(better.ops) == sorted(plan.ops)

@@ -310,7 +310,7 @@ class Solver {
       best = oc_choice(s, x, A, dF, dB, 0, false, budget);
     } else {
       for (int v = 0; v <= 1; ++v) {
-        if (v && !(opt_.offload && I > 0)) continue;
+        if (v && !(opt_.offload && I > 0 && may_offload(s))) continue;
         int32_t ch = 1 | (v << 2);
         double val = oc_choice(s, x, A, dF, dB, ch, false, std::min(best, budget));
         if (val < best) best = val, arg = ch;
@@ -432,6 +432,9 @@ class Solver {
   }
 
   void push(int kind, int stage) { out_->ops.push_back({kind, stage}); }
+  bool may_offload(int s) const {
+    return static_cast<size_t>(s) >= opt_.no_offload.size() || !opt_.no_offload[s];
+  }
 
   const Chain& c_;
   int L_;

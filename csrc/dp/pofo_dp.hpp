@@ -28,6 +28,9 @@ struct Options {
   // Round the forward states' Delta_F / Delta_B up to multiples of this many units (1 =
   // exact). Fewer states, a little pessimism; the plan is simulated anyway.
   int delta_step = 1;
+  // Stages whose input may not be offloaded (our improvement step's "recompute instead of
+  // transfer" move, scheduler/planners/improve.py); empty = all may be.
+  std::vector<uint8_t> no_offload;
 };
 
 // One op of the resulting sequence, in order.  kind: 0 F_all, 1 F_ck, 2 F_none, 3 B,

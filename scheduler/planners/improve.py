@@ -9,7 +9,8 @@ time the DP did not see: a prefetch issued after the backward that precedes its 
 reserves memory too early and blocks compute, an offload started too late to free memory
 in time. No placement rule fixes all of these, so this step searches: it looks at the
 compute ops that wait in the simulation (longest wait first), tries moving each transfer
-issued near them earlier or later by 1, 2, 4, ... compute ops, and keeps the move that
+issued near them earlier or later by 1, 2, 4, ... compute ops or exchanging it with the
+next transfer (the channel's order), and keeps the move that
 shortens the simulated makespan most, until no move helps or the evaluation budget is
 spent. The compute and transfer ops stay the same (the peak stays under ``memory``, which
 the simulator enforces), only their interleaving changes; the result is never slower than
@@ -25,6 +26,7 @@ from ..plan import TRANSFER_KINDS, Op, Plan
 from ..simulate import SimResult, simulate
 
 SHIFTS = (-1, -2, -4, -8, -16, 1, 2, 4, 8)
+SWAP = "swap"       # the move that exchanges a transfer with the next one on the channel
 NEAR = 4            # transfers tried on each side of a waiting op (in plan order)
 OP_BUDGET = 40_000  # simulated ops per search (~1 s on L = 107): keeps long chains' solves short
 
@@ -50,6 +52,18 @@ def _move(ops: Sequence[Op], j: int, shift: int) -> Optional[List[Op]]:
     # right before the compute op number `target` (after the transfers already there)
     at = compute[target] if target < len(compute) else len(rest)
     return rest[:at] + [ops[j]] + rest[at:]
+
+
+def _swap(ops: Sequence[Op], j: int, transfers: Sequence[int]) -> Optional[List[Op]]:
+    """``ops`` with the transfer at index j and the next transfer exchanged: the channel
+    is FIFO, so this reorders the copies (None if j is the last transfer)."""
+    k = transfers.index(j)
+    if k + 1 >= len(transfers):
+        return None
+    j2 = transfers[k + 1]
+    out = list(ops)
+    out[j], out[j2] = out[j2], out[j]
+    return out if out != list(ops) else None
 
 
 def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
@@ -79,10 +93,10 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
             after = [j for j in near if j > i][:NEAR]
             best: Optional[Tuple[float, List[Op], SimResult]] = None
             for j in before + after:
-                for shift in SHIFTS:
+                for shift in SHIFTS + (SWAP,):
                     if spent >= budget:
                         break
-                    cand = _move(ops, j, shift)
+                    cand = _swap(ops, j, near) if shift is SWAP else _move(ops, j, shift)
                     if cand is None:
                         continue
                     key = tuple(cand)

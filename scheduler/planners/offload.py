@@ -398,7 +398,10 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     rounded up) and GREEDY's are converted and the fastest kept, then
     :func:`~scheduler.planners.improve.improve_transfers` moves the transfers where the
     simulator says they cost less idle time (whole-activation transfers of a few large
-    activations, as on ResNets, are where the relaxation's plan loses most).
+    activations, as on ResNets, are where the relaxation's plan loses most); on chains of
+    at most ``DERATED_MAX_L`` stages, the DP's decisions for links ``DERATE`` times as fast
+    (its relaxation then frees memory later, closer to whole-activation copies) compete
+    too, and every candidate's transfers are re-placed (on longer chains: the fastest's).
     ``meta["paper_time"]`` is the simulated time of the paper's plan, ``meta["variant"]``
     which decisions won. ``improve=False`` returns the paper's plan."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
@@ -449,32 +452,51 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
 
 
 ROUNDED_UP_MAX_L = 40
+DERATED_MAX_L = 24                    # ... and the derated ones below (5 solves each)
+DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # the slower links the DP is also solved for
 
 
 def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
               variant: str, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
     """dynprog's own step on top of the paper (see its docstring)."""
     from .improve import improve_transfers
+    short = slots is not None and chain.L <= DERATED_MAX_L
+    cands: List[Tuple[str, Plan, SimResult]] = [(variant, plan, sim)]
     if variant == "dp":
         sets = [("greedy-set", _greedy_set(chain, memory))]
         # the decisions with sizes rounded up (the paper rounds to nearest): one more DP
         # solve, affordable on short chains (on ResNet-152 it costs seconds)
         if slots is not None and chain.L <= ROUNDED_UP_MAX_L:
-            args, _ = _dp_inputs(chain, memory, beta, slots, False)
-            ok, _, flags, _ = _core().offload_dynprog(*args)
-            if ok:
-                sets.append(("dp-rounded-up", [i for i, f in enumerate(flags) if f]))
+            sets.append(("dp-rounded-up", _dp_set(chain, memory, beta, slots)))
+        if short:
+            # the DP's decisions for a slower link: its relaxation frees memory as a copy
+            # progresses, whole activations free it at the end, so a slower link in the
+            # DP is closer to what the simulator does
+            sets += [(f"dp@{k:g}bw", _dp_set(chain, memory, beta * k, slots)) for k in DERATE]
         for name, chosen in sets:
+            if chosen is None:
+                continue
             try:
                 g = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
             except InfeasibleError:
                 continue
-            if g[1].makespan < sim.makespan:
-                plan, sim, variant = g[0], g[1], name
-    better, bsim, _ = improve_transfers(chain, plan, memory, beta)
-    if bsim.makespan < sim.makespan:
-        plan, sim, variant = better, bsim, variant + "+placement"
+            cands.append((name, g[0], g[1]))
+    if not short:   # long chains: the search re-places the fastest candidate's transfers
+        cands = [min(cands, key=lambda c: c[2].makespan)]
+    for name, p, psim in cands:  # short chains: every candidate's, then the fastest wins
+        if psim.makespan < sim.makespan:
+            plan, sim, variant = p, psim, name
+        better, bsim, _ = improve_transfers(chain, p, memory, beta)
+        if bsim.makespan < sim.makespan:
+            plan, sim, variant = better, bsim, name + "+placement"
     return plan, sim, variant
+
+
+def _dp_set(chain: Chain, memory: Number, beta: float, slots: int) -> Optional[List[int]]:
+    """Algorithm 1's offload decisions with sizes rounded up (None if it finds none)."""
+    args, _ = _dp_inputs(chain, memory, beta, slots, False)
+    ok, _, flags, _ = _core().offload_dynprog(*args)
+    return [i for i, f in enumerate(flags) if f] if ok else None
 
 
 # -------------------------------------------------------------------------------- VDNN

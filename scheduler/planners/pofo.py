@@ -24,7 +24,8 @@ that needs it. Then:
   its Lemma 1 idle placement is conservative in places, pessimistic, so neither direction
   is guaranteed for the converted plan;
 * ``improve=True`` (the default) adds our own step on top of the paper (:func:`_improve`:
-  more candidates, then a simulator-scored search over transfer placement);
+  more candidates, among them the DP's plans for a slower link, then a simulator-scored
+  search over transfer placement and, on short chains, recomputation instead of offloads);
   ``meta["paper_time"]`` is the simulated time of the paper's plan, ``improve=False`` returns it;
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
@@ -49,6 +50,9 @@ __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_me
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
 AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
+REMAT_MAX_L = 16        # ... and tries recomputation instead of each offload up to this one
+REMAT_SOLVES = 24       # DP solves that move may spend
+DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # ... and weighs the DP's plans for these slower links
 
 
 def _chain(chain: Chain) -> Chain:
@@ -92,8 +96,9 @@ def max_memory(chain: Chain) -> Number:
 # ------------------------------------------------------------------------------- the DP
 def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50,
        offload: bool = True, recompute: bool = True, budget: float = math.inf,
-       delta_step: int = 1):
-    """Run the Appendix B DP. Returns ``(time, ops, prefetches, info)`` or None if it finds
+       delta_step: int = 1, no_offload: Sequence[int] = ()):
+    """Run the Appendix B DP (``no_offload``: stages whose input it may not offload; our
+    improvement step's restriction, not the paper's). Returns ``(time, ops, prefetches, info)`` or None if it finds
     no sequence (faster than ``budget`` seconds: branch and bound against a known one):
     ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
     index)`` pairs in the order they run."""
@@ -106,7 +111,7 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
         [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
-        int(delta_step))
+        int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)])
     if not ok:
         return None
     return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
@@ -202,7 +207,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     plan, sim, t, name = best
     paper_time = sim.makespan
     if improve and beta > 0:
-        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots)
+        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots, delta_step)
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
@@ -214,7 +219,8 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
 
 
 def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
-             beta: float, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
+             beta: float, slots: Optional[int], delta_step: int
+             ) -> Tuple[Plan, SimResult, str]:
     """Our own step, not seed 001's. The DP's transfers release and reserve memory
     continuously (assumption 3); whole activations wait for their copies, so the converted
     plan can lose to plans the DP ranks lower. Here: the offload-only plans of seed 000
@@ -222,9 +228,16 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
     opportunist and, on chains of at most ``AUTOCAPPER_MAX_L`` stages, its autocapper join
     the candidates (all lie in pofo's space:
     the DP at 50 slots can miss them; autocapper's 40 rotor solves cost tens of seconds
-    at tight limits on longer chains),
-    and the winner's transfers are re-placed by the simulator-scored local search
-    (:mod:`scheduler.planners.improve`)."""
+    at tight limits on longer chains); on chains of at most ``REMAT_MAX_L`` stages so do
+    the DP's plans for links ``DERATE`` times as fast (its continuous release then frees
+    memory later, as whole-activation offloads do). The winner's transfers are re-placed by
+    the simulator-scored local search (:mod:`scheduler.planners.improve`), and on those
+    short chains :func:`_recompute_instead` tries recomputation instead of each offload.
+
+    Why not more: on random chains with L <= 4 the exhaustive best plan of pofo's class
+    (every persistent sequence x offload subset, whole-activation transfers; tests/_oracle.py)
+    is itself up to 1.17x the DP's value (``bench/pofo.py --random``): that part of the gap
+    is the relaxation's, and no conversion or placement can close it."""
     from . import offload
     from .improve import improve_transfers
     # the same units as this solve: exact (slots=None) or each planner's default grid
@@ -235,6 +248,12 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
              ("opportunist", lambda c, m, b: opportunist(c, m, b, slots=slots))]
     if short:
         cands.append(("autocapper", lambda c, m, b: autocapper(c, m, b, slots=slots)))
+    if chain.L <= REMAT_MAX_L:
+        # the DP solved for a slower link: its memory then frees later, as whole-activation
+        # offloads free it (at their end), so it can pick sequences that wait less
+        for k in DERATE:
+            cands.append((f"pofo@{k:g}bw", lambda c, m, b, k=k: _derated(c, m, b, k, slots,
+                                                                         delta_step)))
     for who, f in cands:
         try:
             cand = f(chain, memory, beta)
@@ -247,6 +266,64 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
         better, bsim, _ = improve_transfers(chain, plan, memory, beta)
         if bsim.makespan < sim.makespan:
             plan, sim, name = better, bsim, name + "+placement"
+    if chain.L <= REMAT_MAX_L:
+        plan, sim, name = _recompute_instead(chain, plan, sim, name, memory, beta, slots,
+                                             delta_step)
+    return plan, sim, name
+
+
+def _derated(chain: Chain, memory: Number, beta: float, factor: float, slots: Optional[int],
+             delta_step: int) -> Plan:
+    """The DP's plan for bandwidth ``factor * beta``, converted for the real ``beta``."""
+    got = dp(chain, memory, factor * beta, slots, delta_step=delta_step)
+    if got is None:
+        raise InfeasibleError(f"pofo: no sequence at {factor:g} x the bandwidth", None)
+    plan, _ = _plan_of(chain, got, memory, beta, "pofo")
+    plan.meta.update(got[3])
+    return plan
+
+
+def _recompute_instead(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
+                       beta: float, slots: Optional[int], delta_step: int
+                       ) -> Tuple[Plan, SimResult, str]:
+    """Our own move (issue 14, not seed 001): replace an offload by recomputation where the
+    simulator says it is faster. A whole-activation offload keeps its item in memory until
+    the copy completes and a whole prefetch reserves it when the copy starts, so a transfer
+    the DP found free can cost idle time that recomputing the value would not. For each
+    stage the current plan offloads, the DP is solved again with that stage's input barred
+    from offloading (it then keeps or recomputes it, whichever its model prefers); the
+    converted plan, with its transfers re-placed, replaces the current one when it
+    simulates faster. Greedy, until no single stage helps or ``REMAT_SOLVES`` DP solves
+    are spent (a count, so ranks agree on plans)."""
+    from .improve import improve_transfers
+    banned: Tuple[int, ...] = ()
+    solves = 0
+    tol = 1e-12 * sim.makespan
+    while solves < REMAT_SOLVES:
+        best = None
+        for s in sorted({op.stage for op in plan.ops if op.kind == "offload"}):
+            if solves >= REMAT_SOLVES:
+                break
+            solves += 1
+            got = dp(chain, memory, beta, slots, delta_step=delta_step,
+                     no_offload=banned + (s,))
+            if got is None:
+                continue
+            try:
+                cand, csim = _plan_of(chain, got, memory, beta, "pofo")
+            except InvalidPlanError:
+                continue
+            if any(op.kind in ("offload", "prefetch") for op in cand.ops):
+                cand, csim, _ = improve_transfers(chain, cand, memory, beta)
+            cand.meta.update(got[3])
+            if csim.makespan < sim.makespan - tol and (best is None
+                                                       or csim.makespan < best[1].makespan):
+                best = (cand, csim, s)
+        if best is None:
+            break
+        plan, sim, s = best
+        banned += (s,)
+        name = f"pofo+recompute{list(banned)}"
     return plan, sim, name
 
 
