@@ -3,18 +3,20 @@ small configs (random weights), step time and peak activation memory for
 
 - ``plain``: no checkpointing;
 - ``hf-ckpt``: the model's own ``gradient_checkpointing_enable()`` (every layer checkpointed,
-  no budget; ``use_reentrant=True`` so the activation accounting below sees the recomputation);
+  no budget; ``use_reentrant=False``, what transformers 5 does by default);
 - ``rotor``, ``pofo``, ``mimose`` through ``scheduler.checkpoint(model, budget, planner=...)``
   at several budgets: fractions of plain's peak, HF checkpointing's own peak and 80% of it.
 
 Goal (issue 13): at HF checkpointing's peak, rotor is faster; at HF checkpointing's step time,
-rotor holds less memory; rotor reaches budgets below HF checkpointing's peak.
+rotor holds less memory; rotor reaches budgets below HF checkpointing's peak. Each is read on
+measured figures: a rotor row counts "at HF's peak" when its measured peak is at most HF's.
 
-Peak activation memory: on a GPU, ``torch.cuda.max_memory_allocated`` during a step above what
-was allocated before it; on the CPU, the peak of the bytes autograd holds for backward
-(distinct storages saved, parameters left out, recomputation in the backward included),
-counted with saved-tensor hooks; for ``scheduler.checkpoint`` rows the runner's own accounting
-(``track_memory``) where it reports a larger figure (its hooks take precedence over ours).
+Peak memory: everything a step allocates above what was allocated before it (gradients
+already allocated): on a GPU ``torch.cuda.max_memory_allocated``, on the CPU the same from
+the allocator's events (``torch.profiler``, ``profile_memory=True``); measured in an untimed
+step, every method alike. Step time: median of ``--steps`` steps after two untimed ones
+(the first measures the chain and plans), on the CPU the process's CPU time with one thread
+(``--threads``) so that a shared machine's load does not enter the figures.
 
     python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,llama] [--steps N]
 
@@ -66,79 +68,34 @@ def configs(quick: bool) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple
 
 
 # ------------------------------------------------------------------------------ measuring
-class HeldBytes:
-    """Peak bytes of the activations autograd holds for backward (CPU accounting): each saved
-    tensor is packed into a holder whose release (graph freed, or used by backward) drops its
-    storage's count; parameters are not activations."""
-
-    def __init__(self, params: List[torch.nn.Parameter]):
-        self.skip = {p.untyped_storage()._cdata for p in params}
-        self.refs: Dict[int, List[int]] = {}  # storage -> [holders, bytes]
-        self.live = 0
-        self.peak = 0
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    class _Holder:
-        __slots__ = ("t", "key", "owner")
-
-        def __init__(self, t: torch.Tensor, key: int, owner: "HeldBytes"):
-            self.t, self.key, self.owner = t, key, owner
-
-        def __del__(self) -> None:
-            self.owner._release(self.key)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.skip or t.device.type == "meta":
-            return t
-        ref = self.refs.setdefault(key, [0, st.nbytes()])
-        if ref[0] == 0:
-            self.live += ref[1]
-            self.peak = max(self.peak, self.live)
-        ref[0] += 1
-        return HeldBytes._Holder(t, key, self)
-
-    @staticmethod
-    def _unpack(h: Any) -> torch.Tensor:
-        return h.t if isinstance(h, HeldBytes._Holder) else h
-
-    def _release(self, key: int) -> None:
-        ref = self.refs.get(key)
-        if ref is None:
-            return
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self.refs[key]
-
-    def __enter__(self) -> "HeldBytes":
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
-
-
-def runner_peak(model: torch.nn.Module) -> int:
-    """The largest ``last_peak_bytes`` a scheduler runner inside ``model`` reports (0: none)."""
-    best = 0
-    for m in model.modules():
-        stats = getattr(m, "stats", None)
-        if callable(stats) and hasattr(m, "last_stats"):
-            try:
-                best = max(best, int(stats().get("last_peak_bytes") or 0))
-            except Exception:  # noqa: BLE001 - a module's own stats() of another kind
-                pass
-    return best
+def cpu_peak(step: Callable[[], Any]) -> int:
+    """Peak bytes the CPU allocator holds during ``step()`` above what it held before (the CPU
+    counterpart of ``torch.cuda.max_memory_allocated``): every allocation, activations,
+    recomputation and temporaries included, whoever's saved-tensor hooks are active, from the
+    allocation events of ``torch.profiler`` (``profile_memory=True``)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: str
             ) -> Dict[str, Any]:
-    """Median step time over ``steps`` timed steps (after one warm-up) and the peak."""
+    """Median step time over ``steps`` timed steps and the peak, measured in a separate
+    untimed step; the timed steps come after two untimed ones (on the first, runners measure
+    their chain and plan; the second runs the plan, measuring memory). On the CPU the clock
+    is the process's CPU time (one thread: the work of the step, not the waits of a shared
+    machine); on a GPU wall time after synchronising."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt_free = lambda: [setattr(p, "grad", None) for p in params]  # noqa: E731
     cuda = device == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
 
     def step(seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
@@ -158,26 +115,24 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: str
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        with HeldBytes(params) as held:
-            step(1)
-        peak = max(held.peak, runner_peak(model))
+        peak = cpu_peak(lambda: step(1))
     times = []
     for k in range(steps):
         opt_free()
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         step(2 + k)
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     opt_free()
     return {"status": "ok", "step_s": statistics.median(times), "peak": int(peak)}
 
 
 # ------------------------------------------------------------------------------ methods
 def hf_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
-    kwargs = {"use_reentrant": True}
+    kwargs = {"use_reentrant": False}  # transformers 5's default
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the alias is deprecated in v5
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -189,13 +144,41 @@ def checkpoint_missing() -> Optional[str]:
         "scheduler.checkpoint is not in this build yet (the ckpt runner): rows skipped"
 
 
-def checkpointed(model: torch.nn.Module, budget: int, planner: str) -> torch.nn.Module:
-    return scheduler.checkpoint(model, budget, planner=planner, bandwidth=BANDWIDTH,
-                                track_memory=True)
+def checkpointed(model: torch.nn.Module, budget: int, planner: Any) -> torch.nn.Module:
+    return scheduler.checkpoint(model, budget, planner=planner, bandwidth=BANDWIDTH)
+
+
+def every_block(chain: Any, budget: Any) -> Any:
+    """The plan of HF checkpointing (every block checkpointed), as a ``planner=`` callable:
+    the runner with HF's own recomputation, and HF's peak on the runner's measured chain."""
+    from scheduler.planners.mimose import plan_from_checkpoints
+    L = len(chain) - 1
+    plan = plan_from_checkpoints(L, range(L), planner="every-block")
+    plan.predicted_peak = scheduler.simulate(chain, plan).peak_memory
+    every_block.peaks.append(plan.predicted_peak)  # type: ignore[attr-defined]
+    return plan
+
+
+every_block.peaks = []  # type: ignore[attr-defined]
+
+
+def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Callable[[], Any],
+                   ids: torch.Tensor, steps: int, device: str) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"method": method, "budget": budget}
+    why = checkpoint_missing()
+    if why:
+        return {**row, "status": "skipped", "note": why}
+    try:
+        row.update(measure(checkpointed(make(), budget or 1, planner), ids, steps, device))
+    except scheduler.InfeasibleError as exc:
+        row.update(status="infeasible", note=str(exc)[:200],
+                   min_budget=getattr(exc, "min_memory", None))
+    return row
 
 
 def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int, int],
-                device: str, steps: int, fractions: Tuple[float, ...]) -> Dict[str, Any]:
+                device: str, steps: int, fractions: Tuple[float, ...],
+                quick: bool = False) -> Dict[str, Any]:
     def fresh() -> torch.nn.Module:
         torch.manual_seed(0)
         return make().to(device)
@@ -205,43 +188,51 @@ def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int
     plain = {"method": "plain", "budget": None, **measure(fresh(), ids, steps, device)}
     hf = {"method": "hf-ckpt", "budget": None,
           **measure(hf_checkpointing(fresh()), ids, steps, device)}
-    rows += [plain, hf]
-    # fractions of plain's peak, HF checkpointing's peak, and below it (the third goal)
-    budgets = sorted({int(plain["peak"] * f) for f in fractions} |
-                     {hf["peak"], int(hf["peak"] * BELOW_HF)})
-    why = checkpoint_missing()
+    # the runner under HF's plan: the runner's cost at HF's recomputation, and HF's peak in
+    # the units budgets are planned in (the measured chain: transient memory included)
+    every_block.peaks.clear()  # type: ignore[attr-defined]
+    same = checkpoint_row("every-block", None, every_block, fresh, ids, steps, device)
+    hf_budget = sum(every_block.peaks[-1:]) or None  # type: ignore[attr-defined]
+    same["budget"] = hf_budget
+    rows += [plain, hf, same]
+    # fractions of plain's peak, HF checkpointing's peak (measured, and on the chain), and
+    # below it (the third goal)
+    budgets = {int(plain["peak"] * f) for f in fractions}
+    if not quick:  # (the CI smoke run keeps to two budgets)
+        budgets |= {hf["peak"], int(hf["peak"] * BELOW_HF)}
+    if hf_budget:  # + 2%: rotor's discretisation (500 slots) rounds sizes up
+        budgets |= {int(hf_budget * 1.02)} if quick else \
+            {hf_budget, int(hf_budget * 1.02), int(hf_budget * BELOW_HF)}
     for planner in PLANNERS:
-        for budget in budgets:
-            row: Dict[str, Any] = {"method": planner, "budget": budget}
-            if why:
-                row.update(status="skipped", note=why)
-            else:
-                try:
-                    row.update(measure(checkpointed(fresh(), budget, planner), ids, steps, device))
-                except scheduler.InfeasibleError as exc:
-                    row.update(status="infeasible", note=str(exc)[:200],
-                               min_budget=getattr(exc, "min_memory", None))
-            rows.append(row)
+        for budget in sorted(budgets):
+            rows.append(checkpoint_row(planner, budget, planner, fresh, ids, steps, device))
     return {"model": name, "batch": shape[0], "seq_len": shape[1],
             "params": sum(p.numel() for p in fresh().parameters()), "rows": rows,
-            "goal": goal_check(rows)}
+            "hf_budget_on_chain": hf_budget, "goal": goal_check(rows, hf_budget)}
 
 
-def goal_check(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The three goals on one model's rows (None: not measurable, e.g. rotor rows skipped)."""
+def goal_check(rows: List[Dict[str, Any]], hf_budget: Optional[int] = None) -> Dict[str, Any]:
+    """The three goals on one model's rows, on measured peaks (None: not measurable, e.g.
+    rotor rows skipped); with ``hf_budget`` (HF's plan's peak on the runner's chain) also
+    whether rotor planned at that budget is faster than HF checkpointing."""
     hf = next(r for r in rows if r["method"] == "hf-ckpt")
     rotor = [r for r in rows if r["method"] == "rotor" and r.get("status") == "ok"]
     if not rotor:
         return {"faster_at_hf_peak": None, "less_memory_at_hf_time": None,
                 "below_hf_peak": None}
-    at_peak = [r for r in rotor if r["budget"] <= hf["peak"]]
+    at_peak = [r for r in rotor if r["peak"] <= hf["peak"]]
     as_fast = [r for r in rotor if r["step_s"] <= hf["step_s"]]
-    return {
+    out = {
         "faster_at_hf_peak": bool(at_peak) and
         min(r["step_s"] for r in at_peak) < hf["step_s"],
         "less_memory_at_hf_time": bool(as_fast) and min(r["peak"] for r in as_fast) < hf["peak"],
-        "below_hf_peak": min(r["budget"] for r in rotor) < hf["peak"],
+        "below_hf_peak": min(r["peak"] for r in rotor) < hf["peak"],
     }
+    if hf_budget:
+        same = sorted((r for r in rotor if hf_budget <= r["budget"] <= hf_budget * 1.02),
+                      key=lambda r: r["budget"])  # the smallest such budget rotor accepts
+        out["faster_at_hf_budget_on_chain"] = bool(same) and same[0]["step_s"] < hf["step_s"]
+    return out
 
 
 # ------------------------------------------------------------------------------ output
@@ -252,7 +243,7 @@ def plot(results: Dict[str, Any], out: str, name: str) -> Optional[str]:
     models = results["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
-        for method in ("plain", "hf-ckpt", *PLANNERS):
+        for method in ("plain", "hf-ckpt", "every-block", *PLANNERS):
             pts = sorted((r["peak"] / 2**20, r["step_s"] * 1e3) for r in m["rows"]
                          if r["method"] == method and r.get("status") == "ok")
             if pts:
@@ -291,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if name not in zoo:
             raise SystemExit(f"--models: unknown model {name!r} (known: {', '.join(zoo)})")
         make, shape = zoo[name]
-        m = bench_model(name, make, shape, device, steps, fractions)
+        m = bench_model(name, make, shape, device, steps, fractions, quick)
         results["models"].append(m)
         print_table([{"method": r["method"],
                       "budget MiB": None if r["budget"] is None else r["budget"] / 2**20,

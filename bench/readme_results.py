@@ -631,9 +631,14 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
 def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     meta = d.get("meta", {})
     cpu = meta.get("device", "cpu") == "cpu"
-    out = [("Measured on the CPU (small configs, random weights; peaks: activation bytes autograd "
-            "holds, CPU accounting)" if cpu else f"Measured on {meta.get('gpu')} (peaks: "
-            "max_memory_allocated above the step's start)") + f". Goal: {meta.get('goal', '')}.",
+    out = [("Measured on the CPU (small configs, random weights; peaks: bytes the CPU allocator "
+            "holds above the step's start, from torch.profiler's allocation events; step time: "
+            "process CPU time, one thread)" if cpu else f"Measured on {meta.get('gpu')} (peaks: "
+            "max_memory_allocated above the step's start)") + f". Goal: {meta.get('goal', '')}. "
+           "HF checkpointing runs non-reentrant (transformers 5's default); `every-block` is "
+           "scheduler.checkpoint running HF's plan (every block checkpointed), its budget "
+           "column that plan's peak on the runner's measured chain (the units budgets are "
+           "planned in).",
            meta_line(meta, (("gpu", "device"), ("torch", "torch"),
                             ("transformers", "transformers"), ("date", "date"),
                             ("steps", "timed steps"))), ""]
@@ -654,7 +659,11 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
         measured_any = True
         for key, what in (("faster_at_hf_peak", "rotor faster at HF checkpointing's peak"),
                           ("less_memory_at_hf_time", "rotor less memory at HF's step time"),
-                          ("below_hf_peak", "rotor reaches budgets below HF's peak")):
+                          ("below_hf_peak", "rotor reaches budgets below HF's peak"),
+                          ("faster_at_hf_budget_on_chain", "rotor faster than HF at HF's "
+                           "plan's peak on the chain")):
+            if key not in goal:
+                continue
             ok = goal.get(key)
             ctx.goal(f"hf ({where})", f"{m['model']}: {what}", "yes" if ok else "no", ok)
     if not measured_any:

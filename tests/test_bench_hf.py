@@ -13,7 +13,8 @@ def test_quick_run_writes_rows_for_every_method(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.load(open(tmp_path / "hf-cpu.json"))
     rows = d["models"][0]["rows"]
-    assert {r["method"] for r in rows} == {"plain", "hf-ckpt", "rotor", "pofo", "mimose"}
+    assert {r["method"] for r in rows} == {"plain", "hf-ckpt", "every-block", "rotor", "pofo",
+                                        "mimose"}
     plain, hf = rows[0], rows[1]
     assert 0 < hf["peak"] < plain["peak"]  # checkpointing every layer holds less
     for k in ("machine", "gpu", "torch", "date", "transformers"):

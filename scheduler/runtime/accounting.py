@@ -19,7 +19,7 @@ SavedTensors = _trace.SavedTensors
 
 
 def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:
-    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+    return [v for v in values if isinstance(v, torch.Tensor) and not v.is_meta]
 
 
 def tensors_bytes(values: Iterable[object], exclude: Set[int] = frozenset()) -> int:

@@ -213,6 +213,15 @@ def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
             m.training = t
 
 
+def _unlinked(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a saved tensor: without its autograd history. An op's own
+    output saved with its ``grad_fn`` would make a cycle through the graph (node -> packed
+    value -> node) that Python's collector cannot see: a graph freed without its backward
+    (a recomputation's, or a forward whose loss is dropped) would leak with everything it
+    reaches. Autograd re-attaches the history on unpack, as ``torch.utils.checkpoint`` relies on."""
+    return t.detach() if t.requires_grad else t
+
+
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
@@ -247,7 +256,7 @@ class Frame:
 
     # hooks of the first run ----------------------------------------------------------
     def pack_keep(self, t: torch.Tensor) -> Holder:
-        h = Holder(self, t)
+        h = Holder(self, _unlinked(t))
         self.holders.append(weakref.ref(h))
         return h
 
@@ -292,6 +301,7 @@ class _Refill:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         i = self.n
         self.n += 1
+        v = _unlinked(t)
         if i < len(self.frame.holders):
             h = self.frame.holders[i]()
             if h is not None:  # None: autograd already freed that node
@@ -299,13 +309,11 @@ class _Refill:
                     # handing it to the first run's backward would read out of bounds
                     if self.mismatch is None:
                         self.mismatch = (i, h.meta, _meta(t))
-                    return t
-                h.value = t.detach() if t.requires_grad else t
-        # detached, as torch.utils.checkpoint's recomputation hook returns: the recomputed
-        # graph is never run backward, and a saved output packed with its own grad_fn makes a
-        # node -> saved tensor -> grad_fn -> node cycle the garbage collector cannot see (the
-        # recomputed activations, this frame and its step would never be freed)
-        return t.detach()
+                    return v
+                h.value = v
+        # not ``t``: this graph is never run backward, so nothing would break the cycle
+        # node -> saved ``t`` -> t.grad_fn (the node) and the step it reaches would leak
+        return v
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
