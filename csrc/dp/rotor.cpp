@@ -50,24 +50,18 @@ struct Rules {
   V f_none(int j, int t) const { return delta[t + 1] + x[j] + x[j + 1] + fwt[j]; }   // F_none j
 };
 
-// out[i] = min(out[i], (c + A[i]) + B[i]): the whole cost of the DP. Cloned for AVX2 where
-// the CPU has it (runtime dispatch, so the module still runs on any x86-64).
+// out[i] = min(out[i], (c + A[i]) + B[i]) over ranges of m: the whole cost of the DP. Cloned
+// for AVX2 where the CPU has it (runtime dispatch, so the module still runs on any x86-64).
+// These two serve the all-case (one sub-chain, then its constant part).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VMALLOC_CLONES __attribute__((target_clones("avx2", "default"), optimize("O3")))
 #else
 #define VMALLOC_CLONES
 #endif
 #define VMALLOC_RELAX(Val)                                                                     \
-  VMALLOC_CLONES void relax_aa(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
-                               const Val* __restrict b) {                                      \
-    for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + b[i]; out[i] = v < out[i] ? v : out[i]; } \
-  }                                                                                            \
   VMALLOC_CLONES void relax_ac(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
                                Val cb) {                                                       \
     for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + cb; out[i] = v < out[i] ? v : out[i]; } \
-  }                                                                                            \
-  VMALLOC_CLONES void relax_ca(Val* __restrict out, int64_t n, Val cca, const Val* __restrict b) { \
-    for (int64_t i = 0; i < n; ++i) { Val v = cca + b[i]; out[i] = v < out[i] ? v : out[i]; }  \
   }                                                                                            \
   VMALLOC_CLONES void relax_cc(Val* __restrict out, int64_t n, Val v) {                         \
     for (int64_t i = 0; i < n; ++i) out[i] = v < out[i] ? v : out[i];                          \
@@ -75,6 +69,55 @@ struct Rules {
 VMALLOC_RELAX(float)
 VMALLOC_RELAX(double)
 #undef VMALLOC_RELAX
+
+// The same sweeps for a pruned candidate: they stop after the first block in which the
+// running minimum is already <= lb (the candidate's least value; out[] is non-increasing, so
+// nothing past it can improve) and say so. Blocks of 32 bytes (GCC/Clang vector extensions:
+// one AVX2 operation in the avx2 clone, two SSE ones otherwise), the stop checked once per
+// block; sweeping a block past the stop point changes nothing (min is idempotent).
+#if defined(__GNUC__)
+#define VMALLOC_BLOCK(Val, name, expr)                                                         \
+  {                                                                                            \
+    typedef Val V __attribute__((vector_size(32)));                                            \
+    constexpr int64_t W = 32 / sizeof(Val);                                                    \
+    for (; i + W <= n; i += W) {                                                               \
+      bool stop = !(out[i + W - 1] > lb);                                                      \
+      V va, vb, o;                                                                             \
+      __builtin_memcpy(&va, a + i, sizeof va);                                                 \
+      __builtin_memcpy(&vb, b + i, sizeof vb);                                                 \
+      __builtin_memcpy(&o, out + i, sizeof o);                                                 \
+      V v = expr;                                                                              \
+      o = v < o ? v : o;                                                                       \
+      __builtin_memcpy(out + i, &o, sizeof o);                                                 \
+      if (stop) return true;                                                                   \
+    }                                                                                          \
+  }
+#else
+#define VMALLOC_BLOCK(Val, name, expr)
+#endif
+// a, b: the two tabulated sub-chains (a constant one is passed as its own value, unused)
+#define VMALLOC_RELAX_UNTIL(Val, name, expr, sexpr)                                             \
+  VMALLOC_CLONES bool name(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,     \
+                           const Val* __restrict b, Val cb, Val lb) {                          \
+    (void)a, (void)b, (void)cb;                                                                \
+    int64_t i = 0;                                                                             \
+    VMALLOC_BLOCK(Val, name, expr)                                                             \
+    for (; i < n; ++i) {                                                                       \
+      if (!(out[i] > lb)) return true;                                                         \
+      Val v = sexpr;                                                                           \
+      out[i] = v < out[i] ? v : out[i];                                                        \
+    }                                                                                          \
+    return false;                                                                              \
+  }
+#define VMALLOC_RELAX_UNTIL_ALL(Val)                                                            \
+  VMALLOC_RELAX_UNTIL(Val, until_aa, (c + va) + vb, (c + a[i]) + b[i])                         \
+  VMALLOC_RELAX_UNTIL(Val, until_ac, (c + va) + cb, (c + a[i]) + cb)                           \
+  VMALLOC_RELAX_UNTIL(Val, until_ca, c + vb, c + b[i])
+VMALLOC_RELAX_UNTIL_ALL(float)
+VMALLOC_RELAX_UNTIL_ALL(double)
+#undef VMALLOC_RELAX_UNTIL_ALL
+#undef VMALLOC_RELAX_UNTIL
+#undef VMALLOC_BLOCK
 
 template <class Val>
 class Solver {
@@ -210,49 +253,42 @@ class Solver {
       }
   }
 
-  // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [m0, m1), where C(a) is the
-  // first sub-chain (sa..ta) and C(b) the second (sb..tb; none in the all-case: 0). Each
-  // sub-chain is tabulated below its hi and constant above, so [m0, m1) splits in at most
-  // three pieces.
-  void relax(Val* out, int64_t base, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k,
-             int sb, int tb, bool has_b) {
+  // out[m] = min(out[m], c + C(a)(m - k)) for m in [m0, m1): the all-case (one sub-chain
+  // sa..ta), tabulated below its hi and constant above.
+  void relax_all(Val* out, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k) {
     if (m0 >= m1) return;
-    const int64_t ha = hi(sa, ta) + k, hb = has_b ? hi(sb, tb) : kBig;
-    const Val ca = cinf_[idx(sa, ta)], cb = has_b ? cinf_[idx(sb, tb)] : Val(0);
-    int64_t cuts[4] = {m0, std::clamp(ha, m0, m1), has_b ? std::clamp(hb, m0, m1) : m0, m1};
-    std::sort(cuts + 1, cuts + 3);
-    for (int q = 0; q < 3; ++q) {
-      int64_t a0 = cuts[q], a1 = cuts[q + 1];
-      if (a0 >= a1) continue;
-      bool tab_a = a0 < ha, tab_b = has_b && a0 < hb;
-      Val* o = out + (a0 - base);
-      const Val* pa = tab_a ? &tab_[off_[idx(sa, ta)] + size_t(a0 - k - lo(sa, ta))] : nullptr;
-      if (tab_a && tab_b) {
-        relax_aa(o, a1 - a0, c, pa, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
-      } else if (tab_a) {
-        relax_ac(o, a1 - a0, c, pa, cb);
-      } else if (tab_b) {
-        relax_ca(o, a1 - a0, c + ca, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
-      } else {
-        relax_cc(o, a1 - a0, (c + ca) + cb);
-      }
-    }
+    const size_t ia = idx(sa, ta);
+    const int64_t e = std::clamp(hi_[ia] + k, m0, m1);
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[off_[ia] + size_t(m0 - k - lo_[ia])], Val(0));
+    if (e < m1) relax_cc(out + (e - m0), m1 - e, c + cinf_[ia]);
   }
 
-  // Every candidate is non-increasing in m, and so is the running minimum out[]. On
-  // [a, b) a candidate is never below its value at b - 1 (lb), so it can only improve out[m]
-  // where out[m] > lb: none of [a, b) if out[a] <= lb, else a prefix found by bisection.
+  // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [a, b), C(a) = sa..ta and
+  // C(b) = sb..tb. Every candidate is non-increasing in m, and so is the running minimum
+  // out[]. On [a, b) a candidate is never below its value at b - 1 (lb), so it can only
+  // improve out[m] where out[m] > lb: none of [a, b) if out[a] <= lb, else a prefix, which
+  // the sweeps find as they go (a separate search for its end cost more than the sweep).
+  // Each sub-chain is tabulated below its hi and constant above, so [a, b) splits in at
+  // most three pieces.
   void relax_pruned(Val* out, int64_t m0, int64_t a, int64_t b, Val c, int sa, int ta,
                     int64_t k, int sb, int tb) {
     if (a >= b) return;
     Val lb = (c + value(sa, ta, b - 1 - k)) + value(sb, tb, b - 1);
     if (lb >= out[a - m0]) return;
-    int64_t first = a + 1, last = b;  // first m in (a, b) with out[m] <= lb, else b
-    while (first < last) {
-      int64_t mid = first + (last - first) / 2;
-      if (out[mid - m0] <= lb) last = mid; else first = mid + 1;
+    const size_t ia = idx(sa, ta), ib = idx(sb, tb);
+    const int64_t ha = hi_[ia] + k, hb = hi_[ib];
+    const Val ca = cinf_[ia], cb = cinf_[ib];
+    const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
+    auto pa = [&](int64_t m) { return &tab_[off_[ia] + size_t(m - k - lo_[ia])]; };
+    auto pb = [&](int64_t m) { return &tab_[off_[ib] + size_t(m - lo_[ib])]; };
+    if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
+    if (e1 < e2) {
+      bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
+                          : until_ca(out + (e1 - m0), e2 - e1, c + ca, pb(e1), pb(e1), cb, lb);
+      if (done) return;
     }
-    relax(out, m0, a, first, c, sa, ta, k, sb, tb, true);
+    // both constant: the candidate is lb itself
+    for (Val* o = out + (e2 - m0), *end = out + (b - m0); o < end && *o > lb; ++o) *o = lb;
   }
 
   void fill_pair(int s, int t) {
@@ -264,7 +300,7 @@ class Solver {
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
-      relax(out, m0, from, m1, c, s + 1, t, u_.xbar[s], 0, 0, false);  // out[] is all inf yet
+      if (from < m1) relax_all(out + (from - m0), from, m1, c, s + 1, t, u_.xbar[s]);  // out[] is all inf yet
     }
     int64_t mn = R_.f_ck(s, t);
     for (int sp = s + 1; sp <= t; ++sp) {  // F_ck s, F_none s+1..s'-1, C(s', t), C(s, s'-1)

@@ -61,6 +61,12 @@ def _padded(chain: Chain, name: str) -> List[Any]:
 EXACT_MAX = 1 << 50  # exact units: sums of L + 4 sizes must stay inside the DP's int64
 
 
+def _units_up(v: Union[int, float], num: int, den: int, cap: int) -> int:
+    """min(ceil(v * num / den), cap), exactly, for a non-integer v."""
+    a, b = v.as_integer_ratio()
+    return min(-(-a * num // (b * den)), cap)
+
+
 def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
                ) -> Tuple[Tuple[List[int], ...], int, float]:
     """Sizes in memory units (rounded up), the budget in units, and the unit in bytes."""
@@ -76,10 +82,14 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
                                      f"large for exact units (at most 2**50); pass slots=500")
         # a budget above every size together fits as much as that sum does
         return units, int(min(math.floor(memory), 1 << 62)), 1.0
-    m = Fraction(memory)
-    # exact rational rounding: a size never comes out smaller than it is; one above the budget
-    # cannot be held whatever its size, so it is capped there (the DP's ints stay small)
-    units = tuple([min(math.ceil(Fraction(v) * slots / m), slots + 1) for v in _padded(chain, f)]
+    # exact rational rounding in integers: memory = p / q and a size v = a / b exactly (ints
+    # and floats alike), so ceil(v * slots / memory) = ceil(a * slots * q / (b * p)); a size
+    # never comes out smaller than it is. One above the budget cannot be held whatever its
+    # size, so it is capped there (the DP's ints stay small).
+    p, q = (memory if isinstance(memory, (int, float)) else Fraction(memory)).as_integer_ratio()
+    num, cap = slots * q, slots + 1
+    units = tuple([_units_up(v, num, p, cap) if type(v) is not int
+                   else min(-(-v * num // p), cap) for v in _padded(chain, f)]
                   for f in SIZE_FIELDS)
     return units, slots, float(memory) / slots
 
