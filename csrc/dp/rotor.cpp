@@ -138,16 +138,14 @@ class Solver {
 
   // Algorithm 1 for every sub-chain and every m <= m_max (x[0] excluded from m).
   void fill(int64_t m_max) {
-    off_.assign(size_t(n_) * n_, 0);
-    len_.assign(size_t(n_) * n_, 0);
     size_t total = 0;
     // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
     // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) {
         int64_t len = std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t));
-        off_[idx(s, t)] = total;
-        len_[idx(s, t)] = len;
+        P_[idx(s, t)].off = total;
+        P_[idx(s, t)].len = len;
         total += size_t(len);
         if (total > kMaxCells)
           throw std::invalid_argument(
@@ -161,8 +159,10 @@ class Solver {
   // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
   Val value(int s, int t, int64_t m) const {
     if (m < lo(s, t)) return kInf;
-    if (m >= hi(s, t)) return cinf_[idx(s, t)];
-    return tab_[off_[idx(s, t)] + size_t(m - lo(s, t))];
+    const Pair& p = P_[idx(s, t)];
+    if (m < p.lo) return kInf;
+    if (m >= p.hi) return p.cinf;
+    return tab_[p.off + size_t(m - p.lo)];
   }
 
   // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
@@ -216,22 +216,20 @@ class Solver {
 
  private:
   size_t idx(int s, int t) const { return size_t(s) * n_ + t; }
-  int64_t lo(int s, int t) const { return lo_[idx(s, t)]; }
-  int64_t hi(int s, int t) const { return hi_[idx(s, t)]; }
+  int64_t lo(int s, int t) const { return P_[idx(s, t)].lo; }
+  int64_t hi(int s, int t) const { return P_[idx(s, t)].hi; }
 
   // lo: least feasible m; hi, cinf: peak and time of the schedule that is optimal with
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
-    lo_.assign(size_t(n_) * n_, kBig);
-    hi_.assign(size_t(n_) * n_, kBig);
-    cinf_.assign(size_t(n_) * n_, kInf);
+    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
     for (int d = 0; d <= L_; ++d)
       for (int s = 0; s + d <= L_; ++s) {
         int t = s + d;
         size_t k = idx(s, t);
         if (d == 0) {
-          lo_[k] = hi_[k] = R_.m_all(s, s);
-          cinf_[k] = Val(fw_[s]) + Val(bw_[s]);
+          P_[k].lo = P_[k].hi = R_.m_all(s, s);
+          P_[k].cinf = Val(fw_[s]) + Val(bw_[s]);
           continue;
         }
         int64_t best = kBig;
@@ -241,15 +239,15 @@ class Solver {
           if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
           best = std::min(best, std::max({mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)}));
         }
-        lo_[k] = best;
+        P_[k].lo = best;
         if (all_) {
-          hi_[k] = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
-          cinf_[k] = (Val(fw_[s] + bw_[s]) + cinf_[idx(s + 1, t)]) + Val(0);
+          P_[k].hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
+          P_[k].cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
         } else {
-          hi_[k] = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
-          cinf_[k] = (Val(pf_[s + 1] - pf_[s]) + cinf_[idx(s + 1, t)]) + cinf_[idx(s, s)];
+          P_[k].hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
+          P_[k].cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
         }
-        hi_[k] = std::max(hi_[k], lo_[k]);
+        P_[k].hi = std::max(P_[k].hi, P_[k].lo);
       }
   }
 
@@ -258,9 +256,10 @@ class Solver {
   void relax_all(Val* out, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k) {
     if (m0 >= m1) return;
     const size_t ia = idx(sa, ta);
-    const int64_t e = std::clamp(hi_[ia] + k, m0, m1);
-    if (m0 < e) relax_ac(out, e - m0, c, &tab_[off_[ia] + size_t(m0 - k - lo_[ia])], Val(0));
-    if (e < m1) relax_cc(out + (e - m0), m1 - e, c + cinf_[ia]);
+    const Pair& A = P_[ia];
+    const int64_t e = std::clamp(A.hi + k, m0, m1);
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.lo)], Val(0));
+    if (e < m1) relax_cc(out + (e - m0), m1 - e, c + A.cinf);
   }
 
   // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [a, b), C(a) = sa..ta and
@@ -276,11 +275,12 @@ class Solver {
     Val lb = (c + value(sa, ta, b - 1 - k)) + value(sb, tb, b - 1);
     if (lb >= out[a - m0]) return;
     const size_t ia = idx(sa, ta), ib = idx(sb, tb);
-    const int64_t ha = hi_[ia] + k, hb = hi_[ib];
-    const Val ca = cinf_[ia], cb = cinf_[ib];
+    const Pair &A = P_[ia], &B = P_[ib];
+    const int64_t ha = A.hi + k, hb = B.hi;
+    const Val ca = A.cinf, cb = B.cinf;
     const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
-    auto pa = [&](int64_t m) { return &tab_[off_[ia] + size_t(m - k - lo_[ia])]; };
-    auto pb = [&](int64_t m) { return &tab_[off_[ib] + size_t(m - lo_[ib])]; };
+    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.lo)]; };
+    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.lo)]; };
     if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
     if (e1 < e2) {
       bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
@@ -293,10 +293,10 @@ class Solver {
 
   void fill_pair(int s, int t) {
     size_t k = idx(s, t);
-    int64_t len = len_[k];
+    int64_t len = P_[k].len;
     if (len == 0) return;
     int64_t m0 = lo(s, t), m1 = m0 + len;
-    Val* out = &tab_[off_[k]];
+    Val* out = &tab_[P_[k].off];
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
@@ -319,10 +319,10 @@ class Solver {
   bool all_;
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
-  std::vector<int64_t> lo_, hi_;
-  std::vector<Val> cinf_;
-  std::vector<size_t> off_;
-  std::vector<int64_t> len_;
+  // per sub-chain (s, t), together (one cache line per lookup): the least feasible m, the
+  // m from which C is constant (cinf), and where its table row starts (len cells)
+  struct Pair { int64_t lo, hi; size_t off; int64_t len; Val cinf; };
+  std::vector<Pair> P_;
   std::vector<Val> tab_;
 };
 

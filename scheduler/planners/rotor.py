@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..chain import Chain
 from ..errors import InfeasibleError
-from ..plan import Plan
+from ..plan import Op, Plan
 
 KIND_NAMES = ("F_all", "F_ck", "F_none", "B")
+_OPS: Dict[Tuple[int, int], Op] = {}  # (kind, stage) from the DP -> its Op, made once
+
+
+def _op(kind_stage: Tuple[int, int]) -> Op:
+    op = _OPS.get(kind_stage)
+    if op is None:
+        op = _OPS[kind_stage] = Op(KIND_NAMES[kind_stage[0]], kind_stage[1])
+    return op
 SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
 
 
@@ -148,11 +156,11 @@ def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner:
         raise InfeasibleError(
             f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} fits in memory={memory:g} "
             f"({how}); the smallest memory that works is {need:g}", need)
-    if chain.is_integer and float(peak).is_integer():
+    if float(peak).is_integer() and chain.is_integer:
         peak = int(peak)
-    if all(isinstance(v, int) for v in chain.fw + chain.bw) and float(time).is_integer():
+    if float(time).is_integer() and all(isinstance(v, int) for v in chain.fw + chain.bw):
         time = int(time)
-    return Plan([(KIND_NAMES[k], s) for k, s in ops], planner=planner, predicted_time=time,
+    return Plan([_OPS.get(o) or _op(o) for o in ops], planner=planner, predicted_time=time,
                 predicted_peak=peak, chain=chain, memory_limit=memory,
                 meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget,
                       "dp_value": time})
