@@ -96,8 +96,8 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
     # size, so it is capped there (the DP's ints stay small).
     p, q = (memory if isinstance(memory, (int, float)) else Fraction(memory)).as_integer_ratio()
     num, cap = slots * q, slots + 1
-    units = tuple([_units_up(v, num, p, cap) if type(v) is not int
-                   else min(-(-v * num // p), cap) for v in _padded(chain, f)]
+    units = tuple([(u if (u := -(-v * num // p)) < cap else cap) if type(v) is int
+                   else _units_up(v, num, p, cap) for v in _padded(chain, f)]
                   for f in SIZE_FIELDS)
     return units, slots, float(memory) / slots
 
