@@ -5,8 +5,9 @@ loop calls the blocks, see ``checkpoint``) and ``scheduler.wrap(blocks, ...)`` (
 ``CheckpointedChain``'s loop calls them). For each input signature (shapes, dtypes, devices,
 grad flags of block 0's arguments), budget and train/eval mode the runner gets a chain
 (``_chain_for``: given, measured, or measured at the end of a first forward that
-checkpoints every block), asks the planner for a Plan, checks it with the simulator and
-caches it (``PlanCache``); a new shape or a new budget plans again. With
+checkpoints every block), asks the planner for a Plan (its predicted peak and time are the
+simulator's own; plans with transfers are simulated for their timing) and caches it
+(``PlanCache``); a new shape or a new budget plans again. With
 ``planner="mimose"`` the Mimose collector learns per-block memory online and plans per input
 size. Each forward + backward is a ``chain_exec.ChainStep`` (non-reentrant).
 """
