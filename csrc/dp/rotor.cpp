@@ -76,7 +76,7 @@ VMALLOC_RELAX(double)
 // one AVX2 operation in the avx2 clone, two SSE ones otherwise), the stop checked once per
 // block; sweeping a block past the stop point changes nothing (min is idempotent).
 #if defined(__GNUC__)
-#define VMALLOC_BLOCK(Val, name, expr)                                                         \
+#define VMALLOC_BLOCK(Val, expr)                                                         \
   {                                                                                            \
     typedef Val V __attribute__((vector_size(32)));                                            \
     constexpr int64_t W = 32 / sizeof(Val);                                                    \
@@ -93,7 +93,7 @@ VMALLOC_RELAX(double)
     }                                                                                          \
   }
 #else
-#define VMALLOC_BLOCK(Val, name, expr)
+#define VMALLOC_BLOCK(Val, expr)
 #endif
 // a, b: the two tabulated sub-chains (a constant one is passed as its own value, unused)
 #define VMALLOC_RELAX_UNTIL(Val, name, expr, sexpr)                                             \
@@ -101,7 +101,7 @@ VMALLOC_RELAX(double)
                            const Val* __restrict b, Val cb, Val lb) {                          \
     (void)a, (void)b, (void)cb;                                                                \
     int64_t i = 0;                                                                             \
-    VMALLOC_BLOCK(Val, name, expr)                                                             \
+    VMALLOC_BLOCK(Val, expr)                                                             \
     for (; i < n; ++i) {                                                                       \
       if (!(out[i] > lb)) return true;                                                         \
       Val v = sexpr;                                                                           \
@@ -158,7 +158,6 @@ class Solver {
 
   // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
   Val value(int s, int t, int64_t m) const {
-    if (m < lo(s, t)) return kInf;
     const Pair& p = P_[idx(s, t)];
     if (m < p.lo) return kInf;
     if (m >= p.hi) return p.cinf;
