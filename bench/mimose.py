@@ -348,22 +348,13 @@ def input_aware_latency(est: M.ChainEstimator, sizes: List[float], budget: float
 
 def synthetic_latency(L: int, quick: bool) -> Dict[str, Any]:
     """The same on a 48-block chain whose fields grow quadratically with the input size (the
-    goal's L <= 48): an estimator fitted on 10 sizes, new sizes planned at half the full peak."""
-    rng = np.random.default_rng(0)
-    coef = rng.uniform(0.5, 2.0, size=(len(scheduler.chain.FIELDS), L + 1, 3))
-
-    def chain(n: float) -> scheduler.Chain:
-        v = coef[..., 0] * n * n + coef[..., 1] * n * 100 + coef[..., 2] * 1e4
-        f = {k: v[i].tolist() for i, k in enumerate(scheduler.chain.FIELDS)}
-        for k in scheduler.chain.FIELDS[2:]:
-            f[k] = [int(x) for x in f[k]]
-        f["xbar"] = [f["xbar"][s] + (f["x"][s + 1] if s < L else 0) for s in range(L + 1)]
-        return scheduler.Chain(**f)
-    est = M.ChainEstimator(L, samples=10)
-    for n in np.linspace(100, 1000, 10):
-        est.observe(float(n), chain(float(n)))
+    goal's L <= 48; bench/new_shape_plan.py's family, which also times the runner's whole
+    path): an estimator fitted on 10 sizes, new sizes planned at half the full peak."""
+    from new_shape_plan import fitted_estimator, synthetic_family  # bench/ is sys.path[0]
+    family = synthetic_family(L)
+    est = fitted_estimator(L, family)
     sizes = [float(n) + 0.5 for n in range(120, 980, 40 if quick else 9)]
-    full = scheduler.simulate(chain(1000.0), M.plan_from_checkpoints(L, [])).peak_memory
+    full = scheduler.simulate(family(1000.0), M.plan_from_checkpoints(L, [])).peak_memory
     return input_aware_latency(est, sizes, full * 0.5)
 
 

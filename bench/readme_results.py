@@ -532,10 +532,14 @@ def mimose(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
         out += ["", "Input-aware rotor (`rotor-ia`, issue 13 item 4): `InputAwareChain` profiles "
                 "the first 10 input sizes, then rotor plans each new shape on the chain the "
                 "estimator predicts. Planning a new shape: " + "; ".join(lat) + "."]
-        l48 = ia["synthetic_L48"]
-        best = min(l48[k] for k in l48 if k.startswith("total_ms_"))
-        ctx.goal("mimose", f"input-aware rotor plans a new shape in < {g(goal_ms)} ms (L <= 48)",
-                 f"{num(best)} ms at L=48 (best slot count)", best < goal_ms)
+        if ctx.load("new_shape_plan.json") is not None:  # the runner's whole path, timed there
+            out += ["(Timed when this file was made; the current timing of a new shape, through "
+                    "the runner, is in \"Input-aware rotor: planning a new shape\" below.)"]
+        else:
+            l48 = ia["synthetic_L48"]
+            best = min(l48[k] for k in l48 if k.startswith("total_ms_"))
+            ctx.goal("mimose", f"input-aware rotor plans a new shape in < {g(goal_ms)} ms (L <= 48)",
+                     f"{num(best)} ms at L=48 (best slot count)", best < goal_ms)
         ratios = ia.get("step_vs_mimose", {})
         if ratios:
             worst = max(ratios.values())
@@ -546,6 +550,32 @@ def mimose(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                      "over", worst <= ia.get("goal_step_vs_mimose", 1.1) and over == 0)
     out += [""] + ctx.figures(["mimose.png"])
     out += ["", reproduce(meta.get("command", "python bench/mimose.py"))]
+    return out
+
+
+def new_shape_plan(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
+    meta = d.get("meta", {})
+    goal_ms = d.get("goal_ms", 1.0)
+    out = ["Measured on the CPU (2-core shared machine; wall-clock ms, the median over new "
+           "input sizes of the best of a few runs): a new shape planned by input-aware rotor "
+           "after the collection phase, on synthetic chains whose fields grow quadratically with "
+           "the input size (the estimator fitted on 10 sizes), budget at half the "
+           "store-everything peak. `runner`: the chain runner's whole path for a new shape "
+           "(`plan_for`: cache key, the predicted chain, rotor at 500 slots, the compiled plan), "
+           "what a training step waits for before it runs.", ""]
+    rows = d["rows"]
+    out += table(["L", "sizes", "predict", "rotor 500 slots", "rotor 100", "rotor 50",
+                  "runner (all)", "step time at 100 / 500 slots", "at 50 / 500"],
+                 [(r["L"], r["n_sizes"], num(r["predict_ms"]), num(r["rotor_ms_slots500"]),
+                   num(r["rotor_ms_slots100"]), num(r["rotor_ms_slots50"]), num(r["runner_ms"]),
+                   f"{num(r['time_vs_500_max_slots100'])} worst", f"{num(r['time_vs_500_max_slots50'])} worst")
+                  for r in rows], right=(0, 1, 2, 3, 4, 5, 6))
+    out += ["", "Fewer slots would plan faster but lose step time (the predicted time of the "
+            "plan against 500 slots, worst over the sizes), so 500 stays the default."]
+    worst = max(r["runner_ms"] for r in rows if r["L"] <= 48)
+    ctx.goal("new_shape_plan", f"input-aware rotor plans a new shape in < {g(goal_ms)} ms "
+             "(L <= 48, the runner's whole path, 500 slots)", f"{num(worst)} ms", worst < goal_ms)
+    out += ["", reproduce(meta.get("command", "python bench/new_shape_plan.py"))]
     return out
 
 
@@ -698,6 +728,8 @@ SECTIONS: List[Section] = [
      "python bench/pofo.py --random", pofo_random),
     ("swap.json", "Swap runtime overhead", "python bench/swap.py", swap),
     ("mimose.json", "Mimose: dynamic input sizes", "python bench/mimose.py", mimose),
+    ("new_shape_plan.json", "Input-aware rotor: planning a new shape",
+     "python bench/new_shape_plan.py", new_shape_plan),
     ("checkpoint_real-*.json", "Checkpointing real models", "python bench/checkpoint_real.py",
      checkpoint_real),
     ("hf-*.json", "Hugging Face models: plain, HF checkpointing, rotor/pofo/mimose",

@@ -26,9 +26,27 @@ Number = float  # ints stay ints: exact integer chains are how the DPs are teste
 FIELDS: Tuple[str, ...] = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")
 
 
+def _plain(values: Tuple[Any, ...]) -> bool:
+    """All plain ints and floats, finite and non-negative: the common case, checked in a few
+    C-speed passes (a chain is made per new shape when plans are predicted); anything else
+    takes the per-value path below, which names the bad value."""
+    types = set(map(type, values))
+    if not types <= {int, float}:
+        return False
+    if not values:
+        return True
+    try:  # a NaN or infinity makes the sum one; an overflow just takes the slow path
+        return min(values) >= 0 and (float not in types or math.isfinite(sum(values)))
+    except OverflowError:
+        return False
+
+
 def _as_tuple(name: str, values: Sequence[Any]) -> Tuple[Number, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise ValueError(f"Chain.{name}: expected a sequence of numbers, got {values!r}")
+    fast = tuple(values)
+    if _plain(fast):
+        return fast
     out = []
     for s, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -44,6 +44,8 @@ class Op(_OpFields):
 
 
 def _op(item: Any, index: int) -> Op:
+    if type(item) is Op:  # checked when made (planners hand over their ops as Op)
+        return item
     try:
         kind, stage = item
     except (TypeError, ValueError):

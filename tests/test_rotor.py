@@ -160,3 +160,25 @@ def test_refine_wins_back_rounding_and_still_fits():
     assert fine.predicted_time < base.predicted_time   # at full memory the rounding cost shows
     with pytest.raises(ValueError, match="refine"):
         rotor.solve(chain, full, refine=-1)
+
+
+def _units_by_fractions(chain, memory, slots):
+    """The reference rounding: exact rationals, ceil(v * slots / memory), capped at slots + 1."""
+    from fractions import Fraction
+    m = Fraction(memory)
+    return tuple([min(math.ceil(Fraction(v) * slots / m), slots + 1)
+                  for v in rotor._padded(chain, f)] for f in rotor.SIZE_FIELDS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(L=st.integers(0, 5), seed=st.integers(0, 10 ** 6), scale=st.sampled_from([1, 10 ** 3, 10 ** 12]),
+       fractional=st.booleans(), slots=st.sampled_from([1, 7, 500, 4096]),
+       memory=st.one_of(st.integers(1, 10 ** 13), st.floats(1e-3, 1e13)))
+def test_discretize_in_integers_equals_exact_rational_rounding(L, seed, scale, fractional, slots,
+                                                               memory):
+    c = Chain.random(L, seed=seed, max_size=10 * scale)
+    if fractional:  # float sizes round through their exact binary value as well
+        c = c.replace(x=[v / 3 for v in c.x], fw_tmp=[v * 0.7 for v in c.fw_tmp])
+    units, budget, unit = rotor.discretize(c, memory, slots)
+    assert units == _units_by_fractions(c, memory, slots)
+    assert budget == slots and unit == float(memory) / slots

@@ -50,24 +50,18 @@ struct Rules {
   V f_none(int j, int t) const { return delta[t + 1] + x[j] + x[j + 1] + fwt[j]; }   // F_none j
 };
 
-// out[i] = min(out[i], (c + A[i]) + B[i]): the whole cost of the DP. Cloned for AVX2 where
-// the CPU has it (runtime dispatch, so the module still runs on any x86-64).
+// out[i] = min(out[i], (c + A[i]) + B[i]) over ranges of m: the whole cost of the DP. Cloned
+// for AVX2 where the CPU has it (runtime dispatch, so the module still runs on any x86-64).
+// These two serve the all-case (one sub-chain, then its constant part).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VMALLOC_CLONES __attribute__((target_clones("avx2", "default"), optimize("O3")))
 #else
 #define VMALLOC_CLONES
 #endif
 #define VMALLOC_RELAX(Val)                                                                     \
-  VMALLOC_CLONES void relax_aa(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
-                               const Val* __restrict b) {                                      \
-    for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + b[i]; out[i] = v < out[i] ? v : out[i]; } \
-  }                                                                                            \
   VMALLOC_CLONES void relax_ac(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,  \
                                Val cb) {                                                       \
     for (int64_t i = 0; i < n; ++i) { Val v = (c + a[i]) + cb; out[i] = v < out[i] ? v : out[i]; } \
-  }                                                                                            \
-  VMALLOC_CLONES void relax_ca(Val* __restrict out, int64_t n, Val cca, const Val* __restrict b) { \
-    for (int64_t i = 0; i < n; ++i) { Val v = cca + b[i]; out[i] = v < out[i] ? v : out[i]; }  \
   }                                                                                            \
   VMALLOC_CLONES void relax_cc(Val* __restrict out, int64_t n, Val v) {                         \
     for (int64_t i = 0; i < n; ++i) out[i] = v < out[i] ? v : out[i];                          \
@@ -75,6 +69,55 @@ struct Rules {
 VMALLOC_RELAX(float)
 VMALLOC_RELAX(double)
 #undef VMALLOC_RELAX
+
+// The same sweeps for a pruned candidate: they stop after the first block in which the
+// running minimum is already <= lb (the candidate's least value; out[] is non-increasing, so
+// nothing past it can improve) and say so. Blocks of 32 bytes (GCC/Clang vector extensions:
+// one AVX2 operation in the avx2 clone, two SSE ones otherwise), the stop checked once per
+// block; sweeping a block past the stop point changes nothing (min is idempotent).
+#if defined(__GNUC__)
+#define VMALLOC_BLOCK(Val, expr)                                                         \
+  {                                                                                            \
+    typedef Val V __attribute__((vector_size(32)));                                            \
+    constexpr int64_t W = 32 / sizeof(Val);                                                    \
+    for (; i + W <= n; i += W) {                                                               \
+      bool stop = !(out[i + W - 1] > lb);                                                      \
+      V va, vb, o;                                                                             \
+      __builtin_memcpy(&va, a + i, sizeof va);                                                 \
+      __builtin_memcpy(&vb, b + i, sizeof vb);                                                 \
+      __builtin_memcpy(&o, out + i, sizeof o);                                                 \
+      V v = expr;                                                                              \
+      o = v < o ? v : o;                                                                       \
+      __builtin_memcpy(out + i, &o, sizeof o);                                                 \
+      if (stop) return true;                                                                   \
+    }                                                                                          \
+  }
+#else
+#define VMALLOC_BLOCK(Val, expr)
+#endif
+// a, b: the two tabulated sub-chains (a constant one is passed as its own value, unused)
+#define VMALLOC_RELAX_UNTIL(Val, name, expr, sexpr)                                             \
+  VMALLOC_CLONES bool name(Val* __restrict out, int64_t n, Val c, const Val* __restrict a,     \
+                           const Val* __restrict b, Val cb, Val lb) {                          \
+    (void)a, (void)b, (void)cb;                                                                \
+    int64_t i = 0;                                                                             \
+    VMALLOC_BLOCK(Val, expr)                                                             \
+    for (; i < n; ++i) {                                                                       \
+      if (!(out[i] > lb)) return true;                                                         \
+      Val v = sexpr;                                                                           \
+      out[i] = v < out[i] ? v : out[i];                                                        \
+    }                                                                                          \
+    return false;                                                                              \
+  }
+#define VMALLOC_RELAX_UNTIL_ALL(Val)                                                            \
+  VMALLOC_RELAX_UNTIL(Val, until_aa, (c + va) + vb, (c + a[i]) + b[i])                         \
+  VMALLOC_RELAX_UNTIL(Val, until_ac, (c + va) + cb, (c + a[i]) + cb)                           \
+  VMALLOC_RELAX_UNTIL(Val, until_ca, c + vb, c + b[i])
+VMALLOC_RELAX_UNTIL_ALL(float)
+VMALLOC_RELAX_UNTIL_ALL(double)
+#undef VMALLOC_RELAX_UNTIL_ALL
+#undef VMALLOC_RELAX_UNTIL
+#undef VMALLOC_BLOCK
 
 template <class Val>
 class Solver {
@@ -95,16 +138,14 @@ class Solver {
 
   // Algorithm 1 for every sub-chain and every m <= m_max (x[0] excluded from m).
   void fill(int64_t m_max) {
-    off_.assign(size_t(n_) * n_, 0);
-    len_.assign(size_t(n_) * n_, 0);
     size_t total = 0;
     // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
     // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) {
         int64_t len = std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t));
-        off_[idx(s, t)] = total;
-        len_[idx(s, t)] = len;
+        P_[idx(s, t)].off = total;
+        P_[idx(s, t)].len = len;
         total += size_t(len);
         if (total > kMaxCells)
           throw std::invalid_argument(
@@ -117,9 +158,10 @@ class Solver {
 
   // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
   Val value(int s, int t, int64_t m) const {
-    if (m < lo(s, t)) return kInf;
-    if (m >= hi(s, t)) return cinf_[idx(s, t)];
-    return tab_[off_[idx(s, t)] + size_t(m - lo(s, t))];
+    const Pair& p = P_[idx(s, t)];
+    if (m < p.lo) return kInf;
+    if (m >= p.hi) return p.cinf;
+    return tab_[p.off + size_t(m - p.lo)];
   }
 
   // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
@@ -173,22 +215,20 @@ class Solver {
 
  private:
   size_t idx(int s, int t) const { return size_t(s) * n_ + t; }
-  int64_t lo(int s, int t) const { return lo_[idx(s, t)]; }
-  int64_t hi(int s, int t) const { return hi_[idx(s, t)]; }
+  int64_t lo(int s, int t) const { return P_[idx(s, t)].lo; }
+  int64_t hi(int s, int t) const { return P_[idx(s, t)].hi; }
 
   // lo: least feasible m; hi, cinf: peak and time of the schedule that is optimal with
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
-    lo_.assign(size_t(n_) * n_, kBig);
-    hi_.assign(size_t(n_) * n_, kBig);
-    cinf_.assign(size_t(n_) * n_, kInf);
+    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
     for (int d = 0; d <= L_; ++d)
       for (int s = 0; s + d <= L_; ++s) {
         int t = s + d;
         size_t k = idx(s, t);
         if (d == 0) {
-          lo_[k] = hi_[k] = R_.m_all(s, s);
-          cinf_[k] = Val(fw_[s]) + Val(bw_[s]);
+          P_[k].lo = P_[k].hi = R_.m_all(s, s);
+          P_[k].cinf = Val(fw_[s]) + Val(bw_[s]);
           continue;
         }
         int64_t best = kBig;
@@ -198,73 +238,68 @@ class Solver {
           if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
           best = std::min(best, std::max({mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)}));
         }
-        lo_[k] = best;
+        P_[k].lo = best;
         if (all_) {
-          hi_[k] = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
-          cinf_[k] = (Val(fw_[s] + bw_[s]) + cinf_[idx(s + 1, t)]) + Val(0);
+          P_[k].hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
+          P_[k].cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
         } else {
-          hi_[k] = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
-          cinf_[k] = (Val(pf_[s + 1] - pf_[s]) + cinf_[idx(s + 1, t)]) + cinf_[idx(s, s)];
+          P_[k].hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
+          P_[k].cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
         }
-        hi_[k] = std::max(hi_[k], lo_[k]);
+        P_[k].hi = std::max(P_[k].hi, P_[k].lo);
       }
   }
 
-  // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [m0, m1), where C(a) is the
-  // first sub-chain (sa..ta) and C(b) the second (sb..tb; none in the all-case: 0). Each
-  // sub-chain is tabulated below its hi and constant above, so [m0, m1) splits in at most
-  // three pieces.
-  void relax(Val* out, int64_t base, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k,
-             int sb, int tb, bool has_b) {
+  // out[m] = min(out[m], c + C(a)(m - k)) for m in [m0, m1): the all-case (one sub-chain
+  // sa..ta), tabulated below its hi and constant above.
+  void relax_all(Val* out, int64_t m0, int64_t m1, Val c, int sa, int ta, int64_t k) {
     if (m0 >= m1) return;
-    const int64_t ha = hi(sa, ta) + k, hb = has_b ? hi(sb, tb) : kBig;
-    const Val ca = cinf_[idx(sa, ta)], cb = has_b ? cinf_[idx(sb, tb)] : Val(0);
-    int64_t cuts[4] = {m0, std::clamp(ha, m0, m1), has_b ? std::clamp(hb, m0, m1) : m0, m1};
-    std::sort(cuts + 1, cuts + 3);
-    for (int q = 0; q < 3; ++q) {
-      int64_t a0 = cuts[q], a1 = cuts[q + 1];
-      if (a0 >= a1) continue;
-      bool tab_a = a0 < ha, tab_b = has_b && a0 < hb;
-      Val* o = out + (a0 - base);
-      const Val* pa = tab_a ? &tab_[off_[idx(sa, ta)] + size_t(a0 - k - lo(sa, ta))] : nullptr;
-      if (tab_a && tab_b) {
-        relax_aa(o, a1 - a0, c, pa, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
-      } else if (tab_a) {
-        relax_ac(o, a1 - a0, c, pa, cb);
-      } else if (tab_b) {
-        relax_ca(o, a1 - a0, c + ca, &tab_[off_[idx(sb, tb)] + size_t(a0 - lo(sb, tb))]);
-      } else {
-        relax_cc(o, a1 - a0, (c + ca) + cb);
-      }
-    }
+    const size_t ia = idx(sa, ta);
+    const Pair& A = P_[ia];
+    const int64_t e = std::clamp(A.hi + k, m0, m1);
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.lo)], Val(0));
+    if (e < m1) relax_cc(out + (e - m0), m1 - e, c + A.cinf);
   }
 
-  // Every candidate is non-increasing in m, and so is the running minimum out[]. On
-  // [a, b) a candidate is never below its value at b - 1 (lb), so it can only improve out[m]
-  // where out[m] > lb: none of [a, b) if out[a] <= lb, else a prefix found by bisection.
+  // out[m] = min(out[m], (c + C(a)(m - k)) + C(b)(m)) for m in [a, b), C(a) = sa..ta and
+  // C(b) = sb..tb. Every candidate is non-increasing in m, and so is the running minimum
+  // out[]. On [a, b) a candidate is never below its value at b - 1 (lb), so it can only
+  // improve out[m] where out[m] > lb: none of [a, b) if out[a] <= lb, else a prefix, which
+  // the sweeps find as they go (a separate search for its end cost more than the sweep).
+  // Each sub-chain is tabulated below its hi and constant above, so [a, b) splits in at
+  // most three pieces.
   void relax_pruned(Val* out, int64_t m0, int64_t a, int64_t b, Val c, int sa, int ta,
                     int64_t k, int sb, int tb) {
     if (a >= b) return;
     Val lb = (c + value(sa, ta, b - 1 - k)) + value(sb, tb, b - 1);
     if (lb >= out[a - m0]) return;
-    int64_t first = a + 1, last = b;  // first m in (a, b) with out[m] <= lb, else b
-    while (first < last) {
-      int64_t mid = first + (last - first) / 2;
-      if (out[mid - m0] <= lb) last = mid; else first = mid + 1;
+    const size_t ia = idx(sa, ta), ib = idx(sb, tb);
+    const Pair &A = P_[ia], &B = P_[ib];
+    const int64_t ha = A.hi + k, hb = B.hi;
+    const Val ca = A.cinf, cb = B.cinf;
+    const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
+    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.lo)]; };
+    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.lo)]; };
+    if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
+    if (e1 < e2) {
+      bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
+                          : until_ca(out + (e1 - m0), e2 - e1, c + ca, pb(e1), pb(e1), cb, lb);
+      if (done) return;
     }
-    relax(out, m0, a, first, c, sa, ta, k, sb, tb, true);
+    // both constant: the candidate is lb itself
+    for (Val* o = out + (e2 - m0), *end = out + (b - m0); o < end && *o > lb; ++o) *o = lb;
   }
 
   void fill_pair(int s, int t) {
     size_t k = idx(s, t);
-    int64_t len = len_[k];
+    int64_t len = P_[k].len;
     if (len == 0) return;
     int64_t m0 = lo(s, t), m1 = m0 + len;
-    Val* out = &tab_[off_[k]];
+    Val* out = &tab_[P_[k].off];
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
-      relax(out, m0, from, m1, c, s + 1, t, u_.xbar[s], 0, 0, false);  // out[] is all inf yet
+      if (from < m1) relax_all(out + (from - m0), from, m1, c, s + 1, t, u_.xbar[s]);  // out[] is all inf yet
     }
     int64_t mn = R_.f_ck(s, t);
     for (int sp = s + 1; sp <= t; ++sp) {  // F_ck s, F_none s+1..s'-1, C(s', t), C(s, s'-1)
@@ -283,10 +318,10 @@ class Solver {
   bool all_;
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
-  std::vector<int64_t> lo_, hi_;
-  std::vector<Val> cinf_;
-  std::vector<size_t> off_;
-  std::vector<int64_t> len_;
+  // per sub-chain (s, t), together (one cache line per lookup): the least feasible m, the
+  // m from which C is constant (cinf), and where its table row starts (len cells)
+  struct Pair { int64_t lo, hi; size_t off; int64_t len; Val cinf; };
+  std::vector<Pair> P_;
   std::vector<Val> tab_;
 };
 

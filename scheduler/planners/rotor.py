@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..chain import Chain
 from ..errors import InfeasibleError
-from ..plan import Plan
+from ..plan import Op, Plan
 
 KIND_NAMES = ("F_all", "F_ck", "F_none", "B")
+_OPS: Dict[Tuple[int, int], Op] = {}  # (kind, stage) from the DP -> its Op, made once
+
+
+def _op(kind_stage: Tuple[int, int]) -> Op:
+    op = _OPS.get(kind_stage)
+    if op is None:
+        op = _OPS[kind_stage] = Op(KIND_NAMES[kind_stage[0]], kind_stage[1])
+    return op
 SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
 
 
@@ -61,6 +69,12 @@ def _padded(chain: Chain, name: str) -> List[Any]:
 EXACT_MAX = 1 << 50  # exact units: sums of L + 4 sizes must stay inside the DP's int64
 
 
+def _units_up(v: Union[int, float], num: int, den: int, cap: int) -> int:
+    """min(ceil(v * num / den), cap), exactly, for a non-integer v."""
+    a, b = v.as_integer_ratio()
+    return min(-(-a * num // (b * den)), cap)
+
+
 def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
                ) -> Tuple[Tuple[List[int], ...], int, float]:
     """Sizes in memory units (rounded up), the budget in units, and the unit in bytes."""
@@ -76,10 +90,14 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
                                      f"large for exact units (at most 2**50); pass slots=500")
         # a budget above every size together fits as much as that sum does
         return units, int(min(math.floor(memory), 1 << 62)), 1.0
-    m = Fraction(memory)
-    # exact rational rounding: a size never comes out smaller than it is; one above the budget
-    # cannot be held whatever its size, so it is capped there (the DP's ints stay small)
-    units = tuple([min(math.ceil(Fraction(v) * slots / m), slots + 1) for v in _padded(chain, f)]
+    # exact rational rounding in integers: memory = p / q and a size v = a / b exactly (ints
+    # and floats alike), so ceil(v * slots / memory) = ceil(a * slots * q / (b * p)); a size
+    # never comes out smaller than it is. One above the budget cannot be held whatever its
+    # size, so it is capped there (the DP's ints stay small).
+    p, q = (memory if isinstance(memory, (int, float)) else Fraction(memory)).as_integer_ratio()
+    num, cap = slots * q, slots + 1
+    units = tuple([(u if (u := -(-v * num // p)) < cap else cap) if type(v) is int
+                   else _units_up(v, num, p, cap) for v in _padded(chain, f)]
                   for f in SIZE_FIELDS)
     return units, slots, float(memory) / slots
 
@@ -138,11 +156,11 @@ def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner:
         raise InfeasibleError(
             f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} fits in memory={memory:g} "
             f"({how}); the smallest memory that works is {need:g}", need)
-    if chain.is_integer and float(peak).is_integer():
+    if float(peak).is_integer() and chain.is_integer:
         peak = int(peak)
-    if all(isinstance(v, int) for v in chain.fw + chain.bw) and float(time).is_integer():
+    if float(time).is_integer() and all(isinstance(v, int) for v in chain.fw + chain.bw):
         time = int(time)
-    return Plan([(KIND_NAMES[k], s) for k, s in ops], planner=planner, predicted_time=time,
+    return Plan([_OPS.get(o) or _op(o) for o in ops], planner=planner, predicted_time=time,
                 predicted_peak=peak, chain=chain, memory_limit=memory,
                 meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget,
                       "dp_value": time})
