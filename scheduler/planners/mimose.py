@@ -117,7 +117,25 @@ class PolyFit:
         return np.maximum(powers @ self._coef, 0.0)
 
 
-class Estimator:
+class _Fitted:
+    """What both estimators answer straight from their ``PolyFit`` (``self._fit``)."""
+
+    _fit: PolyFit
+
+    @property
+    def sizes(self) -> List[float]:
+        return self._fit.sizes
+
+    @property
+    def ready(self) -> bool:
+        """Enough distinct sizes seen to fit (``samples`` of them)."""
+        return self._fit.ready
+
+    def has(self, input_size: float) -> bool:
+        return self._fit.has(input_size)
+
+
+class Estimator(_Fitted):
     """Order-2 polynomial fits per block of activation bytes, output bytes and forward time
     against the input size (number of elements of the input tensor, as in seed 004 3.1)."""
 
@@ -139,18 +157,6 @@ class Estimator:
         self._fit.observe(input_size, np.concatenate(
             [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
              np.asarray(fw, float)]))
-
-    @property
-    def sizes(self) -> List[float]:
-        return self._fit.sizes
-
-    @property
-    def ready(self) -> bool:
-        """Enough distinct sizes seen to fit (``samples`` of them)."""
-        return self._fit.ready
-
-    def has(self, input_size: float) -> bool:
-        return self._fit.has(input_size)
 
     def fit(self) -> None:
         self._fit.fit()
@@ -177,7 +183,7 @@ class Estimator:
         return abs(pred - act) / act if act else abs(pred)
 
 
-class ChainEstimator:
+class ChainEstimator(_Fitted):
     """A whole ``Chain`` predicted for an input size never measured (issue 13 item 4).
 
     Learns, per stage, every chain field (forward and backward time, x, xbar, delta, forward
@@ -204,17 +210,6 @@ class ChainEstimator:
         self._fit.observe(input_size, np.array(
             [v for f in CHAIN_FIELDS for v in getattr(chain, f)], dtype=float))
         self._chains[float(input_size)] = chain
-
-    @property
-    def sizes(self) -> List[float]:
-        return self._fit.sizes
-
-    @property
-    def ready(self) -> bool:
-        return self._fit.ready
-
-    def has(self, input_size: float) -> bool:
-        return self._fit.has(input_size)
 
     def measured(self, input_size: float) -> Optional[Chain]:
         return self._chains.get(float(input_size))
