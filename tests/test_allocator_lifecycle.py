@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from _subproc import python_env
+from _subproc import TORCH_ENTRY_POINTS, python_env
 from bench.alloc_probe import view
 from vmalloc import Allocator, OutOfMemoryError
 
@@ -254,19 +254,7 @@ def test_trace_capacity_is_validated():
         Allocator("host", chunk_size=C, trace_capacity=-1)
 
 
-HISTORY_SCRIPT = r"""
-import ctypes, types
-import vmalloc
-from vmalloc import torch_allocator as ta
-core = ta._core()
-core._torch_configure("host", 64 << 10, 0, -1)
-reg = ta.registry()
-reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
-lib = ctypes.CDLL(core.__file__)
-malloc = lib.vmalloc_torch_malloc
-malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-free = lib.vmalloc_torch_free
-free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+HISTORY_SCRIPT = TORCH_ENTRY_POINTS + r"""
 ta.start_recording()
 ta.set_trace_capacity(30)
 for i in range(25):                     # the native ring keeps 30 of these 50 events

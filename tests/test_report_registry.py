@@ -5,27 +5,14 @@ import sys
 
 import pytest
 
-from _subproc import python_env
+from _subproc import TORCH_ENTRY_POINTS, python_env
 
 pytest.importorskip("vmalloc._core")
 
-SCRIPT = r"""
-import ctypes, types
-import vmalloc
-from vmalloc import torch_allocator as ta
+SCRIPT = TORCH_ENTRY_POINTS + r"""
 from vmalloc.replay import from_snapshot
 
 MiB = 1 << 20
-core = ta.core()
-core._torch_configure("host", 64 << 10, 0, -1)     # what enable() does, on the host backend
-reg = ta.registry()
-reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
-
-lib = ctypes.CDLL(core.__file__)
-malloc = lib.vmalloc_torch_malloc
-malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-free = lib.vmalloc_torch_free
-free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 lib.vmalloc_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 assert set(core._torch_entry_points()) == {"vmalloc_torch_malloc", "vmalloc_torch_malloc_pool",
     "vmalloc_torch_free",
