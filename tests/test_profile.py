@@ -12,7 +12,7 @@ from scheduler import Chain
 from scheduler.profile import CostModel, measure_chain, meta_chain
 
 
-SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
+SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
 
 
 class SinBlock(nn.Module):
@@ -45,9 +45,11 @@ def test_meta_chain_exact_sizes_on_a_hand_checked_model():
     # ReLU saves its output. SinBlock keeps 2x (24) and its output. The loss keeps its scalar.
     assert c.xbar == (24, 24, 48, 40, 4)
     assert c.delta == c.x
-    # SinBlock's forward holds 2x while sin runs (24); its backward holds cos(2x) and the
-    # gradient w.r.t. 2x together (48). Nothing else has intermediates.
-    assert c.fw_tmp == (0, 0, 24, 0, 0)
+    # SinBlock's no-grad forward holds 2x while sin runs (24); its saving forward keeps 2x
+    # (in xbar): no transient. Its backward holds cos(2x) and the gradient w.r.t. 2x
+    # together (48). Nothing else has intermediates.
+    assert c.fw_tmp == (0, 0, 0, 0, 0)
+    assert c.fck_tmp == (0, 0, 24, 0, 0)
     assert c.bw_tmp == (0, 0, 48, 0, 0)
     assert c.is_integer
 

@@ -304,7 +304,8 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     xbar = xbar_bytes(saved.tensors, outputs, inputs, state_keys)
     tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
     peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
-    fw_tmp = max(tmp_none, peak_all - xbar, 0)
+    fw_tmp = max(peak_all - xbar, 0)  # F_all: its intermediates are in xbar
+    fck_tmp = max(tmp_none, 0)  # F_ck / F_none: nothing saved, the largest freed as it goes
 
     wrt = requires_grad_leaves(inputs, params)
     grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
@@ -319,6 +320,6 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     held = in_keys | out_keys | state_keys | {storage_key(g) for g in grads_out}
     bw_tmp = b_trace.peak_live(skip=made, release=saved.keys() - held)
     return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp,
         fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
         fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
