@@ -313,7 +313,11 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     _mark_nodes(outputs, b_trace)
     with b_flops, b_trace:
         grads = backward(outputs, grads_out, wrt)
-    made = {storage_key(g) for g in grads if g is not None}
+    # delta[s] (the input gradients) is counted by the chain; the parameter gradients are
+    # transient here: each is added into an existing .grad and freed (a first step makes
+    # them .grad instead, which lasts: counting them still bounds that step's peak)
+    n_in = sum(1 for t in inputs if t.requires_grad)
+    made = {storage_key(g) for g in grads[:n_in] if g is not None}
     # autograd frees each saved tensor once its node has run (no retain_graph), so the backward
     # peak beyond xbar credits what is already released, as the CUDA measurement sees it; the
     # stage's input, output and the weights stay (held by the chain, the runtime, the model)

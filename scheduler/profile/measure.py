@@ -111,9 +111,13 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
         outs = fn(inputs)
         grads_out = tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
         grads, peak_b = peak_of(lambda: T.backward(outs, grads_out, T.requires_grad_leaves(inputs, params)))
+    # autograd.grad holds every parameter gradient until it returns; in training each is
+    # added into .grad and freed as it comes, so one (the largest) is transient at a time
+    n_in = sum(1 for t in inputs if t.requires_grad)
     made = T.storage_bytes([g for g in grads if g is not None])
+    largest = max((T.storage_bytes([g]) for g in grads[n_in:] if g is not None), default=0)
     return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
-            "bw_tmp": max(peak_b - made, 0)}
+            "bw_tmp": max(peak_b - made + largest, 0)}
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
