@@ -9,8 +9,12 @@ field is a sequence of length ``L + 1``. Times are seconds, sizes bytes.
 ``x``       size of the input activation of stage s (``x[0]`` is the network input)
 ``xbar``    size of all the forward of stage s keeps for its backward, output included
 ``delta``   size of the gradient w.r.t. ``x[s]`` (made by B s, consumed by B s-1)
-``fw_tmp``  transient memory of the forward of stage s
+``fw_tmp``  transient memory of the forward of stage s that keeps xbar[s] (F_all)
 ``bw_tmp``  transient memory of the backward of stage s
+``fck_tmp`` transient memory of a forward of stage s that keeps nothing for the backward
+            (F_ck, F_none); defaults to ``fw_tmp``. The two differ on real models: a saving
+            forward's intermediates are in xbar, a no-grad one frees them as it goes, but its
+            largest (attention scores, say) are transient on top of what is stored.
 ==========  ==========================================================================
 """
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 Number = float  # ints stay ints: exact integer chains are how the DPs are tested
 
-FIELDS: Tuple[str, ...] = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")
+FIELDS: Tuple[str, ...] = ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
+OPTIONAL: Tuple[str, ...] = ("fw_tmp", "bw_tmp", "fck_tmp")  # may be left empty
 
 
 def _plain(values: Tuple[Any, ...]) -> bool:
@@ -73,6 +78,7 @@ class Chain:
     bw_tmp: Tuple[Number, ...] = ()
     name: str = ""
     meta: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    fck_tmp: Tuple[Number, ...] = ()  # last: positional construction keeps its old meaning
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -86,7 +92,9 @@ class Chain:
             raise ValueError(f"Chain.fw: need at least the loss stage (length >= 1), got {self.fw!r}")
         for name in FIELDS:
             raw = getattr(self, name)
-            if name in ("fw_tmp", "bw_tmp") and len(raw) == 0:
+            if name == "fck_tmp" and len(raw) == 0:
+                raw = self.fw_tmp  # one transient for every forward (resolved just before)
+            elif name in OPTIONAL and len(raw) == 0:
                 raw = (0,) * n  # no transient memory given
             values = _as_tuple(name, raw)
             if len(values) != n:
@@ -107,8 +115,7 @@ class Chain:
     @property
     def is_integer(self) -> bool:
         """All sizes are integers (what exact-slot DPs and exact tests need)."""
-        return all(isinstance(v, int) for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
-                   for v in getattr(self, f))
+        return all(isinstance(v, int) for f in FIELDS[2:] for v in getattr(self, f))
 
     def total_compute(self) -> Number:
         """Forward plus backward time, each stage once: no schedule is faster."""
@@ -117,6 +124,8 @@ class Chain:
     # ------------------------------------------------------------------------ JSON I/O
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {f: list(getattr(self, f)) for f in FIELDS}
+        if self.fck_tmp == self.fw_tmp:
+            del d["fck_tmp"]  # the default: files written before the field read the same
         d["name"] = self.name
         if self.meta:
             d["meta"] = self.meta
@@ -167,8 +176,10 @@ class Chain:
     # ------------------------------------------------------------------------ helpers
     @classmethod
     def random(cls, L: int, seed: int = 0, max_size: int = 10, max_time: int = 10,
-               tmp: bool = True) -> "Chain":
-        """A random chain of integer times and sizes (for tests and benchmarks)."""
+               tmp: bool = True, split_tmp: bool = False) -> "Chain":
+        """A random chain of integer times and sizes (for tests and benchmarks); with
+        ``split_tmp`` the no-grad forwards' transient ``fck_tmp`` is drawn on its own (else it
+        is ``fw_tmp``; drawn last, so a seed gives the same other fields either way)."""
         if not isinstance(L, int) or L < 0:
             raise ValueError(f"Chain.random: L must be a non-negative int, got {L!r}")
         rng = _random.Random(seed)
@@ -181,12 +192,16 @@ class Chain:
         # what a forward keeps includes its output, so xbar[s] >= x[s+1]
         xbar = tuple(max(rng.randint(1, 2 * max_size), x[s + 1] if s < L else 0)
                      for s in range(n))
-        return cls(fw=ints(1, max_time), bw=ints(1, 2 * max_time), x=x, xbar=xbar,
-                   delta=x, fw_tmp=ints(0, max_size // 2) if tmp else (0,) * n,
-                   bw_tmp=ints(0, max_size // 2) if tmp else (0,) * n,
-                   name=f"random-L{L}-seed{seed}")
+        fw, bw = ints(1, max_time), ints(1, 2 * max_time)
+        fw_tmp = ints(0, max_size // 2) if tmp else (0,) * n
+        bw_tmp = ints(0, max_size // 2) if tmp else (0,) * n
+        fck_tmp = ints(0, max_size) if split_tmp else ()
+        return cls(fw=fw, bw=bw, x=x, xbar=xbar, delta=x, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
+                   fck_tmp=fck_tmp, name=f"random-L{L}-seed{seed}")
 
     def replace(self, **changes: Any) -> "Chain":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "fw_tmp" in changes and "fck_tmp" not in changes and self.fck_tmp == self.fw_tmp:
+            d["fck_tmp"] = ()  # it was the default: it follows fw_tmp
         d.update(changes)
         return Chain(**d)

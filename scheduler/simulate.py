@@ -19,8 +19,8 @@ tmp are allocated when the op starts, tmp and the consumed items are freed when 
 op           needs in memory                            adds              frees at its end
 ===========  =========================================  ================  =====================
 ``F_all s``  the input of stage s                       ``xbar[s]``       ``fw_tmp[s]``
-``F_ck s``   the input of stage s (kept)                ``x[s+1]``        ``fw_tmp[s]``
-``F_none s`` the input of stage s                       ``x[s+1]``        ``fw_tmp[s]``, the input
+``F_ck s``   the input of stage s (kept)                ``x[s+1]``        ``fck_tmp[s]``
+``F_none s`` the input of stage s                       ``x[s+1]``        ``fck_tmp[s]``, the input
                                                                           if it is held as ``x[s]``
 ``B s``      ``xbar[s]``, the input of stage s,         ``delta[s]``      ``bw_tmp[s]``, ``xbar[s]``,
              ``delta[s+1]`` (not for the loss, s = L)                     ``delta[s+1]``, the input
@@ -254,7 +254,8 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
             consumed = kind == "F_none" and inp == ("x", s)
             use(i, inp, consumed, c)
             produce(i, ("xbar", s) if kind == "F_all" else ("x", s + 1), c)
-            c.allocs.append((("tmp", i), chain.fw_tmp[s]))
+            tmp = chain.fw_tmp[s] if kind == "F_all" else chain.fck_tmp[s]
+            c.allocs.append((("tmp", i), tmp))
             c.frees.append(("tmp", i))
             if consumed:
                 c.frees.append(inp)

@@ -13,6 +13,24 @@ def test_chain_roundtrip_and_validation():
         Chain(fw=[1, 1], bw=[1, 1], x=[1, -2], xbar=[1, 1], delta=[1, 1])
 
 
+def test_fck_tmp_defaults_to_fw_tmp_and_round_trips():
+    c = Chain(fw=[1, 1], bw=[1, 1], x=[2, 3], xbar=[4, 0], delta=[2, 3], fw_tmp=[5, 0])
+    assert c.fck_tmp == c.fw_tmp == (5, 0)
+    assert "fck_tmp" not in c.to_dict()  # the default is not written: old files read the same
+    assert Chain.from_json(c.to_json()) == c
+    # a defaulted fck_tmp follows fw_tmp through replace; a given one stays
+    assert c.replace(fw_tmp=[7, 1]).fck_tmp == (7, 1)
+    d = c.replace(fck_tmp=[9, 0])
+    assert d.to_dict()["fck_tmp"] == [9, 0] and Chain.from_json(d.to_json()) == d
+    assert d.replace(fw_tmp=[7, 1]).fck_tmp == (9, 0)
+    # positional construction keeps its meaning (fck_tmp comes after name and meta)
+    assert Chain([1], [1], [2], [0], [2], [3], [4], "n").fck_tmp == (3,)
+    with pytest.raises(ValueError, match="fck_tmp"):
+        c.replace(fck_tmp=[1])
+    r = Chain.random(4, seed=3, split_tmp=True)
+    assert r.fck_tmp != r.fw_tmp and Chain.random(4, seed=3).x == r.x
+
+
 def test_plan_validation_and_json():
     p = Plan([("F_all", 0), ("B", 0)], planner="test", predicted_time=2)
     assert Plan.from_json(p.to_json()) == p

@@ -146,7 +146,7 @@ def test_a_new_shape_is_planned_without_simulating_it_again(monkeypatch):
     calls = []
     monkeypatch.setattr(chain_runner, "simulate", lambda *a, **k: calls.append(a) or simulate(*a, **k))
     c = Chain.random(12, seed=3)
-    c = c.replace(**{f: [v << 20 for v in getattr(c, f)] for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")})
+    c = c.replace(**{f: [v << 20 for v in getattr(c, f)] for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")})
     full = simulate(c, plan_from_checkpoints(c.L, [])).peak_memory
     plan = chain_runner.make_plan(c, int(full * 0.6), "rotor")
     assert calls == []

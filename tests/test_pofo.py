@@ -13,10 +13,10 @@ from scheduler.plan import Op
 from scheduler.planners import offload, pofo, rotor
 
 
-def _chains(n, max_L=6, seed0=0):
+def _chains(n, max_L=6, seed0=0, split_tmp=False):
     for seed in range(seed0, seed0 + n):
         rng = random.Random(seed)
-        yield Chain.random(rng.randint(1, max_L), seed=seed), rng
+        yield Chain.random(rng.randint(1, max_L), seed=seed, split_tmp=split_tmp), rng
 
 
 def _check(c, p, M, bw):
@@ -64,10 +64,12 @@ def test_offloading_only_helps_and_plans_are_exact_or_simulated():
             assert p.meta["dp_time"] >= c.total_compute() - 1e-9
 
 
-def test_exhaustive_oracle_on_tiny_chains():
-    """dp value (continuous transfers) <= the best simulated plan of its class <= pofo's."""
+@pytest.mark.parametrize("split_tmp", [False, True])
+def test_exhaustive_oracle_on_tiny_chains(split_tmp):
+    """dp value (continuous transfers) <= the best simulated plan of its class <= pofo's
+    (split_tmp: the no-grad forwards' transient differs from F_all's)."""
     n = 0
-    for c, rng in _chains(10, max_L=3, seed0=200):
+    for c, rng in _chains(10, max_L=3, seed0=200, split_tmp=split_tmp):
         lo, hi = pofo.min_memory(c), pofo.max_memory(c)
         for M in sorted({lo, (lo + hi) // 2, (lo + 3 * hi) // 4}):
             bw = rng.choice([1, 2, 4])

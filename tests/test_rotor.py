@@ -9,8 +9,10 @@ from _oracle import optimum_by_memory
 from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor
 
-ORACLE_CASES = [(L, seed, tmp) for L in range(0, 6) for seed in range(2) for tmp in (True, False)]
-ORACLE_CASES += [(6, seed, tmp) for seed in range(3) for tmp in (True, False)]
+# tmp "split": F_ck / F_none have their own transient (Chain.fck_tmp), unlike F_all's
+ORACLE_CASES = [(L, seed, tmp) for L in range(0, 6) for seed in range(2)
+                for tmp in (True, False, "split")]
+ORACLE_CASES += [(6, seed, tmp) for seed in range(3) for tmp in (True, False, "split")]
 
 
 def check_prediction(chain, plan, memory=None, exact=True):
@@ -27,7 +29,7 @@ def check_prediction(chain, plan, memory=None, exact=True):
 
 @pytest.mark.parametrize("L, seed, tmp", ORACLE_CASES)
 def test_optimal_for_every_memory_limit(L, seed, tmp):
-    chain = Chain.random(L, seed=100 * L + seed, tmp=tmp)
+    chain = Chain.random(L, seed=100 * L + seed, tmp=bool(tmp), split_tmp=tmp == "split")
     best = optimum_by_memory(chain)
     least = min(best)
     for m, t in best.items():
@@ -77,7 +79,7 @@ def byte_chain(L, seed, scale=1 << 20):
     """A random chain in 'bytes' (sizes in MiB-ish) and fractional seconds."""
     c = Chain.random(L, seed=seed)
     return c.replace(**{f: [v * scale + 17 * s for s, v in enumerate(getattr(c, f))]
-                        for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")},
+                        for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")},
                      fw=[v / 1000 for v in c.fw], bw=[v / 1000 for v in c.bw])
 
 

@@ -56,6 +56,18 @@ def test_checkpoint_ops_hand_computed():
     assert max(m for _, m in r.timeline) == 100
 
 
+def test_forwards_that_keep_nothing_hold_fck_tmp():
+    # F_ck / F_none hold fck_tmp (the no-grad forward's transient), F_all holds fw_tmp
+    c = C.replace(fck_tmp=[100, 200, 300])
+    p = Plan([("F_ck", 0), ("F_none", 1), ("F_all", 2), ("B", 2), ("F_all", 0), ("F_all", 1),
+              ("B", 1), ("B", 0)])
+    peaks = [s.peak for s in simulate(c, p).steps]
+    base = [s.peak for s in simulate(C, p).steps]
+    assert peaks[0] == base[0] - 1 + 100 and peaks[1] == base[1] - 2 + 200
+    assert peaks[2:] == base[2:]
+    assert simulate(C.replace(fck_tmp=C.fw_tmp), p).steps == simulate(C, p).steps
+
+
 def test_store_all_and_x0_counts():
     r = simulate(C, store_all(C))
     # F_all 0,1,2 keep everything; the loss's backward is the peak

@@ -37,7 +37,8 @@ def held_only(chain):
     runner holds between ops (the loss lives outside the wrapped chain; the gradients between
     blocks are autograd's, the runtime being non-reentrant)."""
     n = len(chain)
-    return chain.replace(fw_tmp=[0] * n, bw_tmp=[0] * n, xbar=tuple(chain.xbar[:-1]) + (0,),
+    return chain.replace(fw_tmp=[0] * n, fck_tmp=[0] * n, bw_tmp=[0] * n,
+                         xbar=tuple(chain.xbar[:-1]) + (0,),
                          delta=[0] * n)
 
 

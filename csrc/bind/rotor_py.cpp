@@ -13,12 +13,12 @@ using D = std::vector<double>;
 void bind_rotor(nb::module_& m) {
   m.def(
       "rotor_solve",
-      [](D fw, D bw, std::tuple<I, I, I, I, I> u, std::tuple<D, D, D, D, D> e, int64_t budget,
+      [](D fw, D bw, std::tuple<I, I, I, I, I, I> u, std::tuple<D, D, D, D, D, D> e, int64_t budget,
          bool allow_all, bool exact_values) {
         vmalloc::dp::RotorSizes units{std::get<0>(u), std::get<1>(u), std::get<2>(u),
-                                      std::get<3>(u), std::get<4>(u)};
+                                      std::get<3>(u), std::get<4>(u), std::get<5>(u)};
         vmalloc::dp::RotorExact exact{std::get<0>(e), std::get<1>(e), std::get<2>(e),
-                                      std::get<3>(e), std::get<4>(e)};
+                                      std::get<3>(e), std::get<4>(e), std::get<5>(e)};
         vmalloc::dp::RotorResult r;
         {
           nb::gil_scoped_release release;
@@ -28,14 +28,14 @@ void bind_rotor(nb::module_& m) {
       },
       nb::arg("fw"), nb::arg("bw"), nb::arg("units"), nb::arg("exact"), nb::arg("budget"),
       nb::arg("allow_all") = true, nb::arg("exact_values") = true,
-      "Seed 002 Algorithms 1-2. units (int) / exact (float): (x, xbar, delta, fw_tmp, bw_tmp),\n"
+      "Seed 002 Algorithms 1-2. units (int) / exact (float): (x, xbar, delta, fw_tmp, bw_tmp, fck_tmp),\n"
       "x and delta of length L+2. Returns (feasible, time, peak, min_units, ops[(kind, stage)]),\n"
       "kind 0 F_all, 1 F_ck, 2 F_none, 3 B.");
   m.def(
       "rotor_min_units",
-      [](std::tuple<I, I, I, I, I> u, bool allow_all) {
+      [](std::tuple<I, I, I, I, I, I> u, bool allow_all) {
         vmalloc::dp::RotorSizes units{std::get<0>(u), std::get<1>(u), std::get<2>(u),
-                                      std::get<3>(u), std::get<4>(u)};
+                                      std::get<3>(u), std::get<4>(u), std::get<5>(u)};
         return vmalloc::dp::rotor_min_units(units, allow_all);
       },
       nb::arg("units"), nb::arg("allow_all") = true,

@@ -165,7 +165,7 @@ class Solver {
   int64_t input(int s, int x) const { return s == 0 ? c_.x[0] : (x ? c_.xbar[s - 1] : c_.x[s]); }
   // memory of the k-th forward of a F_ck s, F_none s+1..k run (without the input of s)
   int64_t fmem(int s, int k) const {
-    return (k == s ? c_.x[s + 1] : c_.x[k] + c_.x[k + 1]) + c_.fw_tmp[k];
+    return (k == s ? c_.x[s + 1] : c_.x[k] + c_.x[k + 1]) + c_.fck_tmp[k];
   }
 
   static uint64_t ckey(int s, int t, int64_t m, int64_t d) {

@@ -16,6 +16,7 @@ namespace pofo {
 struct Chain {
   int L = 0;
   std::vector<int64_t> x, xbar, delta, fw_tmp, bw_tmp;
+  std::vector<int64_t> fck_tmp;  // transient of F_ck / F_none (Chain.fck_tmp)
   std::vector<double> fw, bw;  // seconds
 };
 

@@ -10,7 +10,8 @@
 // The conditions are reconstructed from the simulator's rules rather than copied from the
 // converted text, which is garbled in three places:
 //  * m_all must also count delta[s] (B s holds its input delta[s+1] AND its output delta[s]
-//    plus bw_tmp), and F_all s holds delta[t+1] + xbar[s] + fw_tmp[s];
+//    plus bw_tmp), and F_all s holds delta[t+1] + xbar[s] + fw_tmp[s] (F_ck / F_none hold
+//    fck_tmp instead: a forward that keeps nothing has its own transient, Chain.fck_tmp);
 //  * m_none is taken per s' (only the F_none ops actually run, s+1..s'-1, plus F_ck s),
 //    not over all of s..t: the paper's bound over-restricts, and the exhaustive oracle in
 //    tests/ scores the finer one as optimal;
@@ -42,12 +43,12 @@ constexpr size_t kMaxCells = size_t(1) << 28;   // refuse tables beyond 2^28 cel
 // The simulator's memory rules inside a sub-chain s..t (the input of s counted outside).
 template <class V, class Vec>
 struct Rules {
-  const Vec &x, &xbar, &delta, &fwt, &bwt;
+  const Vec &x, &xbar, &delta, &fwt, &bwt, &ckt;
   V m_all(int s, int t) const {        // F_all s (with delta[t+1] stored) and B s
     return std::max<V>(delta[t + 1] + xbar[s] + fwt[s], xbar[s] + delta[s + 1] + delta[s] + bwt[s]);
   }
-  V f_ck(int s, int t) const { return delta[t + 1] + x[s + 1] + fwt[s]; }            // F_ck s
-  V f_none(int j, int t) const { return delta[t + 1] + x[j] + x[j + 1] + fwt[j]; }   // F_none j
+  V f_ck(int s, int t) const { return delta[t + 1] + x[s + 1] + ckt[s]; }            // F_ck s
+  V f_none(int j, int t) const { return delta[t + 1] + x[j] + x[j + 1] + ckt[j]; }   // F_none j
 };
 
 // out[i] = min(out[i], (c + A[i]) + B[i]) over ranges of m: the whole cost of the DP. Cloned
@@ -127,7 +128,7 @@ class Solver {
   Solver(const std::vector<double>& fw, const std::vector<double>& bw, const RotorSizes& u,
          bool allow_all)
       : L_(int(fw.size()) - 1), n_(L_ + 1), fw_(fw), bw_(bw), u_(u), all_(allow_all),
-        R_{u.x, u.xbar, u.delta, u.fw_tmp, u.bw_tmp} {
+        R_{u.x, u.xbar, u.delta, u.fw_tmp, u.bw_tmp, u.fck_tmp} {
     pf_.assign(n_ + 1, 0.0);
     for (int s = 0; s < n_; ++s) pf_[s + 1] = pf_[s] + fw_[s];
     bounds();
@@ -339,6 +340,7 @@ void check(const std::vector<double>& fw, const std::vector<double>& bw, const R
   need(u.xbar.size(), n, "xbar");
   need(u.fw_tmp.size(), n, "fw_tmp");
   need(u.bw_tmp.size(), n, "bw_tmp");
+  need(u.fck_tmp.size(), n, "fck_tmp");
 }
 
 int64_t min_units_impl(const RotorSizes& units, bool allow_all) {
@@ -359,7 +361,8 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
   int L = solver.L();
   solver.fill(m);
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
-  Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp};
+  Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
+                                     exact.fck_tmp};
   r.peak = exact.x[0] + solver.rebuild(0, L, m, E, r.ops, &r.time);
   r.feasible = true;
   return r;

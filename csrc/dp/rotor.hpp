@@ -16,10 +16,10 @@ namespace dp {
 enum RotorKind : int { kFAll = 0, kFCk = 1, kFNone = 2, kB = 3 };
 
 struct RotorSizes {            // one entry per stage (x, delta: L+2 entries)
-  std::vector<int64_t> x, xbar, delta, fw_tmp, bw_tmp;
+  std::vector<int64_t> x, xbar, delta, fw_tmp, bw_tmp, fck_tmp;
 };
 struct RotorExact {
-  std::vector<double> x, xbar, delta, fw_tmp, bw_tmp;
+  std::vector<double> x, xbar, delta, fw_tmp, bw_tmp, fck_tmp;
 };
 
 struct RotorResult {

@@ -221,7 +221,7 @@ class ChainEstimator(_Fitted):
         if hit is not None:
             return hit
         row = self._fit.eval(input_size).reshape(len(CHAIN_FIELDS), self.L + 1)
-        sizes = np.ceil(row[2:]).astype(np.int64)            # x, xbar, delta, fw_tmp, bw_tmp
+        sizes = np.ceil(row[2:]).astype(np.int64)            # CHAIN_FIELDS[2:]: x, xbar, ...; bytes
         sizes[1, :-1] = np.maximum(sizes[1, :-1], sizes[0, 1:])  # xbar[s] >= x[s+1]
         fields = {"fw": row[0].tolist(), "bw": row[1].tolist()}
         fields.update({f: sizes[k].tolist() for k, f in enumerate(CHAIN_FIELDS[2:])})

@@ -368,7 +368,7 @@ def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[i
             chain.bw_tmp))
         M = slots
     else:
-        (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+        (x, xbar, delta, fw_tmp, bw_tmp, _), M, unit = rotor.discretize(chain, memory, slots)
     act = [x[0]] + list(xbar)
     args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
             [float(v) for v in chain.bw], M, float(bandwidth) / unit)

@@ -78,7 +78,7 @@ def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
     d = list(c.delta) + [0]
     need = 0
     for s in range(L + 1):
-        fwd = x[s] + (x[s + 1] if s < L else c.xbar[s]) + c.fw_tmp[s]
+        fwd = x[s] + (x[s + 1] + c.fck_tmp[s] if s < L else c.xbar[s] + c.fw_tmp[s])
         rec = x[s] + c.xbar[s] + d[s + 1] + c.fw_tmp[s]
         bwd = x[s] + c.xbar[s] + d[s + 1] + d[s] + c.bw_tmp[s]
         need = max(need, fwd, rec, bwd)
@@ -103,7 +103,7 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
     index)`` pairs in the order they run."""
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
-    (x, xbar, delta, fw_tmp, bw_tmp), M, unit = rotor.discretize(chain, memory, slots)
+    (x, xbar, delta, fw_tmp, bw_tmp, fck_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
         raise ValueError(f"pofo.solve: memory {memory:g} is {M} units; the DP takes at most "
                          "131071 (pass slots=<int>)")
@@ -111,7 +111,7 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
         [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
-        int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)])
+        int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)], fck_tmp)
     if not ok:
         return None
     return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
@@ -543,7 +543,7 @@ def _group_backward(chain: Chain, h: int, e: int, memory: Number,
                 x=[chain.xbar[h]] + [chain.x[s] for s in range(h + 2, e + 1)],
                 xbar=[chain.xbar[s] for s in idx], delta=[chain.delta[s] for s in idx],
                 fw_tmp=[chain.fw_tmp[s] for s in idx], bw_tmp=[chain.bw_tmp[s] for s in idx],
-                name=f"{chain.name}[{h + 1}..{e}]")
+                fck_tmp=[chain.fck_tmp[s] for s in idx], name=f"{chain.name}[{h + 1}..{e}]")
     budget = memory - chain.x[h] - chain.delta[e + 1]
     if budget <= 0:
         return None

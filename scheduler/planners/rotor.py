@@ -34,7 +34,7 @@ def _op(kind_stage: Tuple[int, int]) -> Op:
     if op is None:
         op = _OPS[kind_stage] = Op(KIND_NAMES[kind_stage[0]], kind_stage[1])
     return op
-SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp")
+SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
 
 
 def _core():

@@ -147,6 +147,10 @@ class OpTracer(TorchDispatchMode):
         self.sizes: Dict[int, int] = {}
         self.traffic = 0
         self._keep: List[Any] = []
+        self.marks: List[int] = []  # op counts at which an autograd node finished
+
+    def mark(self) -> None:
+        self.marks.append(len(self.ops))
 
     def _key(self, t: torch.Tensor) -> int:
         s = t.untyped_storage()
@@ -170,19 +174,26 @@ class OpTracer(TorchDispatchMode):
         self._keep.append((args, kwargs, out))  # no storage is freed (and its address reused)
         return out
 
-    def peak_live(self, skip: Set[int], keep: Set[int] = frozenset()) -> int:
+    def peak_live(self, skip: Set[int], keep: Set[int] = frozenset(),
+                  release: Set[int] = frozenset()) -> int:
         """Peak bytes of storages created during the trace, each freed right after its last use
         (eager freeing, as PyTorch's caching allocator does when the last reference dies).
 
         ``skip``: storages not counted (the stage's inputs, parameters, outputs...). ``keep``:
         storages that, once created, stay until the end (what autograd saves). Storages first
-        seen as an *input* of an op existed before the trace and are not counted."""
+        seen as an *input* of an op existed before the trace and are not counted, except those
+        in ``release``: pre-existing storages freed once the autograd node that last read them
+        has finished (the first of ``marks`` after their last read; autograd releases a node's
+        saved tensors after the whole node ran), whose bytes are then credited back.
+        Never below 0."""
         n = len(self.ops)
         birth: Dict[int, int] = {}
         last: Dict[int, int] = {}
         known: Set[int] = set()
+        last_read: Dict[int, int] = {}
         for i, (reads, writes) in enumerate(self.ops):
             for k in reads:
+                last_read[k] = i
                 if k not in known:
                     known.add(k)  # pre-existing storage: never born here
                 elif k in birth:
@@ -195,6 +206,11 @@ class OpTracer(TorchDispatchMode):
                 if k in birth:
                     last[k] = i
         diff = [0] * (n + 1)
+        marks = sorted(self.marks)
+        for k in release:
+            if k in known and k not in birth and k in last_read:
+                end = next((m for m in marks if m > last_read[k]), n)
+                diff[min(end, n)] -= self.sizes[k]
         for k, b in birth.items():
             end = n if k in keep else last[k] + 1
             diff[b] += self.sizes[k]
@@ -253,6 +269,20 @@ def backward(outputs: Tensors, grads: Tensors, wrt: List[torch.Tensor]) -> Tuple
                                allow_unused=True)
 
 
+def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
+    """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished (the
+    graph is this trace's own; ``AccumulateGrad`` nodes belong to the parameters: left alone)."""
+    seen: Set[int] = set()
+    todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(node))
+        node.register_hook(lambda *_: tracer.mark())
+        todo.extend(f for f, _ in node.next_functions)
+
+
 def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Sequence[torch.Tensor],
                 state_keys: Set[int], cuda_dropout: bool) -> Tuple[Tensors, Dict[str, float]]:
     """Sizes, FLOPs and bytes of one stage (a block or the loss) on whatever device ``inputs``
@@ -274,16 +304,26 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     xbar = xbar_bytes(saved.tensors, outputs, inputs, state_keys)
     tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
     peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
-    fw_tmp = max(tmp_none, peak_all - xbar, 0)
+    fw_tmp = max(peak_all - xbar, 0)  # F_all: its intermediates are in xbar
+    fck_tmp = max(tmp_none, 0)  # F_ck / F_none: nothing saved, the largest freed as it goes
 
     wrt = requires_grad_leaves(inputs, params)
     grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
     b_trace, b_flops = OpTracer(), FlopCounterMode(display=False)
+    _mark_nodes(outputs, b_trace)
     with b_flops, b_trace:
         grads = backward(outputs, grads_out, wrt)
-    made = {storage_key(g) for g in grads if g is not None}
-    bw_tmp = b_trace.peak_live(skip=made)
+    # delta[s] (the input gradients) is counted by the chain; the parameter gradients are
+    # transient here: each is added into an existing .grad and freed (a first step makes
+    # them .grad instead, which lasts: counting them still bounds that step's peak)
+    n_in = sum(1 for t in inputs if t.requires_grad)
+    made = {storage_key(g) for g in grads[:n_in] if g is not None}
+    # autograd frees each saved tensor once its node has run (no retain_graph), so the backward
+    # peak beyond xbar credits what is already released, as the CUDA measurement sees it; the
+    # stage's input, output and the weights stay (held by the chain, the runtime, the model)
+    held = in_keys | out_keys | state_keys | {storage_key(g) for g in grads_out}
+    bw_tmp = b_trace.peak_live(skip=made, release=saved.keys() - held)
     return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp,
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp,
         fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
         fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)

@@ -16,9 +16,9 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
 * ``x``, ``xbar``, ``delta``: from ``saved_tensors_hooks`` on the real tensors, counted as
   ``meta_chain`` counts them (distinct storages; input, parameters and buffers excluded from
   ``xbar``; output included).
-* ``fw_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as rotor did):
-  the peak of a saving forward beyond ``xbar``, of a no-grad forward beyond its output (the larger
-  of the two, see ``meta``), and of the backward beyond the gradients it returns. On CPU, PyTorch
+* ``fw_tmp``, ``fck_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as
+  rotor did): the peak of a saving forward beyond ``xbar`` (``fw_tmp``), of a no-grad forward
+  beyond its output (``fck_tmp``), and of the backward beyond the gradients it returns. On CPU, PyTorch
   has no allocator statistics, so they are *estimated* by the op tracer of ``meta_chain``
   (liveness of every intermediate storage, freed after its last use) run on the real tensors.
 
@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..chain import Chain
+from ..chain import FIELDS, Chain
 from . import _trace as T
 from .meta import _check_blocks
 
@@ -111,8 +111,13 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
         outs = fn(inputs)
         grads_out = tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
         grads, peak_b = peak_of(lambda: T.backward(outs, grads_out, T.requires_grad_leaves(inputs, params)))
+    # autograd.grad holds every parameter gradient until it returns; in training each is
+    # added into .grad and freed as it comes, so one (the largest) is transient at a time
+    n_in = sum(1 for t in inputs if t.requires_grad)
     made = T.storage_bytes([g for g in grads if g is not None])
-    return {"fw_tmp": max(peak_all - xbar, peak_none - out_bytes, 0), "bw_tmp": max(peak_b - made, 0)}
+    largest = max((T.storage_bytes([g]) for g in grads[n_in:] if g is not None), default=0)
+    return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
+            "bw_tmp": max(peak_b - made + largest, 0)}
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -137,7 +142,7 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
                 raise ValueError(f"model_blocks[{i}]: {n} is on {p.device} but sample_input is on "
                                  f"{device}; move the blocks to the input's device first")
 
-    cols: Dict[str, List[float]] = {k: [] for k in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
+    cols: Dict[str, List[float]] = {k: [] for k in FIELDS}
     L = len(blocks)
     for s in range(L + 1):
         inputs = T.fresh_inputs(values, requires_grad=input_grad or s > 0)
@@ -179,7 +184,7 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
                               repeat, warmup)
         cols["x"].append(T.storage_bytes(inputs))
         cols["delta"].append(T.grad_bytes(inputs))
-        for k in ("xbar", "fw_tmp", "bw_tmp"):
+        for k in ("xbar", "fw_tmp", "bw_tmp", "fck_tmp"):
             cols[k].append(int(r[k]))
         cols["fw"].append(fw)
         cols["bw"].append(bw if wrt else 0.0)

@@ -9,12 +9,13 @@ with its input detached and requiring grad as in the middle of a network:
                 plus the output (``xbar[s] >= x[s+1]``);
 * ``delta[s]``  bytes of the gradient w.r.t. the input: dense, one per floating input
                 (``= x[s]`` for a contiguous floating input; 0 for token ids);
-* ``fw_tmp[s]`` transient memory of the forward: the larger of
-                (a) the peak of intermediates in a no-grad forward (F_none: nothing saved, each
-                    intermediate freed after its last use), beyond input and output, and
-                (b) the peak of a saving forward (F_all) beyond the stored ``xbar[s]``;
-                so ``stored + x[s+1] + fw_tmp`` and ``stored + xbar[s] + fw_tmp`` both bound the
-                real peak (the chain model has one ``fw_tmp`` for both kinds of forward);
+* ``fw_tmp[s]`` transient memory of the saving forward (F_all): its peak beyond the stored
+                ``xbar[s]``, so ``stored + xbar[s] + fw_tmp`` bounds the real peak;
+* ``fck_tmp[s]`` transient memory of a no-grad forward (F_ck, F_none: nothing saved, each
+                intermediate freed after its last use) beyond input and output, so
+                ``stored + x[s+1] + fck_tmp`` bounds its real peak. The two differ: a saving
+                forward's intermediates are in ``xbar``, a no-grad one's largest (attention
+                scores) are transient;
 * ``bw_tmp[s]`` peak of the gradients created inside the backward that are neither ``delta[s]``
                 nor parameter gradients (those are persistent ``.grad`` memory, not activations);
 * ``fw[s]``, ``bw[s]``: ``CostModel.seconds(FLOPs, bytes moved)`` of the forward / backward ops.
@@ -29,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from ..chain import Chain
+from ..chain import FIELDS, Chain
 from . import _trace as T
 from .cost import V100_BYTES_PER_S, V100_FLOPS_PER_S, CostModel
 
@@ -115,7 +116,7 @@ def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequ
     loss_fn = T.make_loss(loss)
 
     values: T.Tensors = tuple(torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes))
-    cols: Dict[str, List[float]] = {k: [] for k in ("fw", "bw", "x", "xbar", "delta", "fw_tmp", "bw_tmp")}
+    cols: Dict[str, List[float]] = {k: [] for k in FIELDS}
     total_flops = 0.0
     L = len(blocks)
     for s in range(L + 1):
@@ -142,6 +143,7 @@ def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequ
         cols["xbar"].append(r["xbar"])
         cols["fw_tmp"].append(r["fw_tmp"])
         cols["bw_tmp"].append(r["bw_tmp"])
+        cols["fck_tmp"].append(r["fck_tmp"])
         cols["fw"].append(cost.seconds(r["fw_flops"], r["fw_bytes"]))
         cols["bw"].append(cost.seconds(r["bw_flops"], r["bw_bytes"]))
         total_flops += r["fw_flops"] + r["bw_flops"]
