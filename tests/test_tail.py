@@ -184,6 +184,45 @@ def test_hooks_around_the_model_keep_the_stand_in():
     assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
 
 
+def test_context_left_open_in_the_tail_is_popped_later():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    opened = []
+
+    def open_context(m, a, out):  # a hook that leaves a saved-tensor context open
+        if not opened:
+            ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ctx.__enter__()
+            opened.append(ctx)
+
+    h = head(model).register_forward_hook(open_context)
+    with pytest.warns(UserWarning, match="still open when it returned"):
+        lm = step(model, batch, 0)
+    h.remove()
+    assert "tail" in chains[0].meta and tail_mod._stale  # measured; our hooks inert below
+    opened[0].__exit__(None, None, None)  # the user's context closes...
+    assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
+    assert_same(ref, model, step(ref, batch, 1), step(model, batch, 1), "gpt2")
+    assert clean()  # ...and the next call of the model popped ours
+
+
+def test_loss_outside_the_model():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    ids = batch["input_ids"]
+    for seed in range(2):
+        grads = []
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            logits = m(input_ids=ids).logits
+            nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+            grads.append([p.grad for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    (c,) = chains
+    logits = ids.numel() * VOCAB * 4
+    # logits and the LM head's input; the loss computed after the model returns is not seen
+    assert logits <= c.xbar[c.L] < 2 * logits
+
+
 def test_undo_between_forward_and_backward():
     ref, model, batch, _ = checkpointed_model("gpt2")
     loss = model(**batch).loss
