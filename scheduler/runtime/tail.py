@@ -35,11 +35,12 @@ computed *after* the model returns (no ``labels=``) is outside the tail measured
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -338,7 +339,7 @@ class TailProbe:
         meta = dict(chain.meta)
         meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
                             "op-tracer estimate", replaced_loss=meta.get("loss"))
-        return Chain(x=chain.x, delta=chain.delta, name=chain.name, meta=meta, **cols)
+        return dataclasses.replace(chain, meta=meta, **cols)  # other fields as measured
 
 
 def _born(tracer: T.OpTracer) -> Set[int]:
