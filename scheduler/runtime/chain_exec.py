@@ -268,6 +268,9 @@ class Frame:
     @staticmethod
     def unpack(h: Holder) -> torch.Tensor:
         f = h.frame
+        if f.step.replaying:  # runtime.tail replays the tail's backward: it must stop above us
+            raise RuntimeError(f"{f.step.name}: the replay of the model's tail reached block "
+                               f"{f.s}'s backward")
         if not f.triggered:
             f.triggered = True
             f.step.backward_reaches(f.s)
@@ -376,6 +379,7 @@ class ChainStep:
         self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
         self.failed_call: Optional[BlockCall] = None  # the call of the block running now
         self.passed_through: Set[int] = set()         # storages blocks return unchanged
+        self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
 
     def abandon(self) -> None:
         """The forward failed half way: drop every reference to values and to the partial

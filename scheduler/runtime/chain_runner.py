@@ -218,6 +218,9 @@ class ChainRunner:
         self.last_plan: Optional[Plan] = None
         self.collections = 0
         self.profiling_steps = 0
+        # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
+        # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
+        self.tail: Any = None
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -283,13 +286,21 @@ class ChainRunner:
             self.passthrough = was
             keep.restore()
 
-    def _measure_step(self, step: ChainStep) -> Chain:
-        """The chain measured on the calls of a forward that just ran (a profiling step)."""
+    def _measure_step(self, step: ChainStep) -> Tuple[Chain, Hashable]:
+        """The chain measured on the calls of a forward that just ran (a profiling step), not
+        yet checked, and what it was measured for (``_check_chain``'s ``agree_on``)."""
         calls = [f.call for f in step.frames]
         stages = [_BoundBlock(b, c, c.anchored and s > 0)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        return self._check_chain(self._measure(stages, x0), agree_on=signature(x0, {}))
+        return self._measure(stages, x0), signature(x0, {})
+
+    def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
+                       device: Optional[torch.device]) -> None:
+        """Plan (and cache for ``key``) on a chain a profiling step measured: at the end of
+        its forward, or once the model's tail was measured (``tail.TailProbe``)."""
+        chain = self._check_chain(chain, agree_on=agree_on)
+        self.cache.get_or_plan(key, lambda: self._make(chain, device))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
@@ -392,7 +403,7 @@ class ChainRunner:
         self.last_plan = cplan.plan
         return step
 
-    def _end_forward(self, step: ChainStep) -> None:
+    def _end_forward(self, step: ChainStep, out: Any) -> None:
         key = getattr(step, "profile_key", None)
         if key is not None:
             self.profiling_steps += 1
@@ -403,9 +414,13 @@ class ChainRunner:
                     accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
                     np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"),
                     agree_on=key)
-            else:
-                chain = self._measure_step(step)
-            self.cache.get_or_plan(key, lambda: self._make(chain, dev))
+                self.cache.get_or_plan(key, lambda: self._make(chain, dev))
+                return
+            chain, agree_on = self._measure_step(step)
+            if self.tail is not None and \
+                    self.tail.begin(self, key, chain, agree_on, dev, tensor_leaves(out), step):
+                return  # planned when the model's forward returns, with its tail as stage L
+            self._plan_measured(key, chain, agree_on, dev)
         elif step.collector is not None:
             c = step.collector
             self.mimose.observe(step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
@@ -431,6 +446,8 @@ class ChainRunner:
         if self.passthrough:
             return run_first(args, kwargs)
         if s == 0:
+            if self.tail is not None:  # a tail measured since the last block is over
+                self.tail.block_zero()
             if self.current is not None:  # the last forward stopped between blocks (raised)
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
@@ -448,7 +465,7 @@ class ChainRunner:
             raise
         if s == self.L - 1:
             self.current = None
-            self._end_forward(step)
+            self._end_forward(step, out)
         return out
 
     # -------------------------------------------------------------------------- report

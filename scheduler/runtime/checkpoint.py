@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
+from .tail import TailProbe
 
 NAME = "scheduler.checkpoint"
 _ATTR = "_vmalloc_checkpoint"
@@ -32,9 +33,11 @@ BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, n
 class Checkpointed:
     """What ``checkpoint`` installed on a model: the block lists and their runners."""
 
-    def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner]):
+    def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner],
+                 tail: Optional[TailProbe] = None):
         self.lists = lists
         self.runners = runners
+        self.tail = tail  # measures the model's tail as the chain's loss stage, or None
 
     def stats(self) -> Dict[str, Any]:
         """Per block list: the runner's figures (plans, cache, last peak)."""
@@ -164,6 +167,8 @@ def undo(model: nn.Module) -> nn.Module:
     done: Optional[Checkpointed] = model.__dict__.pop(_ATTR, None)
     if done is None:
         return model
+    if done.tail is not None:
+        done.tail.remove()
     for (_, lst), runner in zip(done.lists, done.runners):
         for block in lst:
             fwd = block.__dict__.get("forward")
@@ -195,7 +200,9 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``); a ``chain`` callable gets
     block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of
     each new input shape checkpoints every block and measures the chain on the blocks' real
-    calls; the plan runs from the next step on.
+    calls, and its loss stage on the model's own tail (what runs between the last block's
+    return and the model's: final norm, LM head, the loss; ``runtime.tail``; ``loss=``
+    keeps ``measure_chain``'s stand-in instead); the plan runs from the next step on.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{NAME}: model must be an nn.Module, got {type(model).__name__}")
@@ -226,5 +233,10 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
             own = block.__dict__.get("forward")
             block.forward = _BlockForward(runner, s, block, own or block.forward,
                                           installed=own is not None)
-    model.__dict__[_ATTR] = Checkpointed(lists, runners)
+    # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
+    # profiling steps as the chain's loss stage, unless loss= says what that stage is
+    tail = TailProbe(model, NAME) if "loss" not in options else None
+    for runner in runners:
+        runner.tail = tail
+    model.__dict__[_ATTR] = Checkpointed(lists, runners, tail)
     return model

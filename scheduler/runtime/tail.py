@@ -1,0 +1,419 @@
+"""The model's tail as the chain's loss stage ``L`` (issue 13), measured on a profiling step.
+
+Under ``scheduler.checkpoint`` the blocks run inside the model's own forward; what runs after
+the last block returns (a final norm, the LM head, the loss: logits and the log-softmax that
+cross-entropy saves) and its backward, down to the gradient of the last block's output, is
+the chain's stage ``L``. ``measure_chain``'s stand-in loss ("sum") says it costs nothing, so
+plans would peak where, in reality, the tail's memory is live too.
+
+``TailProbe`` (one per checkpointed model) measures it on the real step, in the caller's
+thread, between two points of one call of the model (both balanced, so no hook or mode
+outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward hook):
+
+- when the last block of a profiling step returns (``begin``): saved-tensor pack hooks (what
+  autograd saves in the tail) and, on the CPU, the op tracer ``_trace.OpTracer`` (which
+  storages the tail creates, and their eager-free peak) are pushed; on CUDA the allocator's
+  ``memory_allocated`` is read and its peak statistics reset;
+- when the model's forward returns (``finish``): they are popped (only if on top of their
+  stacks: a context the model opened and left open would otherwise lose its entry; then they
+  turn inert and are popped at the next chance, with a warning). ``xbar[L]`` = what the tail
+  saved and returned that it created (CPU: storages the tracer saw born, parameters and the
+  last block's output aside; CUDA: ``memory_allocated`` now minus at ``begin``, the truth),
+  ``fw_tmp[L]`` = the forward's peak above that (tracer / ``max_memory_allocated``), ``fw[L]``
+  its time. Then the tail's backward is replayed once (``torch.autograd.grad`` from the
+  model's loss, or from its outputs, to the last block's output, ``retain_graph=True``:
+  nothing accumulates, the user's backward later runs on the same graph): ``bw[L]`` its time,
+  ``bw_tmp[L]`` its peak above the gradients it makes. ``x[L]`` and ``delta[L]`` are the
+  measured chain's (the last block's output and its gradient).
+
+Not measured (the chain keeps ``measure_chain``'s loss stage, with a one-time warning): blocks
+called outside the model's forward, saved-tensor hooks or dispatch modes already active at the
+model's call, a model whose output does not depend on the last block's output with a gradient,
+module backward hooks in the model (the replay would call them), a forward that raised. A loss
+computed *after* the model returns (no ``labels=``) is outside the tail measured here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Hashable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+from torch.utils import _python_dispatch as dispatch
+
+from ..chain import Chain
+from ..profile import _trace as T
+from .block_calls import tensor_leaves
+from .chain_exec import _unlinked
+
+_warned: Set[str] = set()
+
+
+def _warn_once(reason: str, message: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(message, stacklevel=3)
+
+
+def _top_hooks() -> Any:
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _stacks_clean() -> bool:
+    """No saved-tensor hooks and no dispatch mode active (ours would shadow them)."""
+    return _top_hooks() is None and dispatch._get_current_dispatch_mode() is None
+
+
+class _TailTracer(T.OpTracer):
+    """The op tracer, inert once its recording is over (if it could not be popped at once)."""
+
+    active = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.active:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Hooks:
+    """The pack/unpack pair pushed for the tail. Packs keep what autograd would keep (the
+    tensor, unlinked from its history as ``chain_exec`` does: no reference cycle) and, while
+    recording, note it."""
+
+    def __init__(self) -> None:
+        self.saved: List[torch.Tensor] = []
+        self.recording = True
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.recording:
+            self.saved.append(t)
+        return _unlinked(t)
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+# pushed entries that were not on top of their stack when their call ended: popped as soon as
+# they are (each is inert meanwhile: the hooks pass tensors through, the tracer records nothing)
+_stale: List[Tuple[str, Any]] = []
+
+
+def _pop_hooks(h: _Hooks) -> bool:
+    top = _top_hooks()
+    if top is not None and getattr(top[0], "__self__", None) is h:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        return True
+    return False
+
+
+def _pop_tracer(tr: _TailTracer) -> bool:
+    if dispatch._get_current_dispatch_mode() is tr:
+        tr.__exit__(None, None, None)
+        return True
+    return False
+
+
+def _sweep() -> None:
+    """Pop stale entries that are on top of their stacks now."""
+    changed = True
+    while changed and _stale:
+        changed = False
+        for item in list(_stale):
+            kind, obj = item
+            if (_pop_hooks(obj) if kind == "hooks" else _pop_tracer(obj)):
+                _stale.remove(item)
+                changed = True
+
+
+class _Recording:
+    """One tail being measured: the runner's pending chain and what was pushed for it."""
+
+    def __init__(self, runner: Any, key: Hashable, chain: Chain, agree_on: Hashable,
+                 device: torch.device, lasts: Sequence[torch.Tensor], depth: int, step: Any):
+        self.runner = runner
+        self.key = key
+        self.chain = chain
+        self.agree_on = agree_on
+        self.device = device
+        self.lasts = list(lasts)
+        self.depth = depth
+        self.step = step  # the profiling ChainStep: the replay must not enter its blocks
+        self.thread = threading.get_ident()
+        self.hooks = _Hooks()
+        self.tracer: Optional[_TailTracer] = None
+        self.m0 = 0
+        self.t0 = 0.0
+        self.pushed = False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TailProbe:
+    """Measures the tail of ``model`` around the runners of its block lists (module doc)."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model = model
+        self.name = name
+        self.depth = 0
+        self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
+        self.rec: Optional[_Recording] = None
+        self.handles = [model.register_forward_pre_hook(self._enter),
+                        model.register_forward_hook(self._exit, always_call=True)]
+
+    def remove(self) -> None:
+        """Undo: drop a recording in progress (nothing is planned for it), unhook."""
+        self._abort(None, plan=False)
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # ------------------------------------------------------------------------ model hooks
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.rec is not None:
+            # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
+            # run on Exception only), or the model called again inside its own tail
+            self._abort("was interrupted or called itself")
+            self.depth, self.clean = 0, []
+        if self.depth == 0:
+            self.clean = []
+        _sweep()
+        self.depth += 1
+        self.clean.append(_stacks_clean())
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.clean:
+            self.clean.pop()
+        rec = self.rec
+        if rec is None or rec.depth != self.depth + 1 or rec.thread != threading.get_ident():
+            return
+        if sys.exc_info()[0] is not None or output is None:
+            self._abort("raised")
+            return
+        self._finish(output)
+
+    # ------------------------------------------------------------------------ the runner's side
+    def block_zero(self) -> None:
+        """A runner's block 0 is called: a tail being measured is over (T5: the encoder's
+        'tail' is the decoder, planned in its own chain), its runner plans without it."""
+        if self.rec is not None:
+            self._abort(None)
+
+    def begin(self, runner: Any, key: Hashable, chain: Chain, agree_on: Hashable,
+              device: Optional[torch.device], last_outs: Sequence[torch.Tensor],
+              step: Any) -> bool:
+        """Start measuring the tail after the last block of a profiling ``step`` returned;
+        False if it cannot be (the runner then plans at once on ``chain``, as before). The
+        replay's gradients are taken at the last block's own outputs (what it passed through
+        unchanged, T5's position bias, comes from further down the chain)."""
+        if self.rec is not None:
+            self._abort(None)
+        if self.depth == 0:
+            _warn_once("outside", f"{self.name}: the blocks ran outside "
+                       f"{type(self.model).__name__}'s forward; the chain's loss stage is "
+                       "measure_chain's stand-in, not the model's tail")
+            return False
+        if not (self.clean[-1] and _stacks_clean()):
+            _warn_once("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are active "
+                       "around the model's forward; its tail (stage L) is not measured, the "
+                       "chain keeps measure_chain's stand-in loss stage")
+            return False
+        lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
+                 T.storage_key(t) not in step.passed_through]
+        if not lasts:
+            _warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
+                       "the model's tail (stage L) is not measured")
+            return False
+        dev = device or lasts[0].device
+        rec = _Recording(runner, key, chain, agree_on, dev, lasts, self.depth, step)
+        if dev.type == "cuda":
+            _sync(dev)
+            rec.m0 = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            rec.tracer = _TailTracer()
+        torch._C._autograd._push_saved_tensors_default_hooks(rec.hooks.pack, rec.hooks.unpack)
+        if rec.tracer is not None:
+            rec.tracer.__enter__()
+        rec.pushed = True
+        self.rec = rec
+        rec.t0 = time.perf_counter()
+        return True
+
+    # ------------------------------------------------------------------------ ending
+    def _release(self, rec: _Recording) -> None:
+        """Pop what ``begin`` pushed (tracer first: pushed last), or leave it inert."""
+        rec.hooks.recording = False
+        if not rec.pushed:
+            return
+        rec.pushed = False
+        stale = False
+        if rec.tracer is not None:
+            rec.tracer.active = False
+            if not _pop_tracer(rec.tracer):
+                _stale.append(("tracer", rec.tracer))
+                rec.tracer._keep = []  # inert from now on: hold no tensor
+                stale = True
+        if not _pop_hooks(rec.hooks):
+            _stale.append(("hooks", rec.hooks))
+            stale = True
+        if stale:
+            _warn_once("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
+                       "during the model's forward was still open when it returned; the tail "
+                       "measurement's own entries are inert and popped when they can be")
+
+    def _abort(self, reason: Optional[str], plan: bool = True) -> None:
+        """End a recording without a tail: its runner plans on the chain as measured."""
+        rec, self.rec = self.rec, None
+        if rec is None:
+            return
+        self._release(rec)
+        rec.hooks.saved.clear()
+        rec.tracer, rec.lasts, rec.step = None, [], None
+        if reason is not None:
+            _warn_once(reason, f"{self.name}: the model's forward {reason} after its last block; "
+                       "the tail (stage L) was not measured, the plan uses measure_chain's "
+                       "stand-in loss stage")
+        if plan:
+            rec.runner._plan_measured(rec.key, rec.chain, rec.agree_on, rec.device)
+
+    def _finish(self, output: Any) -> None:
+        rec, self.rec = self.rec, None
+        _sync(rec.device)
+        fw = time.perf_counter() - rec.t0
+        cuda = rec.device.type == "cuda"
+        if cuda:
+            held = torch.cuda.memory_allocated(rec.device) - rec.m0
+            peak = torch.cuda.max_memory_allocated(rec.device) - rec.m0
+        self._release(rec)
+        chain = rec.chain
+        try:
+            chain = self._tail_chain(rec, output, fw, held if cuda else 0,
+                                     peak if cuda else 0)
+        except Exception as e:  # measuring must not break training: say so, plan as before
+            _warn_once("failed", f"{self.name}: measuring the model's tail failed ({e!r}); "
+                       "the plan uses measure_chain's stand-in loss stage")
+        finally:
+            rec.tracer, rec.lasts, rec.step = None, [], None
+            rec.hooks.saved.clear()
+        rec.runner._plan_measured(rec.key, chain, rec.agree_on, rec.device)
+
+    def _tail_chain(self, rec: _Recording, output: Any, fw: float, held: int,
+                    peak: int) -> Chain:
+        """``rec.chain`` with its stage L replaced by the tail's numbers (or as it is, with a
+        warning, if the model's output does not reach the last block's output)."""
+        chain, L = rec.chain, rec.chain.L
+        cuda = rec.device.type == "cuda"
+        outs = list(tensor_leaves(output))
+        if cuda:  # the allocator's view: all the tail allocated and still holds, its peak
+            xbar, fw_tmp = max(held, 0), max(peak - held, 0)
+        else:
+            state = {T.storage_key(t) for t in
+                     list(self.model.parameters()) + list(self.model.buffers())}
+            xbar, fw_tmp = _cpu_forward(rec, outs, state | {T.storage_key(t) for t in rec.lasts})
+        rec.tracer = None  # the trace's tensors go before the replay
+        rec.hooks.saved.clear()
+        bw = _replay(self.model, outs, rec)
+        if bw is None:
+            _warn_once("unreached", f"{self.name}: the model's output does not depend on its "
+                       "last block's output through a gradient; the tail (stage L) is not "
+                       "measured, the plan uses measure_chain's stand-in loss stage")
+            return chain
+        bw_time, bw_tmp = bw
+        tail = {"fw": fw, "bw": bw_time, "xbar": int(xbar), "fw_tmp": int(fw_tmp),
+                "bw_tmp": int(bw_tmp)}
+        cols = {}
+        for k, v in tail.items():
+            col = list(getattr(chain, k)) or [0] * (L + 1)  # a chain without tmp columns
+            col[L] = v
+            cols[k] = col
+        meta = dict(chain.meta)
+        meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
+                            "op-tracer estimate", replaced_loss=meta.get("loss"))
+        return dataclasses.replace(chain, meta=meta, **cols)  # other fields as measured
+
+
+def _born(tracer: T.OpTracer) -> Set[int]:
+    """Storages the traced ops created (first seen as an op's output, not as an input)."""
+    known: Set[int] = set()
+    born: Set[int] = set()
+    for reads, writes in tracer.ops:
+        known.update(reads)
+        for k in writes:
+            if k not in known:
+                known.add(k)
+                born.add(k)
+    return born
+
+
+def _cpu_forward(rec: _Recording, outs: Sequence[torch.Tensor], skip: Set[int]
+                 ) -> Tuple[int, int]:
+    """``xbar[L]``, ``fw_tmp[L]`` from the tracer: what the tail created and keeps (saved for
+    backward, or returned), and its eager-free peak above that."""
+    tr = rec.tracer
+    born = _born(tr) - skip
+    kept = [t for t in list(rec.hooks.saved) + list(outs) if T.storage_key(t) in born]
+    xbar = T.storage_bytes(kept)
+    peak = tr.peak_live(skip=skip, keep={T.storage_key(t) for t in kept})
+    return xbar, max(peak - xbar, 0)
+
+
+def _has_backward_hooks(model: nn.Module) -> bool:
+    from torch.nn.modules import module as M
+    if M._global_backward_hooks or M._global_backward_pre_hooks:
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
+
+
+def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
+            ) -> Optional[Tuple[float, int]]:
+    """Time and transient peak of the tail's backward, replayed from the model's loss (a
+    one-element output with a gradient; else every output with a gradient, seeded with ones)
+    to the last block's output. ``None`` if no output reaches it."""
+    if _has_backward_hooks(model):
+        _warn_once("bwhooks", "scheduler.checkpoint: the model has module backward hooks, which "
+                   "a replay of its tail's backward would call; the tail's backward is not "
+                   "measured (bw[L], bw_tmp[L] stay measure_chain's)")
+        c, L = rec.chain, rec.chain.L
+        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0)
+    roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
+    losses = [t for t in roots if t.numel() == 1]
+    roots = losses or roots
+    if not roots:
+        return None
+    seeds = [torch.ones_like(t) for t in roots]
+    dev = rec.device
+    tracer = None
+    if dev.type == "cuda":
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        m0 = torch.cuda.memory_allocated(dev)
+    else:
+        tracer = T.OpTracer()
+    t0 = time.perf_counter()
+    rec.step.replaying = True
+    try:
+        with tracer if tracer is not None else contextlib.nullcontext():
+            grads = torch.autograd.grad(roots, rec.lasts, seeds, retain_graph=True,
+                                        allow_unused=True)
+    finally:
+        rec.step.replaying = False
+    _sync(dev)
+    bw = time.perf_counter() - t0
+    made = [g for g in grads if g is not None]
+    if not made:
+        return None
+    if tracer is not None:
+        bw_tmp = tracer.peak_live(skip={T.storage_key(g) for g in made})
+    else:
+        bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
+    return bw, bw_tmp

@@ -1,0 +1,287 @@
+"""scheduler.checkpoint measures the model's tail (final norm, LM head, loss) as the chain's
+loss stage L on its profiling step (issue 13): sizes close to logits + log-softmax, gradients
+bit-identical, nothing left on the saved-tensor-hook or dispatch-mode stacks whatever the user
+does (no backward, a raise, an interrupt, a second call), nothing done on other steps."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, List
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import scheduler
+from scheduler import simulate
+from scheduler.planners import rotor
+from scheduler.planners.mimose import plan_from_checkpoints
+from scheduler.runtime import tail as tail_mod
+from scheduler.runtime.checkpoint import checkpointed
+
+from test_checkpoint_hf import FAST, VOCAB, assert_same, make, step
+from wrap_models import one_thread  # noqa: F401  (autouse fixture)
+
+
+def clean() -> bool:
+    """Nothing on the saved-tensor-hook or dispatch-mode stacks."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is None and \
+        _get_current_dispatch_mode() is None and not tail_mod._stale
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    tail_mod._warned.clear()
+    yield
+    assert clean()
+
+
+def checkpointed_model(name: str, budget: Any = 1 << 40, **options: Any):
+    ref, batch = make(name)
+    model = copy.deepcopy(ref)
+    chains: List[Any] = []
+    scheduler.checkpoint(model, budget, "rotor", measure_options=FAST,
+                         on_chain=lambda c: chains.append(c) or c, **options)
+    return ref, model, batch, chains
+
+
+def head(model: nn.Module) -> nn.Module:
+    return model.get_output_embeddings()
+
+
+# ------------------------------------------------------------------------------ sizes
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_tail_measured_close_to_logits_and_log_softmax(name):
+    ref, model, batch, chains = checkpointed_model(name)
+    lr, lm = step(ref, batch, 0), step(model, batch, 0)  # the profiling step
+    assert_same(ref, model, lr, lm, name)
+    (c,) = chains
+    L = c.L
+    b, s = batch["input_ids"].shape
+    hidden = model.config.hidden_size
+    logits = b * s * VOCAB * 4
+    h_bytes = b * s * hidden * 4
+    assert "tail" in c.meta and c.meta["tail"]["measured"] == "op-tracer estimate"
+    # logits (returned) + log-softmax (saved by cross-entropy) + the LM head's input (and the
+    # norm's normalised value for RMSNorm), a few small tensors (labels, statistics)
+    assert 2 * logits <= c.xbar[L] <= 2 * logits + 2 * h_bytes + 1024, c.xbar[L]
+    assert logits <= c.bw_tmp[L] <= 3 * logits, c.bw_tmp[L]  # gradients of log-softmax, logits
+    assert c.fw[L] > 0 and c.bw[L] > 0
+    assert c.x[L] == h_bytes and c.delta[L] == h_bytes  # the last block's output, its grad
+    for seed in (1, 2):  # the plan made on that chain runs
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), name)
+    (r,) = checkpointed(model).runners
+    assert r.last_plan.chain is c and r.profiling_steps == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_low_budget_bit_identical_and_held_within_prediction(name):
+    _, probe, batch, chains = checkpointed_model(name)
+    step(probe, batch, 0)  # the chain, tail included
+    (c,) = chains
+    lo = rotor.min_memory(c)
+    hi = simulate(c, plan_from_checkpoints(c.L, [])).peak_memory
+    budget = int(lo + 0.05 * (hi - lo)) + 1
+    assert lo > c.x[c.L] + c.xbar[c.L]  # the plans count the tail
+    ref, _ = make(name)
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, budget, "rotor", track_memory=True, measure_options=FAST)
+    for seed in range(3):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+                    f"{name} step {seed}")
+    (r,) = checkpointed(model).runners
+    assert "tail" in r.last_plan.chain.meta
+    held = r.stats()["last_peak_bytes"]
+    assert 0 < held <= r.last_plan.predicted_peak
+    assert r.last_stats.recomputed_forwards > 0
+
+
+def test_t5_decoder_tail_encoder_plans_without_it():
+    ref, model, batch, chains = checkpointed_model("t5")
+    assert_same(ref, model, step(ref, batch, 0), step(model, batch, 0), "t5")
+    enc, dec = chains
+    assert "tail" not in enc.meta  # its "tail" is the decoder, planned in its own chain
+    assert "tail" in dec.meta and dec.xbar[dec.L] >= 2 * 2 * 7 * VOCAB * 4
+
+
+# ------------------------------------------------------------------------------ lifecycle
+def test_only_the_profiling_step_is_measured():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    during: List[bool] = []
+    head(model).register_forward_pre_hook(
+        lambda m, a: during.append(not clean()))
+    for seed in range(3):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2")
+        assert clean()
+    assert during == [True, False, False]
+    assert len(chains) == 1
+
+
+def test_no_backward_then_next_step():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    out = model(**batch)  # the profiling forward, never backward
+    assert clean() and "tail" in chains[0].meta
+    del out
+    for seed in (1, 2):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2")
+    assert checkpointed(model).runners[0].profiling_steps == 1
+
+
+def test_two_forwards_one_backward():
+    ref, model, batch, _ = checkpointed_model("gpt2")
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = m(**batch).loss + m(**batch).loss
+        assert clean()
+        loss.backward()
+    assert_same(ref, model, torch.zeros(()), torch.zeros(()), "two forwards")
+
+
+def test_tail_raises_then_trains():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    calls = []
+
+    def boom(m, a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom in the tail")
+
+    h = head(model).register_forward_pre_hook(boom)
+    with pytest.warns(UserWarning, match="raised after its last block"):
+        with pytest.raises(RuntimeError, match="boom"):
+            model(**batch)
+    assert clean() and "tail" not in chains[0].meta  # planned as before
+    for seed in (1, 2):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2")
+    h.remove()
+
+
+def test_interrupt_in_the_tail_is_cleaned_at_the_next_call():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+
+    def interrupt(m, a):
+        raise KeyboardInterrupt
+
+    h = head(model).register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch)
+    h.remove()
+    assert not clean()  # always_call forward hooks do not run on an interrupt...
+    with pytest.warns(UserWarning, match="interrupted"):
+        lm = step(model, batch, 1)  # ...the next call of the model pops them
+    assert clean()
+    assert_same(ref, model, step(ref, batch, 1), lm, "gpt2")
+
+
+def test_hooks_around_the_model_keep_the_stand_in():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    with pytest.warns(UserWarning, match="saved-tensor hooks or a dispatch mode"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            lm = step(model, batch, 0)
+    assert "tail" not in chains[0].meta
+    assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
+
+
+def test_context_left_open_in_the_tail_is_popped_later():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    opened = []
+
+    def open_context(m, a, out):  # a hook that leaves a saved-tensor context open
+        if not opened:
+            ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ctx.__enter__()
+            opened.append(ctx)
+
+    h = head(model).register_forward_hook(open_context)
+    with pytest.warns(UserWarning, match="still open when it returned"):
+        lm = step(model, batch, 0)
+    h.remove()
+    assert "tail" in chains[0].meta and tail_mod._stale  # measured; our hooks inert below
+    opened[0].__exit__(None, None, None)  # the user's context closes...
+    assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
+    assert_same(ref, model, step(ref, batch, 1), step(model, batch, 1), "gpt2")
+    assert clean()  # ...and the next call of the model popped ours
+
+
+def test_loss_outside_the_model():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    ids = batch["input_ids"]
+    for seed in range(2):
+        grads = []
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            logits = m(input_ids=ids).logits
+            nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+            grads.append([p.grad for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    (c,) = chains
+    logits = ids.numel() * VOCAB * 4
+    # logits and the LM head's input; the loss computed after the model returns is not seen
+    assert logits <= c.xbar[c.L] < 2 * logits
+
+
+def test_undo_between_forward_and_backward():
+    ref, model, batch, _ = checkpointed_model("gpt2")
+    loss = model(**batch).loss
+    scheduler.runtime.checkpoint.undo(model)
+    assert clean()
+    loss.backward()
+
+
+# ------------------------------------------------------------------------------ fallbacks
+class Detached(nn.Module):
+    """A model whose output does not depend on its blocks' output through a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.detach().sum() * self.w
+
+
+def test_unreached_tail_warns_and_keeps_the_stand_in():
+    model = Detached()
+    chains: List[Any] = []
+    scheduler.checkpoint(model, 1 << 30, "rotor", measure_options=FAST,
+                         on_chain=lambda c: chains.append(c) or c)
+    with pytest.warns(UserWarning, match="does not depend on its last block"):
+        model(torch.randn(4, 8)).backward()
+    (c,) = chains
+    assert "tail" not in c.meta and c.meta["loss"] == "sum"
+
+
+def test_wrap_and_loss_option_keep_their_loss_stage():
+    blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+    chains: List[Any] = []
+    w = scheduler.wrap(blocks, 1 << 30, on_chain=lambda c: chains.append(c) or c,
+                       measure_options=FAST, loss="mse")
+    assert w.runner.tail is None
+    w(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert chains[0].meta["loss"] == "mse" and "tail" not in chains[0].meta
+    ref, model, batch, chains = checkpointed_model("gpt2", loss="cross_entropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, batch, 0)
+    assert checkpointed(model).tail is None and "tail" not in chains[0].meta
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_tail_from_the_allocator():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    ref.cuda(), model.cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    for seed in range(3):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2 cuda")
+    (c,) = chains
+    L = c.L
+    logits = batch["input_ids"].numel() * VOCAB * 4
+    assert c.meta["tail"]["measured"] == "cuda allocator statistics"
+    assert c.xbar[L] >= 2 * logits and c.bw_tmp[L] >= logits
