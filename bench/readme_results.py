@@ -313,7 +313,8 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                 "Algorithm 1's own value before the whole-activation conversion."]
         if "dynprog_paper_max_ratio" in s:
             out += ["", "DYNPROG includes our own step on top of seed 000 (GREEDY's decisions "
-                    "as a candidate, then a simulator-scored search over transfer placement); "
+                    "as a candidate, on short chains a simulator-scored climb over the offload "
+                    "decisions and prefetch order, then a search over transfer placement); "
                     f"the paper's plan alone: worst {num(s['dynprog_paper_max_ratio'])}, mean "
                     f"{num(s['dynprog_paper_mean_ratio'])}. DYNPROG slower than GREEDY at "
                     f"{s.get('dynprog_slower_than_greedy')} of {sum(len(c['rows']) for c in d['chains'])} points."]
@@ -321,8 +322,9 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
             out += ["", "'Fluid bound' (bench/offload_fluid.py): a lower bound on every "
                     "offload-only plan, tighter than Proposition 3 (transfers as a fluid, "
                     "the simulator's memory constraints at every op); makespan >= fluid x "
-                    f"Proposition 3. It is above 1.3 at {s.get('fluid_above_1_3')} points "
-                    f"(worst {num(s['fluid_max_ratio'])}): there no plan meets the 1.3 goal. "
+                    f"Proposition 3. Points where it is above 1.3 (no plan can meet the 1.3 "
+                    f"goal there): {s.get('fluid_above_1_3')}; worst "
+                    f"{s['fluid_max_ratio']:.3f}. "
                     f"DYNPROG / fluid bound: worst {num(s.get('dynprog_max_over_fluid'))}."]
         ctx.goal("offloading", "DYNPROG <= 1.3 x lower bound everywhere, mean <= 1.1",
                  f"worst {num(s['dynprog_max_ratio'])}, mean {num(s['dynprog_mean_ratio'])}",
