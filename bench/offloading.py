@@ -6,7 +6,9 @@ Memory limits run from the least any offloading schedule needs (0%) to M_peak (1
 offloading), like seed 000 sections 6.2-6.3. Every makespan is the simulator's, on the plan
 the planner returns; the lower bound is Proposition 3. The summary reports DYNPROG's worst
 and mean ratio (seed 000: below 1.3 everywhere) and its relaxed optimum (Algorithm 1's own
-value, before the whole-activation conversion).
+value, before the whole-activation conversion), and the fluid LP bound of
+``offload_fluid.py`` (needs scipy): no plan of any kind is faster, so where it is above 1.3 x
+Proposition 3 the goal cannot be met.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 from typing import Dict
 
 from common import parse_args, print_table, pyplot, save_png, write_json
+from offload_fluid import fluid_lower_bound
 
 from scheduler import Chain
 from scheduler.planners import offload
@@ -35,6 +38,8 @@ def run_chain(chain: Chain, points: int, slots: int, vdnn_max_L: int) -> Dict:
         lb = offload.lower_bound(chain, M, BANDWIDTH)
         row = {"chain": chain.name, "memory_pct": round(100 * frac), "memory_gib": M / 2 ** 30,
                "lower_bound_s": lb}
+        fluid = fluid_lower_bound(chain, M, BANDWIDTH)
+        row["fluid_bound"] = None if fluid is None else fluid / lb
         for name in ("greedy", "dynprog", "vdnn"):
             if name == "vdnn" and chain.L > vdnn_max_L:
                 continue
@@ -62,7 +67,8 @@ def main() -> None:
         results.append(run_chain(chain, points, slots, vdnn_max_L=60 if args.quick else 120))
     rows = [r for c in results for r in c["rows"]]
     print_table(rows, ["chain", "memory_pct", "lower_bound_s", "greedy", "dynprog",
-                       "dynprog_paper", "dynprog_relaxed", "vdnn", "dynprog_solve_s"],
+                       "dynprog_paper", "dynprog_relaxed", "fluid_bound", "vdnn",
+                       "dynprog_solve_s"],
                 title="makespan / lower bound (seed 000 Fig. 4), bandwidth 12.2 GB/s")
     dyn = [r["dynprog"] for r in rows]
     summary = {
@@ -77,6 +83,11 @@ def main() -> None:
         "dynprog_fallbacks": sum(1 for r in rows if r["dynprog_relaxed"] != r["dynprog_relaxed"]),
         "dynprog_le_1_3_everywhere": max(dyn) <= 1.3,
         "dynprog_max_solve_s": max(r["dynprog_solve_s"] for r in rows),
+        "fluid_max_ratio": max((r["fluid_bound"] for r in rows if r["fluid_bound"]),
+                               default=None),
+        "fluid_above_1_3": sum(1 for r in rows if (r["fluid_bound"] or 0) > 1.3),
+        "dynprog_max_over_fluid": max((r["dynprog"] / r["fluid_bound"] for r in rows
+                                       if r["fluid_bound"]), default=None),
     }
     print_table([summary], title="summary")
     write_json("offloading", {"bandwidth": BANDWIDTH, "slots": slots, "chains": results,

@@ -8,6 +8,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import Chain, InfeasibleError, InvalidPlanError, simulate
 from scheduler.planners import offload
@@ -120,3 +122,59 @@ def test_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="chain"):
         offload.vdnn("chain", 100, 1)
     assert offload.lower_bound(c, 10 ** 6, "12GB") == c.total_compute()
+
+
+def test_dynprog_beats_every_subset_on_tiny_chains():
+    """Exhaustive oracle of our own step: on chains this small dynprog scores every offload
+    subset (the no-wait ordered plan of each), so it is never slower than any of them."""
+    checked = 0
+    for c, M, bw in _cases(15, max_L=3, seed0=300):
+        best = math.inf
+        for k in range(c.L + 2):
+            for S in itertools.combinations(range(c.L + 1), k):
+                try:
+                    best = min(best, offload.schedule(c, S, M, bw)[1].makespan)
+                    checked += 1
+                except InvalidPlanError:
+                    continue
+        d = offload.dynprog(c, M, bw, slots=None)
+        assert d.predicted_time <= best + 1e-9
+        assert offload.dynprog(c, M, bw, slots=None, improve=False).predicted_time \
+            >= d.predicted_time - 1e-9
+    assert checked > 100
+
+
+def test_prefetch_order_first():
+    c = Chain.random(5, seed=11, max_size=100)
+    lo, hi = offload.min_memory(c), offload.peak_memory(c)
+    M = (lo + hi) // 2
+    for first in ((), (0,), (2, 0)):
+        try:
+            plan, sim = offload.schedule(c, [0, 1, 2], M, 10.0, first=first)
+        except InvalidPlanError:
+            continue
+        pre = [op.stage for op in plan.ops if op.kind == "prefetch"]
+        assert pre[:len(first)] == list(first) and sorted(pre) == [0, 1, 2]
+        assert simulate(c, plan, 10.0, memory=M).makespan == sim.makespan
+    with pytest.raises(ValueError, match="first"):
+        offload.schedule(c, [0, 1], M, 10.0, first=(3,))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(L=st.integers(1, 8), seed=st.integers(0, 10 ** 6), frac=st.floats(0, 1),
+       bw=st.sampled_from([0.5, 2.0, 10.0, 100.0]), slots=st.sampled_from([None, 40]))
+def test_dynprog_property_limit_and_prediction(L, seed, frac, bw, slots):
+    """Random chains: DYNPROG's plan (paper's and ours) runs under its limit in the
+    simulator, which reproduces its predicted time and peak; dp_value is the relaxation's."""
+    c = Chain.random(L, seed=seed, max_size=200)
+    lo, hi = offload.min_memory(c), offload.peak_memory(c)
+    M = lo + round(frac * (hi - lo))
+    for improve in (False, True):
+        p = offload.dynprog(c, M, bw, slots=slots, improve=improve)
+        r = simulate(c, p, bw)            # the plan's own limit
+        assert p.memory_limit == M and r.peak_memory <= M
+        assert r.makespan == pytest.approx(p.predicted_time, rel=1e-12, abs=1e-12)
+        assert r.peak_memory == p.predicted_peak
+        assert offload.lower_bound(c, M, bw) <= r.makespan + 1e-9
+        if not p.meta["fallback"]:
+            assert p.meta["dp_value"] == p.meta["relaxed_time"]
