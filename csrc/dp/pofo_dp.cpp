@@ -431,6 +431,214 @@ class Solver {
     return fwsum + eF + T + T1;
   }
 
+  // ---------------------------------------------------------------- whole-activation mode
+  // Ours (issue 14), not seed 001: the DP under the simulator's model (scheduler/simulate.py)
+  // instead of assumption 3. An offload holds its whole item until its copy completes; a
+  // prefetch reserves its whole item when it starts; one channel, copies in plan order.
+  //  * OCw(s, x, A, R, H, dB): as OC, but the channel state at F_s's start is an earlier
+  //    offload still in flight: R sub-units (1/kSub of a unit) left to copy, H units held
+  //    until they are copied (two queued offloads are merged: both held until the last
+  //    completes, later than the simulator frees the first: pessimistic, never optimistic).
+  //    dB: the size of one prefetched item whose copy starts with B_s (the last op) and is
+  //    reserved from then on (the parent's "early" prefetch; it waits for it after B_s).
+  //  * Each offloaded input's prefetch sits right before its consumer ("late": the consumer
+  //    waits for the whole copy) or right before the backward op that precedes it ("early":
+  //    overlapping that op, which must fit beside it).
+  //  * Cw(s, t, m, d): rotor's sub-chain with an item of size d reserved during B_s.
+  // Every op starts in the DP no earlier than in the simulator (remaining copies rounded up,
+  // merged queues, the loss waiting for the forward copies), so the emitted plan simulates in
+  // at most the DP's value, and exactly in it when none of these roundings bites.
+  static constexpr int64_t kSub = 4;
+  double tcopy(int64_t units) const { return units / beta_; }
+
+  struct Run {
+    double end;
+    int64_t R2, H2;
+  };
+  // A forward run F_s..F_sp (all: the single F_all s) from time 0 (the previous op's end),
+  // with `fixed` stored besides the run's own memory, an earlier copy in flight (R, H) and,
+  // if `off`, the input I of s offloaded from the run's start (queued behind that copy).
+  bool run_w(int s, int sp, bool all, int64_t fixed, int64_t I, bool off, int64_t R,
+             int64_t H, Run& out) const {
+    const double t_old = R > 0 ? static_cast<double>(R) / kSub / beta_ : 0.0;
+    const double t_new = off ? t_old + tcopy(I) : 0.0;
+    const double tol = 1e-9 * (1.0 + t_new + t_old);
+    double tau = 0;
+    for (int k = s; k <= sp; ++k) {
+      const int64_t mk = all ? c_.xbar[s] + c_.fw_tmp[s] : fmem(s, k);
+      auto need = [&](double t) {  // held = its copy completes after t (ties: freed first)
+        return fixed + mk + (t_old > t + tol ? H : 0) +
+               (off && (k == s || t_new > t + tol) ? I : 0);
+      };
+      double st = tau;
+      if (need(st) > M_ && t_old > st + tol) st = t_old;
+      if (need(st) > M_ && off && k > s && t_new > st + tol) st = t_new;
+      if (need(st) > M_) return false;
+      tau = st + c_.fw[k];
+    }
+    const double t_end = off ? t_new : t_old;
+    out.end = tau;
+    out.H2 = (off ? I : 0) + (t_old > tau + tol ? H : 0);
+    out.R2 = t_end > tau ? static_cast<int64_t>(std::ceil((t_end - tau) * beta_ * kSub - 1e-6))
+                         : 0;
+    if (out.R2 <= 0) out.R2 = 0, out.H2 = 0;
+    return out.H2 <= M_ && out.R2 < (1 << 14);
+  }
+
+  static uint64_t wkey(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB) {
+    return (static_cast<uint64_t>(s) << 51) | (static_cast<uint64_t>(x) << 50) |
+           (static_cast<uint64_t>(A) << 38) | (static_cast<uint64_t>(H) << 26) |
+           (static_cast<uint64_t>(dB) << 14) | static_cast<uint64_t>(R);
+  }
+
+  double Cw(int s, int t, int64_t m, int64_t d) {
+    if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
+    const size_t di = dense_ ? dense_->index(s, t, m, d) : 0;
+    if (dense_) {
+      if (!std::isnan(dense_->v_[di])) return dense_->v_[di];
+    } else if (const Memo* hit = c_memo_.find(ckey(s, t, m, d))) {
+      return hit->v;
+    }
+    double best = cw_choice(s, t, m, d, -1, false);
+    int32_t arg = -1;
+    for (int sp = s; sp < t && opt_.recompute; ++sp) {
+      const double v = cw_choice(s, t, m, d, sp, false);
+      if (v < best) best = v, arg = sp;
+    }
+    if (dense_) {
+      dense_->v_[di] = best;
+      dense_->ch_[di] = static_cast<int16_t>(arg);
+    } else {
+      c_memo_.put(ckey(s, t, m, d), {best, arg, true});
+    }
+    return best;
+  }
+
+  void cw_emit(int s, int t, int64_t m, int64_t d) {
+    Cw(s, t, m, d);
+    const int ch = dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
+    cw_choice(s, t, m, d, ch, true);
+  }
+
+  double cw_choice(int s, int t, int64_t m, int64_t d, int ch, bool emit) {
+    const int64_t dt = c_.delta[t + 1];
+    if (ch < 0) {  // F_all s, (s..t), B s
+      const int64_t mf = dt + c_.xbar[s] + c_.fw_tmp[s];
+      const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s] + d;
+      if (mf > m || mb > m) return kInf;
+      double T = 0;
+      if (s < t) {
+        T = Cw(s + 1, t, m - c_.xbar[s], 0);
+        if (std::isinf(T)) return kInf;
+      }
+      if (emit) {
+        push(0, s);
+        if (s < t) cw_emit(s + 1, t, m - c_.xbar[s], 0);
+        push(3, s);
+      }
+      return c_.fw[s] + c_.bw[s] + T;
+    }
+    const int sp = ch;  // F_ck s, F_none s+1..sp, (sp+1..t), (s..sp)
+    for (int k = s; k <= sp; ++k)
+      if (dt + fmem(s, k) > m) return kInf;
+    if (c_.x[sp + 1] > m) return kInf;
+    const double T2 = Cw(sp + 1, t, m - c_.x[sp + 1], 0);
+    if (std::isinf(T2)) return kInf;
+    const double T1 = Cw(s, sp, m, d);
+    if (std::isinf(T1)) return kInf;
+    if (emit) {
+      push(1, s);
+      for (int k = s + 1; k <= sp; ++k) push(2, k);
+      cw_emit(sp + 1, t, m - c_.x[sp + 1], 0);
+      cw_emit(s, sp, m, d);
+    }
+    return fpre_[sp + 1] - fpre_[s] + T1 + T2;
+  }
+
+  // choice = kind | v << 2 | sp << 4; kind 0 loss, 1 F_all, 2 F_ck; v 0 keep the input,
+  // 1 offload it and prefetch it right before its consumer, 2 ... right before the op before
+  double OCw(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB) {
+    const int64_t I = input(s, x);
+    if (A + I + dB > M_ || A + I > M_) return kInf;
+    const uint64_t key = wkey(s, x, A, R, H, dB);
+    if (const Memo* hit = oc_.find(key)) return hit->v;
+    double best = kInf;
+    int32_t arg = 0;
+    if (s == L_) {
+      best = ocw_choice(s, x, A, R, H, dB, 0, false);
+    } else {
+      const bool can_off = opt_.offload && I > 0 && may_offload(s) && finite_beta();
+      for (int v = 0; v <= (can_off ? 2 : 0); ++v) {
+        int32_t ch = 1 | (v << 2);
+        double val = ocw_choice(s, x, A, R, H, dB, ch, false);
+        if (val < best) best = val, arg = ch;
+        for (int sp = s; sp < L_ && opt_.recompute; ++sp) {
+          ch = 2 | (v << 2) | (sp << 4);
+          val = ocw_choice(s, x, A, R, H, dB, ch, false);
+          if (val < best) best = val, arg = ch;
+        }
+      }
+    }
+    oc_.put(key, {best, arg, true});
+    return best;
+  }
+
+  double ocw_choice(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB, int32_t ch,
+                    bool emit) {
+    const int kind = ch & 3, v = (ch >> 2) & 3, sp = ch >> 4;
+    const int64_t I = input(s, x);
+    const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s];
+    Run run;
+    if (kind == 0) {  // the loss: F_all L, B L; the channel finishes the forward's copies first
+      if (A + I + mb + dB > M_) return kInf;
+      if (!run_w(s, s, true, A + I, I, false, R, H, run)) return kInf;
+      const double t_old = R > 0 ? static_cast<double>(R) / kSub / beta_ : 0.0;
+      double b0 = run.end;
+      if (run.R2 > 0 && (dB > 0 || A + I + mb + run.H2 > M_)) b0 = std::max(b0, t_old);
+      if (emit) push(0, s), push(3, s);
+      return std::max(b0 + c_.bw[s], run.R2 > 0 ? t_old : 0.0);
+    }
+    if (A + I + mb + dB > M_) return kInf;  // B s (after its prefetch, beside the dB item)
+    const bool off = v > 0;
+    const int last = kind == 1 ? s : sp;
+    if (!run_w(s, last, kind == 1, A + (off ? 0 : I), I, off, R, H, run)) return kInf;
+    const int64_t A2 = off ? A : A + I;
+    const int next = last + 1;
+    if (kind == 2 && c_.x[next] > M_) return kInf;
+    const double T = OCw(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2, v == 2 ? I : 0);
+    if (std::isinf(T)) return kInf;
+    // the consumer's wait for the prefetch: the whole copy (late), or what B next's time
+    // (the op it overlaps; every sub-sequence ends with B next) does not cover (early)
+    const double w = v == 1 ? tcopy(I) : v == 2 ? std::max(0.0, tcopy(I) - c_.bw[next]) : 0.0;
+    double T1 = c_.bw[s];
+    if (kind == 2) {
+      T1 = Cw(s, sp, M_ - A - I, dB);
+      if (std::isinf(T1)) return kInf;
+    }
+    if (emit) {
+      if (off) push(4, s);
+      push(kind == 1 ? 0 : 1, s);
+      for (int k = s + 1; k <= sp && kind == 2; ++k) push(2, k);
+      const int32_t sub = oc_.at(wkey(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2,
+                                      v == 2 ? I : 0)).ch;
+      ocw_choice(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2, v == 2 ? I : 0, sub, true);
+      if (v == 2) out_->ops.insert(out_->ops.end() - 1, Op{5, s});  // before B next
+      if (v == 1) push(5, s);
+      if (kind == 1) push(3, s); else cw_emit(s, sp, M_ - A - I, dB);
+    }
+    return run.end + T + w + T1;
+  }
+
+ public:
+  double top_whole() { return OCw(0, 0, 0, 0, 0, 0); }
+  void emit_top_whole(Result& r) {
+    out_ = &r;
+    ocw_choice(0, 0, 0, 0, 0, 0, oc_.at(wkey(0, 0, 0, 0, 0, 0)).ch, true);
+    out_ = nullptr;
+  }
+
+ private:
+
   void push(int kind, int stage) { out_->ops.push_back({kind, stage}); }
   bool may_offload(int s) const {
     return static_cast<size_t>(s) >= opt_.no_offload.size() || !opt_.no_offload[s];
@@ -454,6 +662,16 @@ class Solver {
 Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
   Result r;
   Solver solver(c, memory, beta, opt);
+  if (opt.whole) {  // ours (issue 14): see "whole-activation mode"
+    const double t = solver.top_whole();
+    r.states_fwd = solver.n_oc();
+    r.states_bwd = solver.n_c();
+    if (std::isinf(t) || t >= opt.budget) return r;
+    r.feasible = true;
+    r.time = t;
+    solver.emit_top_whole(r);
+    return r;
+  }
   const double t = solver.top(opt.budget);
   r.states_fwd = solver.n_oc();
   r.states_bwd = solver.n_c();
