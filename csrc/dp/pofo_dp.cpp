@@ -435,10 +435,10 @@ class Solver {
   // Ours (issue 14), not seed 001: the DP under the simulator's model (scheduler/simulate.py)
   // instead of assumption 3. An offload holds its whole item until its copy completes; a
   // prefetch reserves its whole item when it starts; one channel, copies in plan order.
-  //  * OCw(s, x, A, R, H, dB): as OC, but the channel state at F_s's start is an earlier
-  //    offload still in flight: R sub-units (1/kSub of a unit) left to copy, H units held
-  //    until they are copied (two queued offloads are merged: both held until the last
-  //    completes, later than the simulator frees the first: pessimistic, never optimistic).
+  //  * OCw(s, x, A, q, dB): as OC, plus the channel at F_s's start: the copy in flight (R
+  //    sub-units of 1/kSub unit left, H units held until it completes) and the offloads
+  //    queued behind it (T units; two or more are merged: held until the last completes,
+  //    later than the simulator frees the first: pessimistic, never optimistic).
   //    dB: the size of one prefetched item whose copy starts with B_s (the last op) and is
   //    reserved from then on (the parent's "early" prefetch; it waits for it after B_s).
   //  * Each offloaded input's prefetch sits right before its consumer ("late": the consumer
@@ -451,44 +451,69 @@ class Solver {
   static constexpr int64_t kSub = 4;
   double tcopy(int64_t units) const { return units / beta_; }
 
+  // The channel at a forward op's start: the copy in flight (R sub-units left, H units held
+  // until it completes) and the offloads queued behind it (T units, not started: held, and
+  // copied one after the other; two or more are merged: all held until the last completes).
+  struct Chan {
+    int64_t R = 0, H = 0, T = 0;
+  };
   struct Run {
-    double end;
-    int64_t R2, H2;
+    double end;     // the run's end, from its start
+    double done;    // when the channel has copied everything queued so far
+    Chan next;      // the channel at the run's end
   };
   // A forward run F_s..F_sp (all: the single F_all s) from time 0 (the previous op's end),
-  // with `fixed` stored besides the run's own memory, an earlier copy in flight (R, H) and,
-  // if `off`, the input I of s offloaded from the run's start (queued behind that copy).
-  bool run_w(int s, int sp, bool all, int64_t fixed, int64_t I, bool off, int64_t R,
-             int64_t H, Run& out) const {
-    const double t_old = R > 0 ? static_cast<double>(R) / kSub / beta_ : 0.0;
-    const double t_new = off ? t_old + tcopy(I) : 0.0;
-    const double tol = 1e-9 * (1.0 + t_new + t_old);
+  // with `fixed` stored besides the run's own memory, the channel `q` and, if `off`, the
+  // input I of s offloaded from the run's start (queued last).
+  bool run_w(int s, int sp, bool all, int64_t fixed, int64_t I, bool off, const Chan& q,
+             Run& out) const {
+    const double t_h = q.R > 0 ? static_cast<double>(q.R) / kSub / beta_ : 0.0;
+    const double t_t = q.T > 0 ? t_h + tcopy(q.T) : t_h;
+    const double t_n = off ? t_t + tcopy(I) : t_t;
+    const double tol = 1e-9 * (1.0 + t_n);
+    auto held = [&](double t, bool reads_I) {  // its copy completes after t (ties: freed)
+      return (t_h > t + tol ? q.H : 0) + (t_t > t + tol ? q.T : 0) +
+             (off && (reads_I || t_n > t + tol) ? I : 0);
+    };
     double tau = 0;
     for (int k = s; k <= sp; ++k) {
       const int64_t mk = all ? c_.xbar[s] + c_.fw_tmp[s] : fmem(s, k);
-      auto need = [&](double t) {  // held = its copy completes after t (ties: freed first)
-        return fixed + mk + (t_old > t + tol ? H : 0) +
-               (off && (k == s || t_new > t + tol) ? I : 0);
-      };
       double st = tau;
-      if (need(st) > M_ && t_old > st + tol) st = t_old;
-      if (need(st) > M_ && off && k > s && t_new > st + tol) st = t_new;
-      if (need(st) > M_) return false;
+      const double events[3] = {t_h, t_t, off && k > s ? t_n : t_t};
+      for (double ev : events) {  // wait for copies to complete, in order
+        if (fixed + mk + held(st, k == s) <= M_) break;
+        if (ev > st + tol) st = ev;
+      }
+      if (fixed + mk + held(st, k == s) > M_) return false;
       tau = st + c_.fw[k];
     }
-    const double t_end = off ? t_new : t_old;
     out.end = tau;
-    out.H2 = (off ? I : 0) + (t_old > tau + tol ? H : 0);
-    out.R2 = t_end > tau ? static_cast<int64_t>(std::ceil((t_end - tau) * beta_ * kSub - 1e-6))
-                         : 0;
-    if (out.R2 <= 0) out.R2 = 0, out.H2 = 0;
-    return out.H2 <= M_ && out.R2 < (1 << 14);
+    out.done = t_n;
+    out.next = Chan();
+    // the first item still in flight at the end becomes the head, the rest the queue
+    const double ends[3] = {t_h, t_t, t_n};
+    const int64_t sizes[3] = {q.R > 0 ? q.H : 0, q.T, off ? I : 0};
+    bool head = false;
+    for (int i = 0; i < 3; ++i) {
+      if (sizes[i] == 0 || !(ends[i] > tau + tol)) continue;
+      if (!head) {
+        head = true;
+        out.next.H = sizes[i];
+        out.next.R = std::max<int64_t>(
+            1, static_cast<int64_t>(std::ceil((ends[i] - tau) * beta_ * kSub - 1e-6)));
+      } else {
+        out.next.T += sizes[i];
+      }
+    }
+    return out.next.H + out.next.T <= M_ && out.next.R < (1 << 13);
   }
 
-  static uint64_t wkey(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB) {
-    return (static_cast<uint64_t>(s) << 51) | (static_cast<uint64_t>(x) << 50) |
-           (static_cast<uint64_t>(A) << 38) | (static_cast<uint64_t>(H) << 26) |
-           (static_cast<uint64_t>(dB) << 14) | static_cast<uint64_t>(R);
+  // 6 + 1 + 4 x 11 + 13 bits: whole mode needs L < 64 and memory < 2048 units
+  static uint64_t wkey(int s, int x, int64_t A, const Chan& q, int64_t dB) {
+    return (static_cast<uint64_t>(s) << 58) | (static_cast<uint64_t>(x) << 57) |
+           (static_cast<uint64_t>(A) << 46) | (static_cast<uint64_t>(q.H) << 35) |
+           (static_cast<uint64_t>(q.T) << 24) | (static_cast<uint64_t>(dB) << 13) |
+           static_cast<uint64_t>(q.R);
   }
 
   double Cw(int s, int t, int64_t m, int64_t d) {
@@ -557,24 +582,24 @@ class Solver {
 
   // choice = kind | v << 2 | sp << 4; kind 0 loss, 1 F_all, 2 F_ck; v 0 keep the input,
   // 1 offload it and prefetch it right before its consumer, 2 ... right before the op before
-  double OCw(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB) {
+  double OCw(int s, int x, int64_t A, const Chan& q, int64_t dB) {
     const int64_t I = input(s, x);
     if (A + I + dB > M_ || A + I > M_) return kInf;
-    const uint64_t key = wkey(s, x, A, R, H, dB);
+    const uint64_t key = wkey(s, x, A, q, dB);
     if (const Memo* hit = oc_.find(key)) return hit->v;
     double best = kInf;
     int32_t arg = 0;
     if (s == L_) {
-      best = ocw_choice(s, x, A, R, H, dB, 0, false);
+      best = ocw_choice(s, x, A, q, dB, 0, false);
     } else {
       const bool can_off = opt_.offload && I > 0 && may_offload(s) && finite_beta();
       for (int v = 0; v <= (can_off ? 2 : 0); ++v) {
         int32_t ch = 1 | (v << 2);
-        double val = ocw_choice(s, x, A, R, H, dB, ch, false);
+        double val = ocw_choice(s, x, A, q, dB, ch, false);
         if (val < best) best = val, arg = ch;
         for (int sp = s; sp < L_ && opt_.recompute; ++sp) {
           ch = 2 | (v << 2) | (sp << 4);
-          val = ocw_choice(s, x, A, R, H, dB, ch, false);
+          val = ocw_choice(s, x, A, q, dB, ch, false);
           if (val < best) best = val, arg = ch;
         }
       }
@@ -583,7 +608,7 @@ class Solver {
     return best;
   }
 
-  double ocw_choice(int s, int x, int64_t A, int64_t R, int64_t H, int64_t dB, int32_t ch,
+  double ocw_choice(int s, int x, int64_t A, const Chan& q, int64_t dB, int32_t ch,
                     bool emit) {
     const int kind = ch & 3, v = (ch >> 2) & 3, sp = ch >> 4;
     const int64_t I = input(s, x);
@@ -591,21 +616,21 @@ class Solver {
     Run run;
     if (kind == 0) {  // the loss: F_all L, B L; the channel finishes the forward's copies first
       if (A + I + mb + dB > M_) return kInf;
-      if (!run_w(s, s, true, A + I, I, false, R, H, run)) return kInf;
-      const double t_old = R > 0 ? static_cast<double>(R) / kSub / beta_ : 0.0;
+      if (!run_w(s, s, true, A + I, I, false, q, run)) return kInf;
+      const bool busy = run.next.H > 0;
       double b0 = run.end;
-      if (run.R2 > 0 && (dB > 0 || A + I + mb + run.H2 > M_)) b0 = std::max(b0, t_old);
+      if (busy && (dB > 0 || A + I + mb + run.next.H + run.next.T > M_)) b0 = run.done;
       if (emit) push(0, s), push(3, s);
-      return std::max(b0 + c_.bw[s], run.R2 > 0 ? t_old : 0.0);
+      return std::max(b0 + c_.bw[s], busy ? run.done : 0.0);
     }
     if (A + I + mb + dB > M_) return kInf;  // B s (after its prefetch, beside the dB item)
     const bool off = v > 0;
     const int last = kind == 1 ? s : sp;
-    if (!run_w(s, last, kind == 1, A + (off ? 0 : I), I, off, R, H, run)) return kInf;
+    if (!run_w(s, last, kind == 1, A + (off ? 0 : I), I, off, q, run)) return kInf;
     const int64_t A2 = off ? A : A + I;
     const int next = last + 1;
     if (kind == 2 && c_.x[next] > M_) return kInf;
-    const double T = OCw(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2, v == 2 ? I : 0);
+    const double T = OCw(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0);
     if (std::isinf(T)) return kInf;
     // the consumer's wait for the prefetch: the whole copy (late), or what B next's time
     // (the op it overlaps; every sub-sequence ends with B next) does not cover (early)
@@ -619,9 +644,8 @@ class Solver {
       if (off) push(4, s);
       push(kind == 1 ? 0 : 1, s);
       for (int k = s + 1; k <= sp && kind == 2; ++k) push(2, k);
-      const int32_t sub = oc_.at(wkey(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2,
-                                      v == 2 ? I : 0)).ch;
-      ocw_choice(next, kind == 1 ? 1 : 0, A2, run.R2, run.H2, v == 2 ? I : 0, sub, true);
+      const int32_t sub = oc_.at(wkey(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0)).ch;
+      ocw_choice(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0, sub, true);
       if (v == 2) out_->ops.insert(out_->ops.end() - 1, Op{5, s});  // before B next
       if (v == 1) push(5, s);
       if (kind == 1) push(3, s); else cw_emit(s, sp, M_ - A - I, dB);
@@ -630,10 +654,10 @@ class Solver {
   }
 
  public:
-  double top_whole() { return OCw(0, 0, 0, 0, 0, 0); }
+  double top_whole() { return OCw(0, 0, 0, Chan(), 0); }
   void emit_top_whole(Result& r) {
     out_ = &r;
-    ocw_choice(0, 0, 0, 0, 0, 0, oc_.at(wkey(0, 0, 0, 0, 0, 0)).ch, true);
+    ocw_choice(0, 0, 0, Chan(), 0, oc_.at(wkey(0, 0, 0, Chan(), 0)).ch, true);
     out_ = nullptr;
   }
 
