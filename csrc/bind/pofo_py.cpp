@@ -40,8 +40,8 @@ void bind_pofo(nb::module_& m) {
         opt.delta_step = delta_step;
         opt.no_offload = std::move(no_offload);
         opt.whole = whole;
-        if (whole && (memory >= (1 << 11) || c.L >= 64))
-          throw std::invalid_argument("pofo: whole=True needs memory in [0, 2047] units and "
+        if (whole && (memory >= (1 << 10) || c.L >= 64))
+          throw std::invalid_argument("pofo: whole=True needs memory in [0, 1023] units and "
                                       "at most 63 stages");
         vmalloc::pofo::Result r;
         {

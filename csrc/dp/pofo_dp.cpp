@@ -505,15 +505,15 @@ class Solver {
         out.next.T += sizes[i];
       }
     }
-    return out.next.H + out.next.T <= M_ && out.next.R < (1 << 13);
+    return out.next.H + out.next.T <= M_ && out.next.R < (1 << 12);
   }
 
-  // 6 + 1 + 4 x 11 + 13 bits: whole mode needs L < 64 and memory < 2048 units
-  static uint64_t wkey(int s, int x, int64_t A, const Chan& q, int64_t dB) {
-    return (static_cast<uint64_t>(s) << 58) | (static_cast<uint64_t>(x) << 57) |
-           (static_cast<uint64_t>(A) << 46) | (static_cast<uint64_t>(q.H) << 35) |
-           (static_cast<uint64_t>(q.T) << 24) | (static_cast<uint64_t>(dB) << 13) |
-           static_cast<uint64_t>(q.R);
+  // 6 + 1 + 4 x 10 + 12 + 2 bits: whole mode needs L < 64 and memory < 1024 units
+  static uint64_t wkey(int s, int x, int64_t A, const Chan& q, int64_t D, int mode) {
+    return (static_cast<uint64_t>(s) << 55) | (static_cast<uint64_t>(x) << 54) |
+           (static_cast<uint64_t>(A) << 44) | (static_cast<uint64_t>(q.H) << 34) |
+           (static_cast<uint64_t>(q.T) << 24) | (static_cast<uint64_t>(D) << 14) |
+           (static_cast<uint64_t>(q.R) << 2) | static_cast<uint64_t>(mode);
   }
 
   double Cw(int s, int t, int64_t m, int64_t d) {
@@ -580,26 +580,32 @@ class Solver {
     return fpre_[sp + 1] - fpre_[s] + T1 + T2;
   }
 
-  // choice = kind | v << 2 | sp << 4; kind 0 loss, 1 F_all, 2 F_ck; v 0 keep the input,
-  // 1 offload it and prefetch it right before its consumer, 2 ... right before the op before
-  double OCw(int s, int x, int64_t A, const Chan& q, int64_t dB) {
+  // The item of the state (D units, a prefetch for a consumer after B s): where its copy
+  // starts, which reserves it until the end. 0: at B s (the last op); 1: at the last
+  // component (kind 2: all of C(s, sp)); 2: at the op before that component (then v = 0);
+  // 3: at B s, but an owner higher up waits for it (the parent's mode 2).
+  // choice = kind | v << 2 | sp << 5; kind 0 loss, 1 F_all, 2 F_ck; v 0 keep the input,
+  // 1 offload it, prefetch right before its consumer; 2, 3, 4 ... as the sub-sequence's
+  // item in mode 0, 1, 2.
+  double OCw(int s, int x, int64_t A, const Chan& q, int64_t D, int mode) {
     const int64_t I = input(s, x);
-    if (A + I + dB > M_ || A + I > M_) return kInf;
-    const uint64_t key = wkey(s, x, A, q, dB);
+    if (A + I + D > M_) return kInf;
+    const uint64_t key = wkey(s, x, A, q, D, mode);
     if (const Memo* hit = oc_.find(key)) return hit->v;
     double best = kInf;
     int32_t arg = 0;
     if (s == L_) {
-      best = ocw_choice(s, x, A, q, dB, 0, false);
+      best = ocw_choice(s, x, A, q, D, mode, 0, false, -1);
     } else {
-      const bool can_off = opt_.offload && I > 0 && may_offload(s) && finite_beta();
-      for (int v = 0; v <= (can_off ? 2 : 0); ++v) {
+      const bool can_off = opt_.offload && I > 0 && may_offload(s) && finite_beta() &&
+                           !(D > 0 && mode == 2);
+      for (int v = 0; v <= (can_off ? 4 : 0); ++v) {
         int32_t ch = 1 | (v << 2);
-        double val = ocw_choice(s, x, A, q, dB, ch, false);
+        double val = ocw_choice(s, x, A, q, D, mode, ch, false, -1);
         if (val < best) best = val, arg = ch;
         for (int sp = s; sp < L_ && opt_.recompute; ++sp) {
-          ch = 2 | (v << 2) | (sp << 4);
-          val = ocw_choice(s, x, A, q, dB, ch, false);
+          ch = 2 | (v << 2) | (sp << 5);
+          val = ocw_choice(s, x, A, q, D, mode, ch, false, -1);
           if (val < best) best = val, arg = ch;
         }
       }
@@ -608,56 +614,81 @@ class Solver {
     return best;
   }
 
-  double ocw_choice(int s, int x, int64_t A, const Chan& q, int64_t dB, int32_t ch,
-                    bool emit) {
-    const int kind = ch & 3, v = (ch >> 2) & 3, sp = ch >> 4;
+  // `item`: the stage of the state's item, to emit its prefetch where the mode says
+  double ocw_choice(int s, int x, int64_t A, const Chan& q, int64_t D, int mode, int32_t ch,
+                    bool emit, int item) {
+    const int kind = ch & 3, v = (ch >> 2) & 7, sp = ch >> 5;
     const int64_t I = input(s, x);
     const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s];
+    const double cD = D > 0 ? tcopy(D) : 0.0;  // the item's copy time
+    if (D == 0) mode = 0;
     Run run;
     if (kind == 0) {  // the loss: F_all L, B L; the channel finishes the forward's copies first
-      if (A + I + mb + dB > M_) return kInf;
+      if (A + I + mb + D > M_ || mode == 2) return kInf;
       if (!run_w(s, s, true, A + I, I, false, q, run)) return kInf;
       const bool busy = run.next.H > 0;
       double b0 = run.end;
-      if (busy && (dB > 0 || A + I + mb + run.next.H + run.next.T > M_)) b0 = run.done;
-      if (emit) push(0, s), push(3, s);
-      return std::max(b0 + c_.bw[s], busy ? run.done : 0.0);
+      if (busy && (D > 0 || A + I + mb + run.next.H + run.next.T > M_)) b0 = run.done;
+      if (emit) {
+        push(0, s), push(3, s);
+        if (D > 0) out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      }
+      return std::max({b0 + c_.bw[s], busy ? run.done : 0.0, mode == 3 ? 0.0 : b0 + cD});
     }
-    if (A + I + mb + dB > M_) return kInf;  // B s (after its prefetch, beside the dB item)
+    if (A + I + mb + (mode == 1 && kind == 2 ? 0 : D) > M_) return kInf;  // B s
     const bool off = v > 0;
     const int last = kind == 1 ? s : sp;
     if (!run_w(s, last, kind == 1, A + (off ? 0 : I), I, off, q, run)) return kInf;
     const int64_t A2 = off ? A : A + I;
-    const int next = last + 1;
+    const int next = last + 1, x2 = kind == 1 ? 1 : 0;
     if (kind == 2 && c_.x[next] > M_) return kInf;
-    const double T = OCw(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0);
+    // what the sub-sequence carries: our input's early prefetch, or our item's (mode 2)
+    int64_t D2 = 0;
+    int mode2 = 0;
+    if (v >= 2) D2 = I, mode2 = v - 2;
+    if (mode == 2) D2 = D, mode2 = 3;
+    const double T = OCw(next, x2, A2, run.next, D2, mode2);
     if (std::isinf(T)) return kInf;
-    // the consumer's wait for the prefetch: the whole copy (late), or what B next's time
-    // (the op it overlaps; every sub-sequence ends with B next) does not cover (early)
-    const double w = v == 1 ? tcopy(I) : v == 2 ? std::max(0.0, tcopy(I) - c_.bw[next]) : 0.0;
+    const double late = v == 1 ? tcopy(I) : 0.0;  // the consumer waits for the whole copy
     double T1 = c_.bw[s];
     if (kind == 2) {
-      T1 = Cw(s, sp, M_ - A - I, dB);
+      const bool through = mode == 1 || mode == 2;  // the item is reserved during all of C
+      T1 = Cw(s, sp, M_ - A - I - (through ? D : 0), through ? 0 : D);
       if (std::isinf(T1)) return kInf;
     }
+    // the item's copy: from the start of its span to after B s, the parent waits for the rest
+    double span = c_.bw[s];
+    if (kind == 2 && (mode == 1 || mode == 2)) span = T1;
+    if (mode == 2) span += c_.bw[next];
+    const double rest = (D > 0 && mode != 3) ? std::max(0.0, cD - span) : 0.0;
     if (emit) {
       if (off) push(4, s);
       push(kind == 1 ? 0 : 1, s);
       for (int k = s + 1; k <= sp && kind == 2; ++k) push(2, k);
-      const int32_t sub = oc_.at(wkey(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0)).ch;
-      ocw_choice(next, kind == 1 ? 1 : 0, A2, run.next, v == 2 ? I : 0, sub, true);
-      if (v == 2) out_->ops.insert(out_->ops.end() - 1, Op{5, s});  // before B next
+      const int32_t sub = oc_.at(wkey(next, x2, A2, run.next, D2, mode2)).ch;
+      ocw_choice(next, x2, A2, run.next, D2, mode2, sub, true,
+                 v >= 2 ? s : (mode == 2 ? item : -1));
       if (v == 1) push(5, s);
-      if (kind == 1) push(3, s); else cw_emit(s, sp, M_ - A - I, dB);
+      if (kind == 1) {
+        push(3, s);
+        if (D > 0 && mode != 2) out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      } else {
+        const size_t at = out_->ops.size();
+        cw_emit(s, sp, M_ - A - I - (mode == 1 || mode == 2 ? D : 0),
+                mode == 1 || mode == 2 ? 0 : D);
+        if (D > 0 && mode == 1) out_->ops.insert(out_->ops.begin() + at, Op{5, item});
+        if (D > 0 && (mode == 0 || mode == 3))
+          out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      }
     }
-    return run.end + T + w + T1;
+    return run.end + T + late + T1 + rest;
   }
 
  public:
-  double top_whole() { return OCw(0, 0, 0, Chan(), 0); }
+  double top_whole() { return OCw(0, 0, 0, Chan(), 0, 0); }
   void emit_top_whole(Result& r) {
     out_ = &r;
-    ocw_choice(0, 0, 0, Chan(), 0, oc_.at(wkey(0, 0, 0, Chan(), 0)).ch, true);
+    ocw_choice(0, 0, 0, Chan(), 0, 0, oc_.at(wkey(0, 0, 0, Chan(), 0, 0)).ch, true, -1);
     out_ = nullptr;
   }
 

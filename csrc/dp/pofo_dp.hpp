@@ -33,7 +33,7 @@ struct Options {
   std::vector<uint8_t> no_offload;
   // Ours, not seed 001 (issue 14): the simulator's whole-activation model instead of
   // assumption 3 (see pofo_dp.cpp "Whole-activation mode"). Its value is achievable: the
-  // plan it emits (prefetches included) simulates no slower. Needs memory < 2048 units
+  // plan it emits (prefetches included) simulates no slower. Needs memory < 1024 units
   // and L < 64.
   bool whole = false;
 };

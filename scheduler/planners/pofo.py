@@ -50,7 +50,7 @@ __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_me
 
 _KINDS = ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
 WHOLE_MAX_L = 16        # solve() runs the whole-activation DP (ours) up to this length
-WHOLE_MAX_UNITS = 2047  # ... and memory units (its state packs 11-bit sizes)
+WHOLE_MAX_UNITS = 1023  # ... and memory units (its state packs 10-bit sizes)
 AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
 REMAT_MAX_L = 16        # ... and tries recomputation instead of each offload up to this one
 REMAT_SOLVES = 24       # DP solves that move may spend
