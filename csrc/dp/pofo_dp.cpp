@@ -627,8 +627,12 @@ class Solver {
       if (A + I + mb + D > M_ || mode == 2) return kInf;
       if (!run_w(s, s, true, A + I, I, false, q, run)) return kInf;
       const bool busy = run.next.H > 0;
-      double b0 = run.end;
-      if (busy && (D > 0 || A + I + mb + run.next.H + run.next.T > M_)) b0 = run.done;
+      double b0 = run.end;  // B L waits for copies to complete (in order) until it fits
+      if (busy && A + I + mb + D + run.next.H + run.next.T > M_) {
+        const double t_h = b0 + static_cast<double>(run.next.R) / kSub / beta_;
+        b0 = A + I + mb + D + run.next.T <= M_ ? t_h : std::max(t_h, run.done);
+      }
+      if (busy && D > 0) b0 = std::max(b0, run.done);  // its prefetch queues behind them
       if (emit) {
         push(0, s), push(3, s);
         if (D > 0) out_->ops.insert(out_->ops.end() - 1, Op{5, item});
