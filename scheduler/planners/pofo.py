@@ -27,6 +27,19 @@ that needs it. Then:
   more candidates, among them the DP's plans for a slower link, then a simulator-scored
   search over transfer placement and, on short chains, recomputation instead of offloads);
   ``meta["paper_time"]`` is the simulated time of the paper's plan, ``improve=False`` returns it;
+* ``model="whole"`` (the default) is our own model, not seed 001's (issue 14): the same DP
+  solved under the simulator's transfer semantics instead of assumption 3
+  (:func:`dp` ``whole=True``, csrc/dp/pofo_dp.cpp "whole-activation mode"): an offload holds
+  its item until its copy completes, a prefetch reserves it when it starts, one channel in
+  plan order; the DP places the prefetches itself (right before the consumer, before the op
+  before it, or before the recomputed sub-chain before it). Every op starts in the DP no
+  earlier than in the simulator, so its plan simulates in at most its value (equal in all
+  but a few random cases). ``solve`` weighs that plan after the paper's pipeline, and
+  ``meta["dp_value"]`` is its value (``meta["dp_model"] == "whole"``) on chains of at most
+  ``WHOLE_MAX_L`` stages in at most ``WHOLE_MAX_UNITS`` units: a value the returned plan
+  reaches or beats. Elsewhere, and with ``model="paper"``, ``dp_value`` is the paper's
+  (``meta["paper_dp_value"]`` either way), which can promise a time no whole-activation plan
+  reaches (up to 1.17x below the best plan of its class on random chains);
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
