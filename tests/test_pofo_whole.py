@@ -3,6 +3,7 @@ most (the DP times transfers as the simulator does: an offload frees its item wh
 completes, a prefetch reserves it when it starts, one channel in plan order), and
 ``pofo.solve`` never returns a plan slower than its ``meta["dp_value"]`` when that value is
 the whole DP's."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from scheduler import Chain, Plan, simulate
@@ -59,3 +60,26 @@ def test_whole_dp_on_the_issue_case():
     assert paper[0] == 46
     sim = simulate(c, Plan(whole[1]), 0.5, memory=35).makespan
     assert paper[0] < sim <= whole[0]
+
+
+def test_whole_dp_with_slots_on_real_sizes():
+    """Sizes rounded up to slots make the whole DP pessimistic, never optimistic."""
+    c = Chain.random(8, seed=5, max_size=1000).replace(
+        fw=tuple(0.001 * v for v in Chain.random(8, seed=5).fw))
+    lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+    for M in (lo * 1.1, (lo + hi) / 2):
+        got = pofo.dp(c, M, 2e5, 50, whole=True)
+        assert got is not None
+        r = simulate(c, Plan(got[1]), 2e5, memory=M)
+        assert r.peak_memory <= M and r.makespan <= got[0] * (1 + 1e-9)
+        p = pofo.solve(c, M, 2e5)
+        assert p.meta["dp_model"] == "whole"
+        assert simulate(c, p, 2e5).makespan <= p.meta["dp_value"] * (1 + 1e-9)
+
+
+def test_whole_dp_needs_few_units():
+    c = Chain.random(3, seed=1)
+    with pytest.raises(ValueError, match="whole"):
+        pofo.dp(c, 5000, 1.0, None, whole=True)
+    with pytest.raises(ValueError, match="model"):
+        pofo.solve(c, 100, 1.0, slots=None, model="exact")

@@ -206,19 +206,19 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
                      delta_step=1 if is_whole else delta_step, whole=is_whole)
         except ValueError:
-            if not is_whole:   # the whole DP's state needs memory < 4096 units
+            if not is_whole:   # the whole DP's state needs at most WHOLE_MAX_UNITS units
                 raise
             continue
         if got is None:
             continue
-        if is_whole:
-            whole_time = got[0]
-        else:
+        if not is_whole:
             dp_time = min(dp_time, got[0])
         try:
             plan, sim = _plan_of(chain, got, memory, beta, "pofo")
         except InvalidPlanError:
             continue
+        if is_whole:   # its value counts only with the plan that reaches it
+            whole_time = got[0]
         if not got[2] and not any(op.kind in ("offload", "prefetch") for op in plan.ops):
             exact_time = min(exact_time, sim.makespan)
         plan.meta.update(got[3])
