@@ -16,7 +16,7 @@ void bind_pofo(nb::module_& m) {
       [](std::vector<int64_t> x, std::vector<int64_t> xbar, std::vector<int64_t> delta,
          std::vector<int64_t> fw_tmp, std::vector<int64_t> bw_tmp, std::vector<double> fw,
          std::vector<double> bw, int64_t memory, double beta, bool offload, bool recompute,
-         double budget, int delta_step, std::vector<uint8_t> no_offload,
+         double budget, int delta_step, std::vector<uint8_t> no_offload, bool whole,
          std::vector<int64_t> fck_tmp) {
         vmalloc::pofo::Chain c;
         c.L = static_cast<int>(fw.size()) - 1;
@@ -42,6 +42,10 @@ void bind_pofo(nb::module_& m) {
         opt.budget = budget;
         opt.delta_step = delta_step;
         opt.no_offload = std::move(no_offload);
+        opt.whole = whole;
+        if (whole && (memory >= (1 << 10) || c.L >= 64))
+          throw std::invalid_argument("pofo: whole=True needs memory in [0, 1023] units and "
+                                      "at most 63 stages");
         vmalloc::pofo::Result r;
         {
           nb::gil_scoped_release release;
@@ -55,7 +59,10 @@ void bind_pofo(nb::module_& m) {
       nb::arg("x"), nb::arg("xbar"), nb::arg("delta"), nb::arg("fw_tmp"), nb::arg("bw_tmp"),
       nb::arg("fw"), nb::arg("bw"), nb::arg("memory"), nb::arg("beta"), nb::arg("offload"),
       nb::arg("recompute"), nb::arg("budget"), nb::arg("delta_step"),
-      nb::arg("no_offload") = std::vector<uint8_t>(), nb::arg("fck_tmp") = std::vector<int64_t>(),
+      nb::arg("no_offload") = std::vector<uint8_t>(), nb::arg("whole") = false,
+      nb::arg("fck_tmp") = std::vector<int64_t>(),
       "Seed 001 Appendix B -> (feasible, time, [(kind, stage)], [(stage, consumer index)], "
-      "forward states, backward states). kind: 0 F_all, 1 F_ck, 2 F_none, 3 B, 4 offload. no_offload: stages whose input may not be offloaded. fck_tmp: transient of F_ck/F_none (default fw_tmp).");
+      "forward states, backward states). kind: 0 F_all, 1 F_ck, 2 F_none, 3 B, 4 offload, 5 "
+      "prefetch (whole only). whole: the simulator's whole-activation model (ours). no_offload: "
+      "stages whose input may not be offloaded. fck_tmp: transient of F_ck/F_none (default fw_tmp).");
 }

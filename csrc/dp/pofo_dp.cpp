@@ -431,6 +431,273 @@ class Solver {
     return fwsum + eF + T + T1;
   }
 
+  // ---------------------------------------------------------------- whole-activation mode
+  // Ours (issue 14), not seed 001: the DP under the simulator's model (scheduler/simulate.py)
+  // instead of assumption 3. An offload holds its whole item until its copy completes; a
+  // prefetch reserves its whole item when it starts; one channel, copies in plan order.
+  //  * OCw(s, x, A, q, dB): as OC, plus the channel at F_s's start: the copy in flight (R
+  //    sub-units of 1/kSub unit left, H units held until it completes) and the offloads
+  //    queued behind it (T units; two or more are merged: held until the last completes,
+  //    later than the simulator frees the first: pessimistic, never optimistic).
+  //    dB: the size of one prefetched item whose copy starts with B_s (the last op) and is
+  //    reserved from then on (the parent's "early" prefetch; it waits for it after B_s).
+  //  * Each offloaded input's prefetch sits right before its consumer ("late": the consumer
+  //    waits for the whole copy) or right before the backward op that precedes it ("early":
+  //    overlapping that op, which must fit beside it).
+  //  * Cw(s, t, m, d): rotor's sub-chain with an item of size d reserved during B_s.
+  // Every op starts in the DP no earlier than in the simulator (remaining copies rounded up,
+  // merged queues, the loss waiting for the forward copies), so the emitted plan simulates in
+  // at most the DP's value, and exactly in it when none of these roundings bites.
+  static constexpr int64_t kSub = 4;
+  double tcopy(int64_t units) const { return units / beta_; }
+
+  // The channel at a forward op's start: the copy in flight (R sub-units left, H units held
+  // until it completes) and the offloads queued behind it (T units, not started: held, and
+  // copied one after the other; two or more are merged: all held until the last completes).
+  struct Chan {
+    int64_t R = 0, H = 0, T = 0;
+  };
+  struct Run {
+    double end;     // the run's end, from its start
+    double done;    // when the channel has copied everything queued so far
+    Chan next;      // the channel at the run's end
+  };
+  // A forward run F_s..F_sp (all: the single F_all s) from time 0 (the previous op's end),
+  // with `fixed` stored besides the run's own memory, the channel `q` and, if `off`, the
+  // input I of s offloaded from the run's start (queued last).
+  bool run_w(int s, int sp, bool all, int64_t fixed, int64_t I, bool off, const Chan& q,
+             Run& out) const {
+    const double t_h = q.R > 0 ? static_cast<double>(q.R) / kSub / beta_ : 0.0;
+    const double t_t = q.T > 0 ? t_h + tcopy(q.T) : t_h;
+    const double t_n = off ? t_t + tcopy(I) : t_t;
+    const double tol = 1e-9 * (1.0 + t_n);
+    auto held = [&](double t, bool reads_I) {  // its copy completes after t (ties: freed)
+      return (t_h > t + tol ? q.H : 0) + (t_t > t + tol ? q.T : 0) +
+             (off && (reads_I || t_n > t + tol) ? I : 0);
+    };
+    double tau = 0;
+    for (int k = s; k <= sp; ++k) {
+      const int64_t mk = all ? c_.xbar[s] + c_.fw_tmp[s] : fmem(s, k);
+      double st = tau;
+      const double events[3] = {t_h, t_t, off && k > s ? t_n : t_t};
+      for (double ev : events) {  // wait for copies to complete, in order
+        if (fixed + mk + held(st, k == s) <= M_) break;
+        if (ev > st + tol) st = ev;
+      }
+      if (fixed + mk + held(st, k == s) > M_) return false;
+      tau = st + c_.fw[k];
+    }
+    out.end = tau;
+    out.done = t_n;
+    out.next = Chan();
+    // the first item still in flight at the end becomes the head, the rest the queue
+    const double ends[3] = {t_h, t_t, t_n};
+    const int64_t sizes[3] = {q.R > 0 ? q.H : 0, q.T, off ? I : 0};
+    bool head = false;
+    for (int i = 0; i < 3; ++i) {
+      if (sizes[i] == 0 || !(ends[i] > tau + tol)) continue;
+      if (!head) {
+        head = true;
+        out.next.H = sizes[i];
+        out.next.R = std::max<int64_t>(
+            1, static_cast<int64_t>(std::ceil((ends[i] - tau) * beta_ * kSub - 1e-6)));
+      } else {
+        out.next.T += sizes[i];
+      }
+    }
+    return out.next.H + out.next.T <= M_ && out.next.R < (1 << 12);
+  }
+
+  // 6 + 1 + 4 x 10 + 12 + 2 bits: whole mode needs L < 64 and memory < 1024 units
+  static uint64_t wkey(int s, int x, int64_t A, const Chan& q, int64_t D, int mode) {
+    return (static_cast<uint64_t>(s) << 55) | (static_cast<uint64_t>(x) << 54) |
+           (static_cast<uint64_t>(A) << 44) | (static_cast<uint64_t>(q.H) << 34) |
+           (static_cast<uint64_t>(q.T) << 24) | (static_cast<uint64_t>(D) << 14) |
+           (static_cast<uint64_t>(q.R) << 2) | static_cast<uint64_t>(mode);
+  }
+
+  double Cw(int s, int t, int64_t m, int64_t d) {
+    if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
+    const size_t di = dense_ ? dense_->index(s, t, m, d) : 0;
+    if (dense_) {
+      if (!std::isnan(dense_->v_[di])) return dense_->v_[di];
+    } else if (const Memo* hit = c_memo_.find(ckey(s, t, m, d))) {
+      return hit->v;
+    }
+    double best = cw_choice(s, t, m, d, -1, false);
+    int32_t arg = -1;
+    for (int sp = s; sp < t && opt_.recompute; ++sp) {
+      const double v = cw_choice(s, t, m, d, sp, false);
+      if (v < best) best = v, arg = sp;
+    }
+    if (dense_) {
+      dense_->v_[di] = best;
+      dense_->ch_[di] = static_cast<int16_t>(arg);
+    } else {
+      c_memo_.put(ckey(s, t, m, d), {best, arg, true});
+    }
+    return best;
+  }
+
+  void cw_emit(int s, int t, int64_t m, int64_t d) {
+    Cw(s, t, m, d);
+    const int ch = dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
+    cw_choice(s, t, m, d, ch, true);
+  }
+
+  double cw_choice(int s, int t, int64_t m, int64_t d, int ch, bool emit) {
+    const int64_t dt = c_.delta[t + 1];
+    if (ch < 0) {  // F_all s, (s..t), B s
+      const int64_t mf = dt + c_.xbar[s] + c_.fw_tmp[s];
+      const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s] + d;
+      if (mf > m || mb > m) return kInf;
+      double T = 0;
+      if (s < t) {
+        T = Cw(s + 1, t, m - c_.xbar[s], 0);
+        if (std::isinf(T)) return kInf;
+      }
+      if (emit) {
+        push(0, s);
+        if (s < t) cw_emit(s + 1, t, m - c_.xbar[s], 0);
+        push(3, s);
+      }
+      return c_.fw[s] + c_.bw[s] + T;
+    }
+    const int sp = ch;  // F_ck s, F_none s+1..sp, (sp+1..t), (s..sp)
+    for (int k = s; k <= sp; ++k)
+      if (dt + fmem(s, k) > m) return kInf;
+    if (c_.x[sp + 1] > m) return kInf;
+    const double T2 = Cw(sp + 1, t, m - c_.x[sp + 1], 0);
+    if (std::isinf(T2)) return kInf;
+    const double T1 = Cw(s, sp, m, d);
+    if (std::isinf(T1)) return kInf;
+    if (emit) {
+      push(1, s);
+      for (int k = s + 1; k <= sp; ++k) push(2, k);
+      cw_emit(sp + 1, t, m - c_.x[sp + 1], 0);
+      cw_emit(s, sp, m, d);
+    }
+    return fpre_[sp + 1] - fpre_[s] + T1 + T2;
+  }
+
+  // The item of the state (D units, a prefetch for a consumer after B s): where its copy
+  // starts, which reserves it until the end. 0: at B s (the last op); 1: at the last
+  // component (kind 2: all of C(s, sp)); 2: at the op before that component (then v = 0);
+  // 3: at B s, but an owner higher up waits for it (the parent's mode 2).
+  // choice = kind | v << 2 | sp << 5; kind 0 loss, 1 F_all, 2 F_ck; v 0 keep the input,
+  // 1 offload it, prefetch right before its consumer; 2, 3, 4 ... as the sub-sequence's
+  // item in mode 0, 1, 2.
+  double OCw(int s, int x, int64_t A, const Chan& q, int64_t D, int mode) {
+    const int64_t I = input(s, x);
+    if (A + I + D > M_) return kInf;
+    const uint64_t key = wkey(s, x, A, q, D, mode);
+    if (const Memo* hit = oc_.find(key)) return hit->v;
+    double best = kInf;
+    int32_t arg = 0;
+    if (s == L_) {
+      best = ocw_choice(s, x, A, q, D, mode, 0, false, -1);
+    } else {
+      const bool can_off = opt_.offload && I > 0 && may_offload(s) && finite_beta() &&
+                           !(D > 0 && mode == 2);
+      for (int v = 0; v <= (can_off ? 4 : 0); ++v) {
+        int32_t ch = 1 | (v << 2);
+        double val = ocw_choice(s, x, A, q, D, mode, ch, false, -1);
+        if (val < best) best = val, arg = ch;
+        for (int sp = s; sp < L_ && opt_.recompute; ++sp) {
+          ch = 2 | (v << 2) | (sp << 5);
+          val = ocw_choice(s, x, A, q, D, mode, ch, false, -1);
+          if (val < best) best = val, arg = ch;
+        }
+      }
+    }
+    oc_.put(key, {best, arg, true});
+    return best;
+  }
+
+  // `item`: the stage of the state's item, to emit its prefetch where the mode says
+  double ocw_choice(int s, int x, int64_t A, const Chan& q, int64_t D, int mode, int32_t ch,
+                    bool emit, int item) {
+    const int kind = ch & 3, v = (ch >> 2) & 7, sp = ch >> 5;
+    const int64_t I = input(s, x);
+    const int64_t mb = c_.xbar[s] + c_.delta[s + 1] + c_.delta[s] + c_.bw_tmp[s];
+    const double cD = D > 0 ? tcopy(D) : 0.0;  // the item's copy time
+    if (D == 0) mode = 0;
+    Run run;
+    if (kind == 0) {  // the loss: F_all L, B L; the channel finishes the forward's copies first
+      if (A + I + mb + D > M_ || mode == 2) return kInf;
+      if (!run_w(s, s, true, A + I, I, false, q, run)) return kInf;
+      const bool busy = run.next.H > 0;
+      double b0 = run.end;  // B L waits for copies to complete (in order) until it fits
+      if (busy && A + I + mb + D + run.next.H + run.next.T > M_) {
+        const double t_h = b0 + static_cast<double>(run.next.R) / kSub / beta_;
+        b0 = A + I + mb + D + run.next.T <= M_ ? t_h : std::max(t_h, run.done);
+      }
+      if (busy && D > 0) b0 = std::max(b0, run.done);  // its prefetch queues behind them
+      if (emit) {
+        push(0, s), push(3, s);
+        if (D > 0) out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      }
+      return std::max({b0 + c_.bw[s], busy ? run.done : 0.0, mode == 3 ? 0.0 : b0 + cD});
+    }
+    if (A + I + mb + (mode == 1 && kind == 2 ? 0 : D) > M_) return kInf;  // B s
+    const bool off = v > 0;
+    const int last = kind == 1 ? s : sp;
+    if (!run_w(s, last, kind == 1, A + (off ? 0 : I), I, off, q, run)) return kInf;
+    const int64_t A2 = off ? A : A + I;
+    const int next = last + 1, x2 = kind == 1 ? 1 : 0;
+    if (kind == 2 && c_.x[next] > M_) return kInf;
+    // what the sub-sequence carries: our input's early prefetch, or our item's (mode 2)
+    int64_t D2 = 0;
+    int mode2 = 0;
+    if (v >= 2) D2 = I, mode2 = v - 2;
+    if (mode == 2) D2 = D, mode2 = 3;
+    const double T = OCw(next, x2, A2, run.next, D2, mode2);
+    if (std::isinf(T)) return kInf;
+    const double late = v == 1 ? tcopy(I) : 0.0;  // the consumer waits for the whole copy
+    double T1 = c_.bw[s];
+    if (kind == 2) {
+      const bool through = mode == 1 || mode == 2;  // the item is reserved during all of C
+      T1 = Cw(s, sp, M_ - A - I - (through ? D : 0), through ? 0 : D);
+      if (std::isinf(T1)) return kInf;
+    }
+    // the item's copy: from the start of its span to after B s, the parent waits for the rest
+    double span = c_.bw[s];
+    if (kind == 2 && (mode == 1 || mode == 2)) span = T1;
+    if (mode == 2) span += c_.bw[next];
+    const double rest = (D > 0 && mode != 3) ? std::max(0.0, cD - span) : 0.0;
+    if (emit) {
+      if (off) push(4, s);
+      push(kind == 1 ? 0 : 1, s);
+      for (int k = s + 1; k <= sp && kind == 2; ++k) push(2, k);
+      const int32_t sub = oc_.at(wkey(next, x2, A2, run.next, D2, mode2)).ch;
+      ocw_choice(next, x2, A2, run.next, D2, mode2, sub, true,
+                 v >= 2 ? s : (mode == 2 ? item : -1));
+      if (v == 1) push(5, s);
+      if (kind == 1) {
+        push(3, s);
+        if (D > 0 && mode != 2) out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      } else {
+        const size_t at = out_->ops.size();
+        cw_emit(s, sp, M_ - A - I - (mode == 1 || mode == 2 ? D : 0),
+                mode == 1 || mode == 2 ? 0 : D);
+        if (D > 0 && mode == 1) out_->ops.insert(out_->ops.begin() + at, Op{5, item});
+        if (D > 0 && (mode == 0 || mode == 3))
+          out_->ops.insert(out_->ops.end() - 1, Op{5, item});
+      }
+    }
+    return run.end + T + late + T1 + rest;
+  }
+
+ public:
+  double top_whole() { return OCw(0, 0, 0, Chan(), 0, 0); }
+  void emit_top_whole(Result& r) {
+    out_ = &r;
+    ocw_choice(0, 0, 0, Chan(), 0, 0, oc_.at(wkey(0, 0, 0, Chan(), 0, 0)).ch, true, -1);
+    out_ = nullptr;
+  }
+
+ private:
+
   void push(int kind, int stage) { out_->ops.push_back({kind, stage}); }
   bool may_offload(int s) const {
     return static_cast<size_t>(s) >= opt_.no_offload.size() || !opt_.no_offload[s];
@@ -454,6 +721,16 @@ class Solver {
 Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
   Result r;
   Solver solver(c, memory, beta, opt);
+  if (opt.whole) {  // ours (issue 14): see "whole-activation mode"
+    const double t = solver.top_whole();
+    r.states_fwd = solver.n_oc();
+    r.states_bwd = solver.n_c();
+    if (std::isinf(t) || t >= opt.budget) return r;
+    r.feasible = true;
+    r.time = t;
+    solver.emit_top_whole(r);
+    return r;
+  }
   const double t = solver.top(opt.budget);
   r.states_fwd = solver.n_oc();
   r.states_bwd = solver.n_c();

@@ -32,10 +32,16 @@ struct Options {
   // Stages whose input may not be offloaded (our improvement step's "recompute instead of
   // transfer" move, scheduler/planners/improve.py); empty = all may be.
   std::vector<uint8_t> no_offload;
+  // Ours, not seed 001 (issue 14): the simulator's whole-activation model instead of
+  // assumption 3 (see pofo_dp.cpp "Whole-activation mode"). Its value is achievable: the
+  // plan it emits (prefetches included) simulates no slower. Needs memory < 1024 units
+  // and L < 64.
+  bool whole = false;
 };
 
 // One op of the resulting sequence, in order.  kind: 0 F_all, 1 F_ck, 2 F_none, 3 B,
-// 4 offload (of the input of `stage`, placed right before the forward that reads it).
+// 4 offload (of the input of `stage`, placed right before the forward that reads it),
+// 5 prefetch (whole mode only: placed exactly where the DP timed it).
 struct Op {
   int kind, stage;
 };

@@ -27,6 +27,19 @@ that needs it. Then:
   more candidates, among them the DP's plans for a slower link, then a simulator-scored
   search over transfer placement and, on short chains, recomputation instead of offloads);
   ``meta["paper_time"]`` is the simulated time of the paper's plan, ``improve=False`` returns it;
+* ``model="whole"`` (the default) is our own model, not seed 001's (issue 14): the same DP
+  solved under the simulator's transfer semantics instead of assumption 3
+  (:func:`dp` ``whole=True``, csrc/dp/pofo_dp.cpp "whole-activation mode"): an offload holds
+  its item until its copy completes, a prefetch reserves it when it starts, one channel in
+  plan order; the DP places the prefetches itself (right before the consumer, before the op
+  before it, or before the recomputed sub-chain before it). Every op starts in the DP no
+  earlier than in the simulator, so its plan simulates in at most its value (equal in all
+  but a few random cases). ``solve`` weighs that plan after the paper's pipeline, and
+  ``meta["dp_value"]`` is its value (``meta["dp_model"] == "whole"``) on chains of at most
+  ``WHOLE_MAX_L`` stages in at most ``WHOLE_MAX_UNITS`` units: a value the returned plan
+  reaches or beats. Elsewhere, and with ``model="paper"``, ``dp_value`` is the paper's
+  (``meta["paper_dp_value"]`` either way), which can promise a time no whole-activation plan
+  reaches (up to 1.17x below the best plan of its class on random chains);
 * what *is* guaranteed (and tested): ``solve`` returns the fastest simulated of the DP's
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
@@ -48,7 +61,9 @@ from .offload import Number, bandwidth_arg, memory_arg, slots_arg, with_prefetch
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
            "dp", "auto_delta_step"]
 
-_KINDS = ("F_all", "F_ck", "F_none", "B", "offload")
+_KINDS = ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
+WHOLE_MAX_L = 16        # solve() runs the whole-activation DP (ours) up to this length
+WHOLE_MAX_UNITS = 1023  # ... and memory units (its state packs 10-bit sizes)
 AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
 REMAT_MAX_L = 16        # ... and tries recomputation instead of each offload up to this one
 REMAT_SOLVES = 24       # DP solves that move may spend
@@ -96,9 +111,14 @@ def max_memory(chain: Chain) -> Number:
 # ------------------------------------------------------------------------------- the DP
 def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50,
        offload: bool = True, recompute: bool = True, budget: float = math.inf,
-       delta_step: int = 1, no_offload: Sequence[int] = ()):
+       delta_step: int = 1, no_offload: Sequence[int] = (), whole: bool = False):
     """Run the Appendix B DP (``no_offload``: stages whose input it may not offload; our
-    improvement step's restriction, not the paper's). Returns ``(time, ops, prefetches, info)`` or None if it finds
+    improvement step's restriction, not the paper's). ``whole=True``: our model, not the
+    paper's (issue 14): the DP under the simulator's whole-activation transfers (an offload
+    frees its item when its copy completes, a prefetch reserves it when it starts, one
+    channel in plan order), so its value is achievable: ``ops`` then include the prefetches
+    where it timed them, and the plan simulates in at most ``time`` (csrc/dp/pofo_dp.cpp,
+    "whole-activation mode"; at most ``WHOLE_MAX_UNITS`` units). Returns ``(time, ops, prefetches, info)`` or None if it finds
     no sequence (faster than ``budget`` seconds: branch and bound against a known one):
     ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
     index)`` pairs in the order they run."""
@@ -111,7 +131,8 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
         [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
-        int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)], fck_tmp)
+        int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)], whole,
+        fck_tmp)
     if not ok:
         return None
     return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
@@ -121,7 +142,7 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
 def _plan_of(chain: Chain, got, memory: Number, bandwidth: float, planner: str
              ) -> Tuple[Plan, SimResult]:
     t, ops, pre, info = got
-    if not pre:
+    if not pre:   # no transfers, or the whole-activation DP's (prefetches already placed)
         plan = Plan(ops, planner=planner)
         return plan, simulate(chain, plan, bandwidth if bandwidth > 0 else None, memory=memory)
     loss = ops.index(Op("F_all", chain.L))  # assumption 1: prefetches after the loss
@@ -137,7 +158,7 @@ def auto_delta_step(chain: Chain, slots: Optional[int]) -> int:
 
 def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str, None],
           slots: Optional[int] = 50, delta_step: Optional[int] = None,
-          improve: bool = True) -> Plan:
+          improve: bool = True, model: str = "whole") -> Plan:
     """pofo: the optimal persistent sequence of F_all / F_ck / F_none / B / offload /
     prefetch under seed 001's assumptions (see the module docstring for what is exact).
     ``slots``: memory discretisation (seed 001 uses 50; None = exact bytes, small integer
@@ -146,7 +167,16 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
     state space is cubic in the slots, and this trades a little optimism for speed.
     ``improve`` (default True): our own step on top of seed 001 (see :func:`_improve`);
-    ``improve=False`` is the paper's DP and conversion alone."""
+    ``improve=False`` is the paper's DP and conversion alone.
+    ``model``: ``"whole"`` (default; ours, issue 14) also runs the DP under the simulator's
+    whole-activation model (:func:`dp` ``whole=True``) on chains of at most ``WHOLE_MAX_L``
+    stages, its plan joins the candidates and ``meta["dp_value"]`` is its value (or an exact
+    transfer-free candidate's, if lower): a value some candidate reaches, so the returned
+    plan simulates in at most it. ``"paper"``: seed 001's continuous-transfer DP alone, whose
+    value can promise a time no whole-activation plan reaches (``meta["paper_dp_value"]``
+    is that value either way)."""
+    if model not in ("whole", "paper"):
+        raise ValueError(f"model: expected 'whole' or 'paper', got {model!r}")
     chain, memory = _chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True)
     slots = slots_arg(slots)
@@ -165,18 +195,37 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         if beta > 0 else [("pofo", True, True)]
     best: Optional[Tuple[Plan, SimResult, float, str]] = None
     dp_time = math.inf
+    exact_time = math.inf   # the least value of a candidate the simulator reproduces exactly
+    whole = model == "whole" and 0 < beta < math.inf and chain.L <= WHOLE_MAX_L
+    if whole:
+        variants.append(("pofo-whole", True, True))
+    whole_time = math.inf
+    whole_best: Optional[Tuple[Plan, SimResult]] = None   # weighed after the paper's pipeline
     for name, off, rec in variants:
-        got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
-                 delta_step=delta_step)
+        is_whole = name == "pofo-whole"
+        try:
+            got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
+                     delta_step=1 if is_whole else delta_step, whole=is_whole)
+        except ValueError:
+            if not is_whole:   # the whole DP's state needs at most WHOLE_MAX_UNITS units
+                raise
+            continue
         if got is None:
             continue
-        dp_time = min(dp_time, got[0])
+        if not is_whole:
+            dp_time = min(dp_time, got[0])
         try:
             plan, sim = _plan_of(chain, got, memory, beta, "pofo")
         except InvalidPlanError:
             continue
+        if is_whole:   # its value counts only with the plan that reaches it
+            whole_time = got[0]
+        if not got[2] and not any(op.kind in ("offload", "prefetch") for op in plan.ops):
+            exact_time = min(exact_time, sim.makespan)
         plan.meta.update(got[3])
-        if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
+        if is_whole:
+            whole_best = (plan, sim)
+        elif best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
             best = (plan, sim, got[0], name)
     # storing everything, when it fits in the real sizes, is optimal (no idle, no
     # recomputation); slot rounding can hide that from the DPs
@@ -187,6 +236,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         if sim.peak_memory <= memory:
             best = (store_all, sim, sim.makespan, "store-all")
             dp_time = min(dp_time, sim.makespan)
+            exact_time = min(exact_time, sim.makespan)
     # rotor itself (its own, finer discretisation): in pofo's space, and a coarse slot grid
     # must not make pofo lose to it
     if slots is not None and slots < 500 and (best is None or best[3] != "store-all"):
@@ -196,8 +246,12 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             if best is None or sim.makespan < best[1].makespan - 1e-12 * sim.makespan:
                 best = (r, sim, r.predicted_time, "rotor-500")
             dp_time = min(dp_time, r.predicted_time)
+            exact_time = min(exact_time, sim.makespan)
         except InfeasibleError:
             pass
+    if best is None and whole_best is not None:
+        best = (whole_best[0], whole_best[1], whole_time, "pofo-whole")
+        whole_best = None
     if best is None:
         need = floor if floor is not None else _rotor_min(chain, slots, memory)
         raise InfeasibleError(
@@ -208,11 +262,21 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     paper_time = sim.makespan
     if improve and beta > 0:
         plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots, delta_step)
+    # the whole-activation DP's plan (ours) after the paper's pipeline, so the result is
+    # never slower than either
+    if whole_best is not None and whole_best[1].makespan < sim.makespan - 1e-12 * sim.makespan:
+        plan, sim = whole_best
+        name, t = "pofo-whole", whole_best[1].makespan
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     plan.predicted_time = sim.makespan if transfers else t
     plan.predicted_peak = sim.peak_memory
     plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
-    plan.meta.update(dp_time=dp_time, dp_value=dp_time, variant=name, exact=not transfers,
+    # the whole-activation DP's value (ours) is reached by its own plan; the paper's may not be
+    dp_value = min(whole_time, exact_time) if math.isfinite(whole_time) else dp_time
+    plan.meta.update(dp_time=dp_time, dp_value=dp_value, paper_dp_value=dp_time,
+                     whole_dp_value=whole_time if math.isfinite(whole_time) else None,
+                     dp_model="whole" if math.isfinite(whole_time) else "paper",
+                     variant=name, exact=not transfers,
                      delta_step=delta_step, simulated_time=sim.makespan,
                      paper_time=paper_time, improve=improve)
     return plan
