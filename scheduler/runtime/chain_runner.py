@@ -519,6 +519,7 @@ class CheckpointedChain(nn.Module):
     planner = property(lambda self: self.runner.planner)
     cache = property(lambda self: self.runner.cache)
     mimose = property(lambda self: self.runner.mimose)
+    chain_source = property(lambda self: self.runner.chain_source)  # chain= as given
     last_stats = property(lambda self: self.runner.last_stats)
     last_plan = property(lambda self: self.runner.last_plan)
     collections = property(lambda self: self.runner.collections)
