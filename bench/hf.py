@@ -156,10 +156,32 @@ def every_block(chain: Any, budget: Any) -> Any:
     plan = plan_from_checkpoints(L, range(L), planner="every-block")
     plan.predicted_peak = scheduler.simulate(chain, plan).peak_memory
     every_block.peaks.append(plan.predicted_peak)  # type: ignore[attr-defined]
+    every_block.chain = chain  # type: ignore[attr-defined]
     return plan
 
 
 every_block.peaks = []  # type: ignore[attr-defined]
+every_block.chain = None  # type: ignore[attr-defined]
+
+
+def plan_at(chain: Any, budget: int) -> Dict[str, Any]:
+    """What rotor plans on the runner's measured chain at ``budget`` against HF's plan (every
+    block checkpointed): forwards run and predicted time and peak of each. Rotor can only be
+    faster than HF's plan by running fewer forwards, so this says whether a goal is reachable
+    on this model at all, apart from the runtimes' own overheads."""
+    from scheduler.planners import rotor
+    from scheduler.planners.mimose import plan_from_checkpoints
+    hf_plan = plan_from_checkpoints(chain.L, range(chain.L))
+    hf_sim = scheduler.simulate(chain, hf_plan, memory=None)
+    out: Dict[str, Any] = {"budget": budget, "every_block_forwards": sum(
+        o.kind != "B" for o in hf_plan.ops), "every_block_predicted_s": hf_sim.makespan,
+        "every_block_predicted_peak": hf_sim.peak_memory}
+    try:
+        p = rotor.solve(chain, budget)
+    except scheduler.InfeasibleError as exc:
+        return {**out, "rotor": "infeasible", "rotor_min_budget": exc.min_memory}
+    return {**out, "rotor_forwards": sum(o.kind != "B" for o in p.ops),
+            "rotor_predicted_s": p.predicted_time, "rotor_predicted_peak": p.predicted_peak}
 
 
 def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Callable[[], Any],
@@ -191,6 +213,7 @@ def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int
     # the runner under HF's plan: the runner's cost at HF's recomputation, and HF's peak in
     # the units budgets are planned in (the measured chain: transient memory included)
     every_block.peaks.clear()  # type: ignore[attr-defined]
+    every_block.chain = None  # type: ignore[attr-defined]
     same = checkpoint_row("every-block", None, every_block, fresh, ids, steps, device)
     hf_budget = sum(every_block.peaks[-1:]) or None  # type: ignore[attr-defined]
     same["budget"] = hf_budget
@@ -206,9 +229,12 @@ def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int
     for planner in PLANNERS:
         for budget in sorted(budgets):
             rows.append(checkpoint_row(planner, budget, planner, fresh, ids, steps, device))
+    chain = every_block.chain  # type: ignore[attr-defined]
     return {"model": name, "batch": shape[0], "seq_len": shape[1],
             "params": sum(p.numel() for p in fresh().parameters()), "rows": rows,
-            "hf_budget_on_chain": hf_budget, "goal": goal_check(rows, hf_budget)}
+            "hf_budget_on_chain": hf_budget, "goal": goal_check(rows, hf_budget),
+            **({"rotor_at_hf_peak": plan_at(chain, hf["peak"])} if chain is not None and
+               hf.get("status") == "ok" else {})}
 
 
 def goal_check(rows: List[Dict[str, Any]], hf_budget: Optional[int] = None) -> Dict[str, Any]:

@@ -726,6 +726,30 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                  "build that made this file)", None)
     out += table(["model", "method", "budget", "step ms", "peak", "status"], rows,
                  right=(2, 3, 4))
+    why, as_many = [], True
+    for m in d["models"]:
+        a = m.get("rotor_at_hf_peak")
+        if not a:
+            continue
+        as_many &= a.get("rotor_forwards", 0) >= a["every_block_forwards"]
+        if a.get("rotor") == "infeasible":
+            why.append(f"{m['model']}: infeasible at HF's peak {size(a['budget'])} on the chain "
+                       f"(rotor needs {size(a['rotor_min_budget'])})")
+        else:
+            why.append(f"{m['model']}: {a['rotor_forwards']} forwards against HF's "
+                       f"{a['every_block_forwards']} (predicted {num(1e3 * a['rotor_predicted_s'])}"
+                       f" against {num(1e3 * a['every_block_predicted_s'])} ms)")
+    if why:
+        out += ["", "Rotor's plan on the runner's measured chain at HF checkpointing's measured "
+                "peak: " + "; ".join(why) + "." + (
+                    " With no fewer forwards than HF's plan, rotor can only be faster at that "
+                    "memory by a cheaper runtime: keeping any block's activations for its "
+                    "backward would hold them through the model's tail (LM head and loss) or "
+                    "through the last block's backward, where HF's own peak is." if as_many
+                    else "")]
+    if cpu:
+        out += ["", "On the CPU, pofo's offloads go to host memory, which is the same memory "
+                "here: its rows count the copies (a GPU run is where offloading saves)."]
     if not meta.get("checkpoint_available", True):
         out += ["", "rotor/pofo/mimose rows were skipped: `scheduler.checkpoint` was not in the "
                 "build that made this file."]
