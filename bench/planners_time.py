@@ -12,6 +12,7 @@ import time
 from common import parse_args, print_table, write_json
 
 from scheduler import Chain, simulate
+from scheduler.chain import FIELDS
 from scheduler.planners import periodic, revolve, rotor
 
 FRACTIONS = (0.02, 0.1, 0.3, 0.6, 1.0)   # of the way from the least memory to store-all
@@ -20,7 +21,7 @@ FRACTIONS = (0.02, 0.1, 0.3, 0.6, 1.0)   # of the way from the least memory to s
 def byte_chain(L: int, seed: int) -> Chain:
     """A random chain with MiB-scale sizes and millisecond times (sizes far above any slot)."""
     c = Chain.random(L, seed=seed, max_size=100)
-    return c.replace(**{f: [v << 20 for v in getattr(c, f)] for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp")},
+    return c.replace(**{f: [v << 20 for v in getattr(c, f)] for f in FIELDS[2:]},  # the sizes
                      fw=[v / 1e3 for v in c.fw], bw=[v / 1e3 for v in c.bw], name=f"random-L{L}")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from .chain import Chain
+from .chain import FIELDS, Chain
 from .errors import InfeasibleError
 from .plan import Plan
 from .simulate import SimResult, simulate
@@ -49,10 +49,9 @@ def find_chain(name: str = DEFAULT_CHAIN) -> Chain:
         raise ValueError(f"chain {name!r}: no such bundled chain; available: {listing}")
     mib = 1 << 20
     c = Chain.random(40, seed=0)
-    return c.replace(x=[v * mib for v in c.x], xbar=[v * mib for v in c.xbar],
-                     delta=[v * mib for v in c.delta], fw_tmp=[v * mib for v in c.fw_tmp],
-                     bw_tmp=[v * mib for v in c.bw_tmp], fw=[v / 1e3 for v in c.fw],
-                     bw=[v / 1e3 for v in c.bw], name=f"random-40 (no bench/chains/{name}.json)")
+    return c.replace(**{f: [v * mib for v in getattr(c, f)] for f in FIELDS[2:]},  # sizes
+                     fw=[v / 1e3 for v in c.fw], bw=[v / 1e3 for v in c.bw],
+                     name=f"random-40 (no bench/chains/{name}.json)")
 
 
 @dataclass

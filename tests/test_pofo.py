@@ -144,3 +144,14 @@ def test_our_steps_reach_the_class_optimum_where_the_paper_plan_misses_it():
     q = pofo.solve(c, 38, 0.5, slots=None, model="paper")
     assert q.meta["dp_value"] == 128 and q.predicted_time == 127
     assert q.meta["variant"].startswith("pofo@")
+
+
+def test_min_memory_bounds_rotor_when_no_grad_forwards_need_more():
+    """A forward of stage s may be F_all where the no-grad one's transient (fck_tmp) is the
+    larger: the smallest limit never exceeds rotor's (a plan without transfers)."""
+    c = Chain(fw=[1, 1, 1], bw=[2, 2, 2], x=[4, 4, 4], xbar=[4, 4, 1], delta=[4, 4, 4],
+              fw_tmp=[0, 0, 0], bw_tmp=[0, 0, 0], fck_tmp=[50, 50, 50])
+    assert pofo.min_memory(c) <= rotor.min_memory(c) == 20
+    pofo.solve(c, 20, 1.0, slots=None)  # feasible: store everything
+    for c, _ in _chains(20, seed0=700, split_tmp=True):
+        assert pofo.min_memory(c) <= rotor.min_memory(c)

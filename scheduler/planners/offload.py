@@ -268,9 +268,9 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     order (our own variant, used by :func:`dynprog`'s search: a small activation needed
     last can ride in an early gap instead of delaying the end)."""
     act = activations(chain)
+    if any(not isinstance(i, int) or i < 0 or i > chain.L for i in offloaded):
+        raise ValueError(f"offloaded: stages must be ints in 0..{chain.L}, got {list(offloaded)}")
     chosen = sorted({i for i in offloaded if act[i] > 0})
-    if any(i < 0 or i > chain.L for i in chosen):
-        raise ValueError(f"offloaded: stages must be in 0..{chain.L}, got {list(offloaded)}")
     if any(i not in chosen for i in first) or len(set(first)) != len(first):
         raise ValueError(f"first: expected distinct offloaded stages of {chosen}, got "
                          f"{list(first)}")

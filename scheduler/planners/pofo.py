@@ -93,7 +93,9 @@ def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
     d = list(c.delta) + [0]
     need = 0
     for s in range(L + 1):
-        fwd = x[s] + (x[s + 1] + c.fck_tmp[s] if s < L else c.xbar[s] + c.fw_tmp[s])
+        # stage s runs some forward before B s: F_ck, or F_all where fck_tmp is the larger
+        fwd = x[s] + (min(x[s + 1] + c.fck_tmp[s], c.xbar[s] + c.fw_tmp[s]) if s < L
+                      else c.xbar[s] + c.fw_tmp[s])
         rec = x[s] + c.xbar[s] + d[s + 1] + c.fw_tmp[s]
         bwd = x[s] + c.xbar[s] + d[s + 1] + d[s] + c.bw_tmp[s]
         need = max(need, fwd, rec, bwd)
@@ -127,6 +129,10 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     if M >= 1 << 17:
         raise ValueError(f"pofo.solve: memory {memory:g} is {M} units; the DP takes at most "
                          "131071 (pass slots=<int>)")
+    if whole and (M > WHOLE_MAX_UNITS or chain.L >= 64):
+        raise ValueError(f"pofo.dp(whole=True): memory {memory:g} is {M} units and the chain "
+                         f"has L={chain.L}; the whole-activation DP takes at most "
+                         f"{WHOLE_MAX_UNITS} units and L <= 63 (pass fewer slots)")
     beta = bandwidth / unit if bandwidth > 0 else 0.0
     ok, t, ops, pre, nf, nb = _core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
@@ -203,13 +209,10 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     whole_best: Optional[Tuple[Plan, SimResult]] = None   # weighed after the paper's pipeline
     for name, off, rec in variants:
         is_whole = name == "pofo-whole"
-        try:
-            got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
-                     delta_step=1 if is_whole else delta_step, whole=is_whole)
-        except ValueError:
-            if not is_whole:   # the whole DP's state needs at most WHOLE_MAX_UNITS units
-                raise
-            continue
+        if is_whole and rotor.discretize(chain, memory, slots)[1] > WHOLE_MAX_UNITS:
+            continue  # the whole DP's state needs at most WHOLE_MAX_UNITS units
+        got = dp(chain, memory, beta, slots, offload=off, recompute=rec,
+                 delta_step=1 if is_whole else delta_step, whole=is_whole)
         if got is None:
             continue
         if not is_whole:

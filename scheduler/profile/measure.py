@@ -18,7 +18,8 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
   ``xbar``; output included).
 * ``fw_tmp``, ``fck_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as
   rotor did): the peak of a saving forward beyond ``xbar`` (``fw_tmp``), of a no-grad forward
-  beyond its output (``fck_tmp``), and of the backward beyond the gradients it returns. On CPU, PyTorch
+  beyond its output (``fck_tmp``), and of the backward beyond the input gradients, run as
+  training runs it (parameter gradients added into an existing ``.grad``). On CPU, PyTorch
   has no allocator statistics, so they are *estimated* by the op tracer of ``meta_chain``
   (liveness of every intermediate storage, freed after its last use) run on the real tensors.
 
@@ -109,15 +110,28 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
     del outs
     with torch.enable_grad():
         outs = fn(inputs)
-        grads_out = tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
-        grads, peak_b = peak_of(lambda: T.backward(outs, grads_out, T.requires_grad_leaves(inputs, params)))
-    # autograd.grad holds every parameter gradient until it returns; in training each is
-    # added into .grad and freed as it comes, so one (the largest) is transient at a time
-    n_in = sum(1 for t in inputs if t.requires_grad)
-    made = T.storage_bytes([g for g in grads if g is not None])
-    largest = max((T.storage_bytes([g]) for g in grads[n_in:] if g is not None), default=0)
+        pairs = [(o, torch.randn_like(o)) for o in outs if o.requires_grad and T.differentiable(o)]
+    # the backward as training runs it from the second step on: each parameter gradient is
+    # added into an existing .grad and freed (autograd.grad would hold them all at once);
+    # the inputs' gradients are delta[s], held by the chain, not transient
+    ins = [t for t in inputs if t.requires_grad]
+    leaves = T.requires_grad_leaves(inputs, params)
+    old = [(p, p.grad) for p in params]
+    peak_b = made = 0
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if pairs and leaves:
+            _, peak_b = peak_of(lambda: torch.autograd.backward(
+                [o for o, _ in pairs], [g for _, g in pairs], inputs=leaves))
+            made = T.storage_bytes([t.grad for t in ins if t.grad is not None])
+    finally:
+        for p, g in old:
+            p.grad = g
+        for t in ins:
+            t.grad = None
     return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
-            "bw_tmp": max(peak_b - made + largest, 0)}
+            "bw_tmp": max(peak_b - made, 0)}
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],

@@ -16,8 +16,9 @@ with its input detached and requiring grad as in the middle of a network:
                 ``stored + x[s+1] + fck_tmp`` bounds its real peak. The two differ: a saving
                 forward's intermediates are in ``xbar``, a no-grad one's largest (attention
                 scores) are transient;
-* ``bw_tmp[s]`` peak of the gradients created inside the backward that are neither ``delta[s]``
-                nor parameter gradients (those are persistent ``.grad`` memory, not activations);
+* ``bw_tmp[s]`` peak of the gradients created inside the backward other than ``delta[s]``,
+                parameter gradients included (in training each is added into ``.grad`` and
+                freed), crediting saved tensors autograd has released as each node finishes;
 * ``fw[s]``, ``bw[s]``: ``CostModel.seconds(FLOPs, bytes moved)`` of the forward / backward ops.
 
 Stage ``L`` is the loss (``loss=``, default cross entropy over the last dimension).

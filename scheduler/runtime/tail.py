@@ -35,7 +35,6 @@ computed *after* the model returns (no ``labels=``) is outside the tail measured
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import threading
 import time
@@ -54,7 +53,7 @@ from .chain_exec import _unlinked
 _warned: Set[str] = set()
 
 
-def _warn_once(reason: str, message: str) -> None:
+def _warn_once(reason: Hashable, message: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(message, stacklevel=3)
@@ -165,6 +164,7 @@ class TailProbe:
         self.name = name
         self.depth = 0
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
+        self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
         self.rec: Optional[_Recording] = None
         self.handles = [model.register_forward_pre_hook(self._enter),
                         model.register_forward_hook(self._exit, always_call=True)]
@@ -182,21 +182,25 @@ class TailProbe:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
             # run on Exception only), or the model called again inside its own tail
             self._abort("was interrupted or called itself")
-            self.depth, self.clean = 0, []
+            self.depth, self.clean, self.handling = 0, [], []
         if self.depth == 0:
-            self.clean = []
+            self.clean, self.handling = [], []
         _sweep()
         self.depth += 1
         self.clean.append(_stacks_clean())
+        # the exception being handled around this call, if any (a retry inside ``except``):
+        # only a new one at the forward hook means the forward raised
+        self.handling.append(sys.exc_info()[1])
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.clean:
             self.clean.pop()
+        before = self.handling.pop() if self.handling else None
         rec = self.rec
         if rec is None or rec.depth != self.depth + 1 or rec.thread != threading.get_ident():
             return
-        if sys.exc_info()[0] is not None or output is None:
+        if sys.exc_info()[1] not in (None, before) or output is None:
             self._abort("raised")
             return
         self._finish(output)
@@ -300,8 +304,9 @@ class TailProbe:
             chain = self._tail_chain(rec, output, fw, held if cuda else 0,
                                      peak if cuda else 0)
         except Exception as e:  # measuring must not break training: say so, plan as before
-            _warn_once("failed", f"{self.name}: measuring the model's tail failed ({e!r}); "
-                       "the plan uses measure_chain's stand-in loss stage")
+            _warn_once(("failed", self.name, type(e)), f"{self.name}: measuring the model's "
+                       f"tail failed ({e!r}); the plan uses measure_chain's stand-in loss stage")
+            chain = chain.replace(meta={**chain.meta, "tail": {"failed": repr(e)}})
         finally:
             rec.tracer, rec.lasts, rec.step = None, [], None
             rec.hooks.saved.clear()
@@ -330,7 +335,7 @@ class TailProbe:
             return chain
         bw_time, bw_tmp = bw
         tail = {"fw": fw, "bw": bw_time, "xbar": int(xbar), "fw_tmp": int(fw_tmp),
-                "bw_tmp": int(bw_tmp)}
+                "bw_tmp": int(bw_tmp), "fck_tmp": int(fw_tmp)}  # the loss runs as F_all
         cols = {}
         for k, v in tail.items():
             col = list(getattr(chain, k)) or [0] * (L + 1)  # a chain without tmp columns
@@ -339,7 +344,7 @@ class TailProbe:
         meta = dict(chain.meta)
         meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
                             "op-tracer estimate", replaced_loss=meta.get("loss"))
-        return dataclasses.replace(chain, meta=meta, **cols)  # other fields as measured
+        return chain.replace(meta=meta, **cols)  # other fields as measured
 
 
 def _born(tracer: T.OpTracer) -> Set[int]:
@@ -379,17 +384,19 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
     """Time and transient peak of the tail's backward, replayed from the model's loss (a
     one-element output with a gradient; else every output with a gradient, seeded with ones)
     to the last block's output. ``None`` if no output reaches it."""
-    if _has_backward_hooks(model):
-        _warn_once("bwhooks", "scheduler.checkpoint: the model has module backward hooks, which "
-                   "a replay of its tail's backward would call; the tail's backward is not "
-                   "measured (bw[L], bw_tmp[L] stay measure_chain's)")
-        c, L = rec.chain, rec.chain.L
-        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0)
     roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
     if not roots:
         return None
+    params, custom = _tail_graph(roots, rec.lasts)
+    if custom or _has_backward_hooks(model):
+        _warn_once("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks "
+                   "or custom autograd Functions, which a replay of its backward would run a "
+                   "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
+                   "measure_chain's)")
+        c, L = rec.chain, rec.chain.L
+        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0)
     seeds = [torch.ones_like(t) for t in roots]
     dev = rec.device
     tracer = None
@@ -416,4 +423,31 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
         bw_tmp = tracer.peak_live(skip={T.storage_key(g) for g in made})
     else:
         bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
-    return bw, bw_tmp
+    # the replay asks for the last block's outputs only, so autograd skips the tail's weight
+    # gradients (the LM head's: vocab x hidden); in training each is made and added into
+    # .grad: count the largest as transient, as measure_chain does for a block (its time,
+    # one matmul, is left out of bw[L])
+    return bw, bw_tmp + max((T.storage_bytes([p]) for p in params), default=0)
+
+
+def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
+                ) -> Tuple[List[torch.Tensor], bool]:
+    """The parameters the tail's backward reaches (``AccumulateGrad`` nodes) from ``roots``
+    without going past the last block's outputs, and whether it runs a custom autograd
+    Function (its backward could have side effects a replay would repeat)."""
+    stop = {id(t.grad_fn) for t in lasts if t.grad_fn is not None}
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: Set[int] = set()
+    params: List[torch.Tensor] = []
+    custom = False
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "AccumulateGrad":
+            params.append(node.variable)
+            continue
+        custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
+        todo.extend(f for f, _ in node.next_functions)
+    return params, custom
