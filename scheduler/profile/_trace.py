@@ -7,6 +7,9 @@ is 0). While a trace runs it keeps every tensor it has seen alive, so no address
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -269,9 +272,19 @@ def backward(outputs: Tensors, grads: Tensors, wrt: List[torch.Tensor]) -> Tuple
                                allow_unused=True)
 
 
+def _mark(ref: "weakref.ref[OpTracer]", *_: Any) -> None:
+    tracer = ref()
+    if tracer is not None:
+        tracer.mark()  # returns None: a node post-hook's value would replace its gradients
+
+
 def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
     """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished (the
     graph is this trace's own; ``AccumulateGrad`` nodes belong to the parameters: left alone)."""
+    # a weak reference: the hooks live on the graph's C++ nodes, which the tracer's kept
+    # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
+    # every traced tensor, once per measured stage)
+    ref = weakref.ref(tracer)
     seen: Set[int] = set()
     todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
     while todo:
@@ -279,7 +292,7 @@ def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
         if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
             continue
         seen.add(id(node))
-        node.register_hook(lambda *_: tracer.mark())
+        node.register_hook(functools.partial(_mark, ref))
         todo.extend(f for f, _ in node.next_functions)
 
 
