@@ -687,7 +687,7 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     cpu = meta.get("device", "cpu") == "cpu"
     out = [("Measured on the CPU (small configs, random weights; peaks: bytes the CPU allocator "
             "holds above the step's start, from torch.profiler's allocation events; step time: "
-            "process CPU time, one thread)" if cpu else f"Measured on {meta.get('gpu')} (peaks: "
+            "the least process CPU time of the timed steps, one thread)" if cpu else f"Measured on {meta.get('gpu')} (peaks: "
             "max_memory_allocated above the step's start)") + f". Goal: {meta.get('goal', '')}. "
            "HF checkpointing runs non-reentrant (transformers 5's default); `every-block` is "
            "scheduler.checkpoint running HF's plan (every block checkpointed), its budget "
