@@ -31,7 +31,9 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as `python bench/mimose.py` from a checkout (as bench/common.py)
+    sys.path.insert(0, ROOT)
 
 import scheduler  # noqa: E402
 from bench.models import bert  # noqa: E402
