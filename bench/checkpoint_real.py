@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout (as bench/common.py)
+    sys.path.insert(0, ROOT)
 
 import scheduler  # noqa: E402
 from bench.models import build  # noqa: E402
