@@ -182,14 +182,9 @@ class Solver {
   double C(int s, int t, int64_t m, int64_t d) {
     if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
     if (d > 0 && !(beta_ > 0)) return kInf;
-    const uint64_t key = ckey(s, t, m, d);
     size_t di = 0;
-    if (dense_) {
-      di = dense_->index(s, t, m, d);
-      if (!std::isnan(dense_->v_[di])) return dense_->v_[di];
-    } else if (const Memo* hit = c_memo_.find(key)) {
-      return hit->v;
-    }
+    double hit;
+    if (memo_get(s, t, m, d, &di, &hit)) return hit;
     double best = c_choice(s, t, m, d, -1, false);
     int32_t arg = -1;
     if (s < t && opt_.recompute) {
@@ -207,19 +202,37 @@ class Solver {
         if (v < best) best = v, arg = sp;
       }
     }
-    if (dense_) {
-      dense_->v_[di] = best;
-      dense_->ch_[di] = static_cast<int16_t>(arg);
-    } else {
-      c_memo_.put(key, {best, arg, true});
-    }
+    memo_put(s, t, m, d, di, best, arg);
     return best;
   }
 
   void c_emit(int s, int t, int64_t m, int64_t d) {
     C(s, t, m, d);
-    const int ch = dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
-    c_choice(s, t, m, d, ch, true);
+    c_choice(s, t, m, d, memo_choice(s, t, m, d), true);
+  }
+
+  // C and Cw memoise in the same tables (one mode per solve): dense where the range fits,
+  // else hashed. memo_get also returns the dense index that memo_put then reuses.
+  bool memo_get(int s, int t, int64_t m, int64_t d, size_t* di, double* v) {
+    if (dense_) {
+      *di = dense_->index(s, t, m, d);
+      *v = dense_->v_[*di];
+      return !std::isnan(*v);
+    }
+    const Memo* hit = c_memo_.find(ckey(s, t, m, d));
+    if (hit) *v = hit->v;
+    return hit != nullptr;
+  }
+  void memo_put(int s, int t, int64_t m, int64_t d, size_t di, double v, int32_t arg) {
+    if (dense_) {
+      dense_->v_[di] = v;
+      dense_->ch_[di] = static_cast<int16_t>(arg);
+    } else {
+      c_memo_.put(ckey(s, t, m, d), {v, arg, true});
+    }
+  }
+  int memo_choice(int s, int t, int64_t m, int64_t d) {
+    return dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
   }
 
   // ch = -1: F_all s first (or the single-stage case); ch = sp >= s: F_ck s, F_none up to sp.
@@ -518,31 +531,22 @@ class Solver {
 
   double Cw(int s, int t, int64_t m, int64_t d) {
     if (m < 0 || d < 0 || c_.delta[s] + d > m) return kInf;
-    const size_t di = dense_ ? dense_->index(s, t, m, d) : 0;
-    if (dense_) {
-      if (!std::isnan(dense_->v_[di])) return dense_->v_[di];
-    } else if (const Memo* hit = c_memo_.find(ckey(s, t, m, d))) {
-      return hit->v;
-    }
+    size_t di = 0;
+    double hit;
+    if (memo_get(s, t, m, d, &di, &hit)) return hit;
     double best = cw_choice(s, t, m, d, -1, false);
     int32_t arg = -1;
     for (int sp = s; sp < t && opt_.recompute; ++sp) {
       const double v = cw_choice(s, t, m, d, sp, false);
       if (v < best) best = v, arg = sp;
     }
-    if (dense_) {
-      dense_->v_[di] = best;
-      dense_->ch_[di] = static_cast<int16_t>(arg);
-    } else {
-      c_memo_.put(ckey(s, t, m, d), {best, arg, true});
-    }
+    memo_put(s, t, m, d, di, best, arg);
     return best;
   }
 
   void cw_emit(int s, int t, int64_t m, int64_t d) {
     Cw(s, t, m, d);
-    const int ch = dense_ ? dense_->ch_[dense_->index(s, t, m, d)] : c_memo_.at(ckey(s, t, m, d)).ch;
-    cw_choice(s, t, m, d, ch, true);
+    cw_choice(s, t, m, d, memo_choice(s, t, m, d), true);
   }
 
   double cw_choice(int s, int t, int64_t m, int64_t d, int ch, bool emit) {
