@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -90,3 +91,15 @@ def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> A
         else:
             sig.append(("const", type(v).__name__))
     return (str(spec), tuple(sig))
+
+
+def block_list(blocks: Any, where: str) -> List[nn.Module]:
+    """The blocks of a bare chain as a list: an ``nn.Sequential``, an ``nn.ModuleList`` or a
+    non-empty list or tuple of modules (``where`` names the caller in the error)."""
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+        blocks = list(blocks)
+    if not isinstance(blocks, (list, tuple)) or not blocks or \
+            not all(isinstance(b, nn.Module) for b in blocks):
+        raise TypeError(f"{where}: blocks must be an nn.Sequential, an nn.ModuleList or a "
+                        f"non-empty list of nn.Module, got {type(blocks).__name__}")
+    return list(blocks)

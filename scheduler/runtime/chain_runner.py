@@ -29,7 +29,7 @@ from ..planners.mimose import (DEFAULT_SAMPLES, Estimate, Mimose, chain_from_est
                                plan_from_checkpoints)
 from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
-from .block_calls import BlockCall, signature, tensor_leaves
+from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
@@ -502,12 +502,7 @@ class CheckpointedChain(nn.Module):
     def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
                  bandwidth: Any = None, **options: Any):
         super().__init__()
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
-            blocks = list(blocks)
-        if not isinstance(blocks, (list, tuple)) or not blocks or \
-                not all(isinstance(b, nn.Module) for b in blocks):
-            raise TypeError("scheduler.wrap: blocks must be an nn.Sequential, an nn.ModuleList or "
-                            f"a non-empty list of nn.Module, got {type(blocks).__name__}")
+        blocks = block_list(blocks, "scheduler.wrap")
         self.blocks = nn.ModuleList(blocks)
         self.L = len(blocks)
         self.runner = ChainRunner(list(blocks), budget, planner, bandwidth, sequential=True,

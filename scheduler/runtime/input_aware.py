@@ -28,6 +28,7 @@ from torch import nn
 from ..chain import Chain
 from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
 from . import distributed
+from .block_calls import block_list
 
 
 def default_input_size(args: Sequence[Any]) -> int:
@@ -45,13 +46,7 @@ class InputAwareChain:
                  input_size: Optional[Callable[[Sequence[Any]], float]] = None,
                  loss: Any = "sum", measure_options: Optional[Dict[str, Any]] = None,
                  estimator: Optional[ChainEstimator] = None):
-        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
-            blocks = list(blocks)
-        if not isinstance(blocks, (list, tuple)) or not blocks or \
-                not all(isinstance(b, nn.Module) for b in blocks):
-            raise TypeError("InputAwareChain: blocks must be an nn.Sequential, an nn.ModuleList "
-                            f"or a non-empty list of nn.Module, got {type(blocks).__name__}")
-        self.blocks = list(blocks)
+        self.blocks = block_list(blocks, "InputAwareChain")
         self.L = len(self.blocks)
         if estimator is not None and (not isinstance(estimator, ChainEstimator)
                                       or estimator.L != self.L):
