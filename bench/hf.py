@@ -334,9 +334,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise SystemExit(f"--models: unknown model {name!r} (known: {', '.join(zoo)})")
         make, shape = zoo[name]
         if len(args.models.split(",")) > 1 and not quick:
-            m = in_subprocess(name, argv_of(args))  # each model in a fresh process
-        else:
-            m = bench_model(name, make, shape, device, steps, fractions, quick)
+            # each model in a fresh process, which prints its own table
+            results["models"].append(in_subprocess(name, argv_of(args)))
+            continue
+        m = bench_model(name, make, shape, device, steps, fractions, quick)
         results["models"].append(m)
         print_table([{"method": r["method"],
                       "budget MiB": None if r["budget"] is None else r["budget"] / 2**20,
