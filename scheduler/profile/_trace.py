@@ -285,14 +285,22 @@ def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
     # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
     # every traced tensor, once per measured stage)
     ref = weakref.ref(tracer)
+    for node in graph_nodes([o.grad_fn for o in outputs]):
+        if type(node).__name__ != "AccumulateGrad":
+            node.register_hook(functools.partial(_mark, ref))
+
+
+def graph_nodes(roots: Iterable[Any], stop: Set[int] = frozenset()) -> Iterable[Any]:
+    """Each autograd node reachable from the nodes ``roots`` (``None``s skipped), once,
+    without going past the nodes whose ``id`` is in ``stop``."""
     seen: Set[int] = set()
-    todo = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    todo = [n for n in roots if n is not None]
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
+        if node is None or id(node) in seen or id(node) in stop:
             continue
         seen.add(id(node))
-        node.register_hook(functools.partial(_mark, ref))
+        yield node
         todo.extend(f for f, _ in node.next_functions)
 
 

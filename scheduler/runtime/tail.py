@@ -436,18 +436,11 @@ def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
     without going past the last block's outputs, and whether it runs a custom autograd
     Function (its backward could have side effects a replay would repeat)."""
     stop = {id(t.grad_fn) for t in lasts if t.grad_fn is not None}
-    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: Set[int] = set()
     params: List[torch.Tensor] = []
     custom = False
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen.add(id(node))
+    for node in T.graph_nodes([t.grad_fn for t in roots], stop):
         if type(node).__name__ == "AccumulateGrad":
             params.append(node.variable)
-            continue
-        custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
-        todo.extend(f for f, _ in node.next_functions)
+        else:
+            custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
     return params, custom
