@@ -292,19 +292,21 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     for c in d["chains"]:
         rs = c["rows"]
         dyn = _finite([r.get("dynprog") for r in rs])
+        streamed = _finite([r.get("dynprog_streamed") for r in rs])
         rel = [r.get("dynprog_relaxed") for r in rs]
         paper = _finite([r.get("dynprog_paper") for r in rs])
         rows.append((c["name"], c["L"], num(max(dyn)), num(sum(dyn) / len(dyn)),
                      num(max(paper)) if paper else "-",
+                     num(max(streamed)) if streamed else "-",
                      num(max(_finite([r.get("greedy") for r in rs]), default=None)),
                      num(max(_finite([r.get("vdnn") for r in rs]), default=None)),
                      num(max(_finite(rel), default=None)),
                      sum(1 for x in rel if x is None or math.isnan(x)),
                      num(max(_finite([r.get("fluid_bound") for r in rs]), default=None))))
     out += table(["chain", "L", "DYNPROG worst", "DYNPROG mean", "paper's DYNPROG worst",
-                  "GREEDY worst", "VDNN worst", "DYNPROG relaxed worst", "relaxed fallbacks",
-                  "fluid bound worst"],
-                 rows, right=tuple(range(1, 10)))
+                  "DYNPROG streamed worst", "GREEDY worst", "VDNN worst",
+                  "DYNPROG relaxed worst", "relaxed fallbacks", "fluid bound worst"],
+                 rows, right=tuple(range(1, 11)))
     s = d.get("summary", {})
     if s:
         out += ["", f"All chains: DYNPROG worst {num(s['dynprog_max_ratio'])}, mean "
@@ -326,7 +328,27 @@ def offloading(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                     f"goal there): {s.get('fluid_above_1_3')}; worst "
                     f"{s['fluid_max_ratio']:.3f}. "
                     f"DYNPROG / fluid bound: worst {num(s.get('dynprog_max_over_fluid'))}."]
-        ctx.goal("offloading", "DYNPROG <= 1.3 x lower bound everywhere, mean <= 1.1",
+        if "dynprog_streamed_max_ratio" in s:
+            out += ["", "'DYNPROG streamed': the same planner with streamed transfers "
+                    f"(`transfer_chunk={s['stream_chunk'] >> 20} MiB`, our own extension): an "
+                    "offload frees its activation chunk by chunk as the copy proceeds and a "
+                    "prefetch reserves it chunk by chunk, which is Algorithm 1's own "
+                    "relaxation. Worst "
+                    f"{num(s['dynprog_streamed_max_ratio'])}, mean "
+                    f"{num(s['dynprog_streamed_mean_ratio'])}, longest solve "
+                    f"{num(s['dynprog_streamed_max_solve_s'])} s; at least "
+                    f"{num(s.get('dynprog_streamed_min_over_fluid'))} x the fluid bound. The "
+                    "chain runtime moves whole tensors and refuses such plans: running them "
+                    "needs page-level release of an activation (vmalloc's mappings), not built "
+                    "yet. The whole-activation column is what runs today."]
+            ctx.goal("offloading", "DYNPROG with streamed transfers <= 1.3 x lower bound "
+                     "everywhere, mean <= 1.1",
+                     f"worst {num(s['dynprog_streamed_max_ratio'])}, mean "
+                     f"{num(s['dynprog_streamed_mean_ratio'])}",
+                     s["dynprog_streamed_max_ratio"] <= 1.3
+                     and s["dynprog_streamed_mean_ratio"] <= 1.1)
+        ctx.goal("offloading", "DYNPROG (whole-activation transfers) <= 1.3 x lower bound "
+                 "everywhere, mean <= 1.1",
                  f"worst {num(s['dynprog_max_ratio'])}, mean {num(s['dynprog_mean_ratio'])}",
                  s["dynprog_max_ratio"] <= 1.3 and s["dynprog_mean_ratio"] <= 1.1)
     out += [""] + ctx.figures(["offloading.png"])

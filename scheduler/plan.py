@@ -54,6 +54,16 @@ def _op(item: Any, index: int) -> Op:
     return Op(kind, stage)
 
 
+def _chunk(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value <= 0 or value == float("inf"):
+        raise ValueError(f"Plan.transfer_chunk: expected None or a positive finite number "
+                         f"of bytes, got {value!r}")
+    return value
+
+
 def _limit(value: Any) -> Optional[float]:
     if value is None:
         return None
@@ -78,10 +88,17 @@ class Plan:
     memory_limit: Optional[float] = None
     # the chain it was planned for, so str() can show running memory; not part of identity
     chain: Optional["Chain"] = field(default=None, repr=False, compare=False)
+    # None: a transfer moves its item whole (seed 000 assumption D: an offload frees it when
+    # the copy ends, a prefetch reserves all of it when the copy starts). A number of bytes:
+    # streamed transfers, our own extension: the copy runs in chunks of at most this size,
+    # an offload frees each chunk when it is copied, a prefetch reserves each chunk when its
+    # copy starts (what page-level mappings allow; see scheduler.simulate)
+    transfer_chunk: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.ops = [_op(item, i) for i, item in enumerate(self.ops)]
         self.memory_limit = _limit(self.memory_limit)
+        self.transfer_chunk = _chunk(self.transfer_chunk)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -102,6 +119,8 @@ class Plan:
             head += f", predicted peak {self.predicted_peak:g}"
         if self.memory_limit is not None:
             head += f", limit {self.memory_limit:g}"
+        if self.transfer_chunk is not None:
+            head += f", transfers streamed in chunks of {self.transfer_chunk:g}"
         lines = [head]
         steps = None
         if chain is not None:
@@ -120,10 +139,13 @@ class Plan:
 
     # ------------------------------------------------------------------------ JSON I/O
     def to_dict(self) -> Dict[str, Any]:
-        return {"planner": self.planner, "predicted_time": self.predicted_time,
-                "predicted_peak": self.predicted_peak, "memory_limit": self.memory_limit,
-                "meta": self.meta,
-                "ops": [[op.kind, op.stage] for op in self.ops]}
+        d = {"planner": self.planner, "predicted_time": self.predicted_time,
+             "predicted_peak": self.predicted_peak, "memory_limit": self.memory_limit,
+             "meta": self.meta,
+             "ops": [[op.kind, op.stage] for op in self.ops]}
+        if self.transfer_chunk is not None:  # whole transfers: the format stays as it was
+            d["transfer_chunk"] = self.transfer_chunk
+        return d
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
@@ -137,7 +159,7 @@ class Plan:
         planner = d.get("planner", "")
         if not isinstance(planner, str):
             raise ValueError(f"Plan.planner: expected a string, got {planner!r:.80}")
-        for name in ("predicted_time", "predicted_peak", "memory_limit"):
+        for name in ("predicted_time", "predicted_peak", "memory_limit", "transfer_chunk"):
             v = d.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"Plan.{name}: expected a number or null, got {v!r:.80}")
@@ -147,7 +169,8 @@ class Plan:
         return cls(ops=[o if not isinstance(o, list) else tuple(o) for o in ops],
                    planner=planner, predicted_time=d.get("predicted_time"),
                    predicted_peak=d.get("predicted_peak"), meta=dict(meta),
-                   memory_limit=d.get("memory_limit"))
+                   memory_limit=d.get("memory_limit"),
+                   transfer_chunk=d.get("transfer_chunk"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -49,6 +49,15 @@ prefetch's reservation fits).
 * prefetch: needs an earlier offload of the item; reserves its full size in GPU memory when
   the copy starts; a compute op that needs the item waits until the copy completes.
 
+Streamed transfers (``plan.transfer_chunk``, our own extension, not seed 000/001): with a
+chunk size c, a transfer of an item of size S is ceil(S / c) copies of at most c bytes that
+run back to back on the channel (still one op of the plan, in plan order). An offload frees
+each chunk the instant its copy completes; a prefetch reserves each chunk when its copy
+starts (under a limit, the channel waits until the chunk fits). This is the continuous
+release and reservation that seed 000's Algorithm 1 assumes (its fractional relaxation),
+down to the chunk size. Compute ops still wait for a prefetch's last chunk, and may read
+an item being offloaded only if none of its chunks had completed before they start.
+
 ``bandwidth=None`` means there is no transfer channel: a plan with an offload or prefetch
 is rejected (so is any transfer with bandwidth 0). ``float('inf')`` makes transfers
 instantaneous. Strings such as ``"12GB"`` are read as bytes per second.
@@ -181,6 +190,15 @@ class _Transfer:
     key: Key
     size: float
     offload_op: int = -1                     # prefetch: the offload it undoes
+    chunks: List[float] = field(default_factory=list)  # sizes of the copies, in order
+
+
+def _chunks(size: float, chunk: Optional[float]) -> List[float]:
+    """A transfer's copies: the whole item, or streamed in pieces of at most ``chunk``."""
+    if chunk is None or size <= chunk:
+        return [size]
+    n = math.ceil(size / chunk)
+    return [chunk] * (n - 1) + [size - chunk * (n - 1)]
 
 
 def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
@@ -236,12 +254,15 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
                 if key is None:
                     fail(i, f"nothing stored as the input of stage {s} is in GPU memory")
                 state[key] = ("off", i)
-                out.append(_Transfer(key, _size(chain, key)))
+                size = _size(chain, key)
+                out.append(_Transfer(key, size, chunks=_chunks(size, plan.transfer_chunk)))
             else:
                 key = next((k for k in cands if k in state and state[k][0] == "off"), None)
                 if key is None:
                     fail(i, f"nothing stored as the input of stage {s} was offloaded")
-                out.append(_Transfer(key, _size(chain, key), offload_op=state[key][1]))
+                size = _size(chain, key)
+                out.append(_Transfer(key, size, offload_op=state[key][1],
+                                     chunks=_chunks(size, plan.transfer_chunk)))
                 state[key] = ("pre", i)
             continue
 
@@ -335,7 +356,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
     peak, peak_index = x0, -1
     timeline: List[Tuple[float, float]] = [(0.0, x0)]
     events: List[Dict[str, Any]] = []
-    ids: Dict[Any, Tuple[int, int, int]] = {}   # key -> (trace id, bytes, stream)
+    # key -> [(trace id, bytes, stream)]: one entry, or one per chunk of a streamed prefetch
+    ids: Dict[Any, List[Tuple[int, int, int]]] = {}
     next_id = [0]
     running: List[int] = []                     # ops running now (peaks follow memory)
 
@@ -355,29 +377,51 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
             peak_index = next((j for j in running if isinstance(flow[j], _Compute)),
                               running[0] if running else -1)
 
+    def trace_alloc(t: float, key: Any, b: int, stream: int) -> None:
+        ids.setdefault(key, []).append((next_id[0], b, stream))
+        events.append({"action": "alloc", "id": next_id[0], "size": b, "stream": stream,
+                       "time": t})
+        next_id[0] += 1
+
+    def trace_free(t: float, key: Any) -> Tuple[int, int]:
+        """Free every trace id of ``key``; returns (bytes freed, stream of the first)."""
+        entries = ids.pop(key, [])
+        for tid, b, stream in entries:
+            events.append({"action": "free", "id": tid, "size": b, "stream": stream, "time": t})
+        return sum(e[1] for e in entries), (entries[0][2] if entries else COMPUTE_STREAM)
+
     def alloc(t: float, key: Any, size: float, stream: int) -> None:
         nonlocal mem
         mem += size
         if size > 0:
-            b = bytes_of(size)
-            ids[key] = (next_id[0], b, stream)
-            events.append({"action": "alloc", "id": next_id[0], "size": b, "stream": stream,
-                           "time": t})
-            next_id[0] += 1
+            trace_alloc(t, key, bytes_of(size), stream)
 
     def free(t: float, key: Any, size: float) -> None:
         nonlocal mem
         mem -= size
         if size > 0:
-            tid, b, stream = ids.pop(key)
-            events.append({"action": "free", "id": tid, "size": b, "stream": stream, "time": t})
+            trace_free(t, key)
+
+    def free_part(t: float, key: Any, size: float, last: bool) -> None:
+        """A streamed offload's chunk is copied: in the trace, the item's block is freed
+        and what is left of it allocated again (an allocator releases it page by page)."""
+        nonlocal mem
+        mem -= size
+        if size > 0 or last:
+            held, stream = trace_free(t, key)
+            rest = 0 if last else held - bytes_of(size)
+            if rest > 0:
+                trace_alloc(t, key, rest, stream)
 
     alloc(0.0, ("x", 0), x0, COMPUTE_STREAM)
 
     t: float = 0
     ci = xi = 0
     comp_running: Optional[int] = None
-    xfer_running: Optional[int] = None
+    xfer_running: Optional[int] = None       # the transfer op under way (between its chunks too)
+    chunk_in_flight = False
+    chunk_next: Dict[int, int] = {}           # transfer op -> index of its next chunk
+    first_done_at: Dict[int, float] = {}      # offload op -> when its first chunk was copied
     compute_free_at = 0.0
     channel_free_at = 0.0
     comp_done = 0
@@ -400,25 +444,29 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         heapq.heappush(heap, (t + c.dur, i))
 
     def start_transfer(i: int) -> None:
-        nonlocal xfer_running
+        """Start op i's next chunk (its first: the op starts)."""
+        nonlocal xfer_running, chunk_in_flight
         tr = flow[i]
         st = steps[i]
-        k = n_comp_before[i]
-        issued = comp_end[k - 1] if k else 0.0
-        st.start, st.memory_before, st.item = t, mem, _name(tr.key)
-        st.wait = t - issued
-        st.peak = mem
-        running.append(i)
+        c = chunk_next.setdefault(i, 0)
+        if c == 0:
+            k = n_comp_before[i]
+            issued = comp_end[k - 1] if k else 0.0
+            st.start, st.memory_before, st.item = t, mem, _name(tr.key)
+            st.wait = t - issued
+            st.peak = mem
+            running.append(i)
+        size = tr.chunks[c]
         if ops[i].kind == "prefetch":
-            alloc(t, tr.key, tr.size, TRANSFER_STREAM)
+            alloc(t, tr.key, size, TRANSFER_STREAM)
             changed(t)
-        xfer_running = i
-        dur = 0.0 if tr.size == 0 or math.isinf(bw) else tr.size / bw
+        xfer_running, chunk_in_flight = i, True
+        dur = 0.0 if size == 0 or math.isinf(bw) else size / bw
         heapq.heappush(heap, (t + dur, i))
 
     def finish(i: int) -> None:
         nonlocal comp_running, xfer_running, comp_done, compute_free_at, channel_free_at
-        nonlocal ci, xi, compute_time, transfer_time
+        nonlocal ci, xi, compute_time, transfer_time, chunk_in_flight
         f = flow[i]
         st = steps[i]
         st.end = t
@@ -431,12 +479,22 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
             ci += 1
             compute_time += f.dur
         else:
+            c = chunk_next[i]
+            size = f.chunks[c]
+            last = c + 1 == len(f.chunks)
+            chunk_in_flight = False
+            channel_free_at = t
+            transfer_time += 0.0 if size == 0 or math.isinf(bw) else size / bw
             if ops[i].kind == "offload":
-                free(t, f.key, f.size)
+                free_part(t, f.key, size, last)
+                first_done_at.setdefault(i, t)
+            if not last:                       # the op goes on with its next chunk
+                chunk_next[i] = c + 1
+                changed(t)
+                return
             done_at[i] = t
-            xfer_running, channel_free_at = None, t
+            xfer_running = None
             xi += 1
-            transfer_time += t - st.start
         running.remove(i)
         changed(t)
         st.memory_after = mem
@@ -455,11 +513,12 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         for key, j in c.reads_offloaded:
             # a copy that completes at the instant this op starts has freed the item already
             # (completions come first); only an instantaneous copy (inf bandwidth) may tie
-            if j in done_at and (done_at[j] < t or (done_at[j] == t and steps[j].start < t)):
+            done = first_done_at.get(j)   # streamed: the first chunk freed part of it
+            if done is not None and (done < t or (done == t and steps[j].start < t)):
                 raise InvalidPlanError(
                     f"op {i} ({ops[i].kind} {ops[i].stage}): {_name(key)} was offloaded by op {j} "
-                    f"and its copy completed at t={done_at[j]:g}, before this op starts at "
-                    f"t={t:g}; prefetch it first", i)
+                    f"and its copy {'completed' if j in done_at else 'began freeing it'} at "
+                    f"t={done:g}, before this op starts at t={t:g}; prefetch it first", i)
         if limit is not None:
             need = sum(size for _, size in c.allocs)
             if mem + need > limit + tol:
@@ -470,7 +529,7 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         if comp_done < n_comp_before[i]:
             return "not issued yet"
         if ops[i].kind == "prefetch" and limit is not None:
-            size = flow[i].size
+            size = flow[i].chunks[chunk_next.get(i, 0)]
             if mem + size > limit + tol:
                 return f"needs {size:g} more but {mem:g} of the limit {limit:g} is in use"
         return None
@@ -485,6 +544,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
             cands.append(comp[ci])
         if xfer_running is None and xi < len(xfer):
             cands.append(xfer[xi])
+        elif xfer_running is not None and not chunk_in_flight:
+            cands.append(xfer_running)            # a streamed transfer's next chunk
         reasons = {}
         for i in sorted(cands):
             why = compute_blocker(i) if isinstance(flow[i], _Compute) else transfer_blocker(i)
@@ -501,16 +562,19 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         if ci >= len(comp) and xi >= len(xfer):
             break
         i = min(reasons)
+        c = chunk_next.get(i, 0)
+        what = "start" if c == 0 else f"copy its chunk {c + 1} of {len(flow[i].chunks)}"
         raise InvalidPlanError(
-            f"op {i} ({ops[i].kind} {ops[i].stage}) can never start: {reasons[i]}, and nothing "
-            "running can free memory", i)
+            f"op {i} ({ops[i].kind} {ops[i].stage}) can never {what}: {reasons[i]}, and "
+            "nothing running can free memory", i)
 
     makespan = max(compute_free_at, channel_free_at)
-    live = sorted(v[0] for v in ids.values())
+    live = sorted(e[0] for v in ids.values() for e in v)
     trace = {"meta": {"source": "scheduler.simulate", "chain": chain.name, "planner": plan.planner,
                       "units": {"size": "bytes", "time": "s"},
                       "streams": {"0": "compute", "1": "transfer (prefetch buffers)"},
                       "bandwidth": bw, "memory_limit": limit, "makespan": makespan,
+                      "transfer_chunk": plan.transfer_chunk,
                       "peak_memory": peak, "live_at_end": live},
              "events": events}
     return SimResult(makespan=makespan, peak_memory=peak, compute_time=compute_time,

@@ -74,7 +74,8 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
     peak as its prediction (``plan`` itself is unchanged; returned as is without transfers).
     ``budget``: simulations at most (default :func:`default_budget`)."""
     ops = list(plan.ops)
-    sim = simulate(chain, Plan(ops), bandwidth, memory=memory)
+    chunk = plan.transfer_chunk
+    sim = simulate(chain, Plan(ops, transfer_chunk=chunk), bandwidth, memory=memory)
     if not any(op.kind in TRANSFER_KINDS for op in ops):
         return plan, sim, 1
     budget = default_budget(plan) if budget is None else budget
@@ -105,7 +106,8 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
                     tried.add(key)
                     spent += 1
                     try:
-                        r = simulate(chain, Plan(cand), bandwidth, memory=memory)
+                        r = simulate(chain, Plan(cand, transfer_chunk=chunk), bandwidth,
+                                     memory=memory)
                     except InvalidPlanError:
                         continue
                     if r.makespan < sim.makespan - tol and (best is None or r.makespan < best[0]):
@@ -120,5 +122,5 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
             break
     out = Plan(ops, planner=plan.planner, predicted_time=sim.makespan,
                predicted_peak=sim.peak_memory, meta=dict(plan.meta),
-               memory_limit=plan.memory_limit, chain=plan.chain)
+               memory_limit=plan.memory_limit, chain=plan.chain, transfer_chunk=chunk)
     return out, sim, spent

@@ -79,6 +79,11 @@ def bandwidth_arg(bandwidth: Union[Number, str, None], allow_zero: bool = False)
     return _positive(bandwidth, "bandwidth", allow_zero=allow_zero, allow_inf=True)
 
 
+def chunk_arg(chunk: Union[Number, str, None]) -> Optional[float]:
+    """``transfer_chunk``: None (whole-activation transfers) or a positive size in bytes."""
+    return None if chunk is None else _positive(chunk, "transfer_chunk")
+
+
 def slots_arg(slots: Optional[int]) -> Optional[int]:
     if slots is None:
         return None
@@ -164,8 +169,8 @@ def _item_size(chain: Chain, ops: Sequence[Op], stage: int, before: int) -> Numb
 
 
 def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[int, int]],
-                    memory: Number, bandwidth: float, earliest: int, planner: str
-                    ) -> Tuple[Plan, SimResult]:
+                    memory: Number, bandwidth: float, earliest: int, planner: str,
+                    chunk: Optional[float] = None) -> Tuple[Plan, SimResult]:
     """Insert ``prefetch s`` ops into ``ops`` (compute and offload ops, in order) and return
     the best plan the simulator accepts, with its simulation.
 
@@ -175,11 +180,12 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
     nominal compute timeline) and *as early as possible* (right after ``earliest`` and the
     previous prefetch: seed 000's no-wait policy). A prefetch whose reservation would block
     the compute stream for good (the simulator's InvalidPlanError) is moved after the
-    blocked op until the plan runs. The faster of the two is returned.
+    blocked op until the plan runs. The faster of the two is returned. ``chunk``: the
+    plan's ``transfer_chunk`` (None: whole-activation transfers).
     """
     ops = list(ops)
     if not prefetches:
-        plan = Plan(ops, planner=planner)
+        plan = Plan(ops, planner=planner, transfer_chunk=chunk)
         return plan, simulate(chain, plan, bandwidth if bandwidth > 0 else None, memory=memory)
     starts = _nominal_starts(chain, ops)
     compute_idx = [i for i, op in enumerate(ops) if op.kind not in ("offload", "prefetch")]
@@ -207,7 +213,7 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
         pos = [max(p, earliest) for p in positions]
         for k in range(1, len(pos)):         # the channel is FIFO: keep the order
             pos[k] = max(pos[k], pos[k - 1])
-        got = _repair(chain, ops, prefetches, pos, memory, bandwidth, planner)
+        got = _repair(chain, ops, prefetches, pos, memory, bandwidth, planner, chunk)
         if got is not None and (best is None or got[1].makespan < best[1].makespan):
             best = got
     if best is None:
@@ -217,8 +223,8 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
 
 
 def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
-            pos: List[int], memory: Number, bandwidth: float, planner: str
-            ) -> Optional[Tuple[Plan, SimResult]]:
+            pos: List[int], memory: Number, bandwidth: float, planner: str,
+            chunk: Optional[float]) -> Optional[Tuple[Plan, SimResult]]:
     for _ in range(4 * len(ops) + 8):
         merged: List[Op] = []
         where: Dict[int, int] = {}           # plan index of each prefetch
@@ -229,7 +235,7 @@ def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
                 merged.append(Op("prefetch", prefetches[k][0]))
                 k += 1
             merged.append(op)
-        plan = Plan(merged, planner=planner)
+        plan = Plan(merged, planner=planner, transfer_chunk=chunk)
         try:
             return plan, simulate(chain, plan, bandwidth, memory=memory)
         except InvalidPlanError as err:
@@ -260,13 +266,15 @@ def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
 
 
 def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: float,
-             planner: str = "offload", first: Sequence[int] = ()) -> Tuple[Plan, SimResult]:
+             planner: str = "offload", first: Sequence[int] = (),
+             chunk: Optional[float] = None) -> Tuple[Plan, SimResult]:
     """The ordered no-wait plan that offloads the inputs of the given stages: ``offload i``
     right before ``F_all i`` (the copy overlaps the forward that reads it), prefetches in
     reverse order before the backward that needs them (see :func:`with_prefetches`).
     ``first``: offloaded stages whose prefetches go to the front of the channel, in that
     order (our own variant, used by :func:`dynprog`'s search: a small activation needed
-    last can ride in an early gap instead of delaying the end)."""
+    last can ride in an early gap instead of delaying the end). ``chunk``: the plan's
+    ``transfer_chunk``."""
     act = activations(chain)
     if any(not isinstance(i, int) or i < 0 or i > chain.L for i in offloaded):
         raise ValueError(f"offloaded: stages must be ints in 0..{chain.L}, got {list(offloaded)}")
@@ -288,7 +296,7 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     prefetches = [(i, b_index[i]) for i in order]
     # seed 000 eq. (10): prefetches may start in the forward phase, after the offloads
     earliest = (ops.index(Op("offload", chosen[-1])) + 1) if chosen else first_b
-    return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner)
+    return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner, chunk)
 
 
 def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, **meta) -> Plan:
@@ -302,7 +310,7 @@ def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, **meta) ->
 
 
 def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwidth: float,
-             planner: str) -> Tuple[Plan, SimResult]:
+             planner: str, chunk: Optional[float] = None) -> Tuple[Plan, SimResult]:
     best: Optional[Tuple[Plan, SimResult]] = None
     seen = set()
     for s in sets:
@@ -311,7 +319,7 @@ def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwi
             continue
         seen.add(key)
         try:
-            got = schedule(chain, key, memory, bandwidth, planner)
+            got = schedule(chain, key, memory, bandwidth, planner, chunk=chunk)
         except InvalidPlanError:
             continue
         if best is None or got[1].makespan < best[1].makespan:
@@ -349,11 +357,15 @@ def _greedy_set(chain: Chain, memory: Number) -> List[int]:
     return chosen
 
 
-def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
+           transfer_chunk: Union[Number, str, None] = None) -> Plan:
     """Theorem 2 rounded up: offload entirely the first k activations, k the smallest index
-    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule."""
+    with sum_{i <= k} |x_i| >= M_peak - M; the no-wait ordered schedule.
+    ``transfer_chunk``: stream transfers in chunks of this many bytes (see :func:`dynprog`)."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.greedy")
-    plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy")
+    chunk = chunk_arg(transfer_chunk)
+    plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy",
+                         chunk)
     return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))
 
 
@@ -394,7 +406,8 @@ def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequ
 
 
 def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
-            slots: Optional[int] = 500, improve: bool = True) -> Plan:
+            slots: Optional[int] = 500, improve: bool = True,
+            transfer_chunk: Union[Number, str, None] = None) -> Plan:
     """Seed 000 Algorithm 1 (hash tables of (M_F, Delta_F, Delta_B) per stage, equations
     1-10 including the idle time between the phases), then the no-wait ordered schedule
     with its offload decisions. ``slots``: memory discretisation (None = exact bytes, for
@@ -418,9 +431,17 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     ends (8 ms for ResNet-18's 98 MB activations at 12.2 GB/s, most of the 11 ms forward),
     so compute waits for memory the relaxation already had.
     ``meta["paper_time"]`` is the simulated time of the paper's plan, ``meta["variant"]``
-    which decisions won. ``improve=False`` returns the paper's plan."""
+    which decisions won. ``improve=False`` returns the paper's plan.
+
+    ``transfer_chunk`` (bytes, or a size string such as ``"2MiB"``; default None: whole
+    activations, seed 000 assumption D) streams every transfer in chunks of that size
+    (:attr:`Plan.transfer_chunk`, our own extension): memory is released and reserved as
+    a copy progresses, which is Algorithm 1's own relaxation, so the plan's time comes
+    close to ``relaxed_time``. Only a runtime that can release part of an activation
+    (page-level mappings) can run such a plan; the chain runtime refuses it."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.dynprog")
     slots = slots_arg(slots)
+    chunk = chunk_arg(transfer_chunk)
     # Rounding sizes up to whole slots can make a limit just above min_memory look too
     # small: retry with finer slots, then fall back to GREEDY's decisions (feasible at any
     # limit >= min_memory; meta["fallback"] says so).
@@ -441,7 +462,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
         rest = [i for i in range(chain.L + 1) if i not in chosen]
         for k in ([0, 1, 2, 4, 8, 16, 32] if nearest else [0]):
             try:
-                got = _best_of(chain, [chosen + rest[:k]], memory, beta, "offload.dynprog")
+                got = _best_of(chain, [chosen + rest[:k]], memory, beta, "offload.dynprog",
+                               chunk)
                 break
             except InfeasibleError:
                 continue
@@ -453,16 +475,17 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
                 f"offload.dynprog: no schedule fits memory {memory:g} (the smallest limit is "
                 f"{min_memory(chain):g})", min_memory(chain))
         fallback, idle, states = True, math.nan, 0
-        got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog")
+        got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog",
+                       chunk)
     plan, sim = got
     paper_time, variant = sim.makespan, "greedy-fallback" if fallback else "dp"
     if improve and beta > 0:
-        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant, slots)
+        plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant, slots, chunk)
     relaxed = chain.total_compute() + idle
     return _finish(plan, sim, chain, memory, relaxed_time=relaxed, paper_time=paper_time,
                    variant=variant, improve=improve,
                    dp_value=None if fallback else relaxed,
-                   dp_states=states, slots=slots, fallback=fallback,
+                   dp_states=states, slots=slots, fallback=fallback, transfer_chunk=chunk,
                    lower_bound=lower_bound(chain, memory, beta))
 
 
@@ -472,7 +495,8 @@ DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # the slower links the DP is also solved f
 
 
 def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: float,
-              variant: str, slots: Optional[int]) -> Tuple[Plan, SimResult, str]:
+              variant: str, slots: Optional[int], chunk: Optional[float]
+              ) -> Tuple[Plan, SimResult, str]:
     """dynprog's own step on top of the paper (see its docstring)."""
     from .improve import improve_transfers
     short = slots is not None and chain.L <= DERATED_MAX_L
@@ -492,7 +516,7 @@ def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: fl
             if chosen is None:
                 continue
             try:
-                g = _best_of(chain, [chosen], memory, beta, "offload.dynprog")
+                g = _best_of(chain, [chosen], memory, beta, "offload.dynprog", chunk)
             except InfeasibleError:
                 continue
             cands.append((name, g[0], g[1]))
@@ -510,13 +534,14 @@ def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: fl
             subsets = [list(s) for k in range(len(movable) + 1)
                        for s in itertools.combinations(movable, k)]
             try:
-                g = _best_of(chain, subsets, memory, beta, "offload.dynprog")
+                g = _best_of(chain, subsets, memory, beta, "offload.dynprog", chunk)
                 cands.append(("every-set", g[0], g[1]))
             except InfeasibleError:
                 pass
         fastest = min(c[2].makespan for c in cands)
         for name, p, psim in sorted(cands, key=lambda c: c[2].makespan):
-            got = _search_sets(chain, _offloaded(p), memory, beta, fastest, seen, budget)
+            got = _search_sets(chain, _offloaded(p), memory, beta, fastest, seen, budget,
+                               chunk)
             if got is not None:
                 cands.append((name + "+sets", got[0], got[1]))
                 fastest = got[1].makespan
@@ -539,7 +564,7 @@ def _offloaded(plan: Plan) -> List[int]:
 
 
 def _search_sets(chain: Chain, start: Sequence[int], memory: Number, beta: float,
-                 to_beat: float, seen: set, budget: List[int]
+                 to_beat: float, seen: set, budget: List[int], chunk: Optional[float] = None
                  ) -> Optional[Tuple[Plan, SimResult]]:
     """Our own step (not seed 000): a hill climb over whole-activation decisions scored by
     the simulator. Neighbours of the current set: one activation added, removed or swapped
@@ -571,7 +596,8 @@ def _search_sets(chain: Chain, start: Sequence[int], memory: Number, beta: float
             seen.add(cand)
             budget[0] -= 1
             try:
-                got = schedule(chain, cand[0], memory, beta, "offload.dynprog", cand[1])
+                got = schedule(chain, cand[0], memory, beta, "offload.dynprog", cand[1],
+                               chunk)
             except InvalidPlanError:
                 continue
             if got[1].makespan < best_t * (1 - 1e-12) and (step is None
@@ -591,11 +617,14 @@ def _dp_set(chain: Chain, memory: Number, beta: float, slots: int) -> Optional[L
 
 
 # -------------------------------------------------------------------------------- VDNN
-def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]) -> Plan:
+def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
+         transfer_chunk: Union[Number, str, None] = None) -> Plan:
     """Seed 000 section 6.1: rank the activations by u_F_i / |x_i|; for every threshold,
     the no-wait ordered schedule offloading all activations at or above it, and the one
-    offloading every other of them (VDNN++'s two policies); the best of these."""
+    offloading every other of them (VDNN++'s two policies); the best of these.
+    ``transfer_chunk``: stream transfers in chunks of this many bytes (see :func:`dynprog`)."""
     chain, memory, beta = _setup(chain, memory, bandwidth, "offload.vdnn")
+    chunk = chunk_arg(transfer_chunk)
     act = activations(chain)
     cands = [i for i in range(chain.L + 1) if act[i] > 0]
     ratio = {i: chain.fw[i] / act[i] for i in cands}
@@ -604,5 +633,5 @@ def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]
         above = [i for i in cands if ratio[i] >= thr]
         sets.append(above)
         sets.append(above[::2])
-    plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn")
+    plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn", chunk)
     return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))

@@ -80,6 +80,14 @@ class CompiledPlan:
     @classmethod
     def of(cls, plan: Plan, L: int) -> "CompiledPlan":
         ops = [(i, op.kind, op.stage) for i, op in enumerate(plan.ops)]
+        if plan.transfer_chunk is not None and any(op.kind in ("offload", "prefetch")
+                                                   for op in plan.ops):
+            # its peak assumes an offload frees its item chunk by chunk; whole tensors here
+            # are freed when their copy ends, so running it would break the plan's limit
+            raise InvalidPlanError(
+                f"plan streams its transfers in chunks of {plan.transfer_chunk:g} bytes "
+                "(Plan.transfer_chunk); the chain runtime moves whole tensors: plan with "
+                "transfer_chunk=None", None)
         timing = plan.meta.get("transfer_timing") or {}
         issue_after = {int(i): int(j) for i, j in timing.get("issue_after", [])}
         if issue_after:  # prefetches the simulator starts later (waiting for memory) move there
