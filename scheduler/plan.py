@@ -2,7 +2,8 @@
 
 ``Plan.ops`` is a list of ``(kind, s)``: ``kind`` one of ``F_all``, ``F_ck``, ``F_none``,
 ``B``, ``offload``, ``prefetch``; ``s`` a stage index. ``offload s`` / ``prefetch s`` move
-what is stored as the input of stage ``s``.
+what is stored as the input of stage ``s``, whole, or in chunks of ``Plan.transfer_chunk``
+bytes (streamed transfers; see scheduler.simulate).
 """
 from __future__ import annotations
 

@@ -25,6 +25,10 @@ simulated time`` for every planner. With ``slots``, sizes are first rounded to t
 slot (rounding ~L activations up inflates the apparent need by up to L slots: seed 000
 section 6.2's DenseNet discretisation error), so ``relaxed_time`` is then an estimate.
 
+With ``transfer_chunk`` (our own extension) the plans stream their transfers
+(:attr:`Plan.transfer_chunk`): the simulator then frees and reserves memory as a copy
+proceeds, as the relaxation does, and DYNPROG's plan comes close to ``relaxed_time``.
+
 All sizes in bytes, times in seconds, ``bandwidth`` in bytes per second (a number or a
 size string such as ``"12GB"``).
 """
