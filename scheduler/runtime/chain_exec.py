@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
+from ..profile import _trace
 from . import accounting, buffers, rng
 from .block_calls import BlockCall, tensor_leaves
 from .offload import StorageCopy, Transfers
@@ -213,13 +214,7 @@ def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
             m.training = t
 
 
-def _unlinked(t: torch.Tensor) -> torch.Tensor:
-    """What a pack hook keeps of a saved tensor: without its autograd history. An op's own
-    output saved with its ``grad_fn`` would make a cycle through the graph (node -> packed
-    value -> node) that Python's collector cannot see: a graph freed without its backward
-    (a recomputation's, or a forward whose loss is dropped) would leak with everything it
-    reaches. Autograd re-attaches the history on unpack, as ``torch.utils.checkpoint`` relies on."""
-    return t.detach() if t.requires_grad else t
+_unlinked = _trace.unlinked  # a pack hook keeps saved tensors without history
 
 
 class Holder:
