@@ -380,9 +380,9 @@ class ChainStep:
 
     def abandon(self) -> None:
         """The forward failed half way: drop every reference to values and to the partial
-        graph. (The last output, ``prev_out``, and the failed call's arguments reach the graph,
-        whose holders reach the frames and this step: a cycle through autograd's C++ nodes
-        that the garbage collector cannot see, so it would never be freed.)"""
+        graph. (The failed call's arguments reach the graph, whose holders reach the frames and
+        this step: a cycle through autograd's C++ nodes that the garbage collector cannot see,
+        so it would never be freed.)"""
         self.prev_out = None
         if self.failed_call is not None:
             self.failed_call.x, self.failed_call.kept = (), []
