@@ -225,14 +225,30 @@ class OpTracer(TorchDispatchMode):
         return peak
 
 
+def unlinked(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a saved tensor: without its autograd history. An op's own
+    output saved with its ``grad_fn`` would make a cycle through the graph (node -> packed
+    value -> node) that Python's collector cannot see: a graph freed without its backward
+    (a recomputation's, or a forward whose loss is dropped) would leak with everything it
+    reaches. Autograd re-attaches the history on unpack, as ``torch.utils.checkpoint`` relies on."""
+    return t.detach() if t.requires_grad else t
+
+
 class SavedTensors:
-    """``saved_tensors_hooks`` that keep a reference to everything autograd saves."""
+    """``saved_tensors_hooks`` that keep a reference to everything autograd saves (for its
+    storage and size: the tensors kept have no autograd history)."""
 
     def __init__(self) -> None:
         self.tensors: List[torch.Tensor] = []
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Every node that saves ``t`` keeps this hook (so ``self``) until the node is freed.
+        # Kept with its history, ``t`` would lead back to those nodes: a cycle through the C++
+        # graph (node -> hook -> self.tensors -> t -> grad_fn -> node) that Python's collector
+        # cannot see, leaking the graph, its activations and the parameters it saved whenever
+        # the graph is dropped without a backward (the Mimose collector's measuring run).
+        t = unlinked(t)
         self.tensors.append(t)
         return t
 

@@ -69,6 +69,18 @@ class BlockCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
 
+    def unlink(self) -> None:
+        """After the block's first run: keep the call's tensors without their autograd
+        history (the same storages, version counters and grad flags). A recomputation never
+        backpropagates through them (``chain_exec`` refills the first run's holders), and kept
+        with their history they could reach the step's own graph (the loop changed the value
+        between blocks, or passes a later block an earlier block's output), whose holders reach
+        the step that keeps this call: a cycle through C++ that gc cannot free."""
+        self.x = tuple(t.detach() for t in self.x)  # (``rg`` keeps the grad flags)
+        self.kept = [v.detach().requires_grad_(v.requires_grad)
+                     if isinstance(v, torch.Tensor) and v.grad_fn is not None else v
+                     for v in self.kept]
+
     def shared_tensors(self) -> List[torch.Tensor]:
         return [v for v in self.kept if isinstance(v, torch.Tensor)]
 

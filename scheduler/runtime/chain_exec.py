@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
+from ..profile import _trace
 from . import accounting, buffers, rng
 from .block_calls import BlockCall, tensor_leaves
 from .offload import StorageCopy, Transfers
@@ -221,13 +222,7 @@ def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
             m.training = t
 
 
-def _unlinked(t: torch.Tensor) -> torch.Tensor:
-    """What a pack hook keeps of a saved tensor: without its autograd history. An op's own
-    output saved with its ``grad_fn`` would make a cycle through the graph (node -> packed
-    value -> node) that Python's collector cannot see: a graph freed without its backward
-    (a recomputation's, or a forward whose loss is dropped) would leak with everything it
-    reaches. Autograd re-attaches the history on unpack, as ``torch.utils.checkpoint`` relies on."""
-    return t.detach() if t.requires_grad else t
+_unlinked = _trace.unlinked  # a pack hook keeps saved tensors without history
 
 
 class Holder:
@@ -384,16 +379,18 @@ class ChainStep:
         self.fptr = 0
         self.bptr = 0
         self.next = 0                                 # the block the loop calls next
-        self.prev_out: Optional[Tensors] = None       # the last block's output (identity)
+        # the last block's outputs as the loop may pass them on: by identity (weakly) and
+        # their value (detached); see ``_previous``
+        self.prev_out: Optional[Tuple[Tuple[weakref.ReferenceType, ...], Tensors]] = None
         self.failed_call: Optional[BlockCall] = None  # the call of the block running now
         self.passed_through: Set[int] = set()         # storages blocks return unchanged
         self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
 
     def abandon(self) -> None:
         """The forward failed half way: drop every reference to values and to the partial
-        graph. (The last output, ``prev_out``, and the failed call's arguments reach the graph,
-        whose holders reach the frames and this step: a cycle through autograd's C++ nodes
-        that the garbage collector cannot see, so it would never be freed.)"""
+        graph. (The failed call's arguments reach the graph, whose holders reach the frames and
+        this step: a cycle through autograd's C++ nodes that the garbage collector cannot see,
+        so it would never be freed.)"""
         self.prev_out = None
         if self.failed_call is not None:
             self.failed_call.x, self.failed_call.kept = (), []
@@ -481,7 +478,7 @@ class ChainStep:
                 f"{self.name}: block {s} was called but block {self.next} was expected: the "
                 f"model must call each of its {self.L} blocks once, in order, per forward "
                 "(name the list its loop walks with blocks=)")
-        call = BlockCall(args, kwargs, self.prev_out, all_inputs=all_inputs)
+        call = BlockCall(args, kwargs, self._previous(), all_inputs=all_inputs)
         self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
             params = [p for b in self.blocks for p in list(b.parameters())[:1]]
@@ -504,20 +501,24 @@ class ChainStep:
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)
         outs = tensor_leaves(out)
-        self.prev_out = outs
+        held = _detached(outs)
+        self.prev_out = (tuple(weakref.ref(t) for t in outs), held)
         ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
         self.passed_through |= {accounting.storage_key(t) for t in outs if id(t) in ins}
         if kind == "F_all":
-            frame.out = _detached(outs)
+            frame.out = held
             frame.out_version = tuple(t._version for t in frame.out)
             self.xbars[s] = frame
         else:
-            self._hold(s + 1, _detached(outs))
+            self._hold(s + 1, held)
             if kind == "F_none":
                 self.xs.pop(s, None)
         self.failed_call = None
         if s > 0 and not call.anchored:
             call.x = ()  # x[s] is held (or not) as the plan says: the call must not pin it
+        # the graph's holders reach this step: what the step keeps of the call must not reach
+        # the graph (a cycle through C++ that gc cannot free if the graph is dropped unrun)
+        call.unlink()
         self.next = s + 1
         self._live()
         self._after(index)
@@ -525,6 +526,18 @@ class ChainStep:
             self._forward_ops_until(None)
             self.prev_out = None
         return out
+
+    def _previous(self) -> Optional[Tensors]:
+        """The last block's outputs for the next call's ``BlockCall``: those the loop still
+        holds, the very objects (it may pass them on: matched by identity); the step's detached
+        copy of the others (the same value; the loop cannot pass what it let go). Held strongly,
+        the outputs would reach their graph, whose holders reach this step: a cycle through
+        autograd's C++ nodes, never freed if the forward stops between blocks and the model is
+        deleted before another forward."""
+        if self.prev_out is None:
+            return None
+        refs, held = self.prev_out
+        return tuple(o if o is not None else h for o, h in ((r(), h) for r, h in zip(refs, held)))
 
     def _forward_ops_until(self, s: Optional[int]) -> Tuple[int, str]:
         """Run the forward phase's ops up to the forward of stage ``s`` (its index and kind

@@ -48,7 +48,6 @@ from torch.utils import _python_dispatch as dispatch
 from ..chain import Chain
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
-from .chain_exec import _unlinked
 
 _warned: Set[str] = set()
 
@@ -89,9 +88,12 @@ class _Hooks:
         self.recording = True
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # noted unlinked too: with its history, a noted tensor would lead back to the nodes
+        # that keep this hook (a cycle through the C++ graph) until ``saved`` is cleared
+        t = T.unlinked(t)
         if self.recording:
             self.saved.append(t)
-        return _unlinked(t)
+        return t
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
