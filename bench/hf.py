@@ -1,5 +1,6 @@
-"""Hugging Face models under a memory budget (issue 13, Benchmark): GPT-2, BERT and Llama from
-small configs (random weights), step time and peak activation memory for
+"""Hugging Face models under a memory budget (issue 13, Benchmark): GPT-2, BERT (masked LM and
+sequence classification, the fine-tuning case) and Llama from small configs (random
+weights), step time and peak activation memory for
 
 - ``plain``: no checkpointing;
 - ``hf-ckpt``: the model's own ``gradient_checkpointing_enable()`` (every layer checkpointed,
@@ -20,7 +21,8 @@ five once read HF checkpointing's BERT step at 596 ms where it costs 350), on th
 process's CPU time with one thread (``--threads``) so that a shared machine's load enters
 the figures as little as it can.
 
-    python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,llama] [--steps N]
+    python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,bert-cls,llama]
+                       [--steps N]
 
 Writes bench/results/hf-<device>.json and .png; the README section comes from
 ``bench/readme_results.py``. ``--quick`` (CI smoke, seconds) writes nothing unless ``--out``.
@@ -43,6 +45,8 @@ PLANNERS = ("rotor", "pofo", "mimose")
 BANDWIDTH = 12e9
 FRACTIONS = (0.25, 0.4, 0.6, 0.8)
 QUICK_FRACTIONS = (0.4,)
+MODELS = "gpt2,bert,bert-cls,llama"
+CLASSES = 4  # bert-cls's labels
 BELOW_HF = 0.8
 GOAL = ("at HF checkpointing's peak rotor is faster; at HF checkpointing's step time rotor "
         "holds less memory; rotor reaches budgets below HF checkpointing's peak")
@@ -50,7 +54,9 @@ GOAL = ("at HF checkpointing's peak rotor is faster; at HF checkpointing's step 
 
 # ------------------------------------------------------------------------------ models
 def configs(quick: bool) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple[int, int]]]:
-    """name -> (model factory, (batch, sequence length)), small configs, random weights."""
+    """name -> (model factory, (batch, sequence length)), small configs, random weights.
+    The language models' tails (LM head and loss over the vocabulary) hold more than a
+    block's input; bert-cls's (pooler, classifier) holds almost nothing."""
     import transformers as T
     layers, hidden, heads, seq = (2, 64, 4, 32) if quick else (6, 128, 4, 256)
     vocab = 512
@@ -63,6 +69,10 @@ def configs(quick: bool) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple
             num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
             intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq,
             **common)), (4, seq)),
+        "bert-cls": (lambda: T.BertForSequenceClassification(T.BertConfig(
+            num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+            intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq,
+            num_labels=CLASSES, **common)), (4, seq)),
         "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(
             num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
             num_key_value_heads=heads // 2, intermediate_size=3 * hidden, vocab_size=vocab,
@@ -88,6 +98,14 @@ def cpu_peak(step: Callable[[], Any]) -> int:
     return peak
 
 
+def labels_for(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A language model predicts its input; a classifier one class per sequence."""
+    if getattr(model.config, "num_labels", None) and "SequenceClassification" in \
+            type(model).__name__:
+        return ids[:, 0] % model.config.num_labels
+    return ids
+
+
 def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: str
             ) -> Dict[str, Any]:
     """Least (and median) step time over ``steps`` timed steps and the peak, measured in a separate
@@ -99,10 +117,11 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: str
     opt_free = lambda: [setattr(p, "grad", None) for p in params]  # noqa: E731
     cuda = device == "cuda"
     clock = time.perf_counter if cuda else time.process_time
+    labels = labels_for(model, ids)
 
     def step(seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         return loss.detach()
 
@@ -311,7 +330,7 @@ def in_subprocess(name: str, argv: List[str]) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> None:
     def extra(p: Any) -> None:
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--models", default="gpt2,bert,llama")
+        p.add_argument("--models", default=MODELS)
         p.add_argument("--steps", type=int, default=None)
         p.add_argument("--threads", type=int, default=1,
                        help="CPU intra-op threads (default 1: steadier on a shared machine)")
@@ -323,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     fractions = QUICK_FRACTIONS if quick else FRACTIONS
     zoo = configs(quick)
     command = "python bench/hf.py" + (" --quick" if quick else "") + \
-        (f" --models {args.models}" if args.models != "gpt2,bert,llama" else "")
+        (f" --models {args.models}" if args.models != MODELS else "")
     results: Dict[str, Any] = {"meta": {**run_meta(command, device), "bench": "hf",
                                         "quick": quick, "steps": steps, "goal": GOAL,
                                         "checkpoint_available": checkpoint_missing() is None,

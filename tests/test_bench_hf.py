@@ -39,3 +39,20 @@ def test_goal_check_reads_rotor_rows_against_hf_checkpointing():
     assert hf.goal_check(rows)["faster_at_hf_peak"] is False
     skipped = [r for r in rows if r["method"] != "rotor"]
     assert set(hf.goal_check(skipped).values()) == {None}
+
+
+def test_classifier_gets_one_label_per_sequence():
+    import torch
+    import transformers as T
+    sys.path.insert(0, f"{ROOT}/bench")
+    import hf
+    ids = torch.randint(1, 100, (3, 8))
+    cls = T.BertForSequenceClassification(T.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=100, max_position_embeddings=8, num_labels=hf.CLASSES))
+    labels = hf.labels_for(cls, ids)
+    assert labels.shape == (3,) and int(labels.max()) < hf.CLASSES
+    assert cls(input_ids=ids, labels=labels).loss.dim() == 0
+    lm = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100,
+                                        n_positions=8))
+    assert hf.labels_for(lm, ids) is ids
