@@ -14,11 +14,12 @@ sizes must be integers; the table has ``M + 1`` columns, so keep ``M`` small).
 Refinement (``refine=True``, the default with slots). The rounding hides plans: one whose
 exact peak fits ``M`` can need up to ``k`` slots more than ``S`` once rounded (issue 13: on a
 6-layer Llama, HF's every-block plan fit with 32 KB to spare and rotor, at 500 slots, ran one
-forward more). So the DP tabulates up to ``S + L + 4`` slots (one table, the same slot size),
-the plans at the limits where its value drops are rebuilt with the exact sizes, and the
-fastest one whose exact peak is at most ``M`` is returned (ties: the lower peak); the plan at
-``S`` itself always fits, so refining is never slower. ``refine=False``: the rounded
-problem's optimum alone.
+forward more). So the DP tabulates up to ``S + h`` slots (one table, the same slot size;
+``h = rounding_headroom(chain, M) <= L + 4`` bounds that excess), the plans at the limits
+where its value drops are rebuilt with the exact sizes, and the fastest one whose exact peak
+is at most ``M`` is returned (ties: the lower peak; on long chains the drops are bisected,
+see csrc/dp/rotor.cpp). The plan at ``S`` itself always fits, so refining is never slower.
+``refine=False``: the rounded problem's optimum alone.
 
 ``predicted_time`` is the DP's value at the limit the plan was rebuilt at;
 ``predicted_peak`` the exact peak of the plan (x[0] included) from the same recurrences with
