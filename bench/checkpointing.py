@@ -42,7 +42,7 @@ def point(chain: Chain, plan, batch: int) -> Dict[str, float]:
     return {"peak_gib": r.peak_memory / GiB, "time_s": r.makespan, "throughput": batch / r.makespan}
 
 
-def run_chain(chain: Chain, slots: int, refine: int) -> Dict:
+def run_chain(chain: Chain, slots: int, refine: bool) -> Dict:
     batch = int(chain.meta.get("batch", 1))
     torch_plan = periodic.solve(chain, 1)
     out = {"name": chain.name, "L": chain.L, "batch": batch, "pytorch": point(chain, torch_plan, batch)}
@@ -102,8 +102,8 @@ def plot(fig_name: str, results: List[Dict], out_dir: str) -> str:
 def main(argv=None) -> Dict:
     args = parse_args(__doc__.splitlines()[0], argv,
                       extra=lambda p: (p.add_argument("--slots", type=int, default=500),
-                                       p.add_argument("--refine", type=int, default=4,
-                                                      help="extra solves winning back slot rounding")))
+                                       p.add_argument("--no-refine", dest="refine", action="store_false",
+                                                      help="the rounded DP's plans (no refinement)")))
     try:
         from chains import load, names
         available = set(names())

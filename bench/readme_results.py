@@ -254,8 +254,9 @@ def planners_time(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
 
 
 def checkpointing(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
+    refine = "refined" if d.get("refine") is True else f"refine {d.get('refine')}"
     out = [f"Simulated (scheduler.simulate, not measured): {d.get('source', 'bench/chains')}; "
-           f"slots {d.get('slots')}, refine {d.get('refine')}. Rotor's throughput at the peak "
+           f"slots {d.get('slots')}, {refine}. Rotor's throughput at the peak "
            "memory of the fastest periodic (checkpoint_sequential-style) point.", ""]
     out += table(["chain", "L", "PyTorch GiB", "best periodic", "at GiB", "periodic img/s",
                   "rotor img/s", "rotor gain"],
@@ -272,8 +273,8 @@ def checkpointing(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     cmd = "python bench/checkpointing.py" + (" --quick" if d.get("quick") else "")
     if d.get("slots", 500) != 500:
         cmd += f" --slots {d['slots']}"
-    if d.get("refine", 4) != 4:
-        cmd += f" --refine {d['refine']}"
+    if d.get("refine") is False:
+        cmd += " --no-refine"
     out += ["", reproduce(cmd)]
     return out
 

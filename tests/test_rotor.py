@@ -155,13 +155,14 @@ def test_refine_wins_back_rounding_and_still_fits():
     chain = byte_chain(60, 1)
     full = simulate(chain, periodic.solve(chain, 1)).peak_memory
     for m in (0.4 * full, full):
-        base = rotor.solve(chain, m, slots=50)
-        fine = rotor.solve(chain, m, slots=50, refine=6)
+        base = rotor.solve(chain, m, slots=50, refine=False)
+        fine = rotor.solve(chain, m, slots=50)   # refine=True is the default
         check_prediction(chain, fine, memory=m)
         assert fine.predicted_time <= base.predicted_time and fine.meta["memory"] == m
+        assert fine.memory_limit == m and not base.meta["rounding_refined"]
     assert fine.predicted_time < base.predicted_time   # at full memory the rounding cost shows
     with pytest.raises(ValueError, match="refine"):
-        rotor.solve(chain, full, refine=-1)
+        rotor.solve(chain, full, refine=4)
 
 
 def _units_by_fractions(chain, memory, slots):

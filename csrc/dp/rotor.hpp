@@ -28,14 +28,21 @@ struct RotorResult {
   double peak = 0;                          // exact peak of the plan, x[0] included
   int64_t min_units = 0;                    // smallest feasible budget (units, x[0] included)
   std::vector<std::pair<int, int>> ops;     // (RotorKind, stage)
+  int64_t used_budget = 0;                  // the budget (units) the plan was rebuilt at
+  int tried = 0;                            // plans rebuilt and scored (refinement)
+  int steps = 0;                            // distinct DP values in [budget, budget + extra]
 };
 
 // allow_all = false restricts the DP to the AD model (revolve): F_all only right before its B.
 // exact_values: keep the table in double (exact optimality for integer times below 2^53)
 // rather than float (half the memory traffic; what the discretized mode uses).
+// extra > 0 (refinement, see rotor.cpp): tabulate up to budget + extra units (one table) and
+// return the fastest plan rebuilt at a budget in [budget, budget + extra] whose exact peak is
+// at most exact_limit (ties: the lower peak); the plan at budget itself is the fallback.
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
                         const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                        bool allow_all, bool exact_values);
+                        bool allow_all, bool exact_values, int64_t extra = 0,
+                        double exact_limit = 0);
 
 // Smallest feasible budget in units (x[0] included); O(L^3), no table.
 int64_t rotor_min_units(const RotorSizes& units, bool allow_all);

@@ -18,7 +18,7 @@ from ..plan import Plan
 from .rotor import min_memory as _min_memory, solve_dp
 
 
-def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: int = 0) -> Plan:
+def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: bool = True) -> Plan:
     """Fastest AD-model (revolve) schedule within ``memory`` bytes; ``InfeasibleError`` if
     none. ``refine`` as in rotor.solve."""
     return solve_dp(chain, memory, slots, allow_all=False, planner="revolve", refine=refine)

@@ -11,9 +11,19 @@ the at most ``k`` items in memory at once (stored items + an op's outputs + its 
 slower than the exact optimum at ``M - k * M / S``. ``slots=None``: exact integer units (the
 sizes must be integers; the table has ``M + 1`` columns, so keep ``M`` small).
 
-``predicted_time`` is the DP's optimum ``C(0, L, M - x[0])``; ``predicted_peak`` the exact
-peak of the plan (x[0] included) from the same recurrences with the exact sizes. Both equal
-``scheduler.simulate`` on the plan (exactly for integer chains).
+Refinement (``refine=True``, the default with slots). The rounding hides plans: one whose
+exact peak fits ``M`` can need up to ``k`` slots more than ``S`` once rounded (issue 13: on a
+6-layer Llama, HF's every-block plan fit with 32 KB to spare and rotor, at 500 slots, ran one
+forward more). So the DP tabulates up to ``S + h`` slots (one table, the same slot size;
+``h = rounding_headroom(chain, M) <= L + 4`` bounds that excess), the plans at the limits
+where its value drops are rebuilt with the exact sizes, and the fastest one whose exact peak
+is at most ``M`` is returned (ties: the lower peak; on long chains the drops are bisected,
+see csrc/dp/rotor.cpp). The plan at ``S`` itself always fits, so refining is never slower.
+``refine=False``: the rounded problem's optimum alone.
+
+``predicted_time`` is the DP's value at the limit the plan was rebuilt at;
+``predicted_peak`` the exact peak of the plan (x[0] included) from the same recurrences with
+the exact sizes. Both equal ``scheduler.simulate`` on the plan (exactly for integer chains).
 """
 from __future__ import annotations
 
@@ -75,9 +85,11 @@ def _units_up(v: Union[int, float], num: int, den: int, cap: int) -> int:
     return min(-(-a * num // (b * den)), cap)
 
 
-def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
-               ) -> Tuple[Tuple[List[int], ...], int, float]:
-    """Sizes in memory units (rounded up), the budget in units, and the unit in bytes."""
+def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int],
+               headroom: int = 0) -> Tuple[Tuple[List[int], ...], int, float]:
+    """Sizes in memory units (rounded up), the budget in units, and the unit in bytes.
+    ``headroom``: units the DP may tabulate above the budget (refinement); sizes are capped
+    above that instead of just above the budget."""
     if slots is None:
         if not chain.is_integer:
             raise ValueError("slots=None (exact units) needs integer sizes; this chain has "
@@ -95,7 +107,7 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int]
     # never comes out smaller than it is. One above the budget cannot be held whatever its
     # size, so it is capped there (the DP's ints stay small).
     p, q = (memory if isinstance(memory, (int, float)) else Fraction(memory)).as_integer_ratio()
-    num, cap = slots * q, slots + 1
+    num, cap = slots * q, slots + headroom + 1
     units = tuple([(u if (u := -(-v * num // p)) < cap else cap) if type(v) is int
                    else _units_up(v, num, p, cap) for v in _padded(chain, f)]
                   for f in SIZE_FIELDS)
@@ -140,65 +152,69 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
     return int(math.ceil(hi)) if integer else hi
 
 
-def _solve_once(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str) -> Plan:
+def rounding_headroom(chain: Chain, memory: Union[int, float]) -> int:
+    """Slots by which the rounded peak of a plan that fits ``memory`` exactly can exceed the
+    budget: less than one per item held at once (each is rounded up by less than a slot).
+    A schedule holds at most L + 4 items; and those it holds at once fit in ``memory``: at
+    most the smallest stored sizes (x, xbar, delta) that do, plus one op's tmp."""
+    held = total = 0
+    for v in sorted(v for f in ("x", "xbar", "delta") for v in getattr(chain, f) if v > 0):
+        total += v
+        if total > memory:
+            break
+        held += 1
+    return min(chain.L + 4, held + 1)
+
+
+def check_refine(refine: Any) -> bool:
+    if not isinstance(refine, bool):
+        raise ValueError(f"refine: expected True or False, got {refine!r}")
+    return refine
+
+
+def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
+             refine: bool = True) -> Plan:
+    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
+    ``refine`` (slots only): win back the rounding from one wider table (module docstring)."""
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = check_memory(memory)
     slots = check_slots(slots)
-    units, budget, unit = discretize(chain, memory, slots)
-    feasible, time, peak, min_units, ops = _core().rotor_solve(
+    extra = rounding_headroom(chain, memory) if check_refine(refine) and slots is not None else 0
+    units, budget, unit = discretize(chain, memory, slots, headroom=extra)
+    feasible, time, peak, min_units, ops, used, tried, steps = _core().rotor_solve(
         list(map(float, chain.fw)), list(map(float, chain.bw)), units,
         tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all,
-        slots is None)  # exact units: a double table; slots: float (twice as fast)
+        slots is None,  # exact units: a double table; slots: float (twice as fast)
+        extra, float(memory))
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
         raise InfeasibleError(
             f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} fits in memory={memory:g} "
             f"({how}); the smallest memory that works is {need:g}", need)
+    if used != budget and not peak <= memory:  # the C++ side compared in double: say so loudly
+        raise AssertionError(f"{planner}: refined plan's peak {peak!r} exceeds memory={memory!r}")
     if float(peak).is_integer() and chain.is_integer:
         peak = int(peak)
     if float(time).is_integer() and all(isinstance(v, int) for v in chain.fw + chain.bw):
         time = int(time)
+    meta = {"memory": memory, "slots": slots, "unit": unit, "budget_units": budget,
+            "dp_value": time, "refine": bool(extra),
+            # refinement: the budget (slots) the plan was rebuilt at, whether it is above the
+            # budget's own, and how many of the DP's drops in [budget, budget + extra] there
+            # were and were rebuilt
+            "dp_budget_units": used, "rounding_refined": used != budget,
+            "refine_steps": steps, "refine_tried": tried}
     return Plan([_OPS.get(o) or _op(o) for o in ops], planner=planner, predicted_time=time,
-                predicted_peak=peak, chain=chain, memory_limit=memory,
-                meta={"memory": memory, "slots": slots, "unit": unit, "budget_units": budget,
-                      "dp_value": time})
+                predicted_peak=peak, chain=chain, memory_limit=memory, meta=meta)
 
 
-def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
-             refine: int = 0) -> Plan:
-    """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
-
-    ``refine=n`` (slots only) spends n more solves winning back the rounding: it bisects a
-    nominal limit between ``memory`` and ``memory * (1 + (L + 4) / slots)`` and keeps the
-    fastest plan whose exact peak still fits in ``memory`` (so the guarantee is unchanged).
-    """
-    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-        raise ValueError(f"refine: expected a non-negative int, got {refine!r}")
-    plan = _solve_once(chain, memory, slots, allow_all, planner)
-    if slots is None or refine == 0:
-        return plan
-    limit = plan.meta["memory"]
-    lo, hi = float(limit), float(limit) * (1 + (chain.L + 4) / slots)
-    for _ in range(refine):
-        mid = (lo + hi) / 2
-        cand = _solve_once(chain, mid, slots, allow_all, planner)
-        if cand.predicted_peak <= limit:
-            lo = mid
-            if cand.predicted_time < plan.predicted_time:
-                plan = cand
-        else:
-            hi = mid
-    plan.meta.update(memory=limit, nominal_memory=plan.meta["memory"], refine=refine)
-    plan.memory_limit = limit
-    return plan
-
-
-def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: int = 0) -> Plan:
+def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: bool = True) -> Plan:
     """The fastest persistent schedule of ``chain`` whose peak memory is at most ``memory``
     bytes (x[0] included). Raises ``InfeasibleError`` (with ``.min_memory``) if none fits.
-    ``refine``: see :func:`solve_dp` (default 0: one solve)."""
+    ``refine``: win back the slot rounding (default; see the module docstring); False gives
+    the rounded problem's optimum."""
     return solve_dp(chain, memory, slots, allow_all=True, planner="rotor", refine=refine)
 
 
