@@ -61,6 +61,30 @@ def test_estimator_recovers_quadratics_exactly():
         assert est.input_bytes == pytest.approx(ib) and est.out == pytest.approx(out)
 
 
+def test_tail_is_learnt_and_becomes_the_loss_stage():
+    e = M.Estimator(2, samples=3)
+    tail = lambda n: [40.0 * n, 8.0 * n, 30.0 * n, 1e-3, 2e-3]  # TAIL_FIELDS
+    for n in (10, 20, 30):
+        e.observe(n, 4 * n, [8 * n, 8 * n], [4 * n, 4 * n], [1e-3, 1e-3], tail(n))
+    est = e.estimate(25)
+    assert est.tail == pytest.approx(tail(25), rel=1e-9)
+    c = M.chain_from_estimate(est)
+    assert (c.xbar[2], c.fw_tmp[2], c.bw_tmp[2]) == (1000, 200, 750)
+    assert c.fw[2] == pytest.approx(1e-3) and c.bw[2] == pytest.approx(2e-3)
+    assert c.fw_tmp[:2] == (0, 0) and c.meta["tail"] == "estimated"
+    # the verified plan counts it: at the budget that fits without the tail, it no longer fits
+    m = M.Mimose(2, samples=3)
+    m.estimator = e
+    free = M.chain_from_estimate(M.Estimate(est.input_bytes, est.xbar, est.out, est.fw))
+    assert free.xbar[2] == 0 and free.meta["tail"] == "not measured"
+    budget = simulate(free, M.plan_from_checkpoints(2, [])).peak_memory
+    plan = m.plan(25, budget + 1000 + 750)   # room for the tail's saved bytes and transient
+    assert plan.predicted_peak <= budget + 1750
+    assert plan.predicted_peak == simulate(plan.chain, plan).peak_memory
+    with pytest.raises(InfeasibleError):
+        m.plan(25, budget)
+
+
 def test_estimator_rejects_bad_input():
     with pytest.raises(ValueError, match="samples"):
         M.Estimator(2, samples=2)

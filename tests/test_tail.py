@@ -304,3 +304,20 @@ def test_cuda_tail_from_the_allocator():
     logits = batch["input_ids"].numel() * VOCAB * 4
     assert c.meta["tail"]["measured"] == "cuda allocator statistics"
     assert c.xbar[L] >= 2 * logits and c.bw_tmp[L] >= logits
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_mimose_learns_the_tail(name):
+    """Mimose's collection steps measure the tail too: its plans count the logits and the
+    log-softmax (they once planned with a free loss stage and overshot the budget by them)."""
+    ref, batch = make(name)
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
+    for seed in range(2):  # a collection step, then the plan for the same size
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), name)
+    (r,) = checkpointed(model).runners
+    b, s = batch["input_ids"].shape
+    c = r.last_plan.chain
+    assert r.last_plan.planner == "mimose" and c.meta["tail"] == "estimated"
+    assert c.xbar[c.L] >= 2 * b * s * VOCAB * 4       # logits + log-softmax
+    assert c.bw_tmp[c.L] > 0 and r.stats()["mimose_collections"] == 1

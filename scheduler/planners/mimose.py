@@ -16,6 +16,13 @@ feeds it lives in ``scheduler.runtime.mimose_collector``.
   returning a ``scheduler.Plan`` (checkpointed blocks run ``F_ck`` forward and ``F_all, B``
   in the backward, as ``torch.utils.checkpoint`` does; the others ``F_all``).
 
+The model's tail (final norm, LM head, loss: the chain's stage L) is learnt beside the blocks
+when the runtime measures it (``scheduler.checkpoint``'s ``TailProbe`` on each collection
+step): its saved bytes, transients and times (``TAIL_FIELDS``) get the same fits, and the
+estimated chain's stage L carries them, so a plan's verified peak counts the logits and the
+loss's saved log-softmax that are live at the end of the forward. Without a measurement
+(``scheduler.wrap``, or a tail that could not be measured) the loss stage is free.
+
 Budget: Algorithm 1 compares the sum of activation bytes with the budget. Our budget is the
 plan's peak in the chain model (DESIGN.md), which also counts the network input, the
 gradients and the recomputation of a checkpointed block in the backward, so after Algorithm 1
@@ -43,6 +50,8 @@ BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
 DEFAULT_SAMPLES = 10   # seed 004 Table 3: 10 samples for the order-2 fit
 ORDER = 2
 BACKWARD_OVER_FORWARD = 2.0  # the collector times forwards only; backward ~ 2x forward
+# the tail's numbers an Estimator learns (stage L of the chain; bytes, seconds)
+TAIL_FIELDS = ("xbar", "fw_tmp", "bw_tmp", "fw", "bw")
 
 
 # ---------------------------------------------------------------------------- estimator
@@ -53,6 +62,7 @@ class Estimate:
     xbar: np.ndarray    # what each block's forward keeps for backward, output included
     out: np.ndarray     # each block's output bytes
     fw: np.ndarray      # each block's forward time
+    tail: Optional[np.ndarray] = None   # the model's tail, TAIL_FIELDS (None: not measured)
 
 
 class PolyFit:
@@ -143,27 +153,36 @@ class Estimator(_Fitted):
         if not isinstance(n_blocks, int) or n_blocks < 1:
             raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
         self.n = n_blocks
-        self._fit = PolyFit(1 + 3 * n_blocks, samples, order)   # [in, xbar(n), out(n), fw(n)]
+        # [in, xbar(n), out(n), fw(n), tail (TAIL_FIELDS)]
+        self._fit = PolyFit(1 + 3 * n_blocks + len(TAIL_FIELDS), samples, order)
         self.samples = samples
         self.order = order
 
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
-                out: Sequence[float], fw: Sequence[float]) -> None:
-        """Record one measured input size (the latest measurement of a size wins)."""
+                out: Sequence[float], fw: Sequence[float],
+                tail: Optional[Sequence[float]] = None) -> None:
+        """Record one measured input size (the latest measurement of a size wins).
+        ``tail``: the model's tail measured on it, ``TAIL_FIELDS`` in order (None: zeros)."""
         for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
             if len(v) != self.n:
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
                                  f"one per block ({self.n})")
+        if tail is not None and len(tail) != len(TAIL_FIELDS):
+            raise ValueError(f"Estimator.observe: tail has {len(tail)} entries, expected "
+                             f"{len(TAIL_FIELDS)} ({', '.join(TAIL_FIELDS)})")
         self._fit.observe(input_size, np.concatenate(
             [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
-             np.asarray(fw, float)]))
+             np.asarray(fw, float),
+             np.zeros(len(TAIL_FIELDS)) if tail is None else np.asarray(tail, float)]))
 
     def fit(self) -> None:
         self._fit.fit()
 
     def _estimate(self, row: np.ndarray) -> Estimate:
         n = self.n
-        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:])
+        tail = np.maximum(row[1 + 3 * n:], 0.0)   # a fit may dip below 0 between samples
+        return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:1 + 3 * n],
+                        tail if tail.any() else None)
 
     def predict(self, input_size: float) -> np.ndarray:
         """Per-block activation bytes (xbar) for ``input_size``."""
@@ -306,15 +325,22 @@ def plan_from_checkpoints(L: int, checkpointed: Sequence[int], planner: str = "m
 
 
 def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
-    """A Chain (integer bytes) from per-block estimates; the loss stage is free."""
+    """A Chain (integer bytes) from per-block estimates; the loss stage is the estimated tail
+    (``est.tail``), or free when it was not measured."""
     n = len(est.xbar)
     out = [int(np.ceil(v)) for v in est.out]
     x = [int(np.ceil(est.input_bytes))] + out            # x[s+1] = output of block s
     xbar = [max(int(np.ceil(v)), out[s]) for s, v in enumerate(est.xbar)] + [0]
     fw = [float(v) for v in est.fw] + [0.0]
     bw = [BACKWARD_OVER_FORWARD * v for v in fw]
-    return Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name,
-                 meta={"source": "mimose estimator", "blocks": n})
+    tmp: Dict[str, List[int]] = {}
+    if est.tail is not None:
+        t = dict(zip(TAIL_FIELDS, (float(v) for v in est.tail)))
+        xbar[n], fw[n], bw[n] = int(np.ceil(t["xbar"])), t["fw"], t["bw"]
+        tmp = {k: [0] * n + [int(np.ceil(t[k]))] for k in ("fw_tmp", "bw_tmp")}
+    return Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name, **tmp,
+                 meta={"source": "mimose estimator", "blocks": n,
+                       "tail": "estimated" if est.tail is not None else "not measured"})
 
 
 class Mimose:
@@ -334,8 +360,9 @@ class Mimose:
 
     # the collector's entry point
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
-                out: Sequence[float], fw: Sequence[float]) -> None:
-        self.estimator.observe(input_size, input_bytes, xbar, out, fw)
+                out: Sequence[float], fw: Sequence[float],
+                tail: Optional[Sequence[float]] = None) -> None:
+        self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail)
 
     @property
     def ready(self) -> bool:

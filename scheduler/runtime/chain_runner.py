@@ -25,8 +25,8 @@ from ..chain import Chain
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import (DEFAULT_SAMPLES, Estimate, Mimose, chain_from_estimate,
-                               plan_from_checkpoints)
+from ..planners.mimose import (DEFAULT_SAMPLES, TAIL_FIELDS, Estimate, Mimose,
+                               chain_from_estimate, plan_from_checkpoints)
 from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, block_list, signature, tensor_leaves
@@ -35,6 +35,7 @@ from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
+MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 
 PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
 ChainArg = Union[None, Chain, Callable[..., Chain]]
@@ -298,7 +299,13 @@ class ChainRunner:
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:
         """Plan (and cache for ``key``) on a chain a profiling step measured: at the end of
-        its forward, or once the model's tail was measured (``tail.TailProbe``)."""
+        its forward, or once the model's tail was measured (``tail.TailProbe``). A Mimose
+        collection step's key (``MIMOSE_SAMPLE``) records its sample instead."""
+        if isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE:
+            tail = chain.meta.get("tail") or {}
+            self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS]
+                                 if all(k in tail for k in TAIL_FIELDS) else None)
+            return
         chain = self._check_chain(chain, agree_on=agree_on)
         self.cache.get_or_plan(key, lambda: self._make(chain, device))
 
@@ -423,9 +430,25 @@ class ChainRunner:
             self._plan_measured(key, chain, agree_on, dev)
         elif step.collector is not None:
             c = step.collector
-            self.mimose.observe(step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
-                                c.xbar, c.out, c.fw)
-            self.collections += 1
+            sample = (step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
+                      tuple(c.xbar), tuple(c.out), tuple(c.fw))
+            if self.tail is not None:
+                # the model's tail is measured too, and the sample recorded with it when the
+                # model's forward returns (``_plan_measured``; without it if that fails)
+                chain = chain_from_estimate(Estimate(sample[1], np.array(c.xbar, float),
+                                                     np.array(c.out, float),
+                                                     np.array(c.fw, float)), "mimose-sample")
+                if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
+                                   _device_of(step.frames[0].call.x, {}), tensor_leaves(out),
+                                   step):
+                    return
+            self._observe_sample(sample, None)
+
+    def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]]) -> None:
+        """One Mimose collection step's measurements, with the model's tail if measured."""
+        size, input_bytes, xbar, out, fw = sample
+        self.mimose.observe(size, input_bytes, xbar, out, fw, tail)
+        self.collections += 1
 
     def _sharded(self) -> bool:
         """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""

@@ -1,4 +1,5 @@
-"""The model's tail as the chain's loss stage ``L`` (issue 13), measured on a profiling step.
+"""The model's tail as the chain's loss stage ``L`` (issue 13), measured on a profiling step
+(and on each of Mimose's collection steps, whose estimator learns it: ``chain_runner``).
 
 Under ``scheduler.checkpoint`` the blocks run inside the model's own forward; what runs after
 the last block returns (a final norm, the LM head, the loss: logits and the log-softmax that
