@@ -10,7 +10,10 @@ weights), step time and peak activation memory for
 
 Goal (issue 13): at HF checkpointing's peak, rotor is faster; at HF checkpointing's step time,
 rotor holds less memory; rotor reaches budgets below HF checkpointing's peak. Each is read on
-measured figures: a rotor row counts "at HF's peak" when its measured peak is at most HF's.
+measured figures: a rotor row counts "at HF's peak" when its measured peak is at most HF's;
+"faster" when its plan runs fewer forwards than HF's and its median step is below HF's least
+(a clear win, not timing noise), "at HF's step time" when its least step is at most HF's
+median.
 
 Peak memory: everything a step allocates above what was allocated before it (gradients
 already allocated): on a GPU ``torch.cuda.max_memory_allocated``, on the CPU the same from
@@ -207,6 +210,13 @@ def plan_at(chain: Any, budget: int) -> Dict[str, Any]:
             "rotor_predicted_s": p.predicted_time, "rotor_predicted_peak": p.predicted_peak}
 
 
+def forwards_of(model: torch.nn.Module) -> int:
+    """Forward ops (block runs, recomputations included, and the loss stage) of the plans the
+    checkpointed model ran last: what sets its step time against HF's plan (2 L + 1)."""
+    from scheduler.runtime.checkpoint import checkpointed as handle
+    return sum(sum(op.kind != "B" for op in r.last_plan.ops) for r in handle(model).runners)
+
+
 def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Callable[[], Any],
                    ids: torch.Tensor, steps: int, device: str) -> Dict[str, Any]:
     row: Dict[str, Any] = {"method": method, "budget": budget}
@@ -214,7 +224,9 @@ def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Calla
     if why:
         return {**row, "status": "skipped", "note": why}
     try:
-        row.update(measure(checkpointed(make(), budget or 1, planner), ids, steps, device))
+        model = checkpointed(make(), budget or 1, planner)
+        row.update(measure(model, ids, steps, device))
+        row["forwards"] = forwards_of(model)
     except scheduler.InfeasibleError as exc:
         row.update(status="infeasible", note=str(exc)[:200],
                    min_budget=getattr(exc, "min_memory", None))
@@ -269,18 +281,26 @@ def goal_check(rows: List[Dict[str, Any]], hf_budget: Optional[int] = None) -> D
     if not rotor:
         return {"faster_at_hf_peak": None, "less_memory_at_hf_time": None,
                 "below_hf_peak": None}
-    at_peak = [r for r in rotor if r["peak"] <= hf["peak"]]
-    as_fast = [r for r in rotor if r["step_s"] <= hf["step_s"]]
+    # Timing noise is a few percent here (the same plan has read 352 and 372 ms in two rows),
+    # so "faster" needs a clear win: a plan that runs fewer forwards than HF's (when rows
+    # say) and rotor's median step below HF's least; "as fast" is lenient: rotor's least
+    # step at most HF's median.
+    med = lambda r: r.get("step_s_median", r["step_s"])  # noqa: E731
+    hf_fwd = next((r.get("forwards") for r in rows if r["method"] == "every-block"), None)
+    at_peak = [r for r in rotor if r["peak"] <= hf["peak"] and
+               (hf_fwd is None or r.get("forwards") is None or r["forwards"] < hf_fwd)]
+    as_fast = [r for r in rotor if r["step_s"] <= med(hf)]
     out = {
         "faster_at_hf_peak": bool(at_peak) and
-        min(r["step_s"] for r in at_peak) < hf["step_s"],
+        min(med(r) for r in at_peak) < hf["step_s"],
         "less_memory_at_hf_time": bool(as_fast) and min(r["peak"] for r in as_fast) < hf["peak"],
         "below_hf_peak": min(r["peak"] for r in rotor) < hf["peak"],
     }
     if hf_budget:
-        same = sorted((r for r in rotor if hf_budget <= r["budget"] <= hf_budget * 1.02),
+        same = sorted((r for r in rotor if hf_budget <= r["budget"] <= hf_budget * 1.02 and
+                       (hf_fwd is None or r.get("forwards") is None or r["forwards"] < hf_fwd)),
                       key=lambda r: r["budget"])  # the smallest such budget rotor accepts
-        out["faster_at_hf_budget_on_chain"] = bool(same) and same[0]["step_s"] < hf["step_s"]
+        out["faster_at_hf_budget_on_chain"] = bool(same) and med(same[0]) < hf["step_s"]
     return out
 
 
@@ -362,7 +382,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                       "budget MiB": None if r["budget"] is None else r["budget"] / 2**20,
                       "status": r.get("status"),
                       "step ms": r["step_s"] * 1e3 if "step_s" in r else None,
-                      "peak MiB": r["peak"] / 2**20 if "peak" in r else None}
+                      "peak MiB": r["peak"] / 2**20 if "peak" in r else None,
+                      "forwards": r.get("forwards")}
                      for r in m["rows"]], title=f"{name}: batch {m['batch']}, seq {m['seq_len']}")
         print(f"goal ({GOAL}): {m['goal']}\n")
     if not results["meta"]["checkpoint_available"]:

@@ -37,6 +37,22 @@ def test_goal_check_reads_rotor_rows_against_hf_checkpointing():
                                    "below_hf_peak": True}
     rows[3].update(step_s=1.45)
     assert hf.goal_check(rows)["faster_at_hf_peak"] is False
+    # a win inside the timing noise is not a win: rotor's median must beat HF's least
+    rows[3].update(step_s=1.3, step_s_median=1.42)
+    assert hf.goal_check(rows)["faster_at_hf_peak"] is False
+    # ... and so is one that runs as many forwards as HF's plan
+    rows[3].update(step_s_median=1.3, forwards=13)
+    every = {"method": "every-block", "budget": 30, "status": "ok", "step_s": 1.4, "peak": 30,
+             "forwards": 13}
+    assert hf.goal_check(rows + [every])["faster_at_hf_peak"] is False
+    rows[3].update(forwards=12)
+    assert hf.goal_check(rows + [every])["faster_at_hf_peak"] is True
+    # "at HF's step time": rotor's least step within HF's median
+    rows[2].update(step_s=1.45)
+    rows[3].update(step_s=1.45)
+    assert hf.goal_check(rows)["less_memory_at_hf_time"] is False
+    rows[1].update(step_s_median=1.5)
+    assert hf.goal_check(rows)["less_memory_at_hf_time"] is True
     skipped = [r for r in rows if r["method"] != "rotor"]
     assert set(hf.goal_check(skipped).values()) == {None}
 
