@@ -350,16 +350,26 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     _mark_nodes(outputs, b_trace)
     with b_flops, b_trace:
         grads = backward(outputs, grads_out, wrt)
-    # delta[s] (the input gradients) is counted by the chain; the parameter gradients are
+    # bw_tmp[s] means what the simulator adds to xbar[s], the input, delta[s+1] and delta[s]
+    # for the whole of B s: the backward's peak, each tensor counted while it is live, less
+    # delta[s] (the input gradients). The input gradients are counted from the op that makes
+    # them (often the block's last: a peak earlier in the backward does not hold them yet),
+    # as the CUDA measurement's ``peak - made`` counts them. The parameter gradients are
     # transient here: each is added into an existing .grad and freed (a first step makes
-    # them .grad instead, which lasts: counting them still bounds that step's peak)
+    # them .grad instead, which lasts: counting them still bounds that step's peak).
     n_in = sum(1 for t in inputs if t.requires_grad)
     made = {storage_key(g) for g in grads[:n_in] if g is not None}
+    made_bytes = storage_bytes(g for g in grads[:n_in] if g is not None)
     # autograd frees each saved tensor once its node has run (no retain_graph), so the backward
     # peak beyond xbar credits what is already released, as the CUDA measurement sees it; the
     # stage's input, output and the weights stay (held by the chain, the runtime, the model)
     held = in_keys | out_keys | state_keys | {storage_key(g) for g in grads_out}
-    bw_tmp = b_trace.peak_live(skip=made, release=saved.keys() - held)
+    peak_b = b_trace.peak_live(skip=set(), keep=made, release=saved.keys() - held)
+    # xbar[s] counts the stage's output, but in B s nothing holds an output the stage's own
+    # graph did not save (the next stage's backward already ran and freed what it saved of
+    # it; the runtime keeps no reference): it is not in memory during B s
+    dead = storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys)
+    bw_tmp = max(peak_b - made_bytes - dead, 0)
     return outputs, dict(
         xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp,
         fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),

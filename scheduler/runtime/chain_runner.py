@@ -450,6 +450,15 @@ class ChainRunner:
         self.mimose.observe(size, input_bytes, xbar, out, fw, tail)
         self.collections += 1
 
+    def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
+        """Host bytes of the random states a step keeps: one per block it may recompute
+        (``ChainStep``'s frames), one more while a recomputation replays a state. They are
+        in the CPU allocator's memory, so they count only where the step runs on the CPU."""
+        dev = _device_of(args, kwargs)
+        if dev is not None and dev.type != "cpu":
+            return 0
+        return (self.L + 1) * torch.get_rng_state().numel()
+
     def _sharded(self) -> bool:
         """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""
         return any(type(p).__name__ == "DTensor" for p in self._params()) or \
@@ -475,6 +484,11 @@ class ChainRunner:
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
             self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
+            if self.current is not None and self.tail is not None and \
+                    getattr(self.current, "profile_key", None) is not None:
+                # what the step holds outside the chain (masks, the head's saved tensors)
+                self.current.outside = self.tail.outside(  # type: ignore[attr-defined]
+                    args, kwargs, self._rng_bytes(args, kwargs))
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -152,6 +152,7 @@ class _Recording:
         self.m0 = 0
         self.t0 = 0.0
         self.pushed = False
+        self.outside: Optional[Outside] = getattr(step, "outside", None)
 
 
 def _sync(device: torch.device) -> None:
@@ -169,7 +170,8 @@ class TailProbe:
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
         self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
         self.rec: Optional[_Recording] = None
-        self.handles = [model.register_forward_pre_hook(self._enter),
+        self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
+        self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
     def remove(self) -> None:
@@ -180,7 +182,7 @@ class TailProbe:
         self.handles = []
 
     # ------------------------------------------------------------------------ model hooks
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.rec is not None:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
             # run on Exception only), or the model called again inside its own tail
@@ -188,6 +190,8 @@ class TailProbe:
             self.depth, self.clean, self.handling = 0, [], []
         if self.depth == 0:
             self.clean, self.handling = [], []
+            # the caller's tensors existed before the step: never counted as its memory
+            self.given = {T.storage_key(t) for t in tensor_leaves((args, kwargs))}
         _sweep()
         self.depth += 1
         self.clean.append(_stacks_clean())
@@ -209,6 +213,19 @@ class TailProbe:
         self._finish(output)
 
     # ------------------------------------------------------------------------ the runner's side
+    def outside(self, args: Sequence[Any], kwargs: Dict[str, Any],
+                runner_bytes: int = 0) -> Optional["Outside"]:
+        """At block 0's call of a profiling step: what the step holds outside the chain
+        while the blocks run (``Outside``; ``runner_bytes``: what the runner itself keeps),
+        or None outside the model's forward."""
+        if self.depth == 0:
+            return None
+        state = {T.storage_key(t) for t in
+                 list(self.model.parameters()) + list(self.model.buffers())}
+        out = head_census(args, kwargs, state | self.given)
+        out.bytes += runner_bytes
+        return out
+
     def block_zero(self) -> None:
         """A runner's block 0 is called: a tail being measured is over (T5: the encoder's
         'tail' is the decoder, planned in its own chain), its runner plans without it."""
@@ -336,7 +353,7 @@ class TailProbe:
                        "last block's output through a gradient; the tail (stage L) is not "
                        "measured, the plan uses measure_chain's stand-in loss stage")
             return chain
-        bw_time, bw_tmp = bw
+        bw_time, bw_tmp, tied = bw
         tail = {"fw": fw, "bw": bw_time, "xbar": int(xbar), "fw_tmp": int(fw_tmp),
                 "bw_tmp": int(bw_tmp), "fck_tmp": int(fw_tmp)}  # the loss runs as F_all
         cols = {}
@@ -347,6 +364,16 @@ class TailProbe:
         meta = dict(chain.meta)
         meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
                             "op-tracer estimate", replaced_loss=meta.get("loss"))
+        if rec.outside is not None:
+            # memory the step holds outside the chain, in every op of it: added to each
+            # op's transient (the chain has no other place for it; the planners and the
+            # simulator then count it wherever an op runs)
+            fwd = rec.outside.bytes
+            bwd = fwd + tied  # + tied weights' gradients, waiting for the head's share
+            for k, extra in (("fw_tmp", fwd), ("fck_tmp", fwd), ("bw_tmp", bwd)):
+                cols[k] = [v + extra for v in cols[k]]
+            meta["outside"] = {"forward": fwd, "backward": bwd, "tied_grads": tied,
+                               "added_to": ["fw_tmp", "fck_tmp", "bw_tmp"]}
         return chain.replace(meta=meta, **cols)  # other fields as measured
 
 
@@ -383,10 +410,12 @@ def _has_backward_hooks(model: nn.Module) -> bool:
 
 
 def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
-            ) -> Optional[Tuple[float, int]]:
+            ) -> Optional[Tuple[float, int, int]]:
     """Time and transient peak of the tail's backward, replayed from the model's loss (a
     one-element output with a gradient; else every output with a gradient, seeded with ones)
-    to the last block's output. ``None`` if no output reaches it."""
+    to the last block's output, and the bytes of the gradients of the tail's weights tied to
+    a weight the head uses (held until the head's backward). ``None`` if no output reaches
+    the last block's output."""
     roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
@@ -399,7 +428,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
                    "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
                    "measure_chain's)")
         c, L = rec.chain, rec.chain.L
-        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0)
+        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0, 0)
     seeds = [torch.ones_like(t) for t in roots]
     dev = rec.device
     tracer = None
@@ -422,15 +451,24 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
     made = [g for g in grads if g is not None]
     if not made:
         return None
+    # bw_tmp[L]: the peak less delta[L] (which the simulator counts for the whole op), the
+    # gradients counted from when they are made, as ``measure_chain`` does
     if tracer is not None:
-        bw_tmp = tracer.peak_live(skip={T.storage_key(g) for g in made})
+        bw_tmp = max(tracer.peak_live(skip=set(), keep={T.storage_key(g) for g in made})
+                     - T.storage_bytes(made), 0)
     else:
         bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
     # the replay asks for the last block's outputs only, so autograd skips the tail's weight
     # gradients (the LM head's: vocab x hidden); in training each is made and added into
     # .grad: count the largest as transient, as measure_chain does for a block (its time,
-    # one matmul, is left out of bw[L])
-    return bw, bw_tmp + max((T.storage_bytes([p]) for p in params), default=0)
+    # one matmul, is left out of bw[L]). A weight the head uses too (an LM head tied to the
+    # input embedding) is different: autograd holds its tail gradient until the head's
+    # gradient joins it, after B 0, so it stays for the whole backward of the chain
+    head = rec.outside.params if rec.outside is not None else set()
+    tied = [p for p in params if T.storage_key(p) in head]
+    untied = [p for p in params if T.storage_key(p) not in head]
+    return (bw, bw_tmp + max((T.storage_bytes([p]) for p in untied), default=0),
+            T.storage_bytes(tied))
 
 
 def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
@@ -447,3 +485,49 @@ def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
         else:
             custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
     return params, custom
+
+
+class Outside:
+    """What a step holds outside the chain from block 0's call to the end of B 0: ``bytes``,
+    the distinct storages the model made before the blocks (not parameters, buffers or the
+    caller's tensors) that block 0's extra arguments hold (masks, rotary embeddings, kept by
+    the runner for recomputation) or the head's autograd graph saved (an embedding dropout's
+    mask), the chain's value ``x[0]`` aside; ``params``: the storages of the weights the head's
+    backward reaches (a tail weight tied to one of them keeps its gradient until then).
+    Not seen: the model's local variables that live only during its forward."""
+
+    def __init__(self, nbytes: int, params: Set[int]):
+        self.bytes = nbytes
+        self.params = params
+
+
+def _saved_by(node: Any) -> List[torch.Tensor]:
+    """The tensors an autograd node saved (its ``_saved_*`` attributes)."""
+    out: List[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            v = getattr(node, name)
+        except Exception:  # freed, or not a tensor field on this build
+            continue
+        out.extend(t for t in (v if isinstance(v, (tuple, list)) else (v,))
+                   if isinstance(t, torch.Tensor))
+    return out
+
+
+def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int]) -> Outside:
+    """``Outside`` at block 0's call on ``(args, kwargs)``; ``not_ours``: storages that are
+    not the step's (parameters, buffers, the caller's tensors). The chain's value is the
+    first tensor argument (what ``BlockCall`` takes as ``x[0]``)."""
+    leaves = list(tensor_leaves((tuple(args), kwargs)))
+    firsts = list(tensor_leaves(tuple(args)))[:1] or leaves[:1]
+    x0 = {T.storage_key(t) for t in firsts}
+    held: List[torch.Tensor] = [t for t in leaves if T.storage_key(t) not in x0]
+    params: Set[int] = set()
+    for node in T.graph_nodes([t.grad_fn for t in leaves]):
+        if type(node).__name__ == "AccumulateGrad":
+            params.add(T.storage_key(node.variable))
+        else:
+            held.extend(_saved_by(node))
+    return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
