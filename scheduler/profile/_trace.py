@@ -360,17 +360,20 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     n_in = sum(1 for t in inputs if t.requires_grad)
     made = {storage_key(g) for g in grads[:n_in] if g is not None}
     made_bytes = storage_bytes(g for g in grads[:n_in] if g is not None)
-    # autograd frees each saved tensor once its node has run (no retain_graph), so the backward
-    # peak beyond xbar credits what is already released, as the CUDA measurement sees it; the
-    # stage's input, output and the weights stay (held by the chain, the runtime, the model)
-    held = in_keys | out_keys | state_keys | {storage_key(g) for g in grads_out}
-    peak_b = b_trace.peak_live(skip=set(), keep=made, release=saved.keys() - held)
+    # autograd frees each saved tensor once its node has run (no retain_graph), and delta[s+1]
+    # once the last node that reads it has (unless it becomes delta[s]: a residual passes it
+    # through), so the backward peak beyond xbar credits what is already released, as the
+    # CUDA measurement sees it; the stage's input, output and the weights stay (held by the
+    # chain, the runtime, the model)
+    held = in_keys | out_keys | state_keys | made
+    peak_b = b_trace.peak_live(skip=set(), keep=made, release=(
+        saved.keys() | {storage_key(g) for g in grads_out}) - held)
     # xbar[s] counts the stage's output, but in B s nothing holds an output the stage's own
     # graph did not save (the next stage's backward already ran and freed what it saved of
     # it; the runtime keeps no reference): it is not in memory during B s
     dead = storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys)
     bw_tmp = max(peak_b - made_bytes - dead, 0)
     return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp,
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
         fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
         fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)

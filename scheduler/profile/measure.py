@@ -91,8 +91,10 @@ def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: tor
 
 
 def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: List[torch.Tensor],
-              xbar: int, device: torch.device) -> Dict[str, int]:
-    """Transient peaks from the CUDA caching allocator's statistics."""
+              xbar: int, dead_output: int, device: torch.device) -> Dict[str, int]:
+    """Transient peaks from the CUDA caching allocator's statistics. ``dead_output``: the
+    bytes of the stage's output its own graph does not save, held here through the backward
+    but not in a real step's ``B s`` (``_trace.trace_stage``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -131,7 +133,7 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
         for t in ins:
             t.grad = None
     return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
-            "bw_tmp": max(peak_b - made, 0)}
+            "bw_tmp": max(peak_b - made - dead_output, 0)}
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -181,7 +183,7 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
             outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
             outputs = tuple(o.detach() for o in outputs)
             if device.type == "cuda":
-                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], device))
+                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
 
             def forward(_: Any) -> T.Tensors:
                 with torch.enable_grad():
