@@ -165,7 +165,11 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
         if s < L:
             block = blocks[s]
             params = [p for p in block.parameters() if p.requires_grad]
-            state_keys = {T.storage_key(t) for t in list(block.parameters()) + list(block.buffers())}
+            # weights, buffers, and what the block says is held outside the chain (a
+            # module attribute ``held_outside``: tensors counted once, by the caller, such
+            # as the masks ``scheduler.checkpoint`` calls every block with) are not activations
+            state_keys = {T.storage_key(t) for t in list(block.parameters()) +
+                          list(block.buffers()) + list(getattr(block, "held_outside", ()))}
 
             def fn(xs: T.Tensors, block: nn.Module = block, s: int = s) -> T.Tensors:
                 return T.call_block(block, xs, s)

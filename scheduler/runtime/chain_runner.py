@@ -33,6 +33,7 @@ from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
+from .outside import add_outside
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
@@ -156,11 +157,16 @@ class _BoundBlock(nn.Module):
     """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
     the other arguments of the loop's call; returns the tensors of its output."""
 
-    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool):
+    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool,
+                 counted_outside: bool = False):
         super().__init__()
         self.block = block
         self.call = call
         self.anchored = anchored
+        # the call's other tensors (masks, rotary embeddings), when the step's memory outside
+        # the chain counts them once: ``measure_chain`` leaves them out of the stage's own
+        # numbers, as weights (else every stage that saves them would count them again)
+        self.held_outside = call.shared_tensors() if counted_outside else []
 
     def forward(self, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if self.anchored:  # the loop changed the value between blocks: use what it passed
@@ -291,10 +297,14 @@ class ChainRunner:
         """The chain measured on the calls of a forward that just ran (a profiling step), not
         yet checked, and what it was measured for (``_check_chain``'s ``agree_on``)."""
         calls = [f.call for f in step.frames]
-        stages = [_BoundBlock(b, c, c.anchored and s > 0)
+        outside = getattr(step, "outside", None)
+        stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        return self._measure(stages, x0), signature(x0, {})
+        chain = self._measure(stages, x0)
+        if outside is not None:
+            chain = add_outside(chain, outside.bytes)
+        return chain, signature(x0, {})
 
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:

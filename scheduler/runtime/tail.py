@@ -49,6 +49,7 @@ from torch.utils import _python_dispatch as dispatch
 from ..chain import Chain
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
+from .outside import Outside, add_outside, head_census
 
 _warned: Set[str] = set()
 
@@ -364,17 +365,14 @@ class TailProbe:
         meta = dict(chain.meta)
         meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
                             "op-tracer estimate", replaced_loss=meta.get("loss"))
-        if rec.outside is not None:
-            # memory the step holds outside the chain, in every op of it: added to each
-            # op's transient (the chain has no other place for it; the planners and the
-            # simulator then count it wherever an op runs)
-            fwd = rec.outside.bytes
-            bwd = fwd + tied  # + tied weights' gradients, waiting for the head's share
-            for k, extra in (("fw_tmp", fwd), ("fck_tmp", fwd), ("bw_tmp", bwd)):
-                cols[k] = [v + extra for v in cols[k]]
-            meta["outside"] = {"forward": fwd, "backward": bwd, "tied_grads": tied,
-                               "added_to": ["fw_tmp", "fck_tmp", "bw_tmp"]}
-        return chain.replace(meta=meta, **cols)  # other fields as measured
+        # the chain's other stages carry what the step holds outside the chain
+        # (``outside.add_outside``, in ``meta``): stage L too, and the gradients of tail
+        # weights tied to the head's from B L on
+        fwd = meta.get("outside", {}).get("forward", 0)
+        for k in ("fw_tmp", "fck_tmp", "bw_tmp"):
+            cols[k][L] += fwd
+        chain = chain.replace(meta=meta, **cols)  # other fields as measured
+        return add_outside(chain, 0, tied) if tied else chain
 
 
 def _born(tracer: T.OpTracer) -> Set[int]:
@@ -486,48 +484,3 @@ def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
             custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
     return params, custom
 
-
-class Outside:
-    """What a step holds outside the chain from block 0's call to the end of B 0: ``bytes``,
-    the distinct storages the model made before the blocks (not parameters, buffers or the
-    caller's tensors) that block 0's extra arguments hold (masks, rotary embeddings, kept by
-    the runner for recomputation) or the head's autograd graph saved (an embedding dropout's
-    mask), the chain's value ``x[0]`` aside; ``params``: the storages of the weights the head's
-    backward reaches (a tail weight tied to one of them keeps its gradient until then).
-    Not seen: the model's local variables that live only during its forward."""
-
-    def __init__(self, nbytes: int, params: Set[int]):
-        self.bytes = nbytes
-        self.params = params
-
-
-def _saved_by(node: Any) -> List[torch.Tensor]:
-    """The tensors an autograd node saved (its ``_saved_*`` attributes)."""
-    out: List[torch.Tensor] = []
-    for name in dir(node):
-        if not name.startswith("_saved_"):
-            continue
-        try:
-            v = getattr(node, name)
-        except Exception:  # freed, or not a tensor field on this build
-            continue
-        out.extend(t for t in (v if isinstance(v, (tuple, list)) else (v,))
-                   if isinstance(t, torch.Tensor))
-    return out
-
-
-def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int]) -> Outside:
-    """``Outside`` at block 0's call on ``(args, kwargs)``; ``not_ours``: storages that are
-    not the step's (parameters, buffers, the caller's tensors). The chain's value is the
-    first tensor argument (what ``BlockCall`` takes as ``x[0]``)."""
-    leaves = list(tensor_leaves((tuple(args), kwargs)))
-    firsts = list(tensor_leaves(tuple(args)))[:1] or leaves[:1]
-    x0 = {T.storage_key(t) for t in firsts}
-    held: List[torch.Tensor] = [t for t in leaves if T.storage_key(t) not in x0]
-    params: Set[int] = set()
-    for node in T.graph_nodes([t.grad_fn for t in leaves]):
-        if type(node).__name__ == "AccumulateGrad":
-            params.add(T.storage_key(node.variable))
-        else:
-            held.extend(_saved_by(node))
-    return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
