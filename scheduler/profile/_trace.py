@@ -178,7 +178,7 @@ class OpTracer(TorchDispatchMode):
         return out
 
     def peak_live(self, skip: Set[int], keep: Set[int] = frozenset(),
-                  release: Set[int] = frozenset()) -> int:
+                  release: Set[int] = frozenset(), by_node: bool = False) -> int:
         """Peak bytes of storages created during the trace, each freed right after its last use
         (eager freeing, as PyTorch's caching allocator does when the last reference dies).
 
@@ -188,6 +188,9 @@ class OpTracer(TorchDispatchMode):
         in ``release``: pre-existing storages freed once the autograd node that last read them
         has finished (the first of ``marks`` after their last read; autograd releases a node's
         saved tensors after the whole node ran), whose bytes are then credited back.
+        ``by_node``: a storage born here is freed when the node that last used it has finished
+        (not right after that use): a node's incoming gradients and the values its formula
+        holds live until it returns (an upper bound for the formula's shorter temporaries).
         Never below 0."""
         n = len(self.ops)
         birth: Dict[int, int] = {}
@@ -216,6 +219,8 @@ class OpTracer(TorchDispatchMode):
                 diff[min(end, n)] -= self.sizes[k]
         for k, b in birth.items():
             end = n if k in keep else last[k] + 1
+            if by_node and k not in keep:  # held until the node that last used it returned
+                end = next((m for m in marks if m > last[k]), end)
             diff[b] += self.sizes[k]
             diff[min(end, n)] -= self.sizes[k]
         peak = cur = 0
@@ -366,7 +371,7 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     # CUDA measurement sees it; the stage's input, output and the weights stay (held by the
     # chain, the runtime, the model)
     held = in_keys | out_keys | state_keys | made
-    peak_b = b_trace.peak_live(skip=set(), keep=made, release=(
+    peak_b = b_trace.peak_live(skip=set(), keep=made, by_node=True, release=(
         saved.keys() | {storage_key(g) for g in grads_out}) - held)
     # xbar[s] counts the stage's output, but in B s nothing holds an output the stage's own
     # graph did not save (the next stage's backward already ran and freed what it saved of

@@ -18,6 +18,7 @@ import torch
 from ..chain import Chain
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
+from .chain_exec import Frame
 
 class Outside:
     """What a step holds outside the chain from block 0's call to the end of B 0: ``bytes``,
@@ -57,11 +58,15 @@ def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int])
     x0 = {T.storage_key(t) for t in firsts}
     held: List[torch.Tensor] = [t for t in leaves if T.storage_key(t) not in x0]
     params: Set[int] = set()
-    for node in T.graph_nodes([t.grad_fn for t in leaves]):
-        if type(node).__name__ == "AccumulateGrad":
-            params.add(T.storage_key(node.variable))
-        else:
-            held.extend(_saved_by(node))
+    Frame.inspecting += 1  # another chain's saved tensors (T5's encoder, seen from its
+    try:                   # decoder) are that chain's: never unpacked (recomputed) here
+        for node in T.graph_nodes([t.grad_fn for t in leaves]):
+            if type(node).__name__ == "AccumulateGrad":
+                params.add(T.storage_key(node.variable))
+            else:
+                held.extend(_saved_by(node))
+    finally:
+        Frame.inspecting -= 1
     return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
 
 

@@ -218,8 +218,9 @@ class TailProbe:
                 runner_bytes: int = 0) -> Optional["Outside"]:
         """At block 0's call of a profiling step: what the step holds outside the chain
         while the blocks run (``Outside``; ``runner_bytes``: what the runner itself keeps),
-        or None outside the model's forward."""
-        if self.depth == 0:
+        or None outside the model's forward or with saved-tensor hooks or a dispatch mode
+        around it (reading what the head saved would run their unpack hooks)."""
+        if self.depth == 0 or not (self.clean and self.clean[-1] and _stacks_clean()):
             return None
         state = {T.storage_key(t) for t in
                  list(self.model.parameters()) + list(self.model.buffers())}
