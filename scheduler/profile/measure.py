@@ -19,9 +19,15 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
 * ``fw_tmp``, ``fck_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as
   rotor did): the peak of a saving forward beyond ``xbar`` (``fw_tmp``), of a no-grad forward
   beyond its output (``fck_tmp``), and of the backward beyond the input gradients, run as
-  training runs it (parameter gradients added into an existing ``.grad``). On CPU, PyTorch
-  has no allocator statistics, so they are *estimated* by the op tracer of ``meta_chain``
-  (liveness of every intermediate storage, freed after its last use) run on the real tensors.
+  training runs it (parameter gradients added into an existing ``.grad``), less the stage's
+  output when its graph did not save it (``xbar`` counts it; nothing holds it in ``B s``).
+  On CPU, PyTorch has no allocator statistics, so they are *estimated* by the op tracer of
+  ``meta_chain`` (liveness of every intermediate storage, freed after its last use; in the
+  backward, when the node that last used it returns) run on the real tensors.
+
+A stage module may name tensors it reads that are held outside the chain in an attribute
+``held_outside`` (``scheduler.checkpoint``'s blocks: the masks every block is called with,
+counted once for the whole step): like its weights, they are not counted as its activations.
 
 Buffers (batch-norm running statistics) and the RNG state are restored after each stage, so
 measuring does not change the model or the random stream.

@@ -24,7 +24,9 @@ outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward
   its time. Then the tail's backward is replayed once (``torch.autograd.grad`` from the
   model's loss, or from its outputs, to the last block's output, ``retain_graph=True``:
   nothing accumulates, the user's backward later runs on the same graph): ``bw[L]`` its time,
-  ``bw_tmp[L]`` its peak above the gradients it makes. ``x[L]`` and ``delta[L]`` are the
+  ``bw_tmp[L]`` its peak less the gradients it makes (counted from when they are made), plus
+  the largest of the tail's weight gradients (transient) or, for weights tied to the head's,
+  all of theirs in every backward op (``outside``). ``x[L]`` and ``delta[L]`` are the
   measured chain's (the last block's output and its gradient).
 
 Not measured (the chain keeps ``measure_chain``'s loss stage, with a one-time warning): blocks
@@ -427,7 +429,8 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
                    "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
                    "measure_chain's)")
         c, L = rec.chain, rec.chain.L
-        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0, 0)
+        outside = c.meta.get("outside", {}).get("forward", 0)  # added back by the caller
+        return (c.bw[L], c.bw_tmp[L] - outside if c.bw_tmp else 0, 0)
     seeds = [torch.ones_like(t) for t in roots]
     dev = rec.device
     tracer = None
