@@ -299,16 +299,19 @@ def _mark(ref: "weakref.ref[OpTracer]", *_: Any) -> None:
         tracer.mark()  # returns None: a node post-hook's value would replace its gradients
 
 
-def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
-    """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished (the
-    graph is this trace's own; ``AccumulateGrad`` nodes belong to the parameters: left alone)."""
+def _mark_nodes(outputs: Sequence[torch.Tensor], tracer: OpTracer,
+                stop: Set[int] = frozenset()) -> List[Any]:
+    """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished
+    (``AccumulateGrad`` nodes belong to the parameters: left alone; ``stop``: ids of nodes
+    not to go past, as ``graph_nodes``). Returns the hooks' handles (a graph that outlives
+    the trace, the model's own, should have them removed)."""
     # a weak reference: the hooks live on the graph's C++ nodes, which the tracer's kept
     # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
     # every traced tensor, once per measured stage)
     ref = weakref.ref(tracer)
-    for node in graph_nodes([o.grad_fn for o in outputs]):
-        if type(node).__name__ != "AccumulateGrad":
-            node.register_hook(functools.partial(_mark, ref))
+    return [node.register_hook(functools.partial(_mark, ref))
+            for node in graph_nodes([o.grad_fn for o in outputs], stop)
+            if type(node).__name__ != "AccumulateGrad"]
 
 
 def graph_nodes(roots: Iterable[Any], stop: Set[int] = frozenset()) -> Iterable[Any]:

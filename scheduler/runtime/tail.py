@@ -349,9 +349,14 @@ class TailProbe:
             state = {T.storage_key(t) for t in
                      list(self.model.parameters()) + list(self.model.buffers())}
             xbar, fw_tmp = _cpu_forward(rec, outs, state | {T.storage_key(t) for t in rec.lasts})
+        # what the tail saved, bar what outlives its backward (weights, the last block's
+        # output, what the model returned): the real backward frees it node by node
+        kept = {T.storage_key(t) for t in list(self.model.parameters()) +
+                list(self.model.buffers()) + rec.lasts + outs}
+        saved = {T.storage_key(t) for t in rec.hooks.saved} - kept
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
-        bw = _replay(self.model, outs, rec)
+        bw = _replay(self.model, outs, rec, saved)
         if bw is None:
             _warn_once("unreached", f"{self.name}: the model's output does not depend on its "
                        "last block's output through a gradient; the tail (stage L) is not "
@@ -410,13 +415,15 @@ def _has_backward_hooks(model: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
-def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
-            ) -> Optional[Tuple[float, int, int]]:
+def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
+            saved: Set[int] = frozenset()) -> Optional[Tuple[float, int, int]]:
     """Time and transient peak of the tail's backward, replayed from the model's loss (a
     one-element output with a gradient; else every output with a gradient, seeded with ones)
     to the last block's output, and the bytes of the gradients of the tail's weights tied to
     a weight the head uses (held until the head's backward). ``None`` if no output reaches
-    the last block's output."""
+    the last block's output. ``saved``: storages the tail saved that its real backward frees
+    once the node that reads them has run (the replay keeps the graph: on the CPU, the
+    estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot)."""
     roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
@@ -440,6 +447,8 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
         m0 = torch.cuda.memory_allocated(dev)
     else:
         tracer = T.OpTracer()
+        stop = {id(t.grad_fn) for t in rec.lasts if t.grad_fn is not None}
+        marks = T._mark_nodes(roots, tracer, stop)
     t0 = time.perf_counter()
     rec.step.replaying = True
     try:
@@ -448,6 +457,9 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
                                         allow_unused=True)
     finally:
         rec.step.replaying = False
+        if tracer is not None:
+            for h in marks:  # the graph is the model's: the user's backward runs it next
+                h.remove()
     _sync(dev)
     bw = time.perf_counter() - t0
     made = [g for g in grads if g is not None]
@@ -456,8 +468,9 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
     # bw_tmp[L]: the peak less delta[L] (which the simulator counts for the whole op), the
     # gradients counted from when they are made, as ``measure_chain`` does
     if tracer is not None:
-        bw_tmp = max(tracer.peak_live(skip=set(), keep={T.storage_key(g) for g in made})
-                     - T.storage_bytes(made), 0)
+        made_keys = {T.storage_key(g) for g in made}
+        bw_tmp = max(tracer.peak_live(skip=set(), keep=made_keys, by_node=True,
+                                      release=saved - made_keys) - T.storage_bytes(made), 0)
     else:
         bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
     # the replay asks for the last block's outputs only, so autograd skips the tail's weight
