@@ -83,9 +83,18 @@ def test_tail_measured_close_to_logits_and_log_softmax(name):
     # norm's normalised value for RMSNorm), a few small tensors (labels, statistics)
     assert 2 * logits <= c.xbar[L] <= 2 * logits + 2 * h_bytes + 1024, c.xbar[L]
     # gradients of log-softmax and logits, and the LM head's weight gradient (the replay asks
-    # for the last block's outputs only: it is counted, not measured)
+    # for the last block's outputs only: it is counted, not measured); tied to the input
+    # embedding (GPT-2), it is held until the head's backward: counted outside the chain
+    t, out = c.meta["tail"], c.meta["outside"]
     head = model.get_output_embeddings().weight.numel() * 4
-    assert logits + head <= c.bw_tmp[L] <= 3 * logits + head, c.bw_tmp[L]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert out["tied_grads"] == (head if tied else 0)
+    own = 0 if tied else head
+    assert logits + own <= t["bw_tmp"] <= 3 * logits + own, t["bw_tmp"]
+    # every op of the chain carries the memory held outside it (at least the input
+    # embedding's saved indices are the caller's: not counted)
+    assert c.bw_tmp[L] == t["bw_tmp"] + out["backward"] and c.fw_tmp[L] == t["fw_tmp"] + \
+        out["forward"] and out["backward"] == out["forward"] + out["tied_grads"]
     assert c.fw[L] > 0 and c.bw[L] > 0
     assert c.x[L] == h_bytes and c.delta[L] == h_bytes  # the last block's output, its grad
     for seed in (1, 2):  # the plan made on that chain runs

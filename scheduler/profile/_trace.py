@@ -178,7 +178,7 @@ class OpTracer(TorchDispatchMode):
         return out
 
     def peak_live(self, skip: Set[int], keep: Set[int] = frozenset(),
-                  release: Set[int] = frozenset()) -> int:
+                  release: Set[int] = frozenset(), by_node: bool = False) -> int:
         """Peak bytes of storages created during the trace, each freed right after its last use
         (eager freeing, as PyTorch's caching allocator does when the last reference dies).
 
@@ -188,6 +188,9 @@ class OpTracer(TorchDispatchMode):
         in ``release``: pre-existing storages freed once the autograd node that last read them
         has finished (the first of ``marks`` after their last read; autograd releases a node's
         saved tensors after the whole node ran), whose bytes are then credited back.
+        ``by_node``: a storage born here is freed when the node that last used it has finished
+        (not right after that use): a node's incoming gradients and the values its formula
+        holds live until it returns (an upper bound for the formula's shorter temporaries).
         Never below 0."""
         n = len(self.ops)
         birth: Dict[int, int] = {}
@@ -216,6 +219,8 @@ class OpTracer(TorchDispatchMode):
                 diff[min(end, n)] -= self.sizes[k]
         for k, b in birth.items():
             end = n if k in keep else last[k] + 1
+            if by_node and k not in keep:  # held until the node that last used it returned
+                end = next((m for m in marks if m > last[k]), end)
             diff[b] += self.sizes[k]
             diff[min(end, n)] -= self.sizes[k]
         peak = cur = 0
@@ -294,16 +299,19 @@ def _mark(ref: "weakref.ref[OpTracer]", *_: Any) -> None:
         tracer.mark()  # returns None: a node post-hook's value would replace its gradients
 
 
-def _mark_nodes(outputs: Tensors, tracer: OpTracer) -> None:
-    """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished (the
-    graph is this trace's own; ``AccumulateGrad`` nodes belong to the parameters: left alone)."""
+def _mark_nodes(outputs: Sequence[torch.Tensor], tracer: OpTracer,
+                stop: Set[int] = frozenset()) -> List[Any]:
+    """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished
+    (``AccumulateGrad`` nodes belong to the parameters: left alone; ``stop``: ids of nodes
+    not to go past, as ``graph_nodes``). Returns the hooks' handles (a graph that outlives
+    the trace, the model's own, should have them removed)."""
     # a weak reference: the hooks live on the graph's C++ nodes, which the tracer's kept
     # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
     # every traced tensor, once per measured stage)
     ref = weakref.ref(tracer)
-    for node in graph_nodes([o.grad_fn for o in outputs]):
-        if type(node).__name__ != "AccumulateGrad":
-            node.register_hook(functools.partial(_mark, ref))
+    return [node.register_hook(functools.partial(_mark, ref))
+            for node in graph_nodes([o.grad_fn for o in outputs], stop)
+            if type(node).__name__ != "AccumulateGrad"]
 
 
 def graph_nodes(roots: Iterable[Any], stop: Set[int] = frozenset()) -> Iterable[Any]:
@@ -350,17 +358,30 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     _mark_nodes(outputs, b_trace)
     with b_flops, b_trace:
         grads = backward(outputs, grads_out, wrt)
-    # delta[s] (the input gradients) is counted by the chain; the parameter gradients are
+    # bw_tmp[s] means what the simulator adds to xbar[s], the input, delta[s+1] and delta[s]
+    # for the whole of B s: the backward's peak, each tensor counted while it is live, less
+    # delta[s] (the input gradients). The input gradients are counted from the op that makes
+    # them (often the block's last: a peak earlier in the backward does not hold them yet),
+    # as the CUDA measurement's ``peak - made`` counts them. The parameter gradients are
     # transient here: each is added into an existing .grad and freed (a first step makes
-    # them .grad instead, which lasts: counting them still bounds that step's peak)
+    # them .grad instead, which lasts: counting them still bounds that step's peak).
     n_in = sum(1 for t in inputs if t.requires_grad)
     made = {storage_key(g) for g in grads[:n_in] if g is not None}
-    # autograd frees each saved tensor once its node has run (no retain_graph), so the backward
-    # peak beyond xbar credits what is already released, as the CUDA measurement sees it; the
-    # stage's input, output and the weights stay (held by the chain, the runtime, the model)
-    held = in_keys | out_keys | state_keys | {storage_key(g) for g in grads_out}
-    bw_tmp = b_trace.peak_live(skip=made, release=saved.keys() - held)
+    made_bytes = storage_bytes(g for g in grads[:n_in] if g is not None)
+    # autograd frees each saved tensor once its node has run (no retain_graph), and delta[s+1]
+    # once the last node that reads it has (unless it becomes delta[s]: a residual passes it
+    # through), so the backward peak beyond xbar credits what is already released, as the
+    # CUDA measurement sees it; the stage's input, output and the weights stay (held by the
+    # chain, the runtime, the model)
+    held = in_keys | out_keys | state_keys | made
+    peak_b = b_trace.peak_live(skip=set(), keep=made, by_node=True, release=(
+        saved.keys() | {storage_key(g) for g in grads_out}) - held)
+    # xbar[s] counts the stage's output, but in B s nothing holds an output the stage's own
+    # graph did not save (the next stage's backward already ran and freed what it saved of
+    # it; the runtime keeps no reference): it is not in memory during B s
+    dead = storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys)
+    bw_tmp = max(peak_b - made_bytes - dead, 0)
     return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp,
+        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
         fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
         fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)

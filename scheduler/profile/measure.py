@@ -19,9 +19,15 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
 * ``fw_tmp``, ``fck_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as
   rotor did): the peak of a saving forward beyond ``xbar`` (``fw_tmp``), of a no-grad forward
   beyond its output (``fck_tmp``), and of the backward beyond the input gradients, run as
-  training runs it (parameter gradients added into an existing ``.grad``). On CPU, PyTorch
-  has no allocator statistics, so they are *estimated* by the op tracer of ``meta_chain``
-  (liveness of every intermediate storage, freed after its last use) run on the real tensors.
+  training runs it (parameter gradients added into an existing ``.grad``), less the stage's
+  output when its graph did not save it (``xbar`` counts it; nothing holds it in ``B s``).
+  On CPU, PyTorch has no allocator statistics, so they are *estimated* by the op tracer of
+  ``meta_chain`` (liveness of every intermediate storage, freed after its last use; in the
+  backward, when the node that last used it returns) run on the real tensors.
+
+A stage module may name tensors it reads that are held outside the chain in an attribute
+``held_outside`` (``scheduler.checkpoint``'s blocks: the masks every block is called with,
+counted once for the whole step): like its weights, they are not counted as its activations.
 
 Buffers (batch-norm running statistics) and the RNG state are restored after each stage, so
 measuring does not change the model or the random stream.
@@ -91,8 +97,10 @@ def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: tor
 
 
 def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: List[torch.Tensor],
-              xbar: int, device: torch.device) -> Dict[str, int]:
-    """Transient peaks from the CUDA caching allocator's statistics."""
+              xbar: int, dead_output: int, device: torch.device) -> Dict[str, int]:
+    """Transient peaks from the CUDA caching allocator's statistics. ``dead_output``: the
+    bytes of the stage's output its own graph does not save, held here through the backward
+    but not in a real step's ``B s`` (``_trace.trace_stage``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -131,7 +139,7 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
         for t in ins:
             t.grad = None
     return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
-            "bw_tmp": max(peak_b - made, 0)}
+            "bw_tmp": max(peak_b - made - dead_output, 0)}
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -163,7 +171,11 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
         if s < L:
             block = blocks[s]
             params = [p for p in block.parameters() if p.requires_grad]
-            state_keys = {T.storage_key(t) for t in list(block.parameters()) + list(block.buffers())}
+            # weights, buffers, and what the block says is held outside the chain (a
+            # module attribute ``held_outside``: tensors counted once, by the caller, such
+            # as the masks ``scheduler.checkpoint`` calls every block with) are not activations
+            state_keys = {T.storage_key(t) for t in list(block.parameters()) +
+                          list(block.buffers()) + list(getattr(block, "held_outside", ()))}
 
             def fn(xs: T.Tensors, block: nn.Module = block, s: int = s) -> T.Tensors:
                 return T.call_block(block, xs, s)
@@ -181,7 +193,7 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
             outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
             outputs = tuple(o.detach() for o in outputs)
             if device.type == "cuda":
-                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], device))
+                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
 
             def forward(_: Any) -> T.Tensors:
                 with torch.enable_grad():

@@ -268,8 +268,14 @@ class Frame:
         self.holders.append(weakref.ref(h))
         return h
 
+    # > 0 while ``runtime.outside`` reads what a graph saved: an unpack then must not run
+    # the plan (recomputations, transfers); it raises, and the reader skips the tensor
+    inspecting = 0
+
     @staticmethod
     def unpack(h: Holder) -> torch.Tensor:
+        if Frame.inspecting:
+            raise LookupError("a chain's saved tensor: not read while inspecting a graph")
         f = h.frame
         if f.step.replaying:  # runtime.tail replays the tail's backward: it must stop above us
             raise RuntimeError(f"{f.step.name}: the replay of the model's tail reached block "

@@ -33,6 +33,7 @@ from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
+from .outside import add_outside
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
@@ -156,11 +157,16 @@ class _BoundBlock(nn.Module):
     """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
     the other arguments of the loop's call; returns the tensors of its output."""
 
-    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool):
+    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool,
+                 counted_outside: bool = False):
         super().__init__()
         self.block = block
         self.call = call
         self.anchored = anchored
+        # the call's other tensors (masks, rotary embeddings), when the step's memory outside
+        # the chain counts them once: ``measure_chain`` leaves them out of the stage's own
+        # numbers, as weights (else every stage that saves them would count them again)
+        self.held_outside = call.shared_tensors() if counted_outside else []
 
     def forward(self, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if self.anchored:  # the loop changed the value between blocks: use what it passed
@@ -291,10 +297,14 @@ class ChainRunner:
         """The chain measured on the calls of a forward that just ran (a profiling step), not
         yet checked, and what it was measured for (``_check_chain``'s ``agree_on``)."""
         calls = [f.call for f in step.frames]
-        stages = [_BoundBlock(b, c, c.anchored and s > 0)
+        outside = getattr(step, "outside", None)
+        stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        return self._measure(stages, x0), signature(x0, {})
+        chain = self._measure(stages, x0)
+        if outside is not None:
+            chain = add_outside(chain, outside.bytes)
+        return chain, signature(x0, {})
 
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:
@@ -450,6 +460,15 @@ class ChainRunner:
         self.mimose.observe(size, input_bytes, xbar, out, fw, tail)
         self.collections += 1
 
+    def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
+        """Host bytes of the random states a step keeps: one per block it may recompute
+        (``ChainStep``'s frames), one more while a recomputation replays a state. They are
+        in the CPU allocator's memory, so they count only where the step runs on the CPU."""
+        dev = _device_of(args, kwargs)
+        if dev is not None and dev.type != "cpu":
+            return 0
+        return (self.L + 1) * torch.get_rng_state().numel()
+
     def _sharded(self) -> bool:
         """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""
         return any(type(p).__name__ == "DTensor" for p in self._params()) or \
@@ -475,6 +494,11 @@ class ChainRunner:
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
             self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
+            if self.current is not None and self.tail is not None and \
+                    getattr(self.current, "profile_key", None) is not None:
+                # what the step holds outside the chain (masks, the head's saved tensors)
+                self.current.outside = self.tail.outside(  # type: ignore[attr-defined]
+                    args, kwargs, self._rng_bytes(args, kwargs))
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)

@@ -24,7 +24,9 @@ outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward
   its time. Then the tail's backward is replayed once (``torch.autograd.grad`` from the
   model's loss, or from its outputs, to the last block's output, ``retain_graph=True``:
   nothing accumulates, the user's backward later runs on the same graph): ``bw[L]`` its time,
-  ``bw_tmp[L]`` its peak above the gradients it makes. ``x[L]`` and ``delta[L]`` are the
+  ``bw_tmp[L]`` its peak less the gradients it makes (counted from when they are made), plus
+  the largest of the tail's weight gradients (transient) or, for weights tied to the head's,
+  all of theirs in every backward op (``outside``). ``x[L]`` and ``delta[L]`` are the
   measured chain's (the last block's output and its gradient).
 
 Not measured (the chain keeps ``measure_chain``'s loss stage, with a one-time warning): blocks
@@ -40,7 +42,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -49,6 +51,7 @@ from torch.utils import _python_dispatch as dispatch
 from ..chain import Chain
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
+from .outside import Outside, add_outside, head_census
 
 _warned: Set[str] = set()
 
@@ -152,6 +155,7 @@ class _Recording:
         self.m0 = 0
         self.t0 = 0.0
         self.pushed = False
+        self.outside: Optional[Outside] = getattr(step, "outside", None)
 
 
 def _sync(device: torch.device) -> None:
@@ -169,7 +173,8 @@ class TailProbe:
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
         self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
         self.rec: Optional[_Recording] = None
-        self.handles = [model.register_forward_pre_hook(self._enter),
+        self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
+        self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
     def remove(self) -> None:
@@ -180,7 +185,7 @@ class TailProbe:
         self.handles = []
 
     # ------------------------------------------------------------------------ model hooks
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.rec is not None:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
             # run on Exception only), or the model called again inside its own tail
@@ -188,6 +193,8 @@ class TailProbe:
             self.depth, self.clean, self.handling = 0, [], []
         if self.depth == 0:
             self.clean, self.handling = [], []
+            # the caller's tensors existed before the step: never counted as its memory
+            self.given = {T.storage_key(t) for t in tensor_leaves((args, kwargs))}
         _sweep()
         self.depth += 1
         self.clean.append(_stacks_clean())
@@ -209,6 +216,20 @@ class TailProbe:
         self._finish(output)
 
     # ------------------------------------------------------------------------ the runner's side
+    def outside(self, args: Sequence[Any], kwargs: Dict[str, Any],
+                runner_bytes: int = 0) -> Optional["Outside"]:
+        """At block 0's call of a profiling step: what the step holds outside the chain
+        while the blocks run (``Outside``; ``runner_bytes``: what the runner itself keeps),
+        or None outside the model's forward or with saved-tensor hooks or a dispatch mode
+        around it (reading what the head saved would run their unpack hooks)."""
+        if self.depth == 0 or not (self.clean and self.clean[-1] and _stacks_clean()):
+            return None
+        state = {T.storage_key(t) for t in
+                 list(self.model.parameters()) + list(self.model.buffers())}
+        out = head_census(args, kwargs, state | self.given)
+        out.bytes += runner_bytes
+        return out
+
     def block_zero(self) -> None:
         """A runner's block 0 is called: a tail being measured is over (T5: the encoder's
         'tail' is the decoder, planned in its own chain), its runner plans without it."""
@@ -328,15 +349,20 @@ class TailProbe:
             state = {T.storage_key(t) for t in
                      list(self.model.parameters()) + list(self.model.buffers())}
             xbar, fw_tmp = _cpu_forward(rec, outs, state | {T.storage_key(t) for t in rec.lasts})
+        # what the tail saved, bar what outlives its backward (weights, the last block's
+        # output, what the model returned): the real backward frees it node by node
+        kept = {T.storage_key(t) for t in list(self.model.parameters()) +
+                list(self.model.buffers()) + rec.lasts + outs}
+        saved = {T.storage_key(t) for t in rec.hooks.saved} - kept
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
-        bw = _replay(self.model, outs, rec)
+        bw = _replay(self.model, outs, rec, saved)
         if bw is None:
             _warn_once("unreached", f"{self.name}: the model's output does not depend on its "
                        "last block's output through a gradient; the tail (stage L) is not "
                        "measured, the plan uses measure_chain's stand-in loss stage")
             return chain
-        bw_time, bw_tmp = bw
+        bw_time, bw_tmp, tied = bw
         tail = {"fw": fw, "bw": bw_time, "xbar": int(xbar), "fw_tmp": int(fw_tmp),
                 "bw_tmp": int(bw_tmp), "fck_tmp": int(fw_tmp)}  # the loss runs as F_all
         cols = {}
@@ -347,7 +373,14 @@ class TailProbe:
         meta = dict(chain.meta)
         meta["tail"] = dict(tail, measured="cuda allocator statistics" if cuda else
                             "op-tracer estimate", replaced_loss=meta.get("loss"))
-        return chain.replace(meta=meta, **cols)  # other fields as measured
+        # the chain's other stages carry what the step holds outside the chain
+        # (``outside.add_outside``, in ``meta``): stage L too, and the gradients of tail
+        # weights tied to the head's from B L on
+        fwd = meta.get("outside", {}).get("forward", 0)
+        for k in ("fw_tmp", "fck_tmp", "bw_tmp"):
+            cols[k][L] += fwd
+        chain = chain.replace(meta=meta, **cols)  # other fields as measured
+        return add_outside(chain, 0, tied) if tied else chain
 
 
 def _born(tracer: T.OpTracer) -> Set[int]:
@@ -382,11 +415,15 @@ def _has_backward_hooks(model: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
-def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
-            ) -> Optional[Tuple[float, int]]:
+def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
+            saved: Set[int] = frozenset()) -> Optional[Tuple[float, int, int]]:
     """Time and transient peak of the tail's backward, replayed from the model's loss (a
     one-element output with a gradient; else every output with a gradient, seeded with ones)
-    to the last block's output. ``None`` if no output reaches it."""
+    to the last block's output, and the bytes of the gradients of the tail's weights tied to
+    a weight the head uses (held until the head's backward). ``None`` if no output reaches
+    the last block's output. ``saved``: storages the tail saved that its real backward frees
+    once the node that reads them has run (the replay keeps the graph: on the CPU, the
+    estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot)."""
     roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
@@ -399,7 +436,8 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
                    "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
                    "measure_chain's)")
         c, L = rec.chain, rec.chain.L
-        return (c.bw[L], c.bw_tmp[L] if c.bw_tmp else 0)
+        outside = c.meta.get("outside", {}).get("forward", 0)  # added back by the caller
+        return (c.bw[L], c.bw_tmp[L] - outside if c.bw_tmp else 0, 0)
     seeds = [torch.ones_like(t) for t in roots]
     dev = rec.device
     tracer = None
@@ -409,6 +447,8 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
         m0 = torch.cuda.memory_allocated(dev)
     else:
         tracer = T.OpTracer()
+        stop = {id(t.grad_fn) for t in rec.lasts if t.grad_fn is not None}
+        marks = T._mark_nodes(roots, tracer, stop)
     t0 = time.perf_counter()
     rec.step.replaying = True
     try:
@@ -417,20 +457,33 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording
                                         allow_unused=True)
     finally:
         rec.step.replaying = False
+        if tracer is not None:
+            for h in marks:  # the graph is the model's: the user's backward runs it next
+                h.remove()
     _sync(dev)
     bw = time.perf_counter() - t0
     made = [g for g in grads if g is not None]
     if not made:
         return None
+    # bw_tmp[L]: the peak less delta[L] (which the simulator counts for the whole op), the
+    # gradients counted from when they are made, as ``measure_chain`` does
     if tracer is not None:
-        bw_tmp = tracer.peak_live(skip={T.storage_key(g) for g in made})
+        made_keys = {T.storage_key(g) for g in made}
+        bw_tmp = max(tracer.peak_live(skip=set(), keep=made_keys, by_node=True,
+                                      release=saved - made_keys) - T.storage_bytes(made), 0)
     else:
         bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
     # the replay asks for the last block's outputs only, so autograd skips the tail's weight
     # gradients (the LM head's: vocab x hidden); in training each is made and added into
     # .grad: count the largest as transient, as measure_chain does for a block (its time,
-    # one matmul, is left out of bw[L])
-    return bw, bw_tmp + max((T.storage_bytes([p]) for p in params), default=0)
+    # one matmul, is left out of bw[L]). A weight the head uses too (an LM head tied to the
+    # input embedding) is different: autograd holds its tail gradient until the head's
+    # gradient joins it, after B 0, so it stays for the whole backward of the chain
+    head = rec.outside.params if rec.outside is not None else set()
+    tied = [p for p in params if T.storage_key(p) in head]
+    untied = [p for p in params if T.storage_key(p) not in head]
+    return (bw, bw_tmp + max((T.storage_bytes([p]) for p in untied), default=0),
+            T.storage_bytes(tied))
 
 
 def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
@@ -447,3 +500,4 @@ def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
         else:
             custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
     return params, custom
+

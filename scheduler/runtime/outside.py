@@ -1,0 +1,88 @@
+"""Memory a profiling step holds outside the chain while the blocks run (issue 13): masks and
+rotary embeddings the blocks are called with (the runner keeps them for recomputation), what
+the model's head saved for its backward (an embedding dropout's mask, the input of the
+embedding's norm), the runner's random states, and the gradients of tail weights tied to the
+head's. The chain has no item for it: it is added to every op's transient (``fw_tmp``,
+``fck_tmp``, ``bw_tmp``: the simulator and the planners count a stage's transient while, and
+only while, one of its ops runs, and some op always runs), recorded in ``meta["outside"]``.
+
+Not seen: the model's local variables that live only during its forward (GPT-2's token and
+position embeddings before their sum), and the head's own backward after ``B 0``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Set
+
+import torch
+
+from ..chain import Chain
+from ..profile import _trace as T
+from .block_calls import tensor_leaves
+from .chain_exec import Frame
+
+class Outside:
+    """What a step holds outside the chain from block 0's call to the end of B 0: ``bytes``,
+    the distinct storages the model made before the blocks (not parameters, buffers or the
+    caller's tensors) that block 0's extra arguments hold (masks, rotary embeddings, kept by
+    the runner for recomputation) or the head's autograd graph saved (an embedding dropout's
+    mask), the chain's value ``x[0]`` aside; ``params``: the storages of the weights the head's
+    backward reaches (a tail weight tied to one of them keeps its gradient until then).
+    Not seen: the model's local variables that live only during its forward."""
+
+    def __init__(self, nbytes: int, params: Set[int]):
+        self.bytes = nbytes
+        self.params = params
+
+
+def _saved_by(node: Any) -> List[torch.Tensor]:
+    """The tensors an autograd node saved (its ``_saved_*`` attributes)."""
+    out: List[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            v = getattr(node, name)
+        except Exception:  # freed, or not a tensor field on this build
+            continue
+        out.extend(t for t in (v if isinstance(v, (tuple, list)) else (v,))
+                   if isinstance(t, torch.Tensor))
+    return out
+
+
+def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int]) -> Outside:
+    """``Outside`` at block 0's call on ``(args, kwargs)``; ``not_ours``: storages that are
+    not the step's (parameters, buffers, the caller's tensors). The chain's value is the
+    first tensor argument (what ``BlockCall`` takes as ``x[0]``)."""
+    leaves = list(tensor_leaves((tuple(args), kwargs)))
+    firsts = list(tensor_leaves(tuple(args)))[:1] or leaves[:1]
+    x0 = {T.storage_key(t) for t in firsts}
+    held: List[torch.Tensor] = [t for t in leaves if T.storage_key(t) not in x0]
+    params: Set[int] = set()
+    Frame.inspecting += 1  # another chain's saved tensors (T5's encoder, seen from its
+    try:                   # decoder) are that chain's: never unpacked (recomputed) here
+        for node in T.graph_nodes([t.grad_fn for t in leaves]):
+            if type(node).__name__ == "AccumulateGrad":
+                params.add(T.storage_key(node.variable))
+            else:
+                held.extend(_saved_by(node))
+    finally:
+        Frame.inspecting -= 1
+    return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
+
+
+def add_outside(chain: Chain, forward: int, backward_extra: int = 0) -> Chain:
+    """``chain`` with ``forward`` bytes held outside it during every op, and
+    ``backward_extra`` more during every backward op (tied weights' gradients), added to the
+    transients; ``meta["outside"]`` says how much in all (added to what was there)."""
+    L = chain.L
+    cols = {}
+    for k, extra in (("fw_tmp", forward), ("fck_tmp", forward),
+                     ("bw_tmp", forward + backward_extra)):
+        col = list(getattr(chain, k)) or [0] * (L + 1)  # a chain without tmp columns
+        cols[k] = [v + extra for v in col]
+    was = chain.meta.get("outside", {})
+    fwd = was.get("forward", 0) + forward
+    tied = was.get("tied_grads", 0) + backward_extra
+    meta = dict(chain.meta, outside={"forward": fwd, "backward": fwd + tied, "tied_grads": tied,
+                                     "added_to": ["fw_tmp", "fck_tmp", "bw_tmp"]})
+    return chain.replace(meta=meta, **cols)
