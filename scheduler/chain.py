@@ -205,3 +205,24 @@ class Chain:
             d["fck_tmp"] = ()  # it was the default: it follows fw_tmp
         d.update(changes)
         return Chain(**d)
+
+
+def add_outside(chain: Chain, forward: int, backward_extra: int = 0) -> Chain:
+    """``chain`` with ``forward`` bytes held outside it during every op, and
+    ``backward_extra`` more during every backward op (tied weights' gradients), added to the
+    transients; ``meta["outside"]`` says how much in all (added to what was there). Memory a
+    training step holds beside the chain's items (masks passed to every block, what the
+    model's head saved, the gradients of tied weights): the chain has no item for it, and
+    some op always runs, so every op's transient carries it."""
+    L = chain.L
+    cols = {}
+    for k, extra in (("fw_tmp", forward), ("fck_tmp", forward),
+                     ("bw_tmp", forward + backward_extra)):
+        col = list(getattr(chain, k)) or [0] * (L + 1)  # a chain without tmp columns
+        cols[k] = [v + extra for v in col]
+    was = chain.meta.get("outside", {})
+    fwd = was.get("forward", 0) + forward
+    tied = was.get("tied_grads", 0) + backward_extra
+    meta = dict(chain.meta, outside={"forward": fwd, "backward": fwd + tied, "tied_grads": tied,
+                                     "added_to": ["fw_tmp", "fck_tmp", "bw_tmp"]})
+    return chain.replace(meta=meta, **cols)

@@ -83,6 +83,12 @@ def test_tail_is_learnt_and_becomes_the_loss_stage():
     assert plan.predicted_peak == simulate(plan.chain, plan).peak_memory
     with pytest.raises(InfeasibleError):
         m.plan(25, budget)
+    # what the step holds outside the chain is learnt too and carried by every op
+    e.observe(40, 160, [320, 320], [160, 160], [1e-3, 1e-3], tail(40), [64, 16])
+    e.observe(50, 200, [400, 400], [200, 200], [1e-3, 1e-3], tail(50), [64, 16])
+    c = M.chain_from_estimate(e.measured(40))
+    assert c.meta["outside"]["forward"] == 64 and c.meta["outside"]["tied_grads"] == 16
+    assert c.fw_tmp == (64, 64, 320 + 64) and c.bw_tmp == (80, 80, 1200 + 80)
 
 
 def test_estimator_rejects_bad_input():

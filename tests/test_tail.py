@@ -330,3 +330,7 @@ def test_mimose_learns_the_tail(name):
     assert r.last_plan.planner == "mimose" and c.meta["tail"] == "estimated"
     assert c.xbar[c.L] >= 2 * b * s * VOCAB * 4       # logits + log-softmax
     assert c.bw_tmp[c.L] > 0 and r.stats()["mimose_collections"] == 1
+    # ... and what the step holds outside the chain (the causal mask, the head's saved
+    # tensors), in every op's transient, as rotor's measured chains have it
+    out = c.meta["outside"]
+    assert out["forward"] > 0 and all(v >= out["forward"] for v in c.fw_tmp + c.bw_tmp)

@@ -41,7 +41,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..chain import FIELDS as CHAIN_FIELDS, Chain
+from ..chain import FIELDS as CHAIN_FIELDS, Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan
 from ..plan_cache import PlanCache
@@ -52,6 +52,9 @@ ORDER = 2
 BACKWARD_OVER_FORWARD = 2.0  # the collector times forwards only; backward ~ 2x forward
 # the tail's numbers an Estimator learns (stage L of the chain; bytes, seconds)
 TAIL_FIELDS = ("xbar", "fw_tmp", "bw_tmp", "fw", "bw")
+# what a step holds outside the chain (bytes): during every op, and more during every
+# backward op (the gradients of tail weights tied to the head's); see chain.add_outside
+OUTSIDE_FIELDS = ("forward", "tied_grads")
 
 
 # ---------------------------------------------------------------------------- estimator
@@ -63,6 +66,7 @@ class Estimate:
     out: np.ndarray     # each block's output bytes
     fw: np.ndarray      # each block's forward time
     tail: Optional[np.ndarray] = None   # the model's tail, TAIL_FIELDS (None: not measured)
+    outside: Optional[np.ndarray] = None  # OUTSIDE_FIELDS (None: not measured)
 
 
 class PolyFit:
@@ -153,36 +157,42 @@ class Estimator(_Fitted):
         if not isinstance(n_blocks, int) or n_blocks < 1:
             raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
         self.n = n_blocks
-        # [in, xbar(n), out(n), fw(n), tail (TAIL_FIELDS)]
-        self._fit = PolyFit(1 + 3 * n_blocks + len(TAIL_FIELDS), samples, order)
+        # [in, xbar(n), out(n), fw(n), tail (TAIL_FIELDS), outside (OUTSIDE_FIELDS)]
+        self._fit = PolyFit(1 + 3 * n_blocks + len(TAIL_FIELDS) + len(OUTSIDE_FIELDS),
+                            samples, order)
         self.samples = samples
         self.order = order
 
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
                 out: Sequence[float], fw: Sequence[float],
-                tail: Optional[Sequence[float]] = None) -> None:
+                tail: Optional[Sequence[float]] = None,
+                outside: Optional[Sequence[float]] = None) -> None:
         """Record one measured input size (the latest measurement of a size wins).
-        ``tail``: the model's tail measured on it, ``TAIL_FIELDS`` in order (None: zeros)."""
+        ``tail``: the model's tail measured on it, ``TAIL_FIELDS`` in order; ``outside``:
+        what the step held outside the chain, ``OUTSIDE_FIELDS`` (None: zeros)."""
         for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
             if len(v) != self.n:
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
                                  f"one per block ({self.n})")
-        if tail is not None and len(tail) != len(TAIL_FIELDS):
-            raise ValueError(f"Estimator.observe: tail has {len(tail)} entries, expected "
-                             f"{len(TAIL_FIELDS)} ({', '.join(TAIL_FIELDS)})")
+        extra = []
+        for name, v, want in (("tail", tail, TAIL_FIELDS), ("outside", outside, OUTSIDE_FIELDS)):
+            if v is not None and len(v) != len(want):
+                raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
+                                 f"{len(want)} ({', '.join(want)})")
+            extra.append(np.zeros(len(want)) if v is None else np.asarray(v, float))
         self._fit.observe(input_size, np.concatenate(
             [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
-             np.asarray(fw, float),
-             np.zeros(len(TAIL_FIELDS)) if tail is None else np.asarray(tail, float)]))
+             np.asarray(fw, float)] + extra))
 
     def fit(self) -> None:
         self._fit.fit()
 
     def _estimate(self, row: np.ndarray) -> Estimate:
-        n = self.n
-        tail = np.maximum(row[1 + 3 * n:], 0.0)   # a fit may dip below 0 between samples
+        n, k = self.n, 1 + 3 * self.n + len(TAIL_FIELDS)
+        tail = np.maximum(row[1 + 3 * n:k], 0.0)   # a fit may dip below 0 between samples
+        outside = np.maximum(row[k:], 0.0)
         return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:1 + 3 * n],
-                        tail if tail.any() else None)
+                        tail if tail.any() else None, outside if outside.any() else None)
 
     def predict(self, input_size: float) -> np.ndarray:
         """Per-block activation bytes (xbar) for ``input_size``."""
@@ -326,7 +336,8 @@ def plan_from_checkpoints(L: int, checkpointed: Sequence[int], planner: str = "m
 
 def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
     """A Chain (integer bytes) from per-block estimates; the loss stage is the estimated tail
-    (``est.tail``), or free when it was not measured."""
+    (``est.tail``), or free when it was not measured; what the step holds outside the chain
+    (``est.outside``) is in every op's transient (``chain.add_outside``)."""
     n = len(est.xbar)
     out = [int(np.ceil(v)) for v in est.out]
     x = [int(np.ceil(est.input_bytes))] + out            # x[s+1] = output of block s
@@ -338,9 +349,13 @@ def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
         t = dict(zip(TAIL_FIELDS, (float(v) for v in est.tail)))
         xbar[n], fw[n], bw[n] = int(np.ceil(t["xbar"])), t["fw"], t["bw"]
         tmp = {k: [0] * n + [int(np.ceil(t[k]))] for k in ("fw_tmp", "bw_tmp")}
-    return Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name, **tmp,
-                 meta={"source": "mimose estimator", "blocks": n,
-                       "tail": "estimated" if est.tail is not None else "not measured"})
+    chain = Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name, **tmp,
+                  meta={"source": "mimose estimator", "blocks": n,
+                        "tail": "estimated" if est.tail is not None else "not measured"})
+    if est.outside is None:
+        return chain
+    forward, tied = (int(np.ceil(v)) for v in est.outside)
+    return add_outside(chain, forward, tied)
 
 
 class Mimose:
@@ -361,8 +376,9 @@ class Mimose:
     # the collector's entry point
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
                 out: Sequence[float], fw: Sequence[float],
-                tail: Optional[Sequence[float]] = None) -> None:
-        self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail)
+                tail: Optional[Sequence[float]] = None,
+                outside: Optional[Sequence[float]] = None) -> None:
+        self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail, outside)
 
     @property
     def ready(self) -> bool:

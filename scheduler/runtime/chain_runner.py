@@ -21,11 +21,11 @@ from torch import nn
 
 from vmalloc.sizes import parse_size
 
-from ..chain import Chain
+from ..chain import Chain, add_outside
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import (DEFAULT_SAMPLES, TAIL_FIELDS, Estimate, Mimose,
+from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate, plan_from_checkpoints)
 from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
@@ -33,7 +33,6 @@ from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
-from .outside import add_outside
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
@@ -313,8 +312,10 @@ class ChainRunner:
         collection step's key (``MIMOSE_SAMPLE``) records its sample instead."""
         if isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE:
             tail = chain.meta.get("tail") or {}
+            out = chain.meta.get("outside")
             self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS]
-                                 if all(k in tail for k in TAIL_FIELDS) else None)
+                                 if all(k in tail for k in TAIL_FIELDS) else None,
+                                 [out[k] for k in OUTSIDE_FIELDS] if out else None)
             return
         chain = self._check_chain(chain, agree_on=agree_on)
         self.cache.get_or_plan(key, lambda: self._make(chain, device))
@@ -448,16 +449,21 @@ class ChainRunner:
                 chain = chain_from_estimate(Estimate(sample[1], np.array(c.xbar, float),
                                                      np.array(c.out, float),
                                                      np.array(c.fw, float)), "mimose-sample")
+                outside = getattr(step, "outside", None)
+                if outside is not None:  # (the tail adds the tied gradients it finds)
+                    chain = add_outside(chain, outside.bytes)
                 if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
                                    _device_of(step.frames[0].call.x, {}), tensor_leaves(out),
                                    step):
                     return
-            self._observe_sample(sample, None)
+            self._observe_sample(sample, None, None)
 
-    def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]]) -> None:
-        """One Mimose collection step's measurements, with the model's tail if measured."""
+    def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
+                        outside: Optional[List[float]]) -> None:
+        """One Mimose collection step's measurements, with the model's tail and what the
+        step held outside the chain, if measured."""
         size, input_bytes, xbar, out, fw = sample
-        self.mimose.observe(size, input_bytes, xbar, out, fw, tail)
+        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside)
         self.collections += 1
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
@@ -495,7 +501,8 @@ class ChainRunner:
                 stale.abandon()  # else its holders/graph cycle would never be freed
             self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
             if self.current is not None and self.tail is not None and \
-                    getattr(self.current, "profile_key", None) is not None:
+                    (getattr(self.current, "profile_key", None) is not None or
+                     self.current.collector is not None):  # profiling / Mimose collection
                 # what the step holds outside the chain (masks, the head's saved tensors)
                 self.current.outside = self.tail.outside(  # type: ignore[attr-defined]
                     args, kwargs, self._rng_bytes(args, kwargs))

@@ -15,10 +15,10 @@ from typing import Any, Dict, List, Sequence, Set
 
 import torch
 
-from ..chain import Chain
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
 from .chain_exec import Frame
+
 
 class Outside:
     """What a step holds outside the chain from block 0's call to the end of B 0: ``bytes``,
@@ -68,21 +68,3 @@ def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int])
     finally:
         Frame.inspecting -= 1
     return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
-
-
-def add_outside(chain: Chain, forward: int, backward_extra: int = 0) -> Chain:
-    """``chain`` with ``forward`` bytes held outside it during every op, and
-    ``backward_extra`` more during every backward op (tied weights' gradients), added to the
-    transients; ``meta["outside"]`` says how much in all (added to what was there)."""
-    L = chain.L
-    cols = {}
-    for k, extra in (("fw_tmp", forward), ("fck_tmp", forward),
-                     ("bw_tmp", forward + backward_extra)):
-        col = list(getattr(chain, k)) or [0] * (L + 1)  # a chain without tmp columns
-        cols[k] = [v + extra for v in col]
-    was = chain.meta.get("outside", {})
-    fwd = was.get("forward", 0) + forward
-    tied = was.get("tied_grads", 0) + backward_extra
-    meta = dict(chain.meta, outside={"forward": fwd, "backward": fwd + tied, "tied_grads": tied,
-                                     "added_to": ["fw_tmp", "fck_tmp", "bw_tmp"]})
-    return chain.replace(meta=meta, **cols)

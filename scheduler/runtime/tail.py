@@ -48,10 +48,10 @@ import torch
 from torch import nn
 from torch.utils import _python_dispatch as dispatch
 
-from ..chain import Chain
+from ..chain import Chain, add_outside
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
-from .outside import Outside, add_outside, head_census
+from .outside import Outside, head_census
 
 _warned: Set[str] = set()
 
