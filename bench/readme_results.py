@@ -752,12 +752,14 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                  "build that made this file)", None)
     out += table(["model", "method", "budget", "step ms", "peak", "forwards", "status"], rows,
                  right=(2, 3, 4, 5))
-    why, as_many = [], True
+    why, tied = [], []   # tied: models where rotor's plan at HF's peak runs as many forwards
     for m in d["models"]:
         a = m.get("rotor_at_hf_peak")
         if not a:
             continue
-        as_many &= a.get("rotor_forwards", 0) >= a["every_block_forwards"]
+        if a.get("rotor_forwards", 0) >= a["every_block_forwards"] and \
+                not m.get("goal", {}).get("faster_at_hf_peak"):
+            tied.append(m["model"])
         if a.get("rotor") == "infeasible":
             why.append(f"{m['model']}: infeasible at HF's peak {size(a['budget'])} on the chain "
                        f"(rotor needs {size(a['rotor_min_budget'])})")
@@ -768,11 +770,12 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     if why:
         out += ["", "Rotor's plan on the runner's measured chain at HF checkpointing's measured "
                 "peak: " + "; ".join(why) + "." + (
-                    " With no fewer forwards than HF's plan, rotor can only be faster at that "
-                    "memory by a cheaper runtime: keeping any block's activations for its "
-                    "backward would hold them through the model's tail (LM head and loss) or "
-                    "through the last block's backward, where HF's own peak is." if as_many
-                    else "")]
+                    f" For {', '.join(tied)}: with no fewer forwards than HF's plan (rotor's "
+                    "plan is optimal on an accurate chain, so no checkpointing plan does "
+                    "better), rotor can only be faster at that memory by a cheaper runtime: "
+                    "keeping any block's activations for its backward would hold them through "
+                    "the model's tail (LM head and loss over the vocabulary) or through the "
+                    "last block's backward, where HF's own peak is." if tied else "")]
     if cpu:
         out += ["", "On the CPU, pofo's offloads go to host memory, which is the same memory "
                 "here: its rows count the copies (a GPU run is where offloading saves)."]
