@@ -193,12 +193,25 @@ class _Transfer:
     chunks: List[float] = field(default_factory=list)  # sizes of the copies, in order
 
 
-def _chunks(size: float, chunk: Optional[float]) -> List[float]:
-    """A transfer's copies: the whole item, or streamed in pieces of at most ``chunk``."""
+MAX_CHUNKS = 1 << 16   # copies per transfer: a smaller chunk is refused, not simulated for hours
+
+
+def _chunks(size: float, chunk: Optional[float], where: str) -> List[float]:
+    """A transfer's copies: the whole item, or streamed in pieces of at most ``chunk``
+    (the last one the rest; never a zero-length one from float rounding)."""
     if chunk is None or size <= chunk:
         return [size]
     n = math.ceil(size / chunk)
-    return [chunk] * (n - 1) + [size - chunk * (n - 1)]
+    if n > MAX_CHUNKS:
+        raise ValueError(f"{where}: transfer_chunk={chunk:g} splits an item of {size:g} bytes "
+                         f"into {n} copies (at most {MAX_CHUNKS}); use a larger chunk")
+    out = [chunk] * (n - 1)
+    rest = size - chunk * (n - 1)
+    if rest > 0:
+        out.append(rest)
+    else:   # size / chunk rounded up past a whole number of chunks
+        out[-1] += rest
+    return out
 
 
 def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
@@ -255,14 +268,16 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
                     fail(i, f"nothing stored as the input of stage {s} is in GPU memory")
                 state[key] = ("off", i)
                 size = _size(chain, key)
-                out.append(_Transfer(key, size, chunks=_chunks(size, plan.transfer_chunk)))
+                out.append(_Transfer(key, size, chunks=_chunks(size, plan.transfer_chunk,
+                                                               f"op {i} ({kind} {s})")))
             else:
                 key = next((k for k in cands if k in state and state[k][0] == "off"), None)
                 if key is None:
                     fail(i, f"nothing stored as the input of stage {s} was offloaded")
                 size = _size(chain, key)
                 out.append(_Transfer(key, size, offload_op=state[key][1],
-                                     chunks=_chunks(size, plan.transfer_chunk)))
+                                     chunks=_chunks(size, plan.transfer_chunk,
+                                                    f"op {i} ({kind} {s})")))
                 state[key] = ("pre", i)
             continue
 

@@ -150,3 +150,16 @@ def test_chain_runtime_refuses_streamed_transfers():
     CompiledPlan.of(Plan(ops), 1)
     CompiledPlan.of(Plan([("F_all", 0), ("F_all", 1), ("B", 1), ("B", 0)],
                          transfer_chunk=1 << 20), 1)   # no transfers: nothing to stream
+
+
+def test_chunks_are_never_empty_and_their_count_is_bounded():
+    from scheduler.simulate import MAX_CHUNKS, _chunks
+    for size, chunk in ((8.4, 0.3), (1.0, 0.1), (0.7, 0.1), (1e5 + 0.5, 7.0)):
+        got = _chunks(size, chunk, "t")
+        assert all(0 < c <= chunk * (1 + 1e-12) for c in got), (size, chunk, got[-3:])
+        assert sum(got) == pytest.approx(size, rel=1e-12)
+    c = Chain(fw=[1, 1], bw=[1, 1], x=[1 << 30, 1], xbar=[1, 1], delta=[1, 1])
+    p = Plan([("offload", 0), ("F_all", 0), ("F_all", 1), ("B", 1), ("prefetch", 0),
+              ("B", 0)], transfer_chunk=1)
+    with pytest.raises(ValueError, match=f"at most {MAX_CHUNKS}"):
+        simulate(c, p, bandwidth=1)

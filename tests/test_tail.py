@@ -334,3 +334,25 @@ def test_mimose_learns_the_tail(name):
     # tensors), in every op's transient, as rotor's measured chains have it
     out = c.meta["outside"]
     assert out["forward"] > 0 and all(v >= out["forward"] for v in c.fw_tmp + c.bw_tmp)
+
+
+def test_mimose_never_mixes_samples_with_and_without_the_tail():
+    """A collection step whose tail could not be measured is dropped once samples carry one
+    (a zero tail in the fit would undercount every size's tail); without a first tail, none."""
+    ref, batch = make("gpt2")
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
+    (r,) = checkpointed(model).runners
+    L = r.L
+    sample = lambda n: (float(n), 4.0 * n, (8.0 * n,) * L, (4.0 * n,) * L, (1e-3,) * L)  # noqa
+    r._observe_sample(sample(10), [40.0, 8.0, 30.0, 1e-3, 2e-3], [64.0, 16.0])
+    with pytest.warns(UserWarning, match="sample is dropped"):
+        r._observe_sample(sample(20), None, None)
+    est = r.mimose.estimator
+    assert est.has(10) and not est.has(20) and r.collections == 1
+    r2 = type(r).__new__(type(r))
+    r2.__dict__.update(r.__dict__, _mimose_tails=None, collections=0,
+                       mimose=scheduler.planners.mimose.Mimose(L))
+    r2._observe_sample(sample(10), None, None)             # the first had none:
+    r2._observe_sample(sample(20), [40.0, 8.0, 30.0, 1e-3, 2e-3], [64.0, 16.0])  # none learnt
+    assert r2.collections == 2 and r2.mimose.estimator.measured(20).tail is None

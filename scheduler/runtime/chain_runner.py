@@ -13,6 +13,7 @@ size. Each forward + backward is a ``chain_exec.ChainStep`` (non-reentrant).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -227,6 +228,7 @@ class ChainRunner:
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
+        self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -311,11 +313,11 @@ class ChainRunner:
         its forward, or once the model's tail was measured (``tail.TailProbe``). A Mimose
         collection step's key (``MIMOSE_SAMPLE``) records its sample instead."""
         if isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE:
-            tail = chain.meta.get("tail") or {}
-            out = chain.meta.get("outside")
-            self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS]
-                                 if all(k in tail for k in TAIL_FIELDS) else None,
-                                 [out[k] for k in OUTSIDE_FIELDS] if out else None)
+            tail, out = chain.meta.get("tail"), chain.meta.get("outside")
+            measured = isinstance(tail, dict) and all(k in tail for k in TAIL_FIELDS)
+            self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS] if measured else None,
+                                 [out[k] for k in OUTSIDE_FIELDS]
+                                 if measured and isinstance(out, dict) else None)
             return
         chain = self._check_chain(chain, agree_on=agree_on)
         self.cache.get_or_plan(key, lambda: self._make(chain, device))
@@ -461,7 +463,20 @@ class ChainRunner:
     def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
                         outside: Optional[List[float]]) -> None:
         """One Mimose collection step's measurements, with the model's tail and what the
-        step held outside the chain, if measured."""
+        step held outside the chain, if measured. All or nothing: the estimator fits every
+        column on every sample, so a sample without the tail (its measurement failed) among
+        samples with one would teach it a free tail. Such a sample is dropped (the size is
+        collected again on its next step); once the first sample had no tail, none is
+        learnt."""
+        if self._mimose_tails is None:
+            self._mimose_tails = tail is not None
+        if self._mimose_tails and tail is None:
+            warnings.warn(f"{self.name}: the model's tail was not measured on this Mimose "
+                          "collection step; its sample is dropped (the size is collected "
+                          "again)", stacklevel=2)
+            return
+        if not self._mimose_tails:
+            tail = outside = None
         size, input_bytes, xbar, out, fw = sample
         self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside)
         self.collections += 1
