@@ -153,6 +153,14 @@ class _PreservedState:
             p.grad = g
 
 
+def _collected(step: ChainStep) -> Estimate:
+    """What a step's forward-only collector measured (per block: saved bytes, output bytes,
+    forward time; and the chain's input bytes)."""
+    c = step.collector
+    return Estimate(accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
+                    np.array(c.out, float), np.array(c.fw, float))
+
+
 class _BoundBlock(nn.Module):
     """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
     the other arguments of the loop's call; returns the tensors of its output."""
@@ -429,11 +437,9 @@ class ChainRunner:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
             if step.collector is not None:
-                c = step.collector
-                chain = self._check_chain(chain_from_estimate(Estimate(
-                    accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
-                    np.array(c.out, float), np.array(c.fw, float)), name="forward-measured"),
-                    agree_on=key)
+                chain = self._check_chain(chain_from_estimate(_collected(step),
+                                                              name="forward-measured"),
+                                          agree_on=key)
                 self.cache.get_or_plan(key, lambda: self._make(chain, dev))
                 return
             chain, agree_on = self._measure_step(step)
@@ -442,15 +448,13 @@ class ChainRunner:
                 return  # planned when the model's forward returns, with its tail as stage L
             self._plan_measured(key, chain, agree_on, dev)
         elif step.collector is not None:
-            c = step.collector
-            sample = (step.input_size, accounting.tensors_bytes(step.frames[0].call.x),
-                      tuple(c.xbar), tuple(c.out), tuple(c.fw))
+            est = _collected(step)
+            sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
+                      tuple(est.fw))
             if self.tail is not None:
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
-                chain = chain_from_estimate(Estimate(sample[1], np.array(c.xbar, float),
-                                                     np.array(c.out, float),
-                                                     np.array(c.fw, float)), "mimose-sample")
+                chain = chain_from_estimate(est, "mimose-sample")
                 outside = getattr(step, "outside", None)
                 if outside is not None:  # (the tail adds the tied gradients it finds)
                     chain = add_outside(chain, outside.bytes)
