@@ -91,6 +91,51 @@ def test_tail_is_learnt_and_becomes_the_loss_stage():
     assert c.fw_tmp == (64, 64, 320 + 64) and c.bw_tmp == (80, 80, 1200 + 80)
 
 
+def test_block_transients_are_learnt_and_never_mixed_with_samples_without():
+    e = M.Estimator(2, samples=3)
+    tmp = lambda n: {"fw_tmp": [2 * n, 3 * n], "bw_tmp": [5 * n * n, 7 * n],  # noqa: E731
+                     "fck_tmp": [11 * n, 13 * n]}
+    for n in (10, 20, 30):
+        e.observe(n, 4 * n, [8 * n, 8 * n], [4 * n, 4 * n], [1e-3, 1e-3], tmp=tmp(n))
+    est = e.estimate(25)
+    for k, v in tmp(25).items():
+        assert est.tmp[k] == pytest.approx(v, rel=1e-9)
+    c = M.chain_from_estimate(e.measured(20))
+    assert c.bw_tmp == (2000, 140, 0) and c.fw_tmp == (40, 60, 0)
+    assert c.fck_tmp == (220, 260, 0) and c.meta["transients"] == "estimated"
+    # the check counts them: every block's backward peaks with its bw_tmp on top
+    free = M.chain_from_estimate(M.Estimate(est.input_bytes, est.xbar, est.out, est.fw))
+    every = M.plan_from_checkpoints(2, [0, 1])
+    assert simulate(c, every).peak_memory > simulate(free, every).peak_memory
+    with pytest.raises(ValueError, match="do not carry|does not"):
+        e.observe(40, 160, [320, 320], [160, 160], [1e-3, 1e-3])   # mixed: loud
+    with pytest.raises(ValueError, match="exactly"):
+        e.observe(40, 160, [320, 320], [160, 160], [1e-3, 1e-3], tmp={"fw_tmp": [1, 1]})
+    e.observe(10, 40, [80, 80], [40, 40], [1e-3, 1e-3], tmp=tmp(10))  # a size again: fine
+    # the positional form (the swap runtime's) learns no transients
+    plain = M.Mimose(2, samples=3)
+    plain.observe(10, 40, [80, 80], [40, 40], [1e-3, 1e-3])
+    assert plain.estimator.measured(10).tmp is None
+    with pytest.raises(ValueError, match="do not carry"):
+        plain.observe(20, 80, [160, 160], [80, 80], [1e-3, 1e-3], None, None, tmp(20))
+
+
+def test_collector_transients_are_the_profilers():
+    """One implementation: the transients a Mimose collection step learns are the ones
+    measure_chain measures for rotor's chains (the same per-stage measurement)."""
+    from scheduler.profile import measure_chain
+    blocks = transformer_blocks(2, D)
+    model = scheduler.wrap(blocks, None, planner="mimose")
+    ids = token_batch(BATCH, 16)
+    wrapped_step(model, (ids,))
+    got = model.mimose.estimator.measured(ids.numel())
+    chain = measure_chain(blocks, ids, loss="sum", repeat=1, warmup=0, input_grad=False)
+    for k in M.BLOCK_TMP_FIELDS:
+        assert got.tmp[k].tolist() == list(getattr(chain, k)[:-1]), k
+    assert got.xbar.tolist() == list(chain.xbar[:-1])
+    assert max(got.tmp["fck_tmp"]) > 0  # (the attention scores of a no-grad forward)
+
+
 def test_estimator_rejects_bad_input():
     with pytest.raises(ValueError, match="samples"):
         M.Estimator(2, samples=2)

@@ -337,22 +337,30 @@ def test_mimose_learns_the_tail(name):
 
 
 def test_mimose_never_mixes_samples_with_and_without_the_tail():
-    """A collection step whose tail could not be measured is dropped once samples carry one
-    (a zero tail in the fit would undercount every size's tail); without a first tail, none."""
+    """A collection step whose tail (or blocks' transients) could not be measured is dropped
+    once samples carry one (a zero in the fit would undercount every size's); without a
+    first tail (transients), none."""
     ref, batch = make("gpt2")
     model = copy.deepcopy(ref)
     scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
     (r,) = checkpointed(model).runners
     L = r.L
-    sample = lambda n: (float(n), 4.0 * n, (8.0 * n,) * L, (4.0 * n,) * L, (1e-3,) * L)  # noqa
-    r._observe_sample(sample(10), [40.0, 8.0, 30.0, 1e-3, 2e-3], [64.0, 16.0])
-    with pytest.warns(UserWarning, match="sample is dropped"):
+    tmp = lambda n: ((2.0 * n,) * L, (3.0 * n,) * L, (5.0 * n,) * L)  # noqa: E731
+    sample = lambda n, t=True: (float(n), 4.0 * n, (8.0 * n,) * L, (4.0 * n,) * L,  # noqa
+                                (1e-3,) * L, tmp(n) if t else None)
+    tail = [40.0, 8.0, 30.0, 1e-3, 2e-3]
+    r._observe_sample(sample(10), tail, [64.0, 16.0])
+    with pytest.warns(UserWarning, match="tail not measured.*sample is dropped"):
         r._observe_sample(sample(20), None, None)
+    with pytest.warns(UserWarning, match="transients not measured.*sample is dropped"):
+        r._observe_sample(sample(30, t=False), tail, [64.0, 16.0])
     est = r.mimose.estimator
-    assert est.has(10) and not est.has(20) and r.collections == 1
+    assert est.has(10) and not est.has(20) and not est.has(30) and r.collections == 1
+    assert est.measured(10).tmp["bw_tmp"].tolist() == [30.0] * L
     r2 = type(r).__new__(type(r))
     r2.__dict__.update(r.__dict__, _mimose_tails=None, collections=0,
                        mimose=scheduler.planners.mimose.Mimose(L))
-    r2._observe_sample(sample(10), None, None)             # the first had none:
-    r2._observe_sample(sample(20), [40.0, 8.0, 30.0, 1e-3, 2e-3], [64.0, 16.0])  # none learnt
+    r2._observe_sample(sample(10, t=False), None, None)     # the first had none:
+    r2._observe_sample(sample(20), tail, [64.0, 16.0])      # none learnt
     assert r2.collections == 2 and r2.mimose.estimator.measured(20).tail is None
+    assert r2.mimose.estimator.measured(20).tmp is None

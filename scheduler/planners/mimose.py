@@ -55,6 +55,9 @@ TAIL_FIELDS = ("xbar", "fw_tmp", "bw_tmp", "fw", "bw")
 # what a step holds outside the chain (bytes): during every op, and more during every
 # backward op (the gradients of tail weights tied to the head's); see chain.add_outside
 OUTSIDE_FIELDS = ("forward", "tied_grads")
+# each block's transients (bytes; the chain fields of the same names, see chain.py), when
+# the collector measured them (``scheduler.checkpoint`` and ``wrap``'s collection steps)
+BLOCK_TMP_FIELDS = ("fw_tmp", "bw_tmp", "fck_tmp")
 
 
 # ---------------------------------------------------------------------------- estimator
@@ -67,6 +70,8 @@ class Estimate:
     fw: np.ndarray      # each block's forward time
     tail: Optional[np.ndarray] = None   # the model's tail, TAIL_FIELDS (None: not measured)
     outside: Optional[np.ndarray] = None  # OUTSIDE_FIELDS (None: not measured)
+    # each block's transients, BLOCK_TMP_FIELDS -> one entry per block (None: not measured)
+    tmp: Optional[Dict[str, np.ndarray]] = None
 
 
 class PolyFit:
@@ -151,25 +156,32 @@ class _Fitted:
 
 class Estimator(_Fitted):
     """Order-2 polynomial fits per block of activation bytes, output bytes and forward time
-    against the input size (number of elements of the input tensor, as in seed 004 3.1)."""
+    (and, when measured, the block's transients) against the input size (number of elements
+    of the input tensor, as in seed 004 3.1)."""
 
     def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES, order: int = ORDER):
         if not isinstance(n_blocks, int) or n_blocks < 1:
             raise ValueError(f"Estimator: n_blocks must be a positive int, got {n_blocks!r}")
         self.n = n_blocks
-        # [in, xbar(n), out(n), fw(n), tail (TAIL_FIELDS), outside (OUTSIDE_FIELDS)]
-        self._fit = PolyFit(1 + 3 * n_blocks + len(TAIL_FIELDS) + len(OUTSIDE_FIELDS),
-                            samples, order)
+        # [in, xbar(n), out(n), fw(n), tail (TAIL_FIELDS), outside (OUTSIDE_FIELDS),
+        #  fw_tmp(n), bw_tmp(n), fck_tmp(n) (BLOCK_TMP_FIELDS)]
+        self._fit = PolyFit(1 + 3 * n_blocks + len(TAIL_FIELDS) + len(OUTSIDE_FIELDS) +
+                            len(BLOCK_TMP_FIELDS) * n_blocks, samples, order)
         self.samples = samples
         self.order = order
+        self.with_tmp: Optional[bool] = None  # whether the samples carry the transients
 
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
                 out: Sequence[float], fw: Sequence[float],
                 tail: Optional[Sequence[float]] = None,
-                outside: Optional[Sequence[float]] = None) -> None:
+                outside: Optional[Sequence[float]] = None,
+                tmp: Optional[Dict[str, Sequence[float]]] = None) -> None:
         """Record one measured input size (the latest measurement of a size wins).
         ``tail``: the model's tail measured on it, ``TAIL_FIELDS`` in order; ``outside``:
-        what the step held outside the chain, ``OUTSIDE_FIELDS`` (None: zeros)."""
+        what the step held outside the chain, ``OUTSIDE_FIELDS`` (None: zeros); ``tmp``:
+        each block's transients, ``BLOCK_TMP_FIELDS`` -> one value per block (None: not
+        measured, the estimated chain's are then zero). Samples with and without ``tmp``
+        are never mixed (the fits would learn zeros): that raises ``ValueError``."""
         for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
             if len(v) != self.n:
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
@@ -180,19 +192,48 @@ class Estimator(_Fitted):
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
                                  f"{len(want)} ({', '.join(want)})")
             extra.append(np.zeros(len(want)) if v is None else np.asarray(v, float))
+        extra.append(self._tmp_row(input_size, tmp))
         self._fit.observe(input_size, np.concatenate(
             [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
              np.asarray(fw, float)] + extra))
+        self.with_tmp = tmp is not None
+
+    def _tmp_row(self, input_size: float, tmp: Optional[Dict[str, Sequence[float]]]
+                 ) -> np.ndarray:
+        others = [x for x in self._fit.sizes if x != float(input_size)]
+        if others and self.with_tmp is not None and self.with_tmp != (tmp is not None):
+            raise ValueError(
+                f"Estimator.observe: the {len(others)} sample(s) so far "
+                f"{'carry' if self.with_tmp else 'do not carry'} the blocks' transients "
+                f"({', '.join(BLOCK_TMP_FIELDS)}) and this one (size {input_size:g}) "
+                f"{'does not' if self.with_tmp else 'does'}; the fits would mix measured "
+                "transients with zeros")
+        if tmp is None:
+            return np.zeros(len(BLOCK_TMP_FIELDS) * self.n)
+        if not isinstance(tmp, dict) or set(tmp) != set(BLOCK_TMP_FIELDS):
+            raise ValueError(f"Estimator.observe: tmp must map exactly "
+                             f"{', '.join(BLOCK_TMP_FIELDS)} to per-block values, got "
+                             f"{tmp!r:.80}")
+        for k in BLOCK_TMP_FIELDS:
+            if len(tmp[k]) != self.n:
+                raise ValueError(f"Estimator.observe: tmp[{k!r}] has {len(tmp[k])} entries, "
+                                 f"expected one per block ({self.n})")
+        return np.concatenate([np.asarray(tmp[k], float) for k in BLOCK_TMP_FIELDS])
 
     def fit(self) -> None:
         self._fit.fit()
 
     def _estimate(self, row: np.ndarray) -> Estimate:
         n, k = self.n, 1 + 3 * self.n + len(TAIL_FIELDS)
+        j = k + len(OUTSIDE_FIELDS)
         tail = np.maximum(row[1 + 3 * n:k], 0.0)   # a fit may dip below 0 between samples
-        outside = np.maximum(row[k:], 0.0)
+        outside = np.maximum(row[k:j], 0.0)
+        tmp = None
+        if self.with_tmp:
+            tmp = {f: np.maximum(row[j + i * n:j + (i + 1) * n], 0.0)
+                   for i, f in enumerate(BLOCK_TMP_FIELDS)}
         return Estimate(row[0], row[1:1 + n], row[1 + n:1 + 2 * n], row[1 + 2 * n:1 + 3 * n],
-                        tail if tail.any() else None, outside if outside.any() else None)
+                        tail if tail.any() else None, outside if outside.any() else None, tmp)
 
     def predict(self, input_size: float) -> np.ndarray:
         """Per-block activation bytes (xbar) for ``input_size``."""
@@ -335,7 +376,8 @@ def plan_from_checkpoints(L: int, checkpointed: Sequence[int], planner: str = "m
 
 
 def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
-    """A Chain (integer bytes) from per-block estimates; the loss stage is the estimated tail
+    """A Chain (integer bytes) from per-block estimates; the blocks' transients are
+    ``est.tmp`` (zero when not measured); the loss stage is the estimated tail
     (``est.tail``), or free when it was not measured; what the step holds outside the chain
     (``est.outside``) is in every op's transient (``chain.add_outside``)."""
     n = len(est.xbar)
@@ -345,13 +387,20 @@ def chain_from_estimate(est: Estimate, name: str = "mimose-estimate") -> Chain:
     fw = [float(v) for v in est.fw] + [0.0]
     bw = [BACKWARD_OVER_FORWARD * v for v in fw]
     tmp: Dict[str, List[int]] = {}
-    if est.tail is not None:
-        t = dict(zip(TAIL_FIELDS, (float(v) for v in est.tail)))
-        xbar[n], fw[n], bw[n] = int(np.ceil(t["xbar"])), t["fw"], t["bw"]
-        tmp = {k: [0] * n + [int(np.ceil(t[k]))] for k in ("fw_tmp", "bw_tmp")}
+    if est.tail is not None or est.tmp is not None:
+        t = dict(zip(TAIL_FIELDS, (float(v) for v in est.tail))) if est.tail is not None \
+            else {}
+        if est.tail is not None:
+            xbar[n], fw[n], bw[n] = int(np.ceil(t["xbar"])), t["fw"], t["bw"]
+        t["fck_tmp"] = t.get("fw_tmp", 0.0)  # the loss runs as F_all (as runtime.tail says)
+        blocks = est.tmp or {}
+        tmp = {k: [int(np.ceil(v)) for v in blocks.get(k, np.zeros(n))] +
+               [int(np.ceil(t.get(k, 0.0)))] for k in BLOCK_TMP_FIELDS}
     chain = Chain(fw=fw, bw=bw, x=x, xbar=xbar, delta=list(x), name=name, **tmp,
                   meta={"source": "mimose estimator", "blocks": n,
-                        "tail": "estimated" if est.tail is not None else "not measured"})
+                        "tail": "estimated" if est.tail is not None else "not measured",
+                        "transients": "estimated" if est.tmp is not None else
+                        "not measured"})
     if est.outside is None:
         return chain
     forward, tied = (int(np.ceil(v)) for v in est.outside)
@@ -377,8 +426,11 @@ class Mimose:
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],
                 out: Sequence[float], fw: Sequence[float],
                 tail: Optional[Sequence[float]] = None,
-                outside: Optional[Sequence[float]] = None) -> None:
-        self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail, outside)
+                outside: Optional[Sequence[float]] = None,
+                tmp: Optional[Dict[str, Sequence[float]]] = None) -> None:
+        """``Estimator.observe``: the positional form (size, input bytes, xbar, out, fw) of
+        the swap runtime's use still works; ``tail``, ``outside``, ``tmp`` are optional."""
+        self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail, outside, tmp)
 
     @property
     def ready(self) -> bool:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -142,6 +142,26 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
             "bw_tmp": max(peak_b - made - dead_output, 0)}
 
 
+def stage_memory(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
+                 params: List[torch.Tensor], state_keys: Set[int], device: torch.device
+                 ) -> Tuple[T.Tensors, Dict[str, int]]:
+    """One stage's sizes and transients as ``measure_chain`` measures them: ``xbar``,
+    ``fw_tmp``, ``bw_tmp``, ``fck_tmp`` (and ``dead_output``) from one traced saving forward
+    and its backward (``_trace.trace_stage``), the transients from the CUDA allocator's
+    statistics on CUDA (``_cuda_tmp``: three more forwards and a backward). ``fn`` runs the
+    stage on ``inputs``; ``params``: its weights that want a gradient; ``state_keys``:
+    storages that are not its activations (weights, buffers, what is held outside the
+    chain). Nothing accumulates into ``.grad``; the caller puts back the random state and the
+    buffers. Returns the stage's outputs (detached) and the numbers. Also the one
+    measurement of the blocks' transients on Mimose's collection steps
+    (``runtime.mimose_collector``)."""
+    outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
+    outputs = tuple(o.detach() for o in outputs)
+    if device.type == "cuda":
+        r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
+    return outputs, r
+
+
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],
                   *, loss: Any = "cross_entropy", repeat: int = 5, warmup: int = 1,
                   input_grad: bool = True, name: str = "") -> Chain:
@@ -189,11 +209,8 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
                 return (out,)
 
         with _preserved(block, device):
-            # sizes (and, on CPU, the transient estimates) from one traced saving forward/backward
-            outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
-            outputs = tuple(o.detach() for o in outputs)
-            if device.type == "cuda":
-                r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
+            # sizes and transients (CPU: the op tracer's estimates; CUDA: the allocator's)
+            outputs, r = stage_memory(fn, inputs, params, state_keys, device)
 
             def forward(_: Any) -> T.Tensors:
                 with torch.enable_grad():

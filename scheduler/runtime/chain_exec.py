@@ -197,7 +197,8 @@ class Collector:
     hands it the forward-phase run of every ``F_ck`` block before running it."""
 
     def measure(self, s: int, block: nn.Module, run: Any, inp: Tensors, rg: Sequence[bool],
-                state: Optional["rng.RngState"], exclude: Set[int]) -> None:
+                state: Optional["rng.RngState"], exclude: Set[int],
+                shared: Sequence[torch.Tensor] = ()) -> None:
         raise NotImplementedError  # pragma: no cover - interface
 
 
@@ -502,7 +503,8 @@ class ChainStep:
             frame.modes = [m.training for m in block.modules()]
         if self.collector is not None and kind == "F_ck":
             self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
-                                   call.rg, frame.state, self.param_storages)
+                                   call.rg, frame.state, self.param_storages,
+                                   call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)

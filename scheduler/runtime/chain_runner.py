@@ -26,8 +26,8 @@ from ..chain import Chain, add_outside
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
-                               chain_from_estimate, plan_from_checkpoints)
+from ..planners.mimose import (BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS,
+                               Estimate, Mimose, chain_from_estimate, plan_from_checkpoints)
 from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, block_list, signature, tensor_leaves
@@ -154,11 +154,14 @@ class _PreservedState:
 
 
 def _collected(step: ChainStep) -> Estimate:
-    """What a step's forward-only collector measured (per block: saved bytes, output bytes,
-    forward time; and the chain's input bytes)."""
+    """What a step's collector measured (per block: saved bytes, output bytes, forward time,
+    and the transients if it measured them; the chain's input bytes)."""
     c = step.collector
+    tmp = c.tmp()
     return Estimate(accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
-                    np.array(c.out, float), np.array(c.fw, float))
+                    np.array(c.out, float), np.array(c.fw, float),
+                    tmp=None if tmp is None else
+                    {k: np.array(v, float) for k, v in zip(BLOCK_TMP_FIELDS, tmp)})
 
 
 class _BoundBlock(nn.Module):
@@ -237,6 +240,7 @@ class ChainRunner:
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
+        self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -373,7 +377,9 @@ class ChainRunner:
             key = ("shuttle", self.L)
             cplan = self.cache.get_or_plan(key, lambda: self._compile(
                 plan_from_checkpoints(self.L, range(self.L), planner="mimose-collect")))
-            return cplan, ShuttlingCollector(self.L)
+            # the blocks' transients too (their backward once more), but not under FSDP,
+            # whose backward hooks must fire once per step
+            return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
         if self._budget is None:
             return self._compile(plan_from_checkpoints(self.L, [], planner="none")), None
         return self._compile(m.plan(size, self._budget)), None
@@ -450,7 +456,7 @@ class ChainRunner:
         elif step.collector is not None:
             est = _collected(step)
             sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
-                      tuple(est.fw))
+                      tuple(est.fw), step.collector.tmp())
             if self.tail is not None:
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
@@ -466,23 +472,30 @@ class ChainRunner:
 
     def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
                         outside: Optional[List[float]]) -> None:
-        """One Mimose collection step's measurements, with the model's tail and what the
-        step held outside the chain, if measured. All or nothing: the estimator fits every
-        column on every sample, so a sample without the tail (its measurement failed) among
-        samples with one would teach it a free tail. Such a sample is dropped (the size is
-        collected again on its next step); once the first sample had no tail, none is
-        learnt."""
+        """One Mimose collection step's measurements (``sample``: size, input bytes, xbar,
+        out, fw, and the blocks' transients or None), with the model's tail and what the
+        step held outside the chain, if measured. All or nothing, for the tail and for the
+        transients alike: the estimator fits every column on every sample, so a sample
+        without them (their measurement failed) among samples with them would teach it
+        zeros. Such a sample is dropped (the size is collected again on its next step); once
+        the first sample had no tail (no transients), none is learnt."""
+        size, input_bytes, xbar, out, fw, tmp = sample
         if self._mimose_tails is None:
-            self._mimose_tails = tail is not None
-        if self._mimose_tails and tail is None:
-            warnings.warn(f"{self.name}: the model's tail was not measured on this Mimose "
+            self._mimose_tails, self._mimose_tmp = tail is not None, tmp is not None
+        missing = [what for what, carried, got in (
+            ("the model's tail", self._mimose_tails, tail),
+            ("the blocks' transients", self._mimose_tmp, tmp)) if carried and got is None]
+        if missing:
+            warnings.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
                           "collection step; its sample is dropped (the size is collected "
                           "again)", stacklevel=2)
             return
         if not self._mimose_tails:
             tail = outside = None
-        size, input_bytes, xbar, out, fw = sample
-        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside)
+        if not self._mimose_tmp:
+            tmp = None
+        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside,
+                            None if tmp is None else dict(zip(BLOCK_TMP_FIELDS, tmp)))
         self.collections += 1
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
@@ -525,6 +538,9 @@ class ChainRunner:
                 # what the step holds outside the chain (masks, the head's saved tensors)
                 self.current.outside = self.tail.outside(  # type: ignore[attr-defined]
                     args, kwargs, self._rng_bytes(args, kwargs))
+                if self.mimose is not None:  # a collection step: the masks counted there
+                    self.current.collector.outside_counted = \
+                        self.current.outside is not None  # type: ignore[attr-defined]
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)
