@@ -18,7 +18,9 @@ median.
 Peak memory: everything a step allocates above what was allocated before it (gradients
 already allocated): on a GPU ``torch.cuda.max_memory_allocated``, on the CPU the same from
 the allocator's events (``torch.profiler``, ``profile_memory=True``); measured in an untimed
-step, every method alike. Step time: the least of ``--steps`` steps after two untimed ones
+step, every method alike. Rows through ``scheduler.checkpoint`` also record
+``predicted_peak``, the peak their plan was checked at (the simulator's, on the runner's
+chain), to read the measured ``peak`` against. Step time: the least of ``--steps`` steps after two untimed ones
 (the first measures the chain and plans; interference only ever adds time, and a median of
 five once read HF checkpointing's BERT step at 596 ms where it costs 350), on the CPU the
 process's CPU time with one thread (``--threads``) so that a shared machine's load enters
@@ -217,6 +219,13 @@ def forwards_of(model: torch.nn.Module) -> int:
     return sum(sum(op.kind != "B" for op in r.last_plan.ops) for r in handle(model).runners)
 
 
+def predicted_peak_of(model: torch.nn.Module) -> int:
+    """The peak the plans the checkpointed model ran last were checked at (the simulator's,
+    summed over its block lists): what its measured ``peak`` should stay within."""
+    from scheduler.runtime.checkpoint import checkpointed as handle
+    return sum(int(r.last_plan.predicted_peak or 0) for r in handle(model).runners)
+
+
 def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Callable[[], Any],
                    ids: torch.Tensor, steps: int, device: str) -> Dict[str, Any]:
     row: Dict[str, Any] = {"method": method, "budget": budget}
@@ -227,6 +236,7 @@ def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Calla
         model = checkpointed(make(), budget or 1, planner)
         row.update(measure(model, ids, steps, device))
         row["forwards"] = forwards_of(model)
+        row["predicted_peak"] = predicted_peak_of(model)
     except scheduler.InfeasibleError as exc:
         row.update(status="infeasible", note=str(exc)[:200],
                    min_budget=getattr(exc, "min_memory", None))

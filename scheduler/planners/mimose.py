@@ -23,6 +23,12 @@ estimated chain's stage L carries them, so a plan's verified peak counts the log
 loss's saved log-softmax that are live at the end of the forward. Without a measurement
 (``scheduler.wrap``, or a tail that could not be measured) the loss stage is free.
 
+The blocks' transients (``BLOCK_TMP_FIELDS``: the chain's ``fw_tmp``, ``bw_tmp``,
+``fck_tmp``), when the collector measured them (the profiler's per-stage measurement, on
+each collection step), get the same fits and go into the estimated chain, so the verified
+peak counts what a block's backward (and forward) holds beyond the stored values. Samples
+with and without them are never mixed (``Estimator.observe`` raises).
+
 Budget: Algorithm 1 compares the sum of activation bytes with the budget. Our budget is the
 plan's peak in the chain model (DESIGN.md), which also counts the network input, the
 gradients and the recomputation of a checkpointed block in the backward, so after Algorithm 1
