@@ -136,6 +136,31 @@ def test_collector_transients_are_the_profilers():
     assert max(got.tmp["fck_tmp"]) > 0  # (the attention scores of a no-grad forward)
 
 
+def test_a_failed_transient_measurement_drops_its_sample(monkeypatch):
+    """Measuring must not break training: the step trains (bit-identical), says so, and its
+    sample is not learnt without the transients the first sample had."""
+    from scheduler.profile import measure
+    blocks, ref = twins(lambda: transformer_blocks(2, D))
+    model = scheduler.wrap(blocks, None, planner="mimose")
+    ids = [token_batch(BATCH, s, seed=s) for s in (8, 12)]
+    wrapped_step(model, (ids[0],))
+    real = measure.stage_memory
+
+    def broken(*a, **k):
+        raise RuntimeError("no tracer today")
+    monkeypatch.setattr(measure, "stage_memory", broken)
+    with pytest.warns(UserWarning, match="no tracer today"):
+        with pytest.warns(UserWarning, match="transients not measured.*dropped"):
+            got = wrapped_step(model, (ids[1],), seed=3)
+    exp = plain_step(ref, (ids[1],), seed=3)
+    assert torch.equal(got[0], exp[0]) and all(torch.equal(a, b) for a, b in zip(got[1], exp[1]))
+    est = model.mimose.estimator
+    assert est.has(ids[0].numel()) and not est.has(ids[1].numel())
+    monkeypatch.setattr(measure, "stage_memory", real)
+    wrapped_step(model, (ids[1],))  # collected again
+    assert est.measured(ids[1].numel()).tmp is not None
+
+
 def test_estimator_rejects_bad_input():
     with pytest.raises(ValueError, match="samples"):
         M.Estimator(2, samples=2)

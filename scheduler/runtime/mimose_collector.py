@@ -107,8 +107,8 @@ class ShuttlingCollector:
         except Exception as e:  # measuring must not break training: say so, learn without
             self.failed = f"block {s}: {e!r}"
             warnings.warn(f"Mimose: measuring the transients of block {s} on a collection "
-                          f"step failed ({e!r}); this step's sample is not learnt",
-                          stacklevel=4)
+                          f"step failed ({e!r}); this step's sample has none (dropped if "
+                          "earlier samples have them)", stacklevel=4)
             return
         for k in TMP_FIELDS:
             self.transients[k][s] = int(r[k])
