@@ -15,6 +15,7 @@ too, by the profiler's own per-stage measurement (``profile.measure.stage_memory
 rotor's chains get them): one more saving forward of the block and its backward, under the
 op tracer on the CPU (on CUDA, the allocator's peaks: three forwards and a backward more).
 Nothing accumulates into ``.grad``; random state and buffers are put back the same way.
+Not on a block with module backward hooks (they would run once more; as the tail's replay).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from . import accounting, buffers, rng
 from .block_calls import tensor_leaves
+from .tail import has_backward_hooks
 
 TMP_FIELDS = ("fw_tmp", "bw_tmp", "fck_tmp")  # = planners.mimose.BLOCK_TMP_FIELDS
 
@@ -96,6 +98,12 @@ class ShuttlingCollector:
                        if isinstance(c, torch.Tensor))
         if len(leaves) != len(inp):  # (a chain value is tensors: never seen)
             self.failed = f"block {s}'s chain value holds non-tensors"
+            return
+        if has_backward_hooks(block):
+            self.failed = f"block {s} has module backward hooks"
+            warnings.warn(f"Mimose: block {s} has module backward hooks, which measuring its "
+                          "backward would call once more; the blocks' transients are not "
+                          "measured on this collection step", stacklevel=4)
             return
         params = [p for p in block.parameters() if p.requires_grad]
         device = leaves[0].device if leaves else \

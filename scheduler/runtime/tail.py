@@ -408,7 +408,9 @@ def _cpu_forward(rec: _Recording, outs: Sequence[torch.Tensor], skip: Set[int]
     return xbar, max(peak - xbar, 0)
 
 
-def _has_backward_hooks(model: nn.Module) -> bool:
+def has_backward_hooks(model: nn.Module) -> bool:
+    """Module backward hooks (global, or on ``model``'s modules) that a replay of its
+    backward would call once more (also ``mimose_collector``'s check)."""
     from torch.nn.modules import module as M
     if M._global_backward_hooks or M._global_backward_pre_hooks:
         return True
@@ -430,7 +432,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     if not roots:
         return None
     params, custom = _tail_graph(roots, rec.lasts)
-    if custom or _has_backward_hooks(model):
+    if custom or has_backward_hooks(model):
         _warn_once("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks "
                    "or custom autograd Functions, which a replay of its backward would run a "
                    "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
