@@ -7,6 +7,7 @@ is 0). While a trace runs it keeps every tensor it has seen alive, so no address
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -15,7 +16,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -137,6 +137,30 @@ _FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "ones", "full", "zeros_like", "ones_like", "full_like", "scalar_tensor"}
 
 
+def _tensors_in(value: Any, acc: List[torch.Tensor]) -> None:
+    """The tensors among an ATen op's arguments or results (tensors, lists and tuples of
+    them, keyword dicts), in order: ``pytree.tree_leaves`` for these, at a fraction of its
+    cost (it runs on every traced op)."""
+    if isinstance(value, torch.Tensor):
+        acc.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, acc)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, acc)
+
+
+@functools.lru_cache(maxsize=None)
+def _moves_bytes(func: Any) -> bool:
+    """Whether an op moves bytes (not a pure view, not a factory): per op overload, once."""
+    rets = func._schema.returns
+    view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write
+                              for r in rets)
+    name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
+    return not view and name not in _FACTORIES
+
+
 class OpTracer(TorchDispatchMode):
     """Records, for every ATen op, the storages it reads and writes, and the bytes it moves.
 
@@ -166,13 +190,13 @@ class OpTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        ins: List[torch.Tensor] = []
+        _tensors_in(args, ins)
+        _tensors_in(kwargs, ins)
+        outs: List[torch.Tensor] = []
+        _tensors_in(out, outs)
         self.ops.append((tuple(self._key(t) for t in ins), tuple(self._key(t) for t in outs)))
-        rets = func._schema.returns
-        view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
-        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else ""
-        if not view and name not in _FACTORIES:
+        if _moves_bytes(func):
             self.traffic += sum(dense_bytes(t) for t in ins) + sum(dense_bytes(t) for t in outs)
         self._keep.append((args, kwargs, out))  # no storage is freed (and its address reused)
         return out
@@ -329,11 +353,15 @@ def graph_nodes(roots: Iterable[Any], stop: Set[int] = frozenset()) -> Iterable[
 
 
 def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Sequence[torch.Tensor],
-                state_keys: Set[int], cuda_dropout: bool) -> Tuple[Tensors, Dict[str, float]]:
+                state_keys: Set[int], cuda_dropout: bool, flops: bool = True
+                ) -> Tuple[Tensors, Dict[str, float]]:
     """Sizes, FLOPs and bytes of one stage (a block or the loss) on whatever device ``inputs``
-    live on. Returns the stage's outputs and a dict of its numbers."""
+    live on. Returns the stage's outputs and a dict of its numbers. ``flops=False``: no
+    ``fw_flops``/``bw_flops`` (the FLOP counter, with its module tracking, is most of the
+    trace's own cost; only the cost model reads them)."""
     saved = SavedTensors()
-    f_trace, f_flops = OpTracer(), FlopCounterMode(display=False)
+    f_trace = OpTracer()
+    f_flops: Any = FlopCounterMode(display=False) if flops else contextlib.nullcontext()
     dropout = CudaLikeDropout() if cuda_dropout else None
     with torch.enable_grad():
         if dropout is not None:
@@ -354,7 +382,8 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
 
     wrt = requires_grad_leaves(inputs, params)
     grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
-    b_trace, b_flops = OpTracer(), FlopCounterMode(display=False)
+    b_trace = OpTracer()
+    b_flops: Any = FlopCounterMode(display=False) if flops else contextlib.nullcontext()
     _mark_nodes(outputs, b_trace)
     with b_flops, b_trace:
         grads = backward(outputs, grads_out, wrt)
@@ -381,7 +410,8 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     # it; the runtime keeps no reference): it is not in memory during B s
     dead = storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys)
     bw_tmp = max(peak_b - made_bytes - dead, 0)
-    return outputs, dict(
-        xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
-        fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops(),
-        fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
+    out = dict(xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
+               fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
+    if flops:
+        out.update(fw_flops=f_flops.get_total_flops(), bw_flops=b_flops.get_total_flops())
+    return outputs, out

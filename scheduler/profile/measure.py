@@ -155,7 +155,7 @@ def stage_memory(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     buffers. Returns the stage's outputs (detached) and the numbers. Also the one
     measurement of the blocks' transients on Mimose's collection steps
     (``runtime.mimose_collector``)."""
-    outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False)
+    outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False, flops=False)
     outputs = tuple(o.detach() for o in outputs)
     if device.type == "cuda":
         r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
