@@ -137,41 +137,72 @@ class Solver {
   int L() const { return L_; }
   int64_t min_units() const { return u_.x[0] + lo(0, L_); }
 
-  // Cells the table takes for every m <= m_max.
-  size_t cells(int64_t m_max) const {
+  // The cells the answer can read, and where each sub-chain's row starts; returns their
+  // count. C(0, L) is read at m in [m_lo, m_max] only (the budget, and the refinement's
+  // limits above it), and each cell reads its candidates' sub-chains at the m its formula
+  // names (fill_pair; rebuild reads no others), so going down in length the hull [base, end)
+  // of what each sub-chain is read at is collected, clipped to [lo, hi) (below lo nothing
+  // is feasible and above hi C is cinf: neither needs the table). Most cells are never read
+  // (on 48 stages at 500 slots about one in five is), so only these are tabulated.
+  size_t reach(int64_t m_lo, int64_t m_max) {
+    for (Pair& p : P_) p.base = kBig, p.end = -kBig;
+    auto put = [&](int s, int t, int64_t a, int64_t b) {  // (s, t) is read at [a, b)
+      Pair& p = P_[idx(s, t)];
+      a = std::max(a, p.lo), b = std::min(b, p.hi);
+      if (a < b) p.base = std::min(p.base, a), p.end = std::max(p.end, b);
+    };
+    put(0, L_, m_lo, m_max + 1);
     size_t total = 0;
-    for (int t = 1; t < n_; ++t)
-      for (int s = t - 1; s >= 0; --s)
-        total += size_t(std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t)));
+    for (int d = L_; d >= 1; --d)
+      for (int s = 0; s + d <= L_; ++s) {
+        const int t = s + d;
+        Pair& p = P_[idx(s, t)];
+        if (p.base >= p.end) { p.base = p.end = p.lo; continue; }
+        total += size_t(p.end - p.base);
+        const int64_t a = p.base, b = p.end;
+        if (all_) {
+          int64_t from = std::max({a, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
+          put(s + 1, t, from - u_.xbar[s], b - u_.xbar[s]);
+        }
+        int64_t mn = R_.f_ck(s, t);
+        for (int sp = s + 1; sp <= t; ++sp) {  // the candidates of fill_pair and rebuild
+          if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
+          if (mn >= b) break;
+          int64_t from = std::max({a, mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)});
+          if (from >= b) continue;
+          put(sp, t, from - u_.x[sp], b - u_.x[sp]);
+          put(s, sp - 1, from, b);
+        }
+      }
     return total;
   }
 
-  // Algorithm 1 for every sub-chain and every m <= m_max (x[0] excluded from m).
-  void fill(int64_t m_max) {
+  // Algorithm 1 on the cells reach() collected (x[0] excluded from m).
+  void fill() {
     size_t total = 0;
     // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
     // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) {
-        int64_t len = std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t));
-        P_[idx(s, t)].off = total;
-        P_[idx(s, t)].len = len;
-        total += size_t(len);
-        if (total > kMaxCells)
-          throw std::invalid_argument(
-              "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
+        Pair& p = P_[idx(s, t)];
+        p.off = total;
+        total += size_t(p.end - p.base);
       }
+    if (total > kMaxCells)
+      throw std::invalid_argument(
+          "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
     tab_.assign(total, kInf);
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) fill_pair(s, t);
   }
 
-  // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
+  // C(s, t, m) for any m that reach() collected (below lo: infinity; at or above hi: the
+  // unlimited-memory time).
   Val value(int s, int t, int64_t m) const {
     const Pair& p = P_[idx(s, t)];
     if (m < p.lo) return kInf;
     if (m >= p.hi) return p.cinf;
-    return tab_[p.off + size_t(m - p.lo)];
+    return tab_[p.off + size_t(m - p.base)];
   }
 
   // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
@@ -231,7 +262,7 @@ class Solver {
   // lo: least feasible m; hi, cinf: peak and time of the schedule that is optimal with
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
-    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
+    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, 0, kInf});
     for (int d = 0; d <= L_; ++d)
       for (int s = 0; s + d <= L_; ++s) {
         int t = s + d;
@@ -267,7 +298,7 @@ class Solver {
     const size_t ia = idx(sa, ta);
     const Pair& A = P_[ia];
     const int64_t e = std::clamp(A.hi + k, m0, m1);
-    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.lo)], Val(0));
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.base)], Val(0));
     if (e < m1) relax_cc(out + (e - m0), m1 - e, c + A.cinf);
   }
 
@@ -288,8 +319,8 @@ class Solver {
     const int64_t ha = A.hi + k, hb = B.hi;
     const Val ca = A.cinf, cb = B.cinf;
     const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
-    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.lo)]; };
-    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.lo)]; };
+    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.base)]; };
+    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.base)]; };
     if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
     if (e1 < e2) {
       bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
@@ -301,11 +332,10 @@ class Solver {
   }
 
   void fill_pair(int s, int t) {
-    size_t k = idx(s, t);
-    int64_t len = P_[k].len;
-    if (len == 0) return;
-    int64_t m0 = lo(s, t), m1 = m0 + len;
-    Val* out = &tab_[P_[k].off];
+    const Pair& p = P_[idx(s, t)];
+    if (p.base >= p.end) return;
+    const int64_t m0 = p.base, m1 = p.end;
+    Val* out = &tab_[p.off];
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
@@ -329,8 +359,9 @@ class Solver {
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
   // per sub-chain (s, t), together (one cache line per lookup): the least feasible m, the
-  // m from which C is constant (cinf), and where its table row starts (len cells)
-  struct Pair { int64_t lo, hi; size_t off; int64_t len; Val cinf; };
+  // m from which C is constant (cinf), the m its table row covers ([base, end), reach())
+  // and where the row starts in tab_
+  struct Pair { int64_t lo, hi, base, end; size_t off; Val cinf; };
   std::vector<Pair> P_;
   std::vector<Val> tab_;
 };
@@ -387,8 +418,9 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
   if (budget < r.min_units) return r;
   int64_t m = budget - units.x[0];
   int L = solver.L();
-  if (extra > 0 && solver.cells(m + extra) > kMaxCells) extra = 0;  // the budget's table only
-  solver.fill(m + extra);
+  if (extra > 0 && solver.reach(m, m + extra) > kMaxCells) extra = 0;  // the budget's table only
+  if (extra == 0) solver.reach(m, m);
+  solver.fill();
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
                                      exact.fck_tmp};
