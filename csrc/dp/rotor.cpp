@@ -137,63 +137,64 @@ class Solver {
   int L() const { return L_; }
   int64_t min_units() const { return u_.x[0] + lo(0, L_); }
 
-  // The cells the answer can read, and where each sub-chain's row starts; returns their
-  // count. C(0, L) is read at m in [m_lo, m_max] only (the budget, and the refinement's
-  // limits above it), and each cell reads its candidates' sub-chains at the m its formula
-  // names (fill_pair; rebuild reads no others), so going down in length the hull [base, end)
-  // of what each sub-chain is read at is collected, clipped to [lo, hi) (below lo nothing
-  // is feasible and above hi C is cinf: neither needs the table). Most cells are never read
-  // (on 48 stages at 500 slots about one in five is), so only these are tabulated.
+  // The cells the answer can read; returns their count. C(0, L) is read at m in
+  // [m_lo, m_max] only (the budget, and the refinement's limits above it), and each cell
+  // reads its candidates' sub-chains at the m its formula names (fill_pair; rebuild reads no
+  // others), so going from every sub-chain to the shorter ones it reads, the hull
+  // [base, row) of the m each is read at is collected, clipped to [lo, hi) (below lo nothing
+  // is feasible and from hi on C is cinf: neither needs the table). Most cells are never
+  // read (at 48 stages and 500 slots, four in five), and only these are tabulated.
   size_t reach(int64_t m_lo, int64_t m_max) {
-    for (Pair& p : P_) p.base = kBig, p.end = -kBig;
-    auto put = [&](int s, int t, int64_t a, int64_t b) {  // (s, t) is read at [a, b)
-      Pair& p = P_[idx(s, t)];
+    for (Pair& p : P_) p.base = kBig, p.row = -kBig;
+    auto put = [&](Pair& p, int64_t a, int64_t b) {  // p is read at [a, b)
       a = std::max(a, p.lo), b = std::min(b, p.hi);
-      if (a < b) p.base = std::min(p.base, a), p.end = std::max(p.end, b);
+      if (a < b) p.base = std::min(p.base, a), p.row = std::max(p.row, b);
     };
-    put(0, L_, m_lo, m_max + 1);
+    put(P_[idx(0, L_)], m_lo, m_max + 1);
     size_t total = 0;
-    for (int d = L_; d >= 1; --d)
-      for (int s = 0; s + d <= L_; ++s) {
-        const int t = s + d;
+    // row by row, each from the right: (s, t) is read by (s', t) for s' < s and by (s, t')
+    // for t' > t, all visited before it
+    for (int s = 0; s < L_; ++s)
+      for (int t = L_; t > s; --t) {
         Pair& p = P_[idx(s, t)];
-        if (p.base >= p.end) { p.base = p.end = p.lo; continue; }
-        total += size_t(p.end - p.base);
-        const int64_t a = p.base, b = p.end;
+        if (p.base >= p.row) { p.base = p.row = p.lo; continue; }
+        total += size_t(p.row - p.base);
+        const int64_t a = p.base, b = p.row;
         if (all_) {
           int64_t from = std::max({a, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
-          put(s + 1, t, from - u_.xbar[s], b - u_.xbar[s]);
+          put(P_[idx(s + 1, t)], from - u_.xbar[s], b - u_.xbar[s]);
         }
         int64_t mn = R_.f_ck(s, t);
         for (int sp = s + 1; sp <= t; ++sp) {  // the candidates of fill_pair and rebuild
           if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
           if (mn >= b) break;
-          int64_t from = std::max({a, mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)});
+          Pair &first = P_[idx(sp, t)], &second = P_[idx(s, sp - 1)];
+          int64_t from = std::max({a, mn, u_.x[sp] + first.lo, second.lo});
           if (from >= b) continue;
-          put(sp, t, from - u_.x[sp], b - u_.x[sp]);
-          put(s, sp - 1, from, b);
+          put(first, from - u_.x[sp], b - u_.x[sp]);
+          put(second, from, b);
         }
       }
     return total;
   }
 
-  // Algorithm 1 on the cells reach() collected (x[0] excluded from m).
-  void fill() {
-    size_t total = 0;
+  // Algorithm 1 on the cells reach() collected (x[0] excluded from m): ``total`` of them.
+  void fill(size_t total) {
+    if (total > kMaxCells)
+      throw std::invalid_argument(
+          "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
+    tab_.assign(total, kInf);
+    size_t off = 0;
     // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
     // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) {
         Pair& p = P_[idx(s, t)];
-        p.off = total;
-        total += size_t(p.end - p.base);
+        const int64_t m0 = p.base, m1 = p.row;
+        p.row = int64_t(off) - m0;  // from here on: C(s, t, m) is tab_[row + m]
+        if (m0 < m1) fill_pair(s, t, m0, m1, &tab_[off]);
+        off += size_t(m1 - m0);
       }
-    if (total > kMaxCells)
-      throw std::invalid_argument(
-          "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
-    tab_.assign(total, kInf);
-    for (int t = 1; t < n_; ++t)
-      for (int s = t - 1; s >= 0; --s) fill_pair(s, t);
   }
 
   // C(s, t, m) for any m that reach() collected (below lo: infinity; at or above hi: the
@@ -202,7 +203,7 @@ class Solver {
     const Pair& p = P_[idx(s, t)];
     if (m < p.lo) return kInf;
     if (m >= p.hi) return p.cinf;
-    return tab_[p.off + size_t(m - p.base)];
+    return tab_[size_t(p.row + m)];
   }
 
   // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
@@ -262,7 +263,7 @@ class Solver {
   // lo: least feasible m; hi, cinf: peak and time of the schedule that is optimal with
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
-    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, 0, kInf});
+    P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
     for (int d = 0; d <= L_; ++d)
       for (int s = 0; s + d <= L_; ++s) {
         int t = s + d;
@@ -298,7 +299,7 @@ class Solver {
     const size_t ia = idx(sa, ta);
     const Pair& A = P_[ia];
     const int64_t e = std::clamp(A.hi + k, m0, m1);
-    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.base)], Val(0));
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[size_t(A.row + m0 - k)], Val(0));
     if (e < m1) relax_cc(out + (e - m0), m1 - e, c + A.cinf);
   }
 
@@ -319,8 +320,8 @@ class Solver {
     const int64_t ha = A.hi + k, hb = B.hi;
     const Val ca = A.cinf, cb = B.cinf;
     const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
-    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.base)]; };
-    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.base)]; };
+    auto pa = [&](int64_t m) { return &tab_[size_t(A.row + m - k)]; };
+    auto pb = [&](int64_t m) { return &tab_[size_t(B.row + m)]; };
     if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
     if (e1 < e2) {
       bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
@@ -331,11 +332,8 @@ class Solver {
     for (Val* o = out + (e2 - m0), *end = out + (b - m0); o < end && *o > lb; ++o) *o = lb;
   }
 
-  void fill_pair(int s, int t) {
-    const Pair& p = P_[idx(s, t)];
-    if (p.base >= p.end) return;
-    const int64_t m0 = p.base, m1 = p.end;
-    Val* out = &tab_[p.off];
+  // C(s, t, m) for m in [m0, m1) into out[0, m1 - m0) (all infinity yet)
+  void fill_pair(int s, int t, int64_t m0, int64_t m1, Val* out) {
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
@@ -359,9 +357,9 @@ class Solver {
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
   // per sub-chain (s, t), together (one cache line per lookup): the least feasible m, the
-  // m from which C is constant (cinf), the m its table row covers ([base, end), reach())
-  // and where the row starts in tab_
-  struct Pair { int64_t lo, hi, base, end; size_t off; Val cinf; };
+  // m from which C is constant (cinf), the first m tabulated (base) and, once fill() laid
+  // the table out, where C(s, t, m) is: tab_[row + m] (in reach(): the end of the m read)
+  struct Pair { int64_t lo, hi, base, row; Val cinf; };
   std::vector<Pair> P_;
   std::vector<Val> tab_;
 };
@@ -418,9 +416,9 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
   if (budget < r.min_units) return r;
   int64_t m = budget - units.x[0];
   int L = solver.L();
-  if (extra > 0 && solver.reach(m, m + extra) > kMaxCells) extra = 0;  // the budget's table only
-  if (extra == 0) solver.reach(m, m);
-  solver.fill();
+  size_t cells = solver.reach(m, m + extra);
+  if (extra > 0 && cells > kMaxCells) extra = 0, cells = solver.reach(m, m);  // the budget's only
+  solver.fill(cells);
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
                                      exact.fck_tmp};
