@@ -16,11 +16,14 @@
 //    not over all of s..t: the paper's bound over-restricts, and the exhaustive oracle in
 //    tests/ scores the finer one as optimal;
 //  * Algorithm 2 lists F_none up to s'; the forwards are s..s'-1 (its C_ck sums u_f^s..u_f^{s'-1}).
-// Speed (seed 002 reports < 20 s for L = 339 at 500 slots; we aim at < 2 s): for each (s, t)
-// only the memory range [lo, hi) is tabulated, where lo is the least feasible memory and hi
-// the peak of the schedule that is optimal with unlimited memory (above it C is constant),
-// the inner loop over m is a branch-free min-plus sweep (AVX2 clone), and a candidate is
-// only swept where it can still win (see relax_pruned).
+// Speed (seed 002 reports < 20 s for L = 339 at 500 slots; we aim at < 2 s; a new input
+// shape at L = 48 in well under 1 ms): for each (s, t) only the memory range [lo, hi) can
+// need the table, where lo is the least feasible memory and hi the peak of the schedule that
+// is optimal with unlimited memory (above it C is constant); of that, only the cells the
+// answer at the budget can read are tabulated (reach(): one in five at L = 48 and half the
+// store-all peak, 16x faster there than the whole range); the inner loop over m is a
+// branch-free min-plus sweep (AVX2 clone), and a candidate is only swept where it can still
+// win (see relax_pruned).
 #include "dp/rotor.hpp"
 
 #include <algorithm>
