@@ -147,7 +147,16 @@ class Solver {
   // [base, row) of the m each is read at is collected, clipped to [lo, hi) (below lo nothing
   // is feasible and from hi on C is cinf: neither needs the table). Most cells are never
   // read (at 48 stages and 500 slots, four in five), and only these are tabulated.
-  size_t reach(int64_t m_lo, int64_t m_max) {
+  // whole: every cell below m_max + 1 instead (tests check that reach() changes nothing).
+  size_t reach(int64_t m_lo, int64_t m_max, bool whole = false) {
+    if (whole) {
+      size_t total = 0;
+      for (Pair& p : P_) {
+        p.base = p.lo, p.row = std::max(p.lo, std::min(p.hi, m_max + 1));
+        total += size_t(p.row - p.base);
+      }
+      return total;
+    }
     for (Pair& p : P_) p.base = kBig, p.row = -kBig;
     auto put = [&](Pair& p, int64_t a, int64_t b) {  // p is read at [a, b)
       a = std::max(a, p.lo), b = std::min(b, p.hi);
@@ -412,15 +421,15 @@ struct Candidate {
 template <class Val>
 RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>& bw,
                        const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                       bool allow_all, int64_t extra, double exact_limit) {
+                       bool allow_all, int64_t extra, double exact_limit, bool whole_table) {
   Solver<Val> solver(fw, bw, units, allow_all);
   RotorResult r;
   r.min_units = solver.min_units();
   if (budget < r.min_units) return r;
   int64_t m = budget - units.x[0];
   int L = solver.L();
-  size_t cells = solver.reach(m, m + extra);
-  if (extra > 0 && cells > kMaxCells) extra = 0, cells = solver.reach(m, m);  // the budget's only
+  size_t cells = solver.reach(m, m + extra, whole_table);
+  if (extra > 0 && cells > kMaxCells) extra = 0, cells = solver.reach(m, m, whole_table);  // the budget's only
   solver.fill(cells);
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
@@ -482,11 +491,13 @@ int64_t rotor_min_units(const RotorSizes& units, bool allow_all) {
 
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
                         const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                        bool allow_all, bool exact_values, int64_t extra, double exact_limit) {
+                        bool allow_all, bool exact_values, int64_t extra, double exact_limit,
+                        bool whole_table) {
   check(fw, bw, units);
   if (extra < 0) throw std::invalid_argument("rotor: extra must be >= 0, got " + std::to_string(extra));
-  return exact_values ? solve_with<double>(fw, bw, units, exact, budget, allow_all, extra, exact_limit)
-                      : solve_with<float>(fw, bw, units, exact, budget, allow_all, extra, exact_limit);
+  return exact_values
+             ? solve_with<double>(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table)
+             : solve_with<float>(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table);
 }
 
 }  // namespace dp

@@ -172,9 +172,11 @@ def check_refine(refine: Any) -> bool:
 
 
 def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
-             refine: bool = True) -> Plan:
+             refine: bool = True, *, whole_table: bool = False) -> Plan:
     """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
-    ``refine`` (slots only): win back the rounding from one wider table (module docstring)."""
+    ``refine`` (slots only): win back the rounding from one wider table (module docstring).
+    ``whole_table``: the DP tabulates every cell below the limit, not only those its answer
+    reads (the same plan, slower: for tests)."""
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = check_memory(memory)
@@ -185,7 +187,7 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
     feasible, time, peak, min_units, ops, used, tried, steps = _core().rotor_solve(
         chain.fw, chain.bw, units, tuple(_padded(chain, f) for f in SIZE_FIELDS), budget, allow_all,
         slots is None,  # exact units: a double table; slots: float (twice as fast)
-        extra, float(memory))
+        extra, float(memory), whole_table)
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
