@@ -123,6 +123,19 @@ VMALLOC_RELAX_UNTIL_ALL(double)
 #undef VMALLOC_RELAX_UNTIL
 #undef VMALLOC_BLOCK
 
+// The least memory the checkpoint candidates s' = s+1..t of C(s, t) need (bounds()): the
+// least over i of max(d + pm[i], x[i] + lc[i], lr[i]) (the forwards' peak, C(s', t) after
+// x[s'], C(s, s'-1)), starting from best.
+VMALLOC_CLONES int64_t least_peak(int64_t n, int64_t d, const int64_t* __restrict pm,
+                                  const int64_t* __restrict x, const int64_t* __restrict lc,
+                                  const int64_t* __restrict lr, int64_t best) {
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t v = std::max(std::max(d + pm[i], x[i] + lc[i]), lr[i]);
+    best = v < best ? v : best;
+  }
+  return best;
+}
+
 template <class Val>
 class Solver {
   static constexpr Val kInf = std::numeric_limits<Val>::infinity();
@@ -276,32 +289,38 @@ class Solver {
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
     P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
-    for (int d = 0; d <= L_; ++d)
-      for (int s = 0; s + d <= L_; ++s) {
-        int t = s + d;
-        size_t k = idx(s, t);
-        if (d == 0) {
-          P_[k].lo = P_[k].hi = R_.m_all(s, s);
-          P_[k].cinf = Val(fw_[s]) + Val(bw_[s]);
-          continue;
-        }
-        int64_t best = kBig;
-        if (all_) best = std::max(R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t));
-        int64_t mn = R_.f_ck(s, t);
-        for (int sp = s + 1; sp <= t; ++sp) {
-          if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
-          best = std::min(best, std::max({mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)}));
-        }
-        P_[k].lo = best;
-        if (all_) {
-          P_[k].hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
-          P_[k].cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
-        } else {
-          P_[k].hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
-          P_[k].cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
-        }
-        P_[k].hi = std::max(P_[k].hi, P_[k].lo);
+    // lo by row and by column, so that the O(L^3) loop (least_peak) reads both sub-chains
+    // of the candidates contiguously; pm[s']: the peak of the forwards a candidate s' runs
+    // before its sub-chains (F_ck s, F_none s+1..s'-1), less delta[t+1]
+    std::vector<int64_t> row(size_t(n_) * n_, kBig), col(size_t(n_) * n_, kBig), pm(n_ + 1);
+    for (int s = L_; s >= 0; --s) {  // (s', t) for s' > s and (s, t') for t' < t come first
+      if (s < L_) {
+        pm[s + 1] = u_.x[s + 1] + u_.fck_tmp[s];
+        for (int sp = s + 2; sp <= L_; ++sp)
+          pm[sp] = std::max(pm[sp - 1], u_.x[sp - 1] + u_.x[sp] + u_.fck_tmp[sp - 1]);
       }
+      for (int t = s; t <= L_; ++t) {
+        Pair& p = P_[idx(s, t)];
+        if (t == s) {
+          p.lo = p.hi = R_.m_all(s, s);
+          p.cinf = Val(fw_[s]) + Val(bw_[s]);
+        } else {
+          int64_t best = kBig;
+          if (all_) best = std::max(R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t));
+          p.lo = least_peak(t - s, u_.delta[t + 1], &pm[s + 1], &u_.x[s + 1],
+                            &col[size_t(t) * n_ + s + 1], &row[size_t(s) * n_ + s], best);
+          if (all_) {
+            p.hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
+            p.cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
+          } else {
+            p.hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
+            p.cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
+          }
+          p.hi = std::max(p.hi, p.lo);
+        }
+        row[size_t(s) * n_ + t] = col[size_t(t) * n_ + s] = p.lo;
+      }
+    }
   }
 
   // out[m] = min(out[m], c + C(a)(m - k)) for m in [m0, m1): the all-case (one sub-chain
