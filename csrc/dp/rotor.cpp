@@ -448,7 +448,8 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
   int64_t m = budget - units.x[0];
   int L = solver.L();
   size_t cells = solver.reach(m, m + extra, whole_table);
-  if (extra > 0 && cells > kMaxCells) extra = 0, cells = solver.reach(m, m, whole_table);  // the budget's only
+  if (extra > 0 && cells > kMaxCells)  // too large: the budget's own table only
+    extra = 0, cells = solver.reach(m, m, whole_table);
   solver.fill(cells);
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
@@ -514,9 +515,8 @@ RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>
                         bool whole_table) {
   check(fw, bw, units);
   if (extra < 0) throw std::invalid_argument("rotor: extra must be >= 0, got " + std::to_string(extra));
-  return exact_values
-             ? solve_with<double>(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table)
-             : solve_with<float>(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table);
+  auto solve = exact_values ? solve_with<double> : solve_with<float>;
+  return solve(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table);
 }
 
 }  // namespace dp
