@@ -185,3 +185,35 @@ def test_discretize_in_integers_equals_exact_rational_rounding(L, seed, scale, f
     units, budget, unit = rotor.discretize(c, memory, slots)
     assert units == _units_by_fractions(c, memory, slots)
     assert budget == slots and unit == float(memory) / slots
+
+
+def _solved(chain, memory, slots, allow_all, refine, whole_table):
+    try:
+        p = rotor.solve_dp(chain, memory, slots, allow_all, "rotor", refine,
+                           whole_table=whole_table)
+    except InfeasibleError as e:
+        return "infeasible", e.min_memory
+    return [tuple(o) for o in p.ops], p.predicted_time, p.predicted_peak, p.meta
+
+
+@settings(max_examples=80, deadline=None)
+@given(L=st.integers(1, 30), seed=st.integers(0, 10 ** 6), frac=st.floats(0.05, 1.2),
+       slots=st.sampled_from([None, 13, 100, 500]), refine=st.booleans(),
+       allow_all=st.booleans(), split=st.booleans())
+def test_reached_cells_give_the_whole_tables_answer(L, seed, frac, slots, refine, allow_all,
+                                                     split):
+    # the DP tabulates only the cells its answer reads (reach() in csrc/dp/rotor.cpp): the
+    # same plan, value, peak, refinement and infeasibility as the whole table below the limit
+    c = Chain.random(L, seed=seed, max_size=40, split_tmp=split)
+    memory = max(1, int(simulate(c, periodic.solve(c, 1)).peak_memory * frac))
+    assert _solved(c, memory, slots, allow_all, refine, False) == \
+        _solved(c, memory, slots, allow_all, refine, True)
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.3, 0.6, 1.0])
+def test_reached_cells_give_the_whole_tables_answer_on_long_chains(frac):
+    c = byte_chain(60, 2)
+    memory = simulate(c, periodic.solve(c, 1)).peak_memory * frac
+    for slots in (50, 500):
+        assert _solved(c, memory, slots, True, True, False) == \
+            _solved(c, memory, slots, True, True, True)

@@ -16,11 +16,14 @@
 //    not over all of s..t: the paper's bound over-restricts, and the exhaustive oracle in
 //    tests/ scores the finer one as optimal;
 //  * Algorithm 2 lists F_none up to s'; the forwards are s..s'-1 (its C_ck sums u_f^s..u_f^{s'-1}).
-// Speed (seed 002 reports < 20 s for L = 339 at 500 slots; we aim at < 2 s): for each (s, t)
-// only the memory range [lo, hi) is tabulated, where lo is the least feasible memory and hi
-// the peak of the schedule that is optimal with unlimited memory (above it C is constant),
-// the inner loop over m is a branch-free min-plus sweep (AVX2 clone), and a candidate is
-// only swept where it can still win (see relax_pruned).
+// Speed (seed 002 reports < 20 s for L = 339 at 500 slots; we aim at < 2 s; a new input
+// shape at L = 48 in well under 1 ms): for each (s, t) only the memory range [lo, hi) can
+// need the table, where lo is the least feasible memory and hi the peak of the schedule that
+// is optimal with unlimited memory (above it C is constant); of that, only the cells the
+// answer at the budget can read are tabulated (reach(): one in five at L = 48 and half the
+// store-all peak, 16x faster there than the whole range); the inner loop over m is a
+// branch-free min-plus sweep (AVX2 clone), and a candidate is only swept where it can still
+// win (see relax_pruned).
 #include "dp/rotor.hpp"
 
 #include <algorithm>
@@ -120,6 +123,19 @@ VMALLOC_RELAX_UNTIL_ALL(double)
 #undef VMALLOC_RELAX_UNTIL
 #undef VMALLOC_BLOCK
 
+// The least memory the checkpoint candidates s' = s+1..t of C(s, t) need (bounds()): the
+// least over i of max(d + pm[i], x[i] + lc[i], lr[i]) (the forwards' peak, C(s', t) after
+// x[s'], C(s, s'-1)), starting from best.
+VMALLOC_CLONES int64_t least_peak(int64_t n, int64_t d, const int64_t* __restrict pm,
+                                  const int64_t* __restrict x, const int64_t* __restrict lc,
+                                  const int64_t* __restrict lr, int64_t best) {
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t v = std::max(std::max(d + pm[i], x[i] + lc[i]), lr[i]);
+    best = v < best ? v : best;
+  }
+  return best;
+}
+
 template <class Val>
 class Solver {
   static constexpr Val kInf = std::numeric_limits<Val>::infinity();
@@ -137,41 +153,82 @@ class Solver {
   int L() const { return L_; }
   int64_t min_units() const { return u_.x[0] + lo(0, L_); }
 
-  // Cells the table takes for every m <= m_max.
-  size_t cells(int64_t m_max) const {
+  // The cells the answer can read; returns their count. C(0, L) is read at m in
+  // [m_lo, m_max] only (the budget, and the refinement's limits above it), and each cell
+  // reads its candidates' sub-chains at the m its formula names (fill_pair; rebuild reads no
+  // others), so going from every sub-chain to the shorter ones it reads, the hull
+  // [base, row) of the m each is read at is collected, clipped to [lo, hi) (below lo nothing
+  // is feasible and from hi on C is cinf: neither needs the table). Most cells are never
+  // read (at 48 stages and 500 slots, four in five), and only these are tabulated.
+  // whole: every cell below m_max + 1 instead (tests check that reach() changes nothing).
+  size_t reach(int64_t m_lo, int64_t m_max, bool whole = false) {
+    if (whole) {
+      size_t total = 0;
+      for (Pair& p : P_) {
+        p.base = p.lo, p.row = std::max(p.lo, std::min(p.hi, m_max + 1));
+        total += size_t(p.row - p.base);
+      }
+      return total;
+    }
+    for (Pair& p : P_) p.base = kBig, p.row = -kBig;
+    auto put = [&](Pair& p, int64_t a, int64_t b) {  // p is read at [a, b)
+      a = std::max(a, p.lo), b = std::min(b, p.hi);
+      if (a < b) p.base = std::min(p.base, a), p.row = std::max(p.row, b);
+    };
+    put(P_[idx(0, L_)], m_lo, m_max + 1);
     size_t total = 0;
-    for (int t = 1; t < n_; ++t)
-      for (int s = t - 1; s >= 0; --s)
-        total += size_t(std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t)));
+    // row by row, each from the right: (s, t) is read by (s', t) for s' < s and by (s, t')
+    // for t' > t, all visited before it
+    for (int s = 0; s < L_; ++s)
+      for (int t = L_; t > s; --t) {
+        Pair& p = P_[idx(s, t)];
+        if (p.base >= p.row) { p.base = p.row = p.lo; continue; }
+        total += size_t(p.row - p.base);
+        const int64_t a = p.base, b = p.row;
+        if (all_) {
+          int64_t from = std::max({a, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
+          put(P_[idx(s + 1, t)], from - u_.xbar[s], b - u_.xbar[s]);
+        }
+        int64_t mn = R_.f_ck(s, t);
+        for (int sp = s + 1; sp <= t; ++sp) {  // the candidates of fill_pair and rebuild
+          if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
+          if (mn >= b) break;
+          Pair &first = P_[idx(sp, t)], &second = P_[idx(s, sp - 1)];
+          int64_t from = std::max({a, mn, u_.x[sp] + first.lo, second.lo});
+          if (from >= b) continue;
+          put(first, from - u_.x[sp], b - u_.x[sp]);
+          put(second, from, b);
+        }
+      }
     return total;
   }
 
-  // Algorithm 1 for every sub-chain and every m <= m_max (x[0] excluded from m).
-  void fill(int64_t m_max) {
-    size_t total = 0;
+  // Algorithm 1 on the cells reach() collected (x[0] excluded from m): ``total`` of them.
+  void fill(size_t total) {
+    if (total > kMaxCells)
+      throw std::invalid_argument(
+          "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
+    tab_.assign(total, kInf);
+    size_t off = 0;
     // column-major (t, then s downwards), the order fill_pair runs in: C(s, t) reads
     // C(s', t) for s' > s (this column, still in cache) and C(s, t') for t' < t
     for (int t = 1; t < n_; ++t)
       for (int s = t - 1; s >= 0; --s) {
-        int64_t len = std::max<int64_t>(0, std::min(hi(s, t), m_max + 1) - lo(s, t));
-        P_[idx(s, t)].off = total;
-        P_[idx(s, t)].len = len;
-        total += size_t(len);
-        if (total > kMaxCells)
-          throw std::invalid_argument(
-              "rotor: the DP table would need more than 2^28 cells; use fewer memory slots");
+        Pair& p = P_[idx(s, t)];
+        const int64_t m0 = p.base, m1 = p.row;
+        p.row = int64_t(off) - m0;  // from here on: C(s, t, m) is tab_[row + m]
+        if (m0 < m1) fill_pair(s, t, m0, m1, &tab_[off]);
+        off += size_t(m1 - m0);
       }
-    tab_.assign(total, kInf);
-    for (int t = 1; t < n_; ++t)
-      for (int s = t - 1; s >= 0; --s) fill_pair(s, t);
   }
 
-  // C(s, t, m) for any m (below lo: infinity; at or above hi: the unlimited-memory time).
+  // C(s, t, m) for any m that reach() collected (below lo: infinity; at or above hi: the
+  // unlimited-memory time).
   Val value(int s, int t, int64_t m) const {
     const Pair& p = P_[idx(s, t)];
     if (m < p.lo) return kInf;
     if (m >= p.hi) return p.cinf;
-    return tab_[p.off + size_t(m - p.lo)];
+    return tab_[size_t(p.row + m)];
   }
 
   // Algorithm 2: append the ops of C(s, t, m), add their time to *time (in plan order, as
@@ -232,32 +289,38 @@ class Solver {
   // unlimited memory (rotor: F_all everything; revolve: F_ck everything, F_all at each B).
   void bounds() {
     P_.assign(size_t(n_) * n_, Pair{kBig, kBig, 0, 0, kInf});
-    for (int d = 0; d <= L_; ++d)
-      for (int s = 0; s + d <= L_; ++s) {
-        int t = s + d;
-        size_t k = idx(s, t);
-        if (d == 0) {
-          P_[k].lo = P_[k].hi = R_.m_all(s, s);
-          P_[k].cinf = Val(fw_[s]) + Val(bw_[s]);
-          continue;
-        }
-        int64_t best = kBig;
-        if (all_) best = std::max(R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t));
-        int64_t mn = R_.f_ck(s, t);
-        for (int sp = s + 1; sp <= t; ++sp) {
-          if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
-          best = std::min(best, std::max({mn, u_.x[sp] + lo(sp, t), lo(s, sp - 1)}));
-        }
-        P_[k].lo = best;
-        if (all_) {
-          P_[k].hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
-          P_[k].cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
-        } else {
-          P_[k].hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
-          P_[k].cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
-        }
-        P_[k].hi = std::max(P_[k].hi, P_[k].lo);
+    // lo by row and by column, so that the O(L^3) loop (least_peak) reads both sub-chains
+    // of the candidates contiguously; pm[s']: the peak of the forwards a candidate s' runs
+    // before its sub-chains (F_ck s, F_none s+1..s'-1), less delta[t+1]
+    std::vector<int64_t> row(size_t(n_) * n_, kBig), col(size_t(n_) * n_, kBig), pm(n_ + 1);
+    for (int s = L_; s >= 0; --s) {  // (s', t) for s' > s and (s, t') for t' < t come first
+      if (s < L_) {
+        pm[s + 1] = u_.x[s + 1] + u_.fck_tmp[s];
+        for (int sp = s + 2; sp <= L_; ++sp)
+          pm[sp] = std::max(pm[sp - 1], u_.x[sp - 1] + u_.x[sp] + u_.fck_tmp[sp - 1]);
       }
+      for (int t = s; t <= L_; ++t) {
+        Pair& p = P_[idx(s, t)];
+        if (t == s) {
+          p.lo = p.hi = R_.m_all(s, s);
+          p.cinf = Val(fw_[s]) + Val(bw_[s]);
+        } else {
+          int64_t best = kBig;
+          if (all_) best = std::max(R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t));
+          p.lo = least_peak(t - s, u_.delta[t + 1], &pm[s + 1], &u_.x[s + 1],
+                            &col[size_t(t) * n_ + s + 1], &row[size_t(s) * n_ + s], best);
+          if (all_) {
+            p.hi = std::max(R_.m_all(s, t), u_.xbar[s] + hi(s + 1, t));
+            p.cinf = (Val(fw_[s] + bw_[s]) + P_[idx(s + 1, t)].cinf) + Val(0);
+          } else {
+            p.hi = std::max({R_.f_ck(s, t), u_.x[s + 1] + hi(s + 1, t), hi(s, s)});
+            p.cinf = (Val(pf_[s + 1] - pf_[s]) + P_[idx(s + 1, t)].cinf) + P_[idx(s, s)].cinf;
+          }
+          p.hi = std::max(p.hi, p.lo);
+        }
+        row[size_t(s) * n_ + t] = col[size_t(t) * n_ + s] = p.lo;
+      }
+    }
   }
 
   // out[m] = min(out[m], c + C(a)(m - k)) for m in [m0, m1): the all-case (one sub-chain
@@ -267,7 +330,7 @@ class Solver {
     const size_t ia = idx(sa, ta);
     const Pair& A = P_[ia];
     const int64_t e = std::clamp(A.hi + k, m0, m1);
-    if (m0 < e) relax_ac(out, e - m0, c, &tab_[A.off + size_t(m0 - k - A.lo)], Val(0));
+    if (m0 < e) relax_ac(out, e - m0, c, &tab_[size_t(A.row + m0 - k)], Val(0));
     if (e < m1) relax_cc(out + (e - m0), m1 - e, c + A.cinf);
   }
 
@@ -288,8 +351,8 @@ class Solver {
     const int64_t ha = A.hi + k, hb = B.hi;
     const Val ca = A.cinf, cb = B.cinf;
     const int64_t e1 = std::clamp(std::min(ha, hb), a, b), e2 = std::clamp(std::max(ha, hb), a, b);
-    auto pa = [&](int64_t m) { return &tab_[A.off + size_t(m - k - A.lo)]; };
-    auto pb = [&](int64_t m) { return &tab_[B.off + size_t(m - B.lo)]; };
+    auto pa = [&](int64_t m) { return &tab_[size_t(A.row + m - k)]; };
+    auto pb = [&](int64_t m) { return &tab_[size_t(B.row + m)]; };
     if (a < e1 && until_aa(out + (a - m0), e1 - a, c, pa(a), pb(a), cb, lb)) return;
     if (e1 < e2) {
       bool done = ha > hb ? until_ac(out + (e1 - m0), e2 - e1, c, pa(e1), pa(e1), cb, lb)
@@ -300,12 +363,8 @@ class Solver {
     for (Val* o = out + (e2 - m0), *end = out + (b - m0); o < end && *o > lb; ++o) *o = lb;
   }
 
-  void fill_pair(int s, int t) {
-    size_t k = idx(s, t);
-    int64_t len = P_[k].len;
-    if (len == 0) return;
-    int64_t m0 = lo(s, t), m1 = m0 + len;
-    Val* out = &tab_[P_[k].off];
+  // C(s, t, m) for m in [m0, m1) into out[0, m1 - m0) (all infinity yet)
+  void fill_pair(int s, int t, int64_t m0, int64_t m1, Val* out) {
     if (all_) {  // F_all s, C(s+1, t, m - xbar[s]), B s
       Val c = Val(fw_[s] + bw_[s]);
       int64_t from = std::max({m0, R_.m_all(s, t), u_.xbar[s] + lo(s + 1, t)});
@@ -329,8 +388,9 @@ class Solver {
   Rules<int64_t, std::vector<int64_t>> R_;
   std::vector<double> pf_;
   // per sub-chain (s, t), together (one cache line per lookup): the least feasible m, the
-  // m from which C is constant (cinf), and where its table row starts (len cells)
-  struct Pair { int64_t lo, hi; size_t off; int64_t len; Val cinf; };
+  // m from which C is constant (cinf), the first m tabulated (base) and, once fill() laid
+  // the table out, where C(s, t, m) is: tab_[row + m] (in reach(): the end of the m read)
+  struct Pair { int64_t lo, hi, base, row; Val cinf; };
   std::vector<Pair> P_;
   std::vector<Val> tab_;
 };
@@ -380,15 +440,17 @@ struct Candidate {
 template <class Val>
 RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>& bw,
                        const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                       bool allow_all, int64_t extra, double exact_limit) {
+                       bool allow_all, int64_t extra, double exact_limit, bool whole_table) {
   Solver<Val> solver(fw, bw, units, allow_all);
   RotorResult r;
   r.min_units = solver.min_units();
   if (budget < r.min_units) return r;
   int64_t m = budget - units.x[0];
   int L = solver.L();
-  if (extra > 0 && solver.cells(m + extra) > kMaxCells) extra = 0;  // the budget's table only
-  solver.fill(m + extra);
+  size_t cells = solver.reach(m, m + extra, whole_table);
+  if (extra > 0 && cells > kMaxCells)  // too large: the budget's own table only
+    extra = 0, cells = solver.reach(m, m, whole_table);
+  solver.fill(cells);
   if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
                                      exact.fck_tmp};
@@ -449,11 +511,12 @@ int64_t rotor_min_units(const RotorSizes& units, bool allow_all) {
 
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
                         const RotorSizes& units, const RotorExact& exact, int64_t budget,
-                        bool allow_all, bool exact_values, int64_t extra, double exact_limit) {
+                        bool allow_all, bool exact_values, int64_t extra, double exact_limit,
+                        bool whole_table) {
   check(fw, bw, units);
   if (extra < 0) throw std::invalid_argument("rotor: extra must be >= 0, got " + std::to_string(extra));
-  return exact_values ? solve_with<double>(fw, bw, units, exact, budget, allow_all, extra, exact_limit)
-                      : solve_with<float>(fw, bw, units, exact, budget, allow_all, extra, exact_limit);
+  auto solve = exact_values ? solve_with<double> : solve_with<float>;
+  return solve(fw, bw, units, exact, budget, allow_all, extra, exact_limit, whole_table);
 }
 
 }  // namespace dp

@@ -39,10 +39,12 @@ struct RotorResult {
 // extra > 0 (refinement, see rotor.cpp): tabulate up to budget + extra units (one table) and
 // return the fastest plan rebuilt at a budget in [budget, budget + extra] whose exact peak is
 // at most exact_limit (ties: the lower peak); the plan at budget itself is the fallback.
+// The table holds only the cells the answer can read; whole_table: every cell up to
+// budget + extra instead (the same answer, slower: tests compare the two).
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,
                         const RotorSizes& units, const RotorExact& exact, int64_t budget,
                         bool allow_all, bool exact_values, int64_t extra = 0,
-                        double exact_limit = 0);
+                        double exact_limit = 0, bool whole_table = false);
 
 // Smallest feasible budget in units (x[0] included); O(L^3), no table.
 int64_t rotor_min_units(const RotorSizes& units, bool allow_all);

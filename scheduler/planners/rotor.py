@@ -28,7 +28,9 @@ the exact sizes. Both equal ``scheduler.simulate`` on the plan (exactly for inte
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from fractions import Fraction
+from itertools import accumulate
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..chain import Chain
@@ -71,9 +73,9 @@ def check_slots(slots: Any) -> Optional[int]:
     return slots
 
 
-def _padded(chain: Chain, name: str) -> List[Any]:
-    v = list(getattr(chain, name))
-    return v + [0] if name in ("x", "delta") else v   # x[L+1], delta[L+1]: nothing
+def _padded(chain: Chain, name: str) -> Tuple[Any, ...]:
+    v = getattr(chain, name)
+    return v + (0,) if name in ("x", "delta") else v   # x[L+1], delta[L+1]: nothing
 
 
 EXACT_MAX = 1 << 50  # exact units: sums of L + 4 sizes must stay inside the DP's int64
@@ -94,7 +96,7 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int],
         if not chain.is_integer:
             raise ValueError("slots=None (exact units) needs integer sizes; this chain has "
                              "fractional ones: pass slots=500")
-        units = tuple(_padded(chain, f) for f in SIZE_FIELDS)
+        units = tuple(list(_padded(chain, f)) for f in SIZE_FIELDS)
         for f, values in zip(SIZE_FIELDS, units):
             for s, v in enumerate(values):
                 if v > EXACT_MAX:
@@ -157,12 +159,9 @@ def rounding_headroom(chain: Chain, memory: Union[int, float]) -> int:
     budget: less than one per item held at once (each is rounded up by less than a slot).
     A schedule holds at most L + 4 items; and those it holds at once fit in ``memory``: at
     most the smallest stored sizes (x, xbar, delta) that do, plus one op's tmp."""
-    held = total = 0
-    for v in sorted(v for f in ("x", "xbar", "delta") for v in getattr(chain, f) if v > 0):
-        total += v
-        if total > memory:
-            break
-        held += 1
+    # sizes are >= 0: the positive ones are the non-zero ones, and their running sums only grow
+    held = bisect_right(list(accumulate(sorted(filter(None, chain.x + chain.xbar + chain.delta)))),
+                        memory)
     return min(chain.L + 4, held + 1)
 
 
@@ -173,20 +172,22 @@ def check_refine(refine: Any) -> bool:
 
 
 def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: str,
-             refine: bool = True) -> Plan:
+             refine: bool = True, *, whole_table: bool = False) -> Plan:
     """Shared by rotor (allow_all=True) and revolve (the AD model: allow_all=False).
-    ``refine`` (slots only): win back the rounding from one wider table (module docstring)."""
+    ``refine`` (slots only): win back the rounding from one wider table (module docstring).
+    ``whole_table``: the DP tabulates every cell below the limit, not only those its answer
+    reads (the same plan, slower: for tests)."""
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = check_memory(memory)
     slots = check_slots(slots)
     extra = rounding_headroom(chain, memory) if check_refine(refine) and slots is not None else 0
     units, budget, unit = discretize(chain, memory, slots, headroom=extra)
+    # (the extension converts the exact sizes and times to double itself, as float() does)
     feasible, time, peak, min_units, ops, used, tried, steps = _core().rotor_solve(
-        list(map(float, chain.fw)), list(map(float, chain.bw)), units,
-        tuple(list(map(float, _padded(chain, f))) for f in SIZE_FIELDS), budget, allow_all,
+        chain.fw, chain.bw, units, tuple(_padded(chain, f) for f in SIZE_FIELDS), budget, allow_all,
         slots is None,  # exact units: a double table; slots: float (twice as fast)
-        extra, float(memory))
+        extra, float(memory), whole_table)
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"

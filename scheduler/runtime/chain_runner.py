@@ -349,9 +349,14 @@ class ChainRunner:
                 rng.autocast_state())
 
     def _make(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
-        uses_transfers = self.planner == "pofo"
         return self._compile(make_plan(chain, self._budget, self.planner,
-                                       self._rate(device) if uses_transfers else self.bandwidth))
+                                       self._rate(device) if self._transfers_planned
+                                       else self.bandwidth))
+
+    @property
+    def _transfers_planned(self) -> bool:
+        """Whether the planner plans transfers (its bandwidth depends on the device)."""
+        return self.planner == "pofo"
 
     def _plan(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[CompiledPlan, Any]:
         """The compiled plan for this forward, and the cache key to fill after it if the
@@ -367,7 +372,7 @@ class ChainRunner:
         if chain is None:  # checkpoint every block while the chain is measured on this step
             return self._compile(plan_from_checkpoints(self.L, range(self.L),
                                                        planner="profile")), key
-        dev = _device_of(args, kwargs)
+        dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
         return self.cache.get_or_plan(key, lambda: self._make(chain, dev)), None
 
     def _plan_mimose(self, args: Sequence[Any]) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
