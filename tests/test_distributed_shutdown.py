@@ -5,6 +5,8 @@ fresh interpreter (its gloo threads must not outlive the test process). The race
 import subprocess
 import sys
 
+import pytest
+
 from _subproc import python_env
 
 SCRIPT = r"""
@@ -41,3 +43,10 @@ def test_shutdown_uninstalls_the_window_waits_and_destroys_the_group(tmp_path):
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr[-3000:]
     assert "no error inside" not in r.stdout
+
+
+def test_shutdown_names_a_bad_timeout():
+    from scheduler.runtime.distributed import shutdown
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="timeout"):
+            shutdown(timeout=bad)
