@@ -30,6 +30,7 @@ from torch import nn
 
 import scheduler
 from scheduler.planners import mimose as M
+from scheduler.runtime.distributed import shutdown
 
 STEPS = 2
 BANDWIDTH = 12e9
@@ -288,8 +289,9 @@ def main() -> None:
                                "trace": traceback.format_exc(limit=4)}
                         dist.barrier()   # both ranks leave the failed case together
                     emit({"case": f"{model}/{runtime}/{parallel}", **rec})
-    dist.barrier()
-    dist.destroy_process_group()
+        # not dist.destroy_process_group(): a rank could abort at exit (see shutdown)
+        shutdown()
+        emit({"case": "exit"})  # the test asserts every rank got here and then exited 0
 
 
 if __name__ == "__main__":

@@ -76,6 +76,27 @@ def _launch_once(out: str, tmp_path, args: List[str], **env: str) -> subprocess.
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+# what a rank that crashed at exit (after its cases passed) leaves in the launch's output
+EXIT_CRASH_MARKERS = ("terminate called", "Fatal Python error", "core dumped", "SIGABRT",
+                      "SIGSEGV")
+
+
+def assert_clean_exit(r: subprocess.CompletedProcess, out: str) -> Dict[int, Dict[str, dict]]:
+    """Every rank ran to the end of the worker (its "exit" record, written after
+    ``scheduler.runtime.distributed.shutdown``) and then exited 0 with no crash in the output:
+    an abort at interpreter exit, after every case passed, fails the launch here, by name.
+    Returns the ranks' case records without the "exit" ones."""
+    cases = read_cases(out)
+    text = r.stdout + r.stderr
+    crashed = [m for m in EXIT_CRASH_MARKERS if m in text]
+    assert r.returncode == 0 and not crashed, (
+        f"torchrun exited {r.returncode}, crash markers {crashed}:\n{r.stderr[-4000:]}")
+    for rank in (0, 1):
+        assert cases.get(rank, {}).pop("exit", None) is not None, (
+            f"rank {rank} did not reach the end of the worker:\n{r.stderr[-4000:]}")
+    return cases
+
+
 def read_cases(out: str) -> Dict[int, Dict[str, dict]]:
     got: Dict[int, Dict[str, dict]] = {}
     for rank in (0, 1):
@@ -91,14 +112,12 @@ def runs(tmp_path_factory) -> Dict[str, dict]:
     tmp = tmp_path_factory.mktemp("dist")
     main = launch(str(tmp / "main"), tmp, ["--agreement", "--runtimes", ",".join(MAIN_RUNTIMES)],
                   VMALLOC_REPORT=str(tmp / "frag.json"))
-    assert main.returncode == 0, f"torchrun failed ({main.returncode}):\n{main.stderr[-4000:]}"
-    cases = read_cases(str(tmp / "main"))
+    cases = assert_clean_exit(main, str(tmp / "main"))
     if not AUTOLOAD:
         return {"tmp": tmp, "cases": cases, "window_stdout": ""}
     window = launch(str(tmp / "window"), tmp, ["--runtimes", "window"],
                     VMALLOC_WINDOW="64KiB", VMALLOC_REPORT="-")
-    assert window.returncode == 0, f"torchrun failed ({window.returncode}):\n{window.stderr[-4000:]}"
-    for rank, recs in read_cases(str(tmp / "window")).items():
+    for rank, recs in assert_clean_exit(window, str(tmp / "window")).items():
         recs["window-process"] = recs.pop("process")
         cases[rank].update(recs)
     return {"tmp": tmp, "cases": cases, "window_stdout": window.stdout}

@@ -19,11 +19,15 @@ difference; a rank that never arrives turns into the process group's timeout err
 The exchange is two all-reduces (4 and ``7 (L + 1)`` float64 values) on the group's own
 backend (CPU tensors for gloo, CUDA for NCCL): microseconds next to measuring a chain. Integer sizes stay integers (float64 holds them exactly below
 2**53).
+
+``shutdown`` ends a process group so the process can exit without a race (see there).
 """
 from __future__ import annotations
 
 import hashlib
 import re
+import threading
+import weakref
 from typing import Any, Dict, Hashable
 
 import torch
@@ -96,3 +100,78 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
     meta = dict(chain.meta)
     meta["agreed_over_ranks"] = dist.get_world_size(group)
     return chain.replace(meta=meta, **agreed)
+
+
+# ------------------------------------------------------------------------------ exit
+_EXIT_MARK = "vmalloc.scheduler.shutdown"
+
+
+class _ExitMark:
+    """A Python object only the collectives' thread-local-state copies hold (see shutdown)."""
+
+
+def _check_no_python_state() -> None:
+    """The final barrier's state copy must hold no Python object but the marker: PyTorch frees
+    the marker first, so the wait would end before a gloo thread dropped the others."""
+    held = []
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        held.append("saved-tensor hooks (a scheduler.swap or saved_tensors_hooks context)")
+    if torch._C._len_torch_function_stack() > 0:
+        held.append("a TorchFunctionMode")
+    if torch._C._len_torch_dispatch_stack() > 0:
+        held.append("a TorchDispatchMode")
+    if held:
+        raise RuntimeError(f"shutdown: call it outside {' and '.join(held)}: the final "
+                           f"collective would keep it, and the process could abort at exit")
+
+
+def shutdown(timeout: float = 300.0) -> None:
+    """End the default process group (every group) so that the process exits cleanly: call
+    it last, on every rank, instead of ``torch.distributed.destroy_process_group()``.
+
+    Why: a gloo collective keeps a copy of the caller's thread-local state, and that copy
+    holds Python objects (the saved-tensor hooks of ``scheduler.swap`` / ``VMALLOC_WINDOW``,
+    which are on for the whole process; PyTorch's ``contextvars`` context in collectives a
+    backward starts). The gloo thread that ran a collective drops its copy a moment after the
+    caller saw it complete, and dropping it takes the GIL. If the interpreter is finalizing by
+    then, CPython ends that thread inside a C++ destructor and the process aborts with
+    "terminate called without an active exception" after everything ran (PyTorch never joins
+    those threads before exit: caches keep the group alive).
+
+    So: the global swap context is uninstalled (no more swapping; this is the end), a final
+    barrier runs with a marker object in the thread-local state, and we wait, the GIL
+    released, until the marker is freed: the barrier's copy of the state is then destroyed,
+    and with it every earlier collective it still referenced (a gloo thread drops each
+    collective under the lock the barrier takes to list the collectives in flight). Raises
+    ``RuntimeError`` when that does not happen within ``timeout`` seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from .swap import global_context, uninstall_global  # noqa: PLC0415 - heavier module
+    if global_context() is None:
+        _check_no_python_state()  # refuse before changing anything
+    uninstall_global()
+    _check_no_python_state()      # what lay under the global swap context
+    stash = getattr(torch._C, "_stash_obj_in_tls", None)
+    remove = getattr(torch._C, "_remove_obj_from_tls", None)
+    if stash is None or remove is None:  # an older PyTorch: no marker, the race stays
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    freed = threading.Event()
+    mark = _ExitMark()
+    weakref.finalize(mark, freed.set)
+    stash(_EXIT_MARK, mark)
+    del mark
+    try:
+        dist.barrier()
+    finally:
+        remove(_EXIT_MARK)
+    if not freed.wait(timeout):
+        raise RuntimeError(
+            f"shutdown: the final barrier's copy of the thread-local state was not freed "
+            f"within {timeout} s: a thread of the process group still holds it, and the "
+            f"process could abort at exit when that thread drops it")
+    dist.destroy_process_group()
