@@ -35,30 +35,33 @@ namespace pofo {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // Open-addressing hash table (uint64 key -> Memo): the DP's hot path is memo lookups, and
 // std::unordered_map's node allocations cost several times more.
 struct Memo {
-  double v;     // the optimum if exact, else a lower bound (>= the budget it was asked with)
+  double v;  // the optimum
   int32_t ch;
-  bool exact = true;
 };
 
-// Dense table for C(s, t, m, d), d <= m <= M, t >= s, t fastest: the ck loop of a state
-// reads C(s, s..t, m, d) and these sit next to each other.  NaN = not computed.
+// Dense table for C(s, t, m, d), d <= m <= M, t >= s: one block of all (s, t) per (m, d),
+// t fastest.  The ck loop of a state reads C(s, s..t, m, d), which sit next to each other,
+// and C(sp+1, t, m - x[sp+1], d2), whose few (m, d) blocks stay in cache (with s outermost
+// these reads were cache misses; 1.5x slower on DenseNet-201).  NaN = not computed.
 class CTable {
  public:
-  CTable(int L, int64_t M) : L_(L), tri_((M + 1) * (M + 2) / 2) {
-    base_.assign(L + 2, 0);
-    for (int s = 0; s <= L; ++s) base_[s + 1] = base_[s] + static_cast<size_t>(L + 1 - s) * tri_;
-    v_.assign(base_[L + 1], std::numeric_limits<double>::quiet_NaN());
-    ch_.assign(base_[L + 1], 0);
+  CTable(int L, int64_t M) : pairs_(static_cast<size_t>(L + 1) * (L + 2) / 2) {
+    off_.assign(L + 2, 0);
+    for (int s = 0; s <= L; ++s) off_[s + 1] = off_[s] + static_cast<size_t>(L + 1 - s);
+    const size_t n = pairs_ * static_cast<size_t>((M + 1) * (M + 2) / 2);
+    v_.assign(n, std::numeric_limits<double>::quiet_NaN());
+    ch_.assign(n, 0);
   }
   static bool fits(int L, int64_t M) {
     return static_cast<double>(L + 1) * (L + 2) / 2 * (M + 1) * (M + 2) / 2 <= 4e7;
   }
   size_t index(int s, int t, int64_t m, int64_t d) const {
-    return base_[s] + static_cast<size_t>(m * (m + 1) / 2 + d) * (L_ + 1 - s) + (t - s);
+    return static_cast<size_t>(m * (m + 1) / 2 + d) * pairs_ + off_[s] + (t - s);
   }
   std::vector<double> v_;
   std::vector<int16_t> ch_;
@@ -69,9 +72,8 @@ class CTable {
   }
 
  private:
-  int L_;
-  size_t tri_;
-  std::vector<size_t> base_;
+  size_t pairs_;
+  std::vector<size_t> off_;
 };
 
 class MemoTable {
@@ -136,7 +138,7 @@ class Solver {
     if (CTable::fits(L_, M_)) dense_ = std::make_unique<CTable>(L_, M_);
   }
 
-  double top(double budget) { return OC(0, 0, 0, 0, 0, budget); }
+  double top() { return OC(0, 0, 0, 0, 0); }
 
   void emit_top(Result& r) {
     out_ = &r;
@@ -153,7 +155,8 @@ class Solver {
     if (!(beta_ > 0) || t <= 0) return 0;
     const double v = t * beta_;
     if (!std::isfinite(v) || v >= static_cast<double>(big_)) return big_;
-    return static_cast<int64_t>(std::floor(v + 0.5));  // nearest: unbiased over many steps
+    // nearest (unbiased over many steps); v + 0.5 > 0, so truncation is floor (no libm call)
+    return static_cast<int64_t>(v + 0.5);
   }
   double wait(double excess) const {
     if (excess <= 0) return 0;
@@ -191,14 +194,19 @@ class Solver {
       // running max over k of M_k + beta * F[k+1] (Lemma 1 distance to the end of F_sp)
       double run = -kInf;
       const int64_t dt = c_.delta[t + 1];
+      // C(s, s..t-1, m, d), the first part of each choice, read in place when dense
+      const double* row = dense_ ? &dense_->v_[dense_->index(s, s, m, d)] : nullptr;
       for (int sp = s; sp < t; ++sp) {
         const int64_t mk = dt + fmem(s, sp);
         if (mk > m) break;  // F_sp does not fit: no longer run does either
         // branch and bound: any such sequence computes s..t once and F_s..F_sp again
         if (cpre_[t + 1] - cpre_[s] + fpre_[sp + 1] - fpre_[s] >= best) break;
         run = std::max(run, mk + (finite_beta() ? beta_ * fpre_[sp + 1] : 0.0));
+        if (c_.x[sp + 1] > m) continue;
         const double maxterm = finite_beta() ? run - beta_ * fpre_[sp + 1] : run;
-        const double v = c_ck(s, t, m, d, sp, maxterm, false, best);
+        double T1 = row ? row[sp - s] : kNaN;
+        if (std::isnan(T1)) T1 = C(s, sp, m, d);
+        const double v = c_ck(s, t, m, d, sp, maxterm, T1, false, best);
         if (v < best) best = v, arg = sp;
       }
     }
@@ -228,7 +236,7 @@ class Solver {
       dense_->v_[di] = v;
       dense_->ch_[di] = static_cast<int16_t>(arg);
     } else {
-      c_memo_.put(ckey(s, t, m, d), {v, arg, true});
+      c_memo_.put(ckey(s, t, m, d), {v, arg});
     }
   }
   int memo_choice(int s, int t, int64_t m, int64_t d) {
@@ -274,15 +282,15 @@ class Solver {
       const double dist = fpre_[sp + 1] - fpre_[k + 1];  // time from the end of F_k to the end
       maxterm = std::max(maxterm, finite_beta() ? mk - beta_ * dist : static_cast<double>(mk));
     }
-    return c_ck(s, t, m, d, sp, maxterm, emit, kInf);
+    if (c_.x[sp + 1] > m) return kInf;
+    return c_ck(s, t, m, d, sp, maxterm, C(s, sp, m, d), emit, kInf);
   }
 
-  // Case 2 of B.3 with the forward run's Lemma 1 term already known.
+  // Case 2 of B.3 with the forward run's Lemma 1 term and T1 = C(s, sp, m, d) already
+  // known (x[sp+1] <= m checked).
   // ``bound``: a value known to be reachable; a result that cannot beat it may be kInf.
-  double c_ck(int s, int t, int64_t m, int64_t d, int sp, double maxterm, bool emit,
-              double bound) {
-    if (c_.x[sp + 1] > m) return kInf;
-    const double T1 = C(s, sp, m, d);
+  double c_ck(int s, int t, int64_t m, int64_t d, int sp, double maxterm, double T1,
+              bool emit, double bound) {
     if (std::isinf(T1)) return kInf;
     if (fpre_[sp + 1] - fpre_[s] + T1 + cpre_[t + 1] - cpre_[sp + 1] >= bound) return kInf;
     const int64_t d2 = std::max<int64_t>(0, d - moved(T1));
@@ -302,30 +310,27 @@ class Solver {
 
   // ---------------------------------------------------------------- forward: OC_x
   // choice = kind | v << 2 | sp << 3; kind 0 loss, 1 F_all, 2 F_ck; v = 1: offload the input
-  // Branch and bound: ``budget`` is a value the caller already has; if this state cannot
-  // do better, it returns kInf (and memoises "value >= budget"). Returning the bound
-  // itself would be wrong: partial + (budget - partial) can round below the caller's best.
-  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB, double budget = kInf) {
+  // Each state is solved once, exactly. Branch and bound only inside a state: a choice whose
+  // lower bound cannot beat the state's best so far is skipped (its sub-states are not
+  // visited for it). No budget is passed down: a state cut against its caller's budget
+  // memoises only a lower bound and is searched again for every larger budget (4.7 M
+  // expansions of 93 K states on DenseNet-201 at 50 slots, against 118 K without).
+  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB) {
     const int64_t I = input(s, x);
     // what is stored, still being offloaded, or already prefetched all sits in GPU memory
     if (A + I + dF > M_ || A + I + dB > M_) return kInf;
     const uint64_t key = okey(s, x, A, dF, dB);
-    if (const Memo* hit = oc_.find(key)) {
-      if (hit->exact) return hit->v;
-      if (hit->v >= budget) return kInf;  // known not to beat the budget
-    }
+    if (const Memo* hit = oc_.find(key)) return hit->v;
     double best = kInf;
     int32_t arg = 0;
     const double rest = cpre_[L_ + 1] - cpre_[s];  // no sequence from here is faster
-    if (rest >= budget) {
-      best = rest;
-    } else if (s == L_) {
-      best = oc_choice(s, x, A, dF, dB, 0, false, budget);
+    if (s == L_) {
+      best = oc_choice(s, x, A, dF, dB, 0, false);
     } else {
       for (int v = 0; v <= 1; ++v) {
         if (v && !(opt_.offload && I > 0 && may_offload(s))) continue;
         int32_t ch = 1 | (v << 2);
-        double val = oc_choice(s, x, A, dF, dB, ch, false, std::min(best, budget));
+        double val = oc_choice(s, x, A, dF, dB, ch, false, best);
         if (val < best) best = val, arg = ch;
         if (!opt_.recompute) continue;
         const int64_t avail = M_ - A - I;
@@ -333,21 +338,17 @@ class Solver {
         for (int sp = s; sp < L_; ++sp) {
           const int64_t mk = fmem(s, sp);
           if (mk > avail + ((v && sp > s) ? I : 0)) break;  // longer runs do not fit either
-          if (rest + fpre_[sp + 1] - fpre_[s] >= std::min(best, budget)) break;  // bound
+          if (rest + fpre_[sp + 1] - fpre_[s] >= best) break;  // bound
           run = std::max(run, finite_beta() ? mk - beta_ * (fpre_[sp] - fpre_[s])
                                             : static_cast<double>(mk));
           ch = 2 | (v << 2) | (sp << 3);
-          val = oc_ck(s, x, A, dF, dB, v, sp, run, false, std::min(best, budget));
+          val = oc_ck(s, x, A, dF, dB, v, sp, run, false, best);
           if (val < best) best = val, arg = ch;
         }
       }
     }
-    if (best < budget || std::isinf(budget)) {  // searched without a cut: the optimum
-      oc_.put(key, {best, arg, true});
-      return best;
-    }
-    oc_.put(key, {budget, arg, false});  // some choices were cut: only ">= budget" is known
-    return kInf;
+    oc_.put(key, {best, arg});
+    return best;
   }
 
   int32_t best_oc(int s, int x, int64_t A, int64_t dF, int64_t dB) {
@@ -373,7 +374,7 @@ class Solver {
   }
 
   double oc_choice(int s, int x, int64_t A, int64_t dF, int64_t dB, int32_t ch, bool emit,
-                   double budget = kInf) {
+                   double bound = kInf) {
     const int kind = ch & 3, v = (ch >> 2) & 1, sp = ch >> 3;
     const int64_t I = input(s, x);
     const int64_t avail = M_ - A - I;
@@ -393,8 +394,8 @@ class Solver {
       }
       int64_t A2, dF2, dB2;
       next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-      if (val + cpre_[L_ + 1] - cpre_[s + 1] >= budget) return kInf;  // bound
-      const double T = OC(s + 1, 1, A2, dF2, dB2, budget - val);
+      if (val + cpre_[L_ + 1] - cpre_[s + 1] >= bound) return kInf;  // cannot beat it
+      const double T = OC(s + 1, 1, A2, dF2, dB2);
       if (std::isinf(T)) return kInf;
       if (emit) {
         if (v) push(4, s);
@@ -413,7 +414,7 @@ class Solver {
       const double dist = fpre_[k] - fpre_[s];  // time from the start of the sequence
       maxterm = std::max(maxterm, finite_beta() ? mk - beta_ * dist : static_cast<double>(mk));
     }
-    return oc_ck(s, x, A, dF, dB, v, sp, maxterm, emit, budget);
+    return oc_ck(s, x, A, dF, dB, v, sp, maxterm, emit, bound);
   }
 
   double oc_ck(int s, int x, int64_t A, int64_t dF, int64_t dB, int v, int sp, double maxterm,
@@ -431,7 +432,7 @@ class Solver {
     const int64_t DB = moved(T1);
     int64_t A2, dF2, dB2;
     next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-    const double T = OC(sp + 1, 0, A2, dF2, dB2, bound - (fwsum + eF + T1));
+    const double T = OC(sp + 1, 0, A2, dF2, dB2);
     if (std::isinf(T)) return kInf;
     if (emit) {
       if (v) push(4, s);
@@ -614,7 +615,7 @@ class Solver {
         }
       }
     }
-    oc_.put(key, {best, arg, true});
+    oc_.put(key, {best, arg});
     return best;
   }
 
@@ -735,7 +736,7 @@ Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
     solver.emit_top_whole(r);
     return r;
   }
-  const double t = solver.top(opt.budget);
+  const double t = solver.top();
   r.states_fwd = solver.n_oc();
   r.states_bwd = solver.n_c();
   if (std::isinf(t) || t >= opt.budget) return r;
