@@ -40,8 +40,9 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // Open-addressing hash table (uint64 key -> Memo): the DP's hot path is memo lookups, and
 // std::unordered_map's node allocations cost several times more.
 struct Memo {
-  double v;  // the optimum
+  double v;     // the optimum if exact, else a lower bound (>= the budget it was asked with)
   int32_t ch;
+  bool exact = true;
 };
 
 // Dense table for C(s, t, m, d), d <= m <= M, t >= s: one block of all (s, t) per (m, d),
@@ -74,6 +75,33 @@ class CTable {
  private:
   size_t pairs_;
   std::vector<size_t> off_;
+};
+
+// Dense memo of OC(s, x, A, dF, dB) where it fits (dF, dB are multiples of the Delta step q),
+// s fastest: the choices of a state read OC(sp+1, .) for consecutive sp, which then sit
+// together instead of in random hash slots. v = NaN: not computed.
+class OCTable {
+ public:
+  OCTable(int L, int64_t M, int64_t q) : L1_(L + 1), M1_(M + 1), n_(M / q + 1), q_(q) {
+    v_.assign(static_cast<size_t>(2 * M1_ * n_ * n_ * L1_),
+              Memo{std::numeric_limits<double>::quiet_NaN(), 0, true});
+  }
+  static bool fits(int L, int64_t M, int64_t q) {
+    const double n = static_cast<double>(M / q + 1);
+    return 2.0 * (L + 1) * (M + 1) * n * n <= 4e6;
+  }
+  Memo& at(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+    return v_[static_cast<size_t>((((x * M1_ + A) * n_ + dF / q_) * n_ + dB / q_) * L1_ + s)];
+  }
+  size_t size() const {
+    size_t n = 0;
+    for (const Memo& m : v_) n += !std::isnan(m.v);
+    return n;
+  }
+
+ private:
+  int64_t L1_, M1_, n_, q_;
+  std::vector<Memo> v_;
 };
 
 class MemoTable {
@@ -136,9 +164,10 @@ class Solver {
     }
     big_ = 4 * M_ + 4;
     if (CTable::fits(L_, M_)) dense_ = std::make_unique<CTable>(L_, M_);
+    if (!opt_.whole && OCTable::fits(L_, M_, q_)) ocd_ = std::make_unique<OCTable>(L_, M_, q_);
   }
 
-  double top() { return OC(0, 0, 0, 0, 0); }
+  double top(double budget) { return OC(0, 0, 0, 0, 0, budget); }
 
   void emit_top(Result& r) {
     out_ = &r;
@@ -146,7 +175,7 @@ class Solver {
     out_ = nullptr;
   }
 
-  size_t n_oc() const { return oc_.size(); }
+  size_t n_oc() const { return oc_.size() + (ocd_ ? ocd_->size() : 0); }
   size_t n_c() const { return dense_ ? dense_->size() : c_memo_.size(); }
 
  private:
@@ -236,7 +265,7 @@ class Solver {
       dense_->v_[di] = v;
       dense_->ch_[di] = static_cast<int16_t>(arg);
     } else {
-      c_memo_.put(ckey(s, t, m, d), {v, arg});
+      c_memo_.put(ckey(s, t, m, d), {v, arg, true});
     }
   }
   int memo_choice(int s, int t, int64_t m, int64_t d) {
@@ -310,50 +339,74 @@ class Solver {
 
   // ---------------------------------------------------------------- forward: OC_x
   // choice = kind | v << 2 | sp << 3; kind 0 loss, 1 F_all, 2 F_ck; v = 1: offload the input
-  // Each state is solved once, exactly. Branch and bound only inside a state: a choice whose
-  // lower bound cannot beat the state's best so far is skipped (its sub-states are not
-  // visited for it). No budget is passed down: a state cut against its caller's budget
-  // memoises only a lower bound and is searched again for every larger budget (4.7 M
-  // expansions of 93 K states on DenseNet-201 at 50 slots, against 118 K without).
-  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+  // Branch and bound: ``budget`` is a value the caller already has; if this state cannot
+  // do better, it returns kInf (and memoises "value >= budget"). Returning the bound
+  // itself would be wrong: partial + (budget - partial) can round below the caller's best.
+  double OC(int s, int x, int64_t A, int64_t dF, int64_t dB, double budget = kInf) {
     const int64_t I = input(s, x);
     // what is stored, still being offloaded, or already prefetched all sits in GPU memory
     if (A + I + dF > M_ || A + I + dB > M_) return kInf;
-    const uint64_t key = okey(s, x, A, dF, dB);
-    if (const Memo* hit = oc_.find(key)) return hit->v;
+    if (const Memo* hit = oc_find(s, x, A, dF, dB)) {
+      if (hit->exact) return hit->v;
+      if (hit->v >= budget) return kInf;  // known not to beat the budget
+    }
     double best = kInf;
     int32_t arg = 0;
     const double rest = cpre_[L_ + 1] - cpre_[s];  // no sequence from here is faster
-    if (s == L_) {
-      best = oc_choice(s, x, A, dF, dB, 0, false);
+    if (rest >= budget) {
+      best = rest;
+    } else if (s == L_) {
+      best = oc_choice(s, x, A, dF, dB, 0, false, budget);
     } else {
       for (int v = 0; v <= 1; ++v) {
         if (v && !(opt_.offload && I > 0 && may_offload(s))) continue;
         int32_t ch = 1 | (v << 2);
-        double val = oc_choice(s, x, A, dF, dB, ch, false, best);
+        double val = oc_choice(s, x, A, dF, dB, ch, false, std::min(best, budget));
         if (val < best) best = val, arg = ch;
         if (!opt_.recompute) continue;
         const int64_t avail = M_ - A - I;
         double run = -kInf;
+        // C(s, s.., avail, dB), each choice's backward part, read in place when dense
+        const double* row = dense_ && avail >= 0 && dB <= avail
+                                ? &dense_->v_[dense_->index(s, s, avail, dB)] : nullptr;
         for (int sp = s; sp < L_; ++sp) {
           const int64_t mk = fmem(s, sp);
           if (mk > avail + ((v && sp > s) ? I : 0)) break;  // longer runs do not fit either
-          if (rest + fpre_[sp + 1] - fpre_[s] >= best) break;  // bound
+          if (rest + fpre_[sp + 1] - fpre_[s] >= std::min(best, budget)) break;  // bound
           run = std::max(run, finite_beta() ? mk - beta_ * (fpre_[sp] - fpre_[s])
                                             : static_cast<double>(mk));
           ch = 2 | (v << 2) | (sp << 3);
-          val = oc_ck(s, x, A, dF, dB, v, sp, run, false, best);
+          val = oc_ck(s, x, A, dF, dB, v, sp, run, false, std::min(best, budget), row);
           if (val < best) best = val, arg = ch;
         }
       }
     }
-    oc_.put(key, {best, arg});
-    return best;
+    if (best < budget || std::isinf(budget)) {  // searched without a cut: the optimum
+      oc_put(s, x, A, dF, dB, {best, arg, true});
+      return best;
+    }
+    oc_put(s, x, A, dF, dB, {budget, arg, false});  // some choices were cut: only ">= budget"
+    return kInf;
+  }
+
+  const Memo* oc_find(int s, int x, int64_t A, int64_t dF, int64_t dB) {
+    if (ocd_) {
+      const Memo& m = ocd_->at(s, x, A, dF, dB);
+      return std::isnan(m.v) ? nullptr : &m;
+    }
+    return oc_.find(okey(s, x, A, dF, dB));
+  }
+  void oc_put(int s, int x, int64_t A, int64_t dF, int64_t dB, const Memo& m) {
+    if (ocd_) {
+      ocd_->at(s, x, A, dF, dB) = m;
+    } else {
+      oc_.put(okey(s, x, A, dF, dB), m);
+    }
   }
 
   int32_t best_oc(int s, int x, int64_t A, int64_t dF, int64_t dB) {
     OC(s, x, A, dF, dB);
-    return oc_.at(okey(s, x, A, dF, dB)).ch;
+    return oc_find(s, x, A, dF, dB)->ch;
   }
 
   void next_state(int v, int64_t I, int64_t A, int64_t dF, int64_t dB, int64_t DF, int64_t DB,
@@ -374,7 +427,7 @@ class Solver {
   }
 
   double oc_choice(int s, int x, int64_t A, int64_t dF, int64_t dB, int32_t ch, bool emit,
-                   double bound = kInf) {
+                   double budget = kInf) {
     const int kind = ch & 3, v = (ch >> 2) & 1, sp = ch >> 3;
     const int64_t I = input(s, x);
     const int64_t avail = M_ - A - I;
@@ -394,8 +447,8 @@ class Solver {
       }
       int64_t A2, dF2, dB2;
       next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-      if (val + cpre_[L_ + 1] - cpre_[s + 1] >= bound) return kInf;  // cannot beat it
-      const double T = OC(s + 1, 1, A2, dF2, dB2);
+      if (val + cpre_[L_ + 1] - cpre_[s + 1] >= budget) return kInf;  // bound
+      const double T = OC(s + 1, 1, A2, dF2, dB2, budget - val);
       if (std::isinf(T)) return kInf;
       if (emit) {
         if (v) push(4, s);
@@ -414,11 +467,12 @@ class Solver {
       const double dist = fpre_[k] - fpre_[s];  // time from the start of the sequence
       maxterm = std::max(maxterm, finite_beta() ? mk - beta_ * dist : static_cast<double>(mk));
     }
-    return oc_ck(s, x, A, dF, dB, v, sp, maxterm, emit, bound);
+    return oc_ck(s, x, A, dF, dB, v, sp, maxterm, emit, budget);
   }
 
+  // ``row``: C(s, s.., M - A - I, dB) in the dense table (T1 read in place), or nullptr
   double oc_ck(int s, int x, int64_t A, int64_t dF, int64_t dB, int v, int sp, double maxterm,
-               bool emit, double bound) {
+               bool emit, double bound, const double* row = nullptr) {
     const int64_t I = input(s, x);
     const int64_t avail = M_ - A - I;
     const double eF = finite_beta() ? wait(maxterm + dF - avail)
@@ -426,13 +480,14 @@ class Solver {
     if (std::isinf(eF)) return kInf;
     const double fwsum = fpre_[sp + 1] - fpre_[s];
     const int64_t DF = moved(fwsum + eF);
-    const double T1 = C(s, sp, avail, dB);
+    double T1 = row ? row[sp - s] : kNaN;
+    if (std::isnan(T1)) T1 = C(s, sp, avail, dB);
     if (std::isinf(T1)) return kInf;
     if (fwsum + eF + T1 + cpre_[L_ + 1] - cpre_[sp + 1] >= bound) return kInf;  // bound
     const int64_t DB = moved(T1);
     int64_t A2, dF2, dB2;
     next_state(v, I, A, dF, dB, DF, DB, A2, dF2, dB2);
-    const double T = OC(sp + 1, 0, A2, dF2, dB2);
+    const double T = OC(sp + 1, 0, A2, dF2, dB2, bound - (fwsum + eF + T1));
     if (std::isinf(T)) return kInf;
     if (emit) {
       if (v) push(4, s);
@@ -615,7 +670,7 @@ class Solver {
         }
       }
     }
-    oc_.put(key, {best, arg});
+    oc_.put(key, {best, arg, true});
     return best;
   }
 
@@ -715,7 +770,8 @@ class Solver {
   Options opt_;
   int64_t big_;
   std::vector<double> fpre_, cpre_;  // prefix sums of fw, of fw + bw (for pruning)
-  MemoTable c_memo_, oc_;
+  MemoTable c_memo_, oc_;  // oc_: OC where ocd_ does not fit, and OCw
+  std::unique_ptr<OCTable> ocd_;
   int64_t q_ = 1;
   std::unique_ptr<CTable> dense_;
   Result* out_ = nullptr;
@@ -736,7 +792,7 @@ Result solve(const Chain& c, int64_t memory, double beta, const Options& opt) {
     solver.emit_top_whole(r);
     return r;
   }
-  const double t = solver.top();
+  const double t = solver.top(opt.budget);
   r.states_fwd = solver.n_oc();
   r.states_bwd = solver.n_c();
   if (std::isinf(t) || t >= opt.budget) return r;

@@ -23,8 +23,8 @@ struct Chain {
 struct Options {
   bool offload = true;    // allow O / P (false, or beta = 0: rotor's persistent DP)
   bool recompute = true;  // allow F_ck / F_none (false: offload-only under the same model)
-  // Only report a sequence faster than this (seconds); if none is faster, the result is
-  // infeasible. (Not passed down as a bound: see OC in pofo_dp.cpp.)
+  // Only look for sequences faster than this (seconds): branch and bound against a known
+  // solution (e.g. rotor's). If none is faster, the result is infeasible.
   double budget = std::numeric_limits<double>::infinity();
   // Round the forward states' Delta_F / Delta_B up to multiples of this many units (1 =
   // exact). Fewer states, a little pessimism; the plan is simulated anyway.
