@@ -164,7 +164,9 @@ class Solver {
     }
     big_ = 4 * M_ + 4;
     if (CTable::fits(L_, M_)) dense_ = std::make_unique<CTable>(L_, M_);
-    if (!opt_.whole && OCTable::fits(L_, M_, q_)) ocd_ = std::make_unique<OCTable>(L_, M_, q_);
+    // the dense OC memo on coarse Delta grids (long chains); exact grids are mostly empty
+    if (!opt_.whole && q_ > 1 && OCTable::fits(L_, M_, q_))
+      ocd_ = std::make_unique<OCTable>(L_, M_, q_);
   }
 
   double top(double budget) { return OC(0, 0, 0, 0, 0, budget); }
