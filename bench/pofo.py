@@ -9,7 +9,10 @@ autocapper and opportunist on the model zoo.
 Throughput = batch / simulated makespan, relative to the sequential time (sum of all
 forward and backward times, infinite memory) as in the paper; a planner that finds no
 sequence under the limit shows no point. Also measured: pofo's solve time at slots = 50 on
-the longest chain (DenseNet-201, L = 107; seed 001 reports up to 4 minutes).
+the longest chain (DenseNet-201, L = 107; seed 001 reports up to 4 minutes; issue 14's goal
+<= 10 s), its full DP's share of it (``dp_s``) with the DP's forward and backward state
+counts (``dp_states_fwd`` / ``dp_states_bwd``, memo sizes: the same on every machine), and
+the solve time at half the automatic ``delta_step``.
 
 ``--random``: pofo's simulated time against its DP value on random integer chains (60
 seeds, L = 2..8, bandwidth 0.5 and 2, three limits from the least feasible up, exact units):
@@ -217,6 +220,11 @@ def main() -> None:
         p = pofo.solve(big, M, 12 * GB, slots=SLOTS)
         timing = {"chain": TIMING_CHAIN, "L": big.L, "slots": SLOTS,
                   "delta_step": p.meta["delta_step"], "solve_s": time.perf_counter() - t0}
+        # the full DP alone (most of solve_s), with its state counts: noise-free work
+        t0 = time.perf_counter()
+        got = pofo.dp(big, M, 12 * GB, SLOTS, delta_step=p.meta["delta_step"])
+        timing.update(dp_s=time.perf_counter() - t0, dp_states_fwd=got[3]["states_fwd"],
+                      dp_states_bwd=got[3]["states_bwd"])
         t0 = time.perf_counter()
         pofo.solve(big, M, 12 * GB, slots=SLOTS, delta_step=max(1, p.meta["delta_step"] // 2))
         timing["solve_s_half_step"] = time.perf_counter() - t0

@@ -156,3 +156,21 @@ def test_min_memory_bounds_rotor_when_no_grad_forwards_need_more():
     pofo.solve(c, 20, 1.0, slots=None)  # feasible: store everything
     for c, _ in _chains(20, seed0=700, split_tmp=True):
         assert pofo.min_memory(c) <= rotor.min_memory(c)
+
+
+def test_dp_budget_reports_only_faster_and_nests_rotor():
+    """The DP's optimum does not depend on its budget (it only says whether the optimum is
+    faster), and rotor's and offload-only's optima (the same DP, one move barred) bound it."""
+    for c, rng in _chains(20, max_L=6, seed0=300):
+        lo, hi = pofo.min_memory(c), pofo.max_memory(c)
+        M, bw = rng.randint(lo, hi), rng.choice([0.5, 1.0, 2.0])
+        slots = rng.choice([None, 20])
+        got = pofo.dp(c, M, bw, slots)
+        if got is None:   # slot rounding can leave no sequence
+            continue
+        for off, rec in ((False, True), (True, False)):
+            one = pofo.dp(c, M, bw, slots, offload=off, recompute=rec)
+            assert one is None or got[0] <= one[0]
+        assert pofo.dp(c, M, bw, slots, budget=got[0]) is None
+        again = pofo.dp(c, M, bw, slots, budget=got[0] * (1 + 1e-9))
+        assert again[:3] == got[:3]

@@ -121,7 +121,7 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     channel in plan order), so its value is achievable: ``ops`` then include the prefetches
     where it timed them, and the plan simulates in at most ``time`` (csrc/dp/pofo_dp.cpp,
     "whole-activation mode"; at most ``WHOLE_MAX_UNITS`` units). Returns ``(time, ops, prefetches, info)`` or None if it finds
-    no sequence (faster than ``budget`` seconds: branch and bound against a known one):
+    no sequence (faster than ``budget`` seconds, if given):
     ``ops`` the compute and offload ops in order, ``prefetches`` the ``(stage, consumer
     index)`` pairs in the order they run."""
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
@@ -195,8 +195,8 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         raise InfeasibleError(f"pofo.solve: memory {memory:g} is below the smallest limit "
                               f"any sequence of {chain.name or 'this chain'} can meet "
                               f"({floor:g})", floor)
-    # rotor's and offload-only's optima lie in pofo's space: solve them first (cheap) and
-    # let the full DP search only for faster sequences (branch and bound)
+    # rotor's and offload-only's optima lie in pofo's space: solved first (cheap), their
+    # converted plans are candidates beside the full DP's
     variants = [("rotor", False, True), ("offload-only", True, False), ("pofo", True, True)] \
         if beta > 0 else [("pofo", True, True)]
     best: Optional[Tuple[Plan, SimResult, float, str]] = None
