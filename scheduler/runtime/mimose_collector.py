@@ -26,11 +26,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
 from . import accounting, buffers, rng
 from .block_calls import tensor_leaves
 from .tail import has_backward_hooks
-
-TMP_FIELDS = ("fw_tmp", "bw_tmp", "fck_tmp")  # = planners.mimose.BLOCK_TMP_FIELDS
 
 
 def _sync(comps: Sequence[Any]) -> None:
