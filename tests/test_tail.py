@@ -345,7 +345,8 @@ def test_mimose_never_mixes_samples_with_and_without_the_tail():
     scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
     (r,) = checkpointed(model).runners
     L = r.L
-    tmp = lambda n: ((2.0 * n,) * L, (3.0 * n,) * L, (5.0 * n,) * L)  # noqa: E731
+    tmp = lambda n: {"fw_tmp": (2.0 * n,) * L, "bw_tmp": (3.0 * n,) * L,  # noqa: E731
+                     "fck_tmp": (5.0 * n,) * L}
     sample = lambda n, t=True: (float(n), 4.0 * n, (8.0 * n,) * L, (4.0 * n,) * L,  # noqa
                                 (1e-3,) * L, tmp(n) if t else None)
     tail = [40.0, 8.0, 30.0, 1e-3, 2e-3]

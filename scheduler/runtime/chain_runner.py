@@ -26,8 +26,8 @@ from ..chain import Chain, add_outside
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..simulate import simulate
-from ..planners.mimose import (BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS,
-                               Estimate, Mimose, chain_from_estimate, plan_from_checkpoints)
+from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
+                               chain_from_estimate, plan_from_checkpoints)
 from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, block_list, signature, tensor_leaves
@@ -160,8 +160,7 @@ def _collected(step: ChainStep) -> Estimate:
     tmp = c.tmp()
     return Estimate(accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
                     np.array(c.out, float), np.array(c.fw, float),
-                    tmp=None if tmp is None else
-                    {k: np.array(v, float) for k, v in zip(BLOCK_TMP_FIELDS, tmp)})
+                    tmp=None if tmp is None else {k: np.array(v, float) for k, v in tmp.items()})
 
 
 class _BoundBlock(nn.Module):
@@ -499,8 +498,7 @@ class ChainRunner:
             tail = outside = None
         if not self._mimose_tmp:
             tmp = None
-        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside,
-                            None if tmp is None else dict(zip(BLOCK_TMP_FIELDS, tmp)))
+        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
         self.collections += 1
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:

@@ -120,12 +120,13 @@ class ShuttlingCollector:
         for k in TMP_FIELDS:
             self.transients[k][s] = int(r[k])
 
-    def tmp(self) -> Optional[Tuple[Tuple[int, ...], ...]]:
-        """The blocks' transients, ``TMP_FIELDS`` in order (one entry per block), or None when
-        they were not measured (not asked for, or the measurement failed)."""
+    def tmp(self) -> Optional[Dict[str, Tuple[int, ...]]]:
+        """The blocks' transients as ``Estimator.observe`` takes them (``TMP_FIELDS`` -> one
+        entry per block), or None when they were not measured (not asked for, or the
+        measurement failed)."""
         if not self.transients or self.failed is not None:
             return None
-        return tuple(tuple(self.transients[k]) for k in TMP_FIELDS)
+        return {k: tuple(self.transients[k]) for k in TMP_FIELDS}
 
     def complete(self) -> bool:
         return all(self.seen)
