@@ -18,10 +18,43 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Set in the pytest run that tests/test_fake_cuda.py starts on the fake libcuda (tests/fake_cuda).
+FAKE_CUDA = os.environ.get("VMALLOC_FAKE_CUDA") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if _cuda_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    """gpu tests skip without a device, except those marked driver on the fake libcuda; fake_cuda
+    tests run only there."""
+    real = _cuda_available()
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    not_fake = pytest.mark.skip(reason="runs on the fake libcuda only (tests/test_fake_cuda.py)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "fake_cuda" in item.keywords and not FAKE_CUDA:
+            item.add_marker(not_fake)
+        elif "gpu" in item.keywords and not real and not (FAKE_CUDA and "driver" in item.keywords):
+            item.add_marker(no_gpu)
+
+
+if FAKE_CUDA:
+    @pytest.fixture(autouse=True)
+    def _driver_contract_kept(request):
+        """On the fake libcuda every test must keep the driver's contract: a violation the fake
+        recorded during the test fails it, naming the call. A test that misuses the driver on
+        purpose sets `fake.expected_violations`."""
+        from fake_cuda import FakeDriver
+
+        fake = FakeDriver()
+        before = fake.get("violations")
+        request.node.fake_driver = fake
+        fake.expected_violations = 0
+        yield
+        new = fake.violations()[before:]
+        got = fake.get("violations") - before
+        assert got == fake.expected_violations, (
+            f"{got} driver contract violation(s) (expected {fake.expected_violations}):\n"
+            + "\n".join(new))
+
+    @pytest.fixture
+    def fake(request):
+        """The fake libcuda's test controls (tests marked fake_cuda)."""
+        return request.node.fake_driver

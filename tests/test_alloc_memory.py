@@ -36,13 +36,13 @@ class HostMemory:
 
 
 class CudaMemory:
-    """CUDA backend: device memory, reached through the driver with the primary context current."""
+    """CUDA backend: device memory, reached through the driver with the primary context current.
+    Driver calls only (no torch), so the same helper runs on a GPU and on the fake libcuda
+    (tests/fake_cuda)."""
 
     def __init__(self, device: int = 0) -> None:
-        import torch
-
-        torch.zeros(1, device=f"cuda:{device}")  # initializes the driver and the primary context
         self.cu = ctypes.CDLL("libcuda.so.1")
+        self._check(self.cu.cuInit(0), "cuInit")
         dev = ctypes.c_int()
         self.ctx = ctypes.c_void_p()
         self._check(self.cu.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
@@ -55,6 +55,13 @@ class CudaMemory:
     def _current(self) -> None:
         # Tests call from worker threads too, which have no current context of their own.
         self._check(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def new_stream(self) -> int:
+        """A stream of the primary context (the context vmalloc's allocator uses)."""
+        self._current()
+        s = ctypes.c_void_p()
+        self._check(self.cu.cuStreamCreate(ctypes.byref(s), 0), "cuStreamCreate")
+        return int(s.value)
 
     def fill(self, ptr: int, n: int, byte: int) -> None:
         self._current()

@@ -19,7 +19,7 @@ from test_alloc_memory import memory_for
 KiB, MiB = 1 << 10, 1 << 20
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["host", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.driver])])
 def backend(request) -> str:
     return request.param
 
@@ -31,13 +31,12 @@ def chunk_for(backend: str) -> int:
 
 def stream_handles(backend: str, n: int) -> list:
     """n distinct stream handles besides 0, 1 and 2. Host: any ints (its events are trivially
-    complete). CUDA: real streams, since the driver records events on them (0, 1 and 2 are the
-    NULL, legacy and per-thread default streams); PyTorch's pooled streams are never destroyed."""
+    complete). CUDA: real streams of the primary context, since the driver records events on them
+    (0, 1 and 2 are the NULL, legacy and per-thread default streams); never destroyed."""
     if backend == "host":
         return [11 + i for i in range(n)]
-    import torch
-
-    return [torch.cuda.Stream(device=0).cuda_stream for _ in range(n)]
+    mem = memory_for(backend)
+    return [mem.new_stream() for _ in range(n)]
 
 
 def ceil_chunks(n: int, chunk: int) -> int:

@@ -176,6 +176,7 @@ def test_state_machine_host(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.driver
 def test_state_machine_cuda():
     g = granularity("cuda")
     machine = make_machine("cuda", chunk=g, budget=256 * g, small_threshold=MiB)

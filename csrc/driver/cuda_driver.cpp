@@ -128,26 +128,20 @@ class CudaDriver final : public Driver {
       throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
                                   std::to_string(count) + ")");
     check(a_.cuDeviceGet(&dev_, device), "cuDeviceGet");
-    // The primary context is the one the CUDA runtime (and so PyTorch) uses on this device.
-    check(a_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
     check(a_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
     check(a_.cuDeviceTotalMem(&total_, dev_), "cuDeviceTotalMem");
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    // Last, so that no failure above leaves it retained. The primary context is the one the CUDA
+    // runtime (and so PyTorch) uses on this device.
+    check(a_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
   }
-  ~CudaDriver() override {
-    // Best effort: at interpreter exit the driver may already be shutting down.
-    {
-      Ctx g(*this);
-      for (CUevent e : event_pool_) a_.cuEventDestroy(e);
-    }
-    for (auto& fe : foreign_events_) {
-      Ctx g(*this, fe.second);
-      a_.cuEventDestroy(fe.first);
-    }
-    a_.cuDevicePrimaryCtxRelease(dev_);
-  }
+  ~CudaDriver() override { drop_context(); }
+
+  // close(): everything was unmapped and released; give back the events and the context too,
+  // so that a closed allocator holds nothing of the driver's.
+  void shutdown() noexcept override { drop_context(); }
 
   const char* name() const override { return "cuda"; }
   size_t granularity() const override { return granularity_; }
@@ -250,6 +244,24 @@ class CudaDriver final : public Driver {
   }
 
  private:
+  // Destroys the events and releases the primary context, once. Best effort: at interpreter exit
+  // the driver may already be shutting down.
+  void drop_context() noexcept {
+    if (!ctx_) return;
+    {
+      Ctx g(*this);
+      for (CUevent e : event_pool_) a_.cuEventDestroy(e);
+    }
+    event_pool_.clear();
+    for (auto& fe : foreign_events_) {
+      Ctx g(*this, fe.second);
+      a_.cuEventDestroy(fe.first);
+    }
+    foreign_events_.clear();
+    a_.cuDevicePrimaryCtxRelease(dev_);
+    ctx_ = nullptr;
+  }
+
   // Makes this device's primary context current for the duration of a call (the allocator may be
   // called from threads whose current context belongs to another device, or none).
   struct Ctx {
