@@ -51,11 +51,12 @@ def test_cuda_backend_on_the_fake_driver(tmp_path_factory):
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(lib_dir), env.get("LD_LIBRARY_PATH")) if p),
         fake_cuda.ENV_FLAG: "1",
         "FAKECUDA_REPORT": str(report),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
     })
+    # cwd tests/: `python -m` puts the cwd first on sys.path, and the checkout's root there would
+    # shadow an installed vmalloc (CI) with sources that have no built extension
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "driver or fake_cuda",
-           "-rs", *FILES]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+           "-rs", *(str(ROOT / f) for f in FILES)]
+    done = subprocess.run(cmd, cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=900)
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"pytest on the fake libcuda failed ({' '.join(cmd)}):\n{out[-8000:]}"
     passed = re.search(r"(\d+) passed", out)
