@@ -15,7 +15,10 @@ Host backend (always):
     cache_slack=0.25 / prefer_remap): maps per malloc (overall and in the steady second half),
     cache hits, physical peak / requested peak. This is what chose the defaults.
 CUDA backend (only where torch sees a GPU; skipped otherwise and said so in the JSON): the same
-fast/remap numbers next to cudaMalloc/cudaFree and PyTorch's caching allocator (torch.empty/del).
+fast/remap numbers next to cudaMalloc/cudaFree and PyTorch's caching allocator (torch.empty/del),
+plus the fast path once a second stream was seen (``vmalloc_fast_2chunks_two_streams``: every
+free then records an event, one cuEventRecord per pair; the fake driver's test shows it is the
+only driver call there).
 
 Writes bench/results/alloc_micro.json and prints a table.
 """
@@ -51,8 +54,14 @@ def best_of(runs: int, fn: Callable[[], float]) -> float:
 # Fast, remap and fresh paths
 
 
-def fast_path(backend: str, chunk: int, nbytes: int, pairs: int, runs: int) -> Dict[str, float]:
+def fast_path(backend: str, chunk: int, nbytes: int, pairs: int, runs: int,
+              side_stream: Optional[int] = None) -> Dict[str, float]:
+    """malloc/free pairs of one cached size on the default stream. side_stream: one allocation on
+    that stream first, so the allocator has seen two streams and records an event at every free
+    (cross-stream reuse must wait for it): the fast path's cost in a program with side streams."""
     with Allocator(backend, chunk_size=chunk) as a:
+        if side_stream is not None:
+            a.free(a.malloc(nbytes, stream=side_stream))
         _core.alloc_bench_cycle(a, [nbytes], 1000)  # warm: the range is cached
         cpp = best_of(runs, lambda: _core.alloc_bench_cycle(a, [nbytes], pairs))
 
@@ -201,6 +210,8 @@ def cuda_section(quick: bool, runs: int) -> Dict[str, object]:
     out: Dict[str, object] = {"device": torch.cuda.get_device_name(0), "granularity": g}
     out["vmalloc_fast_2chunks"] = fast_path("cuda", g, 2 * g, pairs, runs)
     out["vmalloc_fast_small_4KiB"] = fast_path("cuda", g, 4 * KiB, pairs, runs)
+    side = torch.cuda.Stream(device=0).cuda_stream   # a pooled stream: never destroyed
+    out["vmalloc_fast_2chunks_two_streams"] = fast_path("cuda", g, 2 * g, pairs, runs, side_stream=side)
     out["vmalloc_remap"] = [remap_path("cuda", g, k, 200 if quick else 1000, runs) for k in (2, 8, 32)]
     out["vmalloc_fresh"] = [fresh_path("cuda", g, k, 50 if quick else 200, runs) for k in (1, 8)]
 

@@ -74,6 +74,15 @@ def test_the_fast_path_makes_no_driver_call(fake, mem):
         for _ in range(50):
             step()
         assert fake.calls() == calls
+        a.free(a.malloc(3 * G, stream=mem.new_stream()))   # a second stream
+        for _ in range(5):
+            step()
+        calls = fake.calls()
+        for _ in range(50):
+            step()
+        after = fake.calls()
+        more = {k: after[k] - calls.get(k, 0) for k in after if after[k] != calls.get(k, 0)}
+        assert more == {"cuEventRecord": 50, "cuCtxGetCurrent": 50}  # one event per large free
 
 
 def test_granularity_and_bad_devices_leave_no_context_retained(fake, mem):
