@@ -16,7 +16,9 @@ on a GPU the parent runs one worker process per allocator and collects their JSO
 Every configuration is checked against plain training: at the smallest batch, its losses over
 all steps (same seed) must equal plain training's bit for bit for the exact methods (all of
 them here), and plain training must give the same losses under every allocator; a mismatch
-marks the row ``error`` and the run exits non-zero.
+marks the row ``error`` and the run exits non-zero. GPU workers run cuDNN's deterministic
+algorithms (``torch.backends.cudnn.deterministic``, every method alike), without which
+run-to-run noise would fail those checks.
 
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.
@@ -395,9 +397,20 @@ def _set_allocator(allocator: str, budget: Optional[int]) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
 
 
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits on every run, which the loss checks need: cuDNN's
+    heuristics otherwise may pick convolution backward algorithms that accumulate with atomics
+    (ResNet-50's losses would then differ from plain training's, and plain training's from one
+    allocator's process to the next, by run-to-run noise). The same setting for every method,
+    so the comparison stays fair; cuBLAS and the models' other kernels are deterministic."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def worker_main(args: argparse.Namespace) -> int:
     grid = Grid(**json.loads(args.worker_grid))
     grid.methods = [BY_NAME[n] for n in grid.methods]  # type: ignore[index]
+    deterministic_kernels()
     _set_allocator(args.worker, grid.budget)
     rows, references = run_grid(grid, grid.methods, torch.device("cuda"))
     for r in rows:

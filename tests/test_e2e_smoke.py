@@ -91,3 +91,32 @@ def test_the_parent_reads_what_a_gpu_worker_prints():
                      f"{e2e.REF} {json.dumps({'resnet50': [2.5, 2.25]})}"])
     rows, refs = e2e.worker_output(out)
     assert [r.row() for r in rows] == [row.row()] and refs == {"resnet50": [2.5, 2.25]}
+
+
+def test_gpu_workers_use_deterministic_cudnn():
+    """Every worker (one per allocator) makes cuDNN deterministic before it trains: the loss
+    checks compare bits across methods and processes, which atomics-based convolution
+    backward algorithms (cuDNN's heuristics may pick them) would break on a GPU."""
+    import argparse
+
+    import torch
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark)
+    seen = {}
+
+    def fake_grid(grid, methods, device):
+        seen["flags"] = (cudnn.deterministic, cudnn.benchmark)
+        return [], {}
+
+    try:
+        cudnn.deterministic, cudnn.benchmark = False, True
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(e2e, "run_grid", fake_grid)
+            mp.setattr(e2e, "_set_allocator", lambda allocator, budget: None)
+            spec = {"models": {"resnet50": [64]}, "methods": ["native"], "budget": None,
+                    "steps": 1, "warmup": 0}
+            assert e2e.worker_main(argparse.Namespace(worker="native",
+                                                      worker_grid=json.dumps(spec))) == 0
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved
+    assert seen["flags"] == (True, False)
