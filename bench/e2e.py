@@ -251,7 +251,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _reset_peak(device: torch.device) -> None:
+    """Start a job's peak from what it holds: the memory the previous job's tensors left in
+    the allocator's cache (they were freed only when it returned) is released first, else
+    ``max_memory_reserved`` would count it in this job's peak."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 

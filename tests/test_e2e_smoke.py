@@ -120,3 +120,28 @@ def test_gpu_workers_use_deterministic_cudnn():
     finally:
         cudnn.deterministic, cudnn.benchmark = saved
     assert seen["flags"] == (True, False)
+
+
+def test_a_jobs_peak_leaves_out_what_the_previous_job_left_cached(monkeypatch):
+    """On a GPU a job's tensors are freed when run_job returns, into the allocator's cache:
+    the next job's peak (max_memory_reserved since its reset) must not count that cache."""
+    import torch
+
+    class Allocator:   # PyTorch's view: reserved = live + cached; a reset sets the peak to it
+        live, cached, peak = 1 << 20, 10 << 30, 0
+
+    a = Allocator()
+
+    def reset(device=None):
+        a.peak = a.live + a.cached
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(a, "cached", 0))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: a.peak)
+    # a tiny CPU workload, run as the GPU path runs it (device "cuda": the allocator above)
+    factory = lambda: e2e.build_workload("gpt2-s32", 2, torch.device("cpu"), True, 0)  # noqa: E731
+    r = e2e.run_job(e2e.BY_NAME["native"], factory, None, torch.device("cuda"), steps=1,
+                    warmup=0, seed=0)
+    assert r.status == "ok", r.note
+    assert r.peak_bytes == a.live   # not the 10 GiB an earlier job left cached
