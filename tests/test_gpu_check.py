@@ -153,3 +153,17 @@ def test_out_of_time_names_the_steps_left_and_the_last_step_gets_all_time(monkey
     assert limits["alloc_micro"] == 300 and "e2e-quick" not in limits
     gc.main(["--no-build", "--only", "alloc_micro", str(tmp_path / "b")])
     assert limits["alloc_micro"] >= 10 ** 6   # the last step: whatever time is left
+
+
+def test_a_broken_torch_is_a_failure_not_a_machine_without_a_gpu(tmp_path):
+    gc = load_script()
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    with pytest.raises(RuntimeError, match="libcudart"):
+        gc.cuda_device(env)
+    # no torch at all (as the import reports it): no GPU steps, not an error
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", "
+                                      "name='torch')\n")
+    assert gc.cuda_device(env) is None
