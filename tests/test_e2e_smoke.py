@@ -104,7 +104,7 @@ def test_gpu_workers_use_deterministic_cudnn():
     saved = (cudnn.deterministic, cudnn.benchmark)
     seen = {}
 
-    def fake_grid(grid, methods, device):
+    def fake_grid(grid, methods, device, report=None):
         seen["flags"] = (cudnn.deterministic, cudnn.benchmark)
         return [], {}
 
@@ -145,3 +145,38 @@ def test_a_jobs_peak_leaves_out_what_the_previous_job_left_cached(monkeypatch):
                     warmup=0, seed=0)
     assert r.status == "ok", r.note
     assert r.peak_bytes == a.live   # not the 10 GiB an earlier job left cached
+
+
+def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
+    """A GPU worker prints each row (and each model's reference losses) as it finishes it: if
+    it is killed later (host memory, a driver error), the parent keeps those and marks only
+    the jobs it did not finish."""
+    done = e2e.JobResult("resnet50", "native", 64, 321.0, "images/s", 5 << 30, 16 << 30, "ok",
+                         "loss bitwise equal to plain training (8 steps)")
+    lines = [f"{e2e.REF} {json.dumps({'resnet50': [2.5, 2.25]})}",
+             f"{e2e.ROW} {json.dumps(done.row())}",
+             f"{e2e.REF} {json.dumps({'gpt2-s1024': [7.0]})}"]
+    rows, refs = e2e.worker_output("\n".join(lines))
+    assert refs == {"resnet50": [2.5, 2.25], "gpt2-s1024": [7.0]}
+
+    class Killed:   # what Popen gives for a worker the kernel killed after one job
+        returncode = -9
+
+        def communicate(self):
+            return "\n".join(lines[:2]) + "\n", None
+
+    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: Killed())
+    grid = e2e.Grid({"resnet50": [64, 512]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
+    got = {(r.batch_size, r.status): r.note for r in e2e.run_workers(grid)}
+    assert set(got) == {(64, "ok"), (512, "error")}
+    assert "exited -9 before this job finished" in got[(512, "error")]
+
+
+def test_the_worker_reports_each_result_as_it_is_made(monkeypatch):
+    """run_grid hands every row and reference to ``report`` at once (the GPU worker prints)."""
+    heard = []
+    grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["native"]], None, 1, 0)
+    rows, refs = e2e.run_grid(grid, grid.methods, __import__("torch").device("cpu"),
+                              lambda kind, payload: heard.append((kind, payload)))
+    assert [k for k, _ in heard] == [e2e.REF, e2e.ROW]
+    assert heard[0][1] == refs and heard[1][1] == rows[0].row()
