@@ -16,7 +16,9 @@ on a GPU the parent runs one worker process per allocator and collects their JSO
 Every configuration is checked against plain training: at the smallest batch, its losses over
 all steps (same seed) must equal plain training's bit for bit for the exact methods (all of
 them here), and plain training must give the same losses under every allocator; a mismatch
-marks the row ``error`` and the run exits non-zero.
+marks the row ``error`` and the run exits non-zero. GPU workers run cuDNN's deterministic
+algorithms (``torch.backends.cudnn.deterministic``, every method alike), without which
+run-to-run noise would fail those checks.
 
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.
@@ -249,7 +251,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _reset_peak(device: torch.device) -> None:
+    """Start a job's peak from what it holds: the memory the previous job's tensors left in
+    the allocator's cache (they were freed only when it returned) is released first, else
+    ``max_memory_reserved`` would count it in this job's peak."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -312,7 +318,12 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
 FULL_BATCHES = {"resnet50": [64, 128, 256, 512, 928, 1120, 1248, 1440, 2048],
                 "gpt2-s1024": [4, 8, 16, 32, 64], "gpt2-s2048": [2, 4, 8, 16, 32],
                 "bert-dyn": [16, 32, 64, 128]}
-QUICK_BATCHES = {"resnet50": [64, 512, 1440, 2048], "gpt2-s1024": [8, 32]}
+# --quick fits the lent GPU machines' 128 GiB of host memory: what the offloading methods hold
+# there is the saved activations beyond the budget, pinned (PyTorch's pinned-memory cache rounds
+# blocks up to powers of two), and a worker killed for host memory loses its later jobs.
+# ResNet-50 saves 85 MiB per 224px image (meta_chain): batch 512 is 42 GiB, 1440 is 119 GiB and
+# 2048 is 169 GiB; GPT-2 at 1024 tokens saves 2.25 GiB per sequence (batch 32: 72 GiB).
+QUICK_BATCHES = {"resnet50": [64, 256, 512], "gpt2-s1024": [8, 32]}
 SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2-s32": [2], "bert-dyn": [2]}
 
 
@@ -339,11 +350,15 @@ def _progress(i: int, n: int, text: str) -> None:
         print(file=sys.stderr)
 
 
-def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device
+def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
+             report: Optional[Callable[[str, Any], None]] = None
              ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """Every method at every batch size under the budget, in this process. At the smallest
     batch each run's losses are compared with plain training's (same seed, no budget), which
-    is also returned so runs under other allocators can be compared with it."""
+    is also returned so runs under other allocators can be compared with it. ``report(kind,
+    payload)`` hears each result as it is made (a GPU worker prints it at once: a worker that
+    dies later, killed for host memory say, keeps what it finished)."""
+    tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
     references: Dict[str, List[float]] = {}
     total = sum(len(b) * len(methods) + 1 for b in grid.models.values())
@@ -355,6 +370,7 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device
                       grid.steps, grid.warmup, grid.seed)
         done += 1
         references[model] = ref.losses
+        tell(REF, {model: ref.losses})
         for m in methods:
             for b in batches:
                 _progress(done, total, f"{model} {m.name} b={b}")
@@ -366,6 +382,7 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device
                     if r.note.startswith("LOSS MISMATCH"):
                         r.status = "error"
                 rows.append(r)
+                tell(ROW, r.row())
     _progress(total, total, "done")
     return rows, references
 
@@ -395,14 +412,23 @@ def _set_allocator(allocator: str, budget: Optional[int]) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
 
 
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits on every run, which the loss checks need: cuDNN's
+    heuristics otherwise may pick convolution backward algorithms that accumulate with atomics
+    (ResNet-50's losses would then differ from plain training's, and plain training's from one
+    allocator's process to the next, by run-to-run noise). The same setting for every method,
+    so the comparison stays fair; cuBLAS and the models' other kernels are deterministic."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def worker_main(args: argparse.Namespace) -> int:
     grid = Grid(**json.loads(args.worker_grid))
     grid.methods = [BY_NAME[n] for n in grid.methods]  # type: ignore[index]
+    deterministic_kernels()
     _set_allocator(args.worker, grid.budget)
-    rows, references = run_grid(grid, grid.methods, torch.device("cuda"))
-    for r in rows:
-        print(f"{ROW} {json.dumps(r.row())}", flush=True)
-    print(f"{REF} {json.dumps(references)}", flush=True)
+    run_grid(grid, grid.methods, torch.device("cuda"),
+             lambda kind, payload: print(f"{kind} {json.dumps(payload)}", flush=True))
     return 0
 
 
@@ -425,7 +451,7 @@ def worker_output(stdout: str) -> Tuple[List[JobResult], Dict[str, List[float]]]
         if kind == ROW:
             rows.append(JobResult(**json.loads(payload)))
         elif kind == REF:
-            references = json.loads(payload)
+            references.update(json.loads(payload))   # one line per model
     return rows, references
 
 
@@ -446,10 +472,13 @@ def run_workers(grid: Grid) -> List[JobResult]:
         got, ref = worker_output(proc.communicate()[0])
         if ref:
             references[allocator] = ref
-        if proc.returncode != 0 or not got:
-            got = [JobResult(model, m.name, b, None, "", None, grid.budget, "error",
-                             f"worker for the {allocator} allocator exited {proc.returncode}")
-                   for model, bs in grid.models.items() for m in methods for b in bs]
+        if proc.returncode != 0 or not got:   # the jobs it did not finish, in its order
+            done = {(r.model, r.method, r.batch_size) for r in got}
+            got += [JobResult(model, m.name, b, None, "", None, grid.budget, "error",
+                              f"worker for the {allocator} allocator exited {proc.returncode} "
+                              "before this job finished")
+                    for model, bs in grid.models.items() for m in methods for b in bs
+                    if (model, m.name, b) not in done]
         rows += got
     base = references.get("native")
     for allocator, ref in references.items():

@@ -91,3 +91,92 @@ def test_the_parent_reads_what_a_gpu_worker_prints():
                      f"{e2e.REF} {json.dumps({'resnet50': [2.5, 2.25]})}"])
     rows, refs = e2e.worker_output(out)
     assert [r.row() for r in rows] == [row.row()] and refs == {"resnet50": [2.5, 2.25]}
+
+
+def test_gpu_workers_use_deterministic_cudnn():
+    """Every worker (one per allocator) makes cuDNN deterministic before it trains: the loss
+    checks compare bits across methods and processes, which atomics-based convolution
+    backward algorithms (cuDNN's heuristics may pick them) would break on a GPU."""
+    import argparse
+
+    import torch
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark)
+    seen = {}
+
+    def fake_grid(grid, methods, device, report=None):
+        seen["flags"] = (cudnn.deterministic, cudnn.benchmark)
+        return [], {}
+
+    try:
+        cudnn.deterministic, cudnn.benchmark = False, True
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(e2e, "run_grid", fake_grid)
+            mp.setattr(e2e, "_set_allocator", lambda allocator, budget: None)
+            spec = {"models": {"resnet50": [64]}, "methods": ["native"], "budget": None,
+                    "steps": 1, "warmup": 0}
+            assert e2e.worker_main(argparse.Namespace(worker="native",
+                                                      worker_grid=json.dumps(spec))) == 0
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved
+    assert seen["flags"] == (True, False)
+
+
+def test_a_jobs_peak_leaves_out_what_the_previous_job_left_cached(monkeypatch):
+    """On a GPU a job's tensors are freed when run_job returns, into the allocator's cache:
+    the next job's peak (max_memory_reserved since its reset) must not count that cache."""
+    import torch
+
+    class Allocator:   # PyTorch's view: reserved = live + cached; a reset sets the peak to it
+        live, cached, peak = 1 << 20, 10 << 30, 0
+
+    a = Allocator()
+
+    def reset(device=None):
+        a.peak = a.live + a.cached
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(a, "cached", 0))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: a.peak)
+    # a tiny CPU workload, run as the GPU path runs it (device "cuda": the allocator above)
+    factory = lambda: e2e.build_workload("gpt2-s32", 2, torch.device("cpu"), True, 0)  # noqa: E731
+    r = e2e.run_job(e2e.BY_NAME["native"], factory, None, torch.device("cuda"), steps=1,
+                    warmup=0, seed=0)
+    assert r.status == "ok", r.note
+    assert r.peak_bytes == a.live   # not the 10 GiB an earlier job left cached
+
+
+def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
+    """A GPU worker prints each row (and each model's reference losses) as it finishes it: if
+    it is killed later (host memory, a driver error), the parent keeps those and marks only
+    the jobs it did not finish."""
+    done = e2e.JobResult("resnet50", "native", 64, 321.0, "images/s", 5 << 30, 16 << 30, "ok",
+                         "loss bitwise equal to plain training (8 steps)")
+    lines = [f"{e2e.REF} {json.dumps({'resnet50': [2.5, 2.25]})}",
+             f"{e2e.ROW} {json.dumps(done.row())}",
+             f"{e2e.REF} {json.dumps({'gpt2-s1024': [7.0]})}"]
+    rows, refs = e2e.worker_output("\n".join(lines))
+    assert refs == {"resnet50": [2.5, 2.25], "gpt2-s1024": [7.0]}
+
+    class Killed:   # what Popen gives for a worker the kernel killed after one job
+        returncode = -9
+
+        def communicate(self):
+            return "\n".join(lines[:2]) + "\n", None
+
+    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: Killed())
+    grid = e2e.Grid({"resnet50": [64, 512]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
+    got = {(r.batch_size, r.status): r.note for r in e2e.run_workers(grid)}
+    assert set(got) == {(64, "ok"), (512, "error")}
+    assert "exited -9 before this job finished" in got[(512, "error")]
+
+
+def test_the_worker_reports_each_result_as_it_is_made(monkeypatch):
+    """run_grid hands every row and reference to ``report`` at once (the GPU worker prints)."""
+    heard = []
+    grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["native"]], None, 1, 0)
+    rows, refs = e2e.run_grid(grid, grid.methods, __import__("torch").device("cpu"),
+                              lambda kind, payload: heard.append((kind, payload)))
+    assert [k for k, _ in heard] == [e2e.REF, e2e.ROW]
+    assert heard[0][1] == refs and heard[1][1] == rows[0].row()

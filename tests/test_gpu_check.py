@@ -88,3 +88,82 @@ def test_out_of_time_stops_before_the_next_step(tmp_path):
         c.run("late", [sys.executable, "-c", "pass"], 60)
     assert e.value.code == 124
     assert "out of time" in (tmp_path / "gpu-check.log").read_text()
+
+
+def test_results_patterns_collect_what_the_benches_write_on_a_gpu(monkeypatch, tmp_path):
+    """bench/hf.py and bench/checkpoint_real.py name their results after the GPU; gpu-check
+    must bring those back (and not the committed CPU ones, hf-cpu.json and the like)."""
+    import fnmatch
+    import types
+
+    import torch
+    gc = load_script()
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    sys.path.insert(0, str(Path(ROOT) / "bench"))
+    try:
+        from common import run_meta   # bench/hf.py's results name
+    finally:
+        sys.path.pop(0)
+    hf_file = f"hf-{run_meta('x', 'cuda')['device_tag']}.json"
+    ck_file = f"checkpoint_real-{name.replace(' ', '_')}.json"   # bench/checkpoint_real.py's
+    tag = gc.device_tag(name)
+    for mode, step, wanted, stale in (("traces", "hf", hf_file, "hf-cpu.json"),
+                                      ("quick", "checkpoint_real", ck_file,
+                                       "checkpoint_real-cpu.json")):
+        args = types.SimpleNamespace(full=False, traces=mode == "traces", models="")
+        pattern = next(s[3] for s in gc.steps_for(args, tmp_path) if s[0] == step)
+        pattern = pattern.format(tag=tag)
+        assert fnmatch.fnmatch(wanted, pattern), (wanted, pattern)
+        assert not fnmatch.fnmatch(stale, pattern), (stale, pattern)
+
+
+def test_only_runs_the_named_steps_and_a_typo_stops_before_the_build(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "swap,e2e-quick",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
+                       env=python_env())
+    assert r.returncode == 0, r.stderr
+    assert "bench/swap.py --quick" in r.stdout and "bench/e2e.py --quick" in r.stdout
+    assert "SKIP  pytest-gpu: not in --only" in r.stdout and "-m pytest" not in r.stdout
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "swapp",
+                        str(tmp_path / "t")], capture_output=True, text=True, timeout=120,
+                       env=python_env())
+    assert r.returncode != 0 and "'swapp'" in r.stderr and "pytest-gpu" in r.stderr
+    assert "dev-build" not in r.stdout   # refused before anything ran
+
+
+def test_out_of_time_names_the_steps_left_and_the_last_step_gets_all_time(monkeypatch, tmp_path):
+    gc = load_script()
+    monkeypatch.setattr(gc, "cuda_device", lambda env: "Fake GPU")
+    limits = {}
+
+    def run(self, name, cmd, timeout, must_pass=True):
+        limits[name] = timeout
+        if name == "swap":
+            self.say("FAIL  swap: out of time")
+            raise SystemExit(124)
+
+    monkeypatch.setattr(gc.Check, "run", run)
+    monkeypatch.setattr(gc.Check, "collect", lambda self, pattern: None)
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--no-build", "--only", "alloc_micro,swap,e2e-quick", str(tmp_path / "a")])
+    assert e.value.code == 124
+    log = (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "continue with: scripts/gpu-check --no-build --only swap,e2e-quick OUTDIR" in log
+    assert limits["alloc_micro"] == 300 and "e2e-quick" not in limits
+    gc.main(["--no-build", "--only", "alloc_micro", str(tmp_path / "b")])
+    assert limits["alloc_micro"] >= 10 ** 6   # the last step: whatever time is left
+
+
+def test_a_broken_torch_is_a_failure_not_a_machine_without_a_gpu(tmp_path):
+    gc = load_script()
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    with pytest.raises(RuntimeError, match="libcudart"):
+        gc.cuda_device(env)
+    # no torch at all (as the import reports it): no GPU steps, not an error
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", "
+                                      "name='torch')\n")
+    assert gc.cuda_device(env) is None

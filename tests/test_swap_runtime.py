@@ -463,3 +463,25 @@ def test_install_global_turns_swapping_on_until_uninstalled():
         assert swap_mod.uninstall_global() is ctx
     assert swap_mod.global_context() is None
     assert_nothing_left(ctx)
+
+
+def test_an_enabled_vmalloc_without_its_allocator_is_an_error(monkeypatch):
+    """On a GPU with vmalloc enabled the runtime hooks vmalloc's pressure callback; if the
+    allocator cannot be had, that is said at once, not hidden (a budget's OOM would follow)."""
+    import vmalloc
+    from vmalloc import torch_allocator
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(vmalloc, "is_enabled", lambda: False)
+    assert swap_mod._find_vmalloc_allocator(cuda0) is None
+    monkeypatch.setattr(vmalloc, "is_enabled", lambda: True)
+    calls = []
+    monkeypatch.setattr(torch_allocator, "device_allocator",
+                        lambda d, create=False: calls.append((d, create)) or "allocator")
+    assert swap_mod._find_vmalloc_allocator(cuda0) == "allocator" and calls == [(0, True)]
+
+    def broken(d, create=False):
+        raise RuntimeError("vmalloc is not enabled")
+    monkeypatch.setattr(torch_allocator, "device_allocator", broken)
+    with pytest.raises(RuntimeError, match="not enabled"):
+        swap_mod._find_vmalloc_allocator(cuda0)

@@ -70,15 +70,17 @@ __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_
 
 
 def _find_vmalloc_allocator(device: torch.device) -> Any:
-    """vmalloc's registered allocator for ``device`` when vmalloc is enabled, else None."""
+    """vmalloc's registered allocator for ``device`` when vmalloc is enabled, else None. An
+    enabled vmalloc whose allocator cannot be had raises: swapping on without the pressure
+    callback would end in an out-of-memory error that does not say why."""
     try:
         import vmalloc
-        if not vmalloc.is_enabled():
-            return None
-        get = getattr(importlib.import_module("vmalloc.torch_allocator"), "device_allocator", None)
-        return None if get is None else get(device.index, True)
-    except Exception:  # noqa: BLE001 - vmalloc missing or not registered: no pressure callback
+    except ImportError:  # vmalloc missing: no pressure callback
         return None
+    if not vmalloc.is_enabled():
+        return None
+    from vmalloc.torch_allocator import device_allocator
+    return device_allocator(device.index, True)
 
 
 class SwapContext:
