@@ -20,6 +20,11 @@ marks the row ``error`` and the run exits non-zero. GPU workers run cuDNN's dete
 algorithms (``torch.backends.cudnn.deterministic``, every method alike), without which
 run-to-run noise would fail those checks.
 
+On a GPU a job whose largest operator cannot fit the budget (``scheduler.profile.op_floor``:
+its tensors plus weights, gradients and momentum; e.g. ResNet-50 at batch 2048 needs 18.4 GiB
+for the first BatchNorm's backward alone, GPT-2 at 32 x 1024 tokens 18.4 GiB for the loss's
+log-softmax backward) is not run: its row says ``infeasible`` and why, for every method.
+
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.
 
@@ -182,7 +187,7 @@ class JobResult:
     unit: str
     peak_bytes: Optional[int]
     budget_bytes: Optional[int]
-    status: str                       # ok | oom | error
+    status: str                       # ok | oom | error | infeasible (below the op floor: not run)
     note: str = ""
     detail: Dict[str, Any] = field(default_factory=dict)   # what the runtime did
     losses: List[float] = field(default_factory=list)
@@ -351,13 +356,16 @@ def _progress(i: int, n: int, text: str) -> None:
 
 
 def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
-             report: Optional[Callable[[str, Any], None]] = None
+             report: Optional[Callable[[str, Any], None]] = None,
+             floor: Optional[Callable[[str, int, Optional[int]], str]] = None
              ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """Every method at every batch size under the budget, in this process. At the smallest
     batch each run's losses are compared with plain training's (same seed, no budget), which
     is also returned so runs under other allocators can be compared with it. ``report(kind,
     payload)`` hears each result as it is made (a GPU worker prints it at once: a worker that
-    dies later, killed for host memory say, keeps what it finished)."""
+    dies later, killed for host memory say, keeps what it finished). ``floor(model, batch,
+    budget)``: why no method can fit (``op_floor_note``), or ""; such jobs become
+    ``infeasible`` rows without running."""
     tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
     references: Dict[str, List[float]] = {}
@@ -371,11 +379,19 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
         done += 1
         references[model] = ref.losses
         tell(REF, {model: ref.losses})
+        # the op floor bounds a physical budget (a GPU's); the CPU smoke's simulated budgets
+        # leave the weights out, so none is checked there
+        below_floor = {b: (floor or (lambda *a: ""))(model, b, grid.budget_for(model))
+                       for b in batches}
         for m in methods:
             for b in batches:
                 _progress(done, total, f"{model} {m.name} b={b}")
-                r = run_job(m, _factory(model, b, device, grid), grid.budget_for(model), device,
-                            grid.steps, grid.warmup, grid.seed)
+                if below_floor[b]:
+                    r = JobResult(model, m.name, b, None, "", None, grid.budget_for(model),
+                                  "infeasible", below_floor[b])
+                else:
+                    r = run_job(m, _factory(model, b, device, grid), grid.budget_for(model),
+                                device, grid.steps, grid.warmup, grid.seed)
                 done += 1
                 if b == smallest and r.status == "ok":
                     r.note = check_losses(m, r.losses, ref)
@@ -393,6 +409,34 @@ def check_losses(method: Method, losses: List[float], ref: JobResult) -> str:
     if method.exact and losses != ref.losses:
         return f"LOSS MISMATCH vs plain training: {losses} != {ref.losses}"
     return f"loss bitwise equal to plain training ({len(losses)} steps)"
+
+
+def op_floor_note(model: str, batch: int, budget: Optional[int], smoke: bool = False) -> str:
+    """Why no method can train ``model`` at ``batch`` within ``budget``, or "" when the floor
+    fits: its largest operator's tensors (scheduler.profile.op_floor, on the meta device) plus
+    what lives throughout (weights, gradients and SGD's momentum: 3 x the parameters) exceed
+    the budget. Such jobs are not run: on a GPU each would spend minutes finding out."""
+    if budget is None:
+        return ""
+    from bench.models import build
+    from scheduler.profile.op_floor import op_floor
+
+    name, seq_len, dynamic = parse_model(model)
+    family = "resnet" if name.startswith("resnet") else name
+    kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
+    if dynamic:
+        kw["seq_len"] = DYNAMIC_LENGTHS[smoke][1]   # the longest input of the run
+    elif seq_len is not None:
+        kw["seq_len"] = seq_len
+    zm = build(name, batch=batch, device="meta", **kw)
+    floor = op_floor(zm.blocks, zm.input_shape,
+                     input_dtype=torch.float32 if family == "resnet" else torch.long)
+    need = floor.bytes + 3 * floor.param_bytes
+    if need <= budget:
+        return ""
+    return (f"no method fits: its largest op ({floor.op}) holds {format_size(floor.bytes)} "
+            f"+ weights, gradients, momentum {format_size(3 * floor.param_bytes)} > budget "
+            f"{format_size(budget)}")
 
 
 def _factory(model: str, batch: int, device: torch.device, grid: Grid) -> Callable[[], Workload]:
@@ -428,7 +472,8 @@ def worker_main(args: argparse.Namespace) -> int:
     deterministic_kernels()
     _set_allocator(args.worker, grid.budget)
     run_grid(grid, grid.methods, torch.device("cuda"),
-             lambda kind, payload: print(f"{kind} {json.dumps(payload)}", flush=True))
+             lambda kind, payload: print(f"{kind} {json.dumps(payload)}", flush=True),
+             floor=op_floor_note)
     return 0
 
 

@@ -104,7 +104,7 @@ def test_gpu_workers_use_deterministic_cudnn():
     saved = (cudnn.deterministic, cudnn.benchmark)
     seen = {}
 
-    def fake_grid(grid, methods, device, report=None):
+    def fake_grid(grid, methods, device, report=None, floor=None):
         seen["flags"] = (cudnn.deterministic, cudnn.benchmark)
         return [], {}
 

@@ -6,8 +6,10 @@ estimation (seed 002, section 5.1) on a real device. Both import torch; the plan
 """
 from .cost import V100_BYTES_PER_S, V100_FLOPS_PER_S, CostModel
 from .meta import meta_chain
+from .op_floor import OpFloor, op_floor
 
-__all__ = ["CostModel", "V100_BYTES_PER_S", "V100_FLOPS_PER_S", "meta_chain", "measure_chain"]
+__all__ = ["CostModel", "V100_BYTES_PER_S", "V100_FLOPS_PER_S", "meta_chain", "measure_chain",
+           "OpFloor", "op_floor"]
 
 
 def __getattr__(name: str):
