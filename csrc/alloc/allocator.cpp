@@ -89,9 +89,11 @@ void install_fork_handler() {
   std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
 }
 
-// Streams whose handle names "the default stream of the current context" (CUDA's 0, legacy and
-// per-thread handles): they never die, so events on them may be recorded late.
-inline bool is_default_stream(uintptr_t s) { return s == 0 || s == 1 || s == 2; }
+// Streams whose handle names "the default stream of the current context" (CUDA's 0 and legacy
+// handles): they never die, so events on them may be recorded late. Not the per-thread handle
+// (2): it names the calling thread's stream, so an event recorded late from another thread would
+// land on another stream; its events are recorded at free, from the freeing thread.
+inline bool is_default_stream(uintptr_t s) { return s == 0 || s == 1; }
 
 std::string human(size_t bytes) {
   char buf[64];

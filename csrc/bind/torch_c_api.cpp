@@ -65,6 +65,27 @@ Registry& registry() {
   return *r;
 }
 
+// cuMemMap'd memory is readable by the devices cuMemSetAccess names, and vmalloc names only its
+// own: PyTorch's peer access (cudaDeviceEnablePeerAccess) covers cudaMalloc memory, not this. So a
+// kernel or peer copy of one GPU reading another's vmalloc memory in the same process may fault.
+// Not verified on hardware yet: say it once, loudly, where it can happen. Called under r.mutex.
+void warn_if_several_devices(const Registry& r, int device) {
+  if (r.base.backend != "cuda") return;
+  for (int d = 0; d < kMaxDevices; ++d) {
+    if (d == device || !r.alloc[d].load(std::memory_order_relaxed)) continue;
+    static bool warned = false;
+    if (!warned)
+      std::fprintf(stderr,
+                   "vmalloc: warning: this process allocates on GPUs %d and %d. vmalloc grants each GPU "
+                   "access to its own memory only, so a kernel or peer copy of one GPU that reads the "
+                   "other's tensors directly may fail with an illegal memory access. Use one process "
+                   "per GPU (torchrun), or VMALLOC=0 for single-process multi-GPU.\n",
+                   d, device);
+    warned = true;
+    return;
+  }
+}
+
 vmalloc::Allocator* get(int device, bool create) {
   if (device < 0 || device >= kMaxDevices) {
     throw std::invalid_argument("vmalloc: device " + std::to_string(device) + " out of range [0, " +
@@ -82,6 +103,7 @@ vmalloc::Allocator* get(int device, bool create) {
     a = new vmalloc::Allocator(cfg);
     a->set_trace(r.trace);
     r.alloc[device].store(a, std::memory_order_release);
+    warn_if_several_devices(r, device);
   }
   return a;
 }

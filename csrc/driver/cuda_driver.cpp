@@ -17,7 +17,22 @@ std::unique_ptr<Driver> make_cuda_driver(int) {
       "nvidia-cuda-runtime wheel at build time); rebuild with one of them installed (and "
       "VMALLOC_REQUIRE_CUDA=1 so that a missing cuda.h stops the build), or use backend='host'");
 }
-size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
+// Without a driver object: no primary context is retained (retaining the last reference would
+// create a context on the GPU just to answer, and releasing it destroy it again).
+size_t cuda_granularity(int device) {
+  const Api& a = api();
+  check(a.cuInit(0), "cuInit");
+  int count = 0;
+  check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (device < 0 || device >= count)
+    throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
+                                std::to_string(count) + ")");
+  CUmemAllocationProp prop = chunk_props(device);
+  size_t g = 0;
+  check(a.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity");
+  return g;
+}
 }  // namespace driver
 }  // namespace vmalloc
 
@@ -149,37 +164,44 @@ class CudaDriver final : public Driver {
 
   uintptr_t reserve(size_t size) override {
     Ctx g(*this);
+    g.check();
     CUdeviceptr p = 0;
     check(a_.cuMemAddressReserve(&p, size, 0, 0, 0), "cuMemAddressReserve");
     return static_cast<uintptr_t>(p);
   }
   void unreserve(uintptr_t va, size_t size) override {
     Ctx g(*this);
+    g.check();
     check(a_.cuMemAddressFree(static_cast<CUdeviceptr>(va), size), "cuMemAddressFree");
   }
 
   ChunkHandle create(size_t size) override {
     Ctx g(*this);
+    g.check();
     CUmemGenericAllocationHandle h = 0;
     check(a_.cuMemCreate(&h, size, &prop_, 0), "cuMemCreate");
     return static_cast<ChunkHandle>(h);
   }
   void release(ChunkHandle h) override {
     Ctx g(*this);
+    g.check();
     check(a_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)), "cuMemRelease");
   }
 
   void map(uintptr_t va, size_t size, ChunkHandle h) override {
     Ctx g(*this);
+    g.check();
     check(a_.cuMemMap(static_cast<CUdeviceptr>(va), size, 0, static_cast<CUmemGenericAllocationHandle>(h), 0),
           "cuMemMap");
   }
   void set_access(uintptr_t va, size_t size) override {
     Ctx g(*this);
+    g.check();
     check(a_.cuMemSetAccess(static_cast<CUdeviceptr>(va), size, &access_, 1), "cuMemSetAccess");
   }
   void unmap(uintptr_t va, size_t size) override {
     Ctx g(*this);
+    g.check();
     check(a_.cuMemUnmap(static_cast<CUdeviceptr>(va), size), "cuMemUnmap");
   }
 
@@ -193,6 +215,7 @@ class CudaDriver final : public Driver {
       check(stream_get_ctx()(reinterpret_cast<CUstream>(stream), &sctx), "cuStreamGetCtx");
     if (sctx != ctx_) {
       Ctx g(*this, sctx);
+      g.check();
       CUevent e = nullptr;
       check(a_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
       CUresult r = a_.cuEventRecord(e, reinterpret_cast<CUstream>(stream));
@@ -204,6 +227,7 @@ class CudaDriver final : public Driver {
       return reinterpret_cast<EventHandle>(e);
     }
     Ctx g(*this);
+    g.check();
     CUevent e = nullptr;
     if (!event_pool_.empty()) {
       e = event_pool_.back();
@@ -221,6 +245,7 @@ class CudaDriver final : public Driver {
   bool event_done(EventHandle e) override {
     if (e == 0) return true;
     Ctx g(*this);
+    g.check();
     CUresult r = a_.cuEventQuery(reinterpret_cast<CUevent>(e));
     if (r == CUDA_ERROR_NOT_READY) return false;
     check(r, "cuEventQuery");
@@ -229,6 +254,7 @@ class CudaDriver final : public Driver {
   void event_wait(EventHandle e) override {
     if (e == 0) return;
     Ctx g(*this);
+    g.check();
     check(a_.cuEventSynchronize(reinterpret_cast<CUevent>(e)), "cuEventSynchronize");
   }
   void event_destroy(EventHandle e) override {
@@ -236,7 +262,7 @@ class CudaDriver final : public Driver {
     auto it = foreign_events_.find(reinterpret_cast<CUevent>(e));
     if (it != foreign_events_.end()) {  // another context's event: destroyed there, not pooled
       Ctx g(*this, it->second);
-      a_.cuEventDestroy(it->first);
+      if (g.ok()) a_.cuEventDestroy(it->first);  // else its context is gone, and the event with it
       foreign_events_.erase(it);
       return;
     }
@@ -250,12 +276,13 @@ class CudaDriver final : public Driver {
     if (!ctx_) return;
     {
       Ctx g(*this);
-      for (CUevent e : event_pool_) a_.cuEventDestroy(e);
+      if (g.ok())
+        for (CUevent e : event_pool_) a_.cuEventDestroy(e);
     }
     event_pool_.clear();
     for (auto& fe : foreign_events_) {
       Ctx g(*this, fe.second);
-      a_.cuEventDestroy(fe.first);
+      if (g.ok()) a_.cuEventDestroy(fe.first);
     }
     foreign_events_.clear();
     a_.cuDevicePrimaryCtxRelease(dev_);
@@ -264,19 +291,27 @@ class CudaDriver final : public Driver {
 
   // Makes this device's primary context current for the duration of a call (the allocator may be
   // called from threads whose current context belongs to another device, or none).
+  // ok() is false when the switch failed (a context destroyed under us): the calls that follow
+  // would act in another context, so throwing paths check() it and noexcept paths skip them.
   struct Ctx {
     explicit Ctx(CudaDriver& d, CUcontext target = nullptr) : d_(d) {
       if (!target) target = d_.ctx_;
-      if (d_.a_.cuCtxGetCurrent(&prev_) == CUDA_SUCCESS && prev_ != target) {
-        d_.a_.cuCtxSetCurrent(target);
-        switched_ = true;
+      CUresult r = d_.a_.cuCtxGetCurrent(&prev_);
+      if (r != CUDA_SUCCESS) {
+        result_ = r;
+      } else if (prev_ != target) {
+        result_ = d_.a_.cuCtxSetCurrent(target);
+        switched_ = result_ == CUDA_SUCCESS;
       }
     }
     ~Ctx() {
       if (switched_) d_.a_.cuCtxSetCurrent(prev_);
     }
+    bool ok() const { return result_ == CUDA_SUCCESS; }
+    void check() const { vmalloc::driver::check(result_, "making the device's context current"); }
     CudaDriver& d_;
     CUcontext prev_ = nullptr;
+    CUresult result_ = CUDA_SUCCESS;
     bool switched_ = false;
   };
 
@@ -295,7 +330,22 @@ class CudaDriver final : public Driver {
 
 std::unique_ptr<Driver> make_cuda_driver(int device) { return std::make_unique<CudaDriver>(device); }
 
-size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
+// Without a driver object: no primary context is retained (retaining the last reference would
+// create a context on the GPU just to answer, and releasing it destroy it again).
+size_t cuda_granularity(int device) {
+  const Api& a = api();
+  check(a.cuInit(0), "cuInit");
+  int count = 0;
+  check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (device < 0 || device >= count)
+    throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
+                                std::to_string(count) + ")");
+  CUmemAllocationProp prop = chunk_props(device);
+  size_t g = 0;
+  check(a.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity");
+  return g;
+}
 
 }  // namespace driver
 }  // namespace vmalloc

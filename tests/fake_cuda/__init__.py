@@ -25,7 +25,7 @@ ENTRY_POINTS = (
     "cuMemAddressReserve", "cuMemAddressFree", "cuMemGetAllocationGranularity", "cuMemCreate",
     "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemsetD8", "cuMemcpyDtoH",
     "cuStreamCreate", "cuStreamDestroy", "cuStreamGetCtx", "cuEventCreate", "cuEventRecord",
-    "cuEventQuery", "cuEventSynchronize", "cuEventDestroy")
+    "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuDeviceCanAccessPeer")
 
 # CUresult values the tests inject or expect
 CUDA_SUCCESS = 0
@@ -84,6 +84,7 @@ class FakeDriver:
         self.lib.fakecuda_inject.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int,
                                              ctypes.c_ulonglong]
         self.lib.fakecuda_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.lib.fakecuda_stream_use.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
         self.lib.fakecuda_violation.restype = ctypes.c_char_p
         self.lib.fakecuda_violation.argtypes = [ctypes.c_longlong]
 
@@ -109,6 +110,13 @@ class FakeDriver:
         """Keep the events recorded on `stream` pending (its work still running), or let them go."""
         if self.lib.fakecuda_stream_hold(ctypes.c_void_p(stream), int(held)) != 0:
             raise ValueError(f"stream: {stream:#x} is not a live stream of the fake")
+
+    def use(self, stream: int, ptr: int, n: int) -> None:
+        """Queue device work on `stream` (0: the default stream) that reads and writes
+        [ptr, ptr + n): pending while the stream is held; unmapping it before then is a
+        violation."""
+        if self.lib.fakecuda_stream_use(ctypes.c_void_p(stream), ptr, n) != 0:
+            raise ValueError(f"use: stream {stream:#x} or [{ptr:#x}, +{n}) refused (see the violation)")
 
     def violations(self) -> List[str]:
         n = self.get("violations")

@@ -79,6 +79,7 @@ enum {
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
   CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -87,18 +88,27 @@ enum {
 
 /* ------------------------------------------------------------------------------------ state */
 
-struct Ctx {
-  int device;
-  int refs; /* primary context retains; 0 = not alive */
-};
 struct Stream {
   CUcontext ctx;
-  int held;
+  int held;                                  /* its work does not complete until let go */
+  unsigned long long submitted, completed;   /* work queued on it / done, in order */
+};
+struct Ctx {
+  int device;
+  int refs;              /* primary context retains; 0 = not alive */
+  struct Stream legacy;  /* what the NULL, legacy and per-thread handles name in this context */
 };
 struct Event {
   CUcontext ctx;
-  CUstream pending_on; /* non-null: recorded on a held stream, not complete yet */
+  CUstream stream;        /* where it was last recorded; NULL: never recorded */
+  unsigned long long seq; /* the stream's work up to here */
 };
+typedef struct { /* device work queued on a stream that reads or writes [va, va + size) */
+  CUstream stream;
+  unsigned long long seq;
+  CUdeviceptr va;
+  size_t size;
+} Use;
 typedef struct {
   int device;
   size_t size, slot; /* first slot in the device's memfd */
@@ -112,7 +122,7 @@ typedef struct {
   CUdeviceptr va;
   size_t size, offset;
   Handle* h;
-  int access;
+  unsigned access; /* the devices granted read-write access (a bit each) */
 } Mapping;
 
 #define MAX_DEVICES 8
@@ -149,7 +159,8 @@ static int initialized, ndevices;
 static pid_t owner_pid;
 static size_t total_mem, gran;
 static Device devices[MAX_DEVICES];
-static Vec reservations, handles, mappings, events, streams;
+static Vec reservations, handles, mappings, events, streams, uses;
+static Vec cover; /* scratch of covering(), under mu */
 static long long n_violations, n_event_syncs, n_calls;
 
 /* injected failures */
@@ -280,6 +291,7 @@ static CUresult do_init(unsigned int flags) {
   for (int d = 0; d < ndevices; ++d) {
     Device* dev = &devices[d];
     dev->ctx.device = d;
+    dev->ctx.legacy.ctx = &dev->ctx;
     dev->fd = memfd_create("fakecuda-device", MFD_CLOEXEC);
     if (dev->fd < 0 || ftruncate(dev->fd, (off_t)total_mem) != 0) return CUDA_ERROR_UNKNOWN;
     dev->slots = total_mem / gran;
@@ -324,7 +336,6 @@ static CUresult do_total_mem(size_t* bytes, CUdevice d) {
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) { LOCKED("cuDeviceTotalMem", 1, do_total_mem(bytes, d)); }
-EXPORT CUresult cuDeviceTotalMem(size_t* bytes, CUdevice d) { return cuDeviceTotalMem_v2(bytes, d); }
 
 /* ------------------------------------------------------------------------------- contexts */
 
@@ -351,7 +362,6 @@ static CUresult do_release(CUdevice d) {
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { LOCKED("cuDevicePrimaryCtxRelease", 1, do_release(d)); }
-EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }
 
 static CUresult do_get_current(CUcontext* out) {
   if (!out) return CUDA_ERROR_INVALID_VALUE;
@@ -589,45 +599,71 @@ EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGeneri
   LOCKED("cuMemMap", 1, do_map(va, size, offset, h, flags));
 }
 
-/* The mappings covering [va, va + size) exactly, in address order; 0 when some byte is unmapped
- * or a mapping sticks out of the range. */
-static size_t covering(CUdeviceptr va, size_t size, Mapping** out, size_t max) {
-  size_t n = 0;
+/* The mappings covering [va, va + size) exactly, in address order, into `cover`; 0 when some
+ * byte is unmapped or a mapping sticks out of the range. */
+static size_t covering(CUdeviceptr va, size_t size) {
+  cover.n = 0;
   for (CUdeviceptr at = va; at < va + size;) {
     Mapping* hit = NULL;
     for (size_t i = 0; i < mappings.n; ++i) {
       Mapping* m = mappings.p[i];
       if (m->va == at) hit = m;
     }
-    if (!hit || hit->va + hit->size > va + size || n == max) return 0;
-    out[n++] = hit;
+    if (!hit || hit->va + hit->size > va + size) return 0;
+    vec_push(&cover, hit);
     at += hit->size;
   }
-  return n;
+  return cover.n;
 }
 
-#define MAX_COVER 4096
+/* Work queued on a stream is done once the stream's `completed` reaches its sequence number. */
+static unsigned long long submit(CUstream s) {
+  ++s->submitted;
+  if (!s->held) s->completed = s->submitted;
+  return s->submitted;
+}
+static int event_pending(CUevent e) { return e->stream && e->seq > e->stream->completed; }
+
+/* Unmapping memory that queued device work still uses: the driver does it (cuMemUnmap does not
+ * wait for the device), the work then faults or reads another tensor's bytes. */
+static void check_no_pending_use(const char* fn, CUdeviceptr va, size_t size) {
+  for (size_t i = uses.n; i-- > 0;) {
+    Use* u = uses.p[i];
+    if (u->seq <= u->stream->completed) { /* done: forget it */
+      vec_remove_at(&uses, i);
+      free(u);
+    } else if (u->va < va + size && va < u->va + u->size) {
+      violation(fn, "[0x%llx, +%zu) unmapped while work queued on stream %p still uses [0x%llx, "
+                "+%zu): wait for the stream's event first (PyTorch's ExpandableSegment "
+                "synchronizes before unmapping for this reason)", va, size, (void*)u->stream, u->va,
+                u->size);
+    }
+  }
+}
 
 static CUresult do_set_access(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
   const char* fn = "cuMemSetAccess";
   NEED(need_context(fn));
-  if (!desc || count != 1 || desc->location.type != 1 || desc->flags != 3) {
-    violation(fn, "expected one read-write access descriptor for a device (count %zu)", count);
+  unsigned grant = 0;
+  for (size_t i = 0; desc && i < count; ++i) {
+    if (desc[i].location.type != 1 || desc[i].flags != 3 || desc[i].location.id < 0 ||
+        desc[i].location.id >= ndevices) {
+      violation(fn, "descriptor %zu is not read-write access for a device of this machine", i);
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    grant |= 1u << desc[i].location.id;
+  }
+  if (!grant) {
+    violation(fn, "no access descriptor");
     return CUDA_ERROR_INVALID_VALUE;
   }
-  static Mapping* cover[MAX_COVER];
-  size_t n = size ? covering(va, size, cover, MAX_COVER) : 0;
+  size_t n = size ? covering(va, size) : 0;
   if (n == 0) {
     violation(fn, "[0x%llx, +%zu) is not exactly covered by mappings", va, size);
     return CUDA_ERROR_INVALID_VALUE;
   }
-  for (size_t i = 0; i < n; ++i)
-    if (cover[i]->h->device != desc->location.id) {
-      violation(fn, "access for device %d to memory of device %d", desc->location.id, cover[i]->h->device);
-      return CUDA_ERROR_INVALID_VALUE;
-    }
   if (mprotect((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  for (size_t i = 0; i < n; ++i) cover[i]->access = 1;
+  for (size_t i = 0; i < n; ++i) ((Mapping*)cover.p[i])->access = grant;
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
@@ -637,36 +673,41 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDes
 static CUresult do_unmap(CUdeviceptr va, size_t size) {
   const char* fn = "cuMemUnmap";
   NEED(need_context(fn));
-  static Mapping* cover[MAX_COVER];
-  size_t n = size ? covering(va, size, cover, MAX_COVER) : 0;
+  size_t n = size ? covering(va, size) : 0;
   if (n == 0) {
     violation(fn, "[0x%llx, +%zu) is not exactly a run of whole mappings (no partial unmaps)", va, size);
     return CUDA_ERROR_INVALID_VALUE;
   }
+  check_no_pending_use(fn, va, size);
   void* p = mmap((void*)(uintptr_t)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_UNKNOWN;
   for (size_t i = 0; i < n; ++i) {
-    Handle* h = cover[i]->h;
-    vec_remove_at(&mappings, (size_t)vec_find(&mappings, cover[i]));
-    free(cover[i]);
+    Mapping* m = cover.p[i];
+    Handle* h = m->h;
+    vec_remove_at(&mappings, (size_t)vec_find(&mappings, m));
+    free(m);
     if (--h->mappings == 0 && h->released) free_handle(h);
   }
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size) { LOCKED("cuMemUnmap", 1, do_unmap(va, size)); }
 
-/* Device memory the tests read and write (tests/test_alloc_memory.py's CudaMemory): only bytes
- * that are mapped with access, as a kernel would need. */
+/* Device memory the current context's device reads or writes (tests/test_alloc_memory.py's
+ * CudaMemory, fakecuda_stream_use): only bytes mapped with access for that device, as a kernel
+ * needs (another device's memory needs cuMemSetAccess for this one: peer access). */
 static CUresult accessible(const char* fn, CUdeviceptr p, size_t n) {
+  int dev = current->device;
   for (CUdeviceptr at = p; at < p + n;) {
     Mapping* hit = NULL;
     for (size_t i = 0; i < mappings.n; ++i) {
       Mapping* m = mappings.p[i];
       if (at >= m->va && at < m->va + m->size) hit = m;
     }
-    if (!hit || !hit->access) {
-      violation(fn, "illegal address 0x%llx (in [0x%llx, +%zu)): not mapped with access", at, p, n);
+    if (!hit || !(hit->access & (1u << dev))) {
+      violation(fn, "illegal address 0x%llx (in [0x%llx, +%zu)) for device %d: %s", at, p, n, dev,
+                !hit ? "not mapped" : !hit->access ? "mapped without access"
+                                                   : "another device's memory without peer access");
       return CUDA_ERROR_ILLEGAL_ADDRESS;
     }
     at = hit->va + hit->size;
@@ -692,16 +733,22 @@ EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) { LOCKED("
 
 /* -------------------------------------------------------------------------- streams, events */
 
-static CUresult stream_context(const char* fn, CUstream s, CUcontext* out) {
+/* The stream a handle names: the NULL, legacy and per-thread handles are the current context's
+ * default stream (the fake does not tell threads apart), others must be live streams. */
+static CUresult resolve_stream(const char* fn, CUstream s, CUstream* out) {
   if (s == NULL || s == STREAM_LEGACY || s == STREAM_PER_THREAD) {
-    *out = current;
+    if (!current) {
+      violation(fn, "the default stream handle %p needs a current context", (void*)s);
+      return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    *out = &current->legacy;
     return CUDA_SUCCESS;
   }
   if (vec_find(&streams, s) < 0) {
     violation(fn, "%p is not a live stream", (void*)s);
     return CUDA_ERROR_INVALID_HANDLE;
   }
-  *out = s->ctx;
+  *out = s;
   return CUDA_SUCCESS;
 }
 
@@ -717,26 +764,42 @@ static CUresult do_stream_create(CUstream* out, unsigned int flags) {
 }
 EXPORT CUresult cuStreamCreate(CUstream* out, unsigned int flags) { LOCKED("cuStreamCreate", 1, do_stream_create(out, flags)); }
 
+/* A stream goes once its work is done (cuStreamDestroy returns at once, the driver finishes it):
+ * its events complete and forget it. */
+static void retire_stream(CUstream s) {
+  s->completed = s->submitted;
+  for (size_t j = 0; j < events.n; ++j) {
+    CUevent e = events.p[j];
+    if (e->stream == s) e->stream = NULL;
+  }
+  for (size_t j = uses.n; j-- > 0;) {
+    Use* u = uses.p[j];
+    if (u->stream == s) {
+      vec_remove_at(&uses, j);
+      free(u);
+    }
+  }
+}
+
 static CUresult do_stream_destroy(CUstream s) {
   long i = vec_find(&streams, s);
   if (i < 0) {
     violation("cuStreamDestroy", "%p is not a live stream", (void*)s);
     return CUDA_ERROR_INVALID_HANDLE;
   }
-  for (size_t j = 0; j < events.n; ++j) {
-    CUevent e = events.p[j];
-    if (e->pending_on == s) e->pending_on = NULL; /* its work completes before the stream goes */
-  }
+  retire_stream(s);
   vec_remove_at(&streams, (size_t)i);
   free(s);
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuStreamDestroy_v2(CUstream s) { LOCKED("cuStreamDestroy", 1, do_stream_destroy(s)); }
-EXPORT CUresult cuStreamDestroy(CUstream s) { return cuStreamDestroy_v2(s); }
 
 static CUresult do_stream_get_ctx(CUstream s, CUcontext* out) {
-  if (!out) return CUDA_ERROR_INVALID_VALUE; /* needs no current context, as in the driver */
-  return stream_context("cuStreamGetCtx", s, out);
+  if (!out) return CUDA_ERROR_INVALID_VALUE; /* needs no current context for a created stream */
+  CUstream r = NULL;
+  NEED(resolve_stream("cuStreamGetCtx", s, &r));
+  *out = r->ctx;
+  return CUDA_SUCCESS;
 }
 EXPORT CUresult cuStreamGetCtx(CUstream s, CUcontext* out) { LOCKED("cuStreamGetCtx", 1, do_stream_get_ctx(s, out)); }
 
@@ -763,15 +826,15 @@ static CUresult do_event_record(CUevent e, CUstream s) {
   const char* fn = "cuEventRecord";
   NEED(need_context(fn));
   NEED(live_event(fn, e));
-  CUcontext sctx = NULL;
-  NEED(stream_context(fn, s, &sctx));
-  if (sctx != e->ctx) {
+  CUstream r = NULL;
+  NEED(resolve_stream(fn, s, &r));
+  if (r->ctx != e->ctx) {
     violation(fn, "event of device %d's context recorded on a stream of device %d's context",
-              e->ctx->device, sctx ? sctx->device : -1);
+              e->ctx->device, r->ctx->device);
     return CUDA_ERROR_INVALID_HANDLE;
   }
-  int held = s != NULL && s != STREAM_LEGACY && s != STREAM_PER_THREAD && s->held;
-  e->pending_on = held ? s : NULL;
+  e->stream = r;
+  e->seq = submit(r);
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { LOCKED("cuEventRecord", 1, do_event_record(e, s)); }
@@ -779,15 +842,15 @@ EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { LOCKED("cuEventRecord", 1
 static CUresult do_event_query(CUevent e) {
   NEED(need_context("cuEventQuery"));
   NEED(live_event("cuEventQuery", e));
-  return e->pending_on ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+  return event_pending(e) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 EXPORT CUresult cuEventQuery(CUevent e) { LOCKED("cuEventQuery", 1, do_event_query(e)); }
 
 static CUresult do_event_sync(CUevent e) {
   NEED(need_context("cuEventSynchronize"));
   NEED(live_event("cuEventSynchronize", e));
-  if (e->pending_on) {
-    e->pending_on = NULL; /* the host waited until the work was done */
+  if (event_pending(e)) {
+    e->stream->completed = e->seq; /* the host waited until the stream got there */
     ++n_event_syncs;
   }
   return CUDA_SUCCESS;
@@ -807,10 +870,18 @@ static CUresult do_event_destroy(CUevent e) {
   return CUDA_SUCCESS;
 }
 EXPORT CUresult cuEventDestroy_v2(CUevent e) { LOCKED("cuEventDestroy", 1, do_event_destroy(e)); }
-EXPORT CUresult cuEventDestroy(CUevent e) { return cuEventDestroy_v2(e); }
 
-/* The last release of a primary context destroys what was made in it. */
+/* The last release of a primary context waits for its work and destroys what was made in it. */
 static void drop_context_objects(CUcontext c) {
+  retire_stream(&c->legacy);
+  for (size_t i = streams.n; i-- > 0;) {
+    CUstream s = streams.p[i];
+    if (s->ctx == c) {
+      retire_stream(s);
+      vec_remove_at(&streams, i);
+      free(s);
+    }
+  }
   for (size_t i = events.n; i-- > 0;) {
     CUevent e = events.p[i];
     if (e->ctx == c) {
@@ -818,14 +889,33 @@ static void drop_context_objects(CUcontext c) {
       free(e);
     }
   }
-  for (size_t i = streams.n; i-- > 0;) {
-    CUstream s = streams.p[i];
-    if (s->ctx == c) {
-      vec_remove_at(&streams, i);
-      free(s);
-    }
-  }
 }
+
+static CUresult do_can_access_peer(int* can, CUdevice dev, CUdevice peer) {
+  NEED(valid_device("cuDeviceCanAccessPeer", dev));
+  NEED(valid_device("cuDeviceCanAccessPeer", peer));
+  if (!can) return CUDA_ERROR_INVALID_VALUE;
+  *can = dev != peer; /* every pair of the fake's devices is peer-capable */
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceCanAccessPeer(int* can, CUdevice dev, CUdevice peer) {
+  LOCKED("cuDeviceCanAccessPeer", 1, do_can_access_peer(can, dev, peer));
+}
+
+/* The names cuda.h maps to a _v2 entry point exist in the driver with their old ABI
+ * (cuDeviceTotalMem's old one writes an unsigned int): calling them is a build mistake. */
+#define OLD_NAME(ret_args, name, v2)                                                         \
+  EXPORT CUresult name ret_args {                                                            \
+    pthread_mutex_lock(&mu);                                                                 \
+    violation(#name, "called by its old name: cuda.h maps it to " #v2 " (another ABI)");     \
+    pthread_mutex_unlock(&mu);                                                               \
+    return CUDA_ERROR_NOT_SUPPORTED;                                                         \
+  }
+OLD_NAME((unsigned int* bytes __attribute__((unused)), CUdevice d __attribute__((unused))),
+         cuDeviceTotalMem, cuDeviceTotalMem_v2)
+OLD_NAME((CUdevice d __attribute__((unused))), cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2)
+OLD_NAME((CUevent e __attribute__((unused))), cuEventDestroy, cuEventDestroy_v2)
+OLD_NAME((CUstream s __attribute__((unused))), cuStreamDestroy, cuStreamDestroy_v2)
 
 /* ----------------------------------------------------------------------------- error names */
 
@@ -876,18 +966,38 @@ EXPORT int fakecuda_inject(const char* fn, unsigned long long nth, int result, u
   return 0;
 }
 
-/* A held stream keeps the events recorded on it pending (device work still running); letting it
- * go completes them. Returns 0, or -1 when `s` is not a live stream. */
+/* A held stream's work does not complete (a kernel still running): the events recorded on it
+ * stay pending, the memory used on it stays in use; letting it go completes its work. Returns 0,
+ * or -1 when `s` is not a live stream. */
 EXPORT int fakecuda_stream_hold(CUstream s, int held) {
   pthread_mutex_lock(&mu);
   int ok = vec_find(&streams, s) >= 0;
   if (ok) {
     s->held = held;
-    if (!held)
-      for (size_t i = 0; i < events.n; ++i) {
-        CUevent e = events.p[i];
-        if (e->pending_on == s) e->pending_on = NULL;
-      }
+    if (!held) s->completed = s->submitted;
+  }
+  pthread_mutex_unlock(&mu);
+  return ok ? 0 : -1;
+}
+
+/* Queue device work on `s` (0: the current context's default stream) that reads and writes
+ * [p, p + n), as a kernel would: the memory must be accessible to the current context's device,
+ * and unmapping it before the work completes is a violation. Returns 0, or -1 on a bad stream
+ * or an illegal address (recorded as a violation). */
+EXPORT int fakecuda_stream_use(CUstream s, CUdeviceptr p, size_t n) {
+  pthread_mutex_lock(&mu);
+  CUstream r = NULL;
+  int ok = need_context("fakecuda_stream_use") == CUDA_SUCCESS &&
+           resolve_stream("fakecuda_stream_use", s, &r) == CUDA_SUCCESS &&
+           accessible("fakecuda_stream_use", p, n) == CUDA_SUCCESS;
+  if (ok) {
+    Use* u = calloc(1, sizeof *u);
+    u->stream = r;
+    u->va = p;
+    u->size = n;
+    u->seq = submit(r);
+    if (u->seq <= r->completed) free(u); /* done at once */
+    else vec_push(&uses, u);
   }
   pthread_mutex_unlock(&mu);
   return ok ? 0 : -1;
@@ -915,9 +1025,16 @@ EXPORT long long fakecuda_get(const char* what) {
     v = sum;
   } else if (!strcmp(what, "events")) v = (long long)events.n;
   else if (!strcmp(what, "pending_events")) {
-    for (size_t i = 0; i < events.n; ++i) sum += ((CUevent)events.p[i])->pending_on != NULL;
+    for (size_t i = 0; i < events.n; ++i) sum += event_pending(events.p[i]);
     v = sum;
   } else if (!strcmp(what, "streams")) v = (long long)streams.n;
+  else if (!strcmp(what, "pending_uses")) {
+    for (size_t i = 0; i < uses.n; ++i) {
+      Use* u = uses.p[i];
+      sum += u->seq > u->stream->completed;
+    }
+    v = sum;
+  }
   else if (!strcmp(what, "context_refs")) {
     for (int d = 0; d < ndevices; ++d) sum += devices[d].ctx.refs;
     v = sum;
