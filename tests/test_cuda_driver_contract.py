@@ -352,11 +352,50 @@ def test_torch_entry_points_on_the_cuda_backend(fake, mem):
     _core._torch_set_budget(0, 0)
 
 
-def test_a_second_gpu_in_one_process_is_warned_about(fake, mem, capfd):
-    """vmalloc grants each GPU access to its own memory only: a process allocating on two GPUs
-    hears it once (a cross-GPU kernel or peer copy may fault; not verified on hardware)."""
+def test_add_peer_grants_another_gpu_what_is_mapped_and_what_will_be(fake, mem):
+    """Mapped memory is readable only by the devices cuMemSetAccess named: before add_peer(1),
+    a kernel of device 1 reading device 0's allocation faults (the fake records it); after it,
+    live ranges, slabs, cached ranges and new mappings are all readable from device 1."""
+    other = CudaMemory(device=1)
+    mem._current()
+    with Allocator("cuda", chunk_size=G, small_threshold=MiB) as a:
+        big, small, cached = a.malloc(3 * G), a.malloc(4 * KiB), a.malloc(2 * G)
+        a.free(cached)
+        other._current()
+        fake.expected_violations = 1
+        with pytest.raises(ValueError):
+            fake.use(0, big, 4096)       # device 1 reads device 0's memory: no access yet
+        mem._current()
+        assert a.add_peer(1) and a.add_peer(0)   # its own device: nothing to do
+        again = a.malloc(2 * G)          # the cached range, re-used
+        fresh = a.malloc(5 * G)          # new mappings
+        other._current()
+        for p, n in ((big, 3 * G), (small, 4 * KiB), (again, 2 * G), (fresh, 5 * G)):
+            fake.use(0, p, n)            # device 1's kernels may read them all now
+        mem._current()
+        for p in (big, small, again, fresh):
+            a.free(p)
+    with Allocator("host", chunk_size=G) as h:
+        assert not h.add_peer(1)         # no devices on the host backend
+
+
+def test_a_second_gpu_in_one_process_connects_the_two(fake, mem):
+    """The torch registry: when a process allocates on a second GPU, the two get access to each
+    other's vmalloc memory, what was allocated before included (model parallel, device_map)."""
     _core._torch_configure("cuda", G, 0, -1)
-    _core._torch_allocator(0, True)
-    _core._torch_allocator(1, True)
-    err = capfd.readouterr().err
-    assert "allocates on GPUs 0 and 1" in err and "one process per GPU" in err
+    ep = _core._torch_entry_points()
+    malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        ep["vmalloc_torch_malloc"])
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        ep["vmalloc_torch_free"])
+    p0 = malloc(3 * G, 0, None)
+    other = CudaMemory(device=1)
+    p1 = malloc(3 * G, 1, None)          # device 1's allocator is made: the two are connected
+    other._current()
+    fake.use(0, p0, 3 * G)               # device 1 reads device 0's tensor
+    mem._current()
+    fake.use(0, p1, 3 * G)               # and device 0 reads device 1's
+    other._current()
+    free(p1, 3 * G, 1, None)
+    mem._current()
+    free(p0, 3 * G, 0, None)

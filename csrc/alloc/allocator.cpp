@@ -1056,6 +1056,26 @@ void Allocator::close() {
 
 bool Allocator::forked() const { return impl_->forked(); }
 
+bool Allocator::add_peer(int device) {
+  Impl& m = *impl_;
+  m.check_not_forked();
+  std::lock_guard<std::mutex> g(m.mu);
+  m.check_open();
+  if (device == m.cfg.device) return true;
+  if (!m.drv->add_peer(device)) return false;
+  // What is mapped already gets it too: live ranges, slabs, cached ranges (each is k chunks
+  // mapped back to back, so one call covers it).
+  auto grant = [&](Range* r) {
+    if (r->k) m.timed([&] { m.drv->set_access(r->addr, r->k * m.chunk); });
+  };
+  m.live.for_each([&](uintptr_t, uintptr_t v) {
+    if (!is_block(v)) grant(as_range(v));
+  });
+  m.small.for_each_slab_range(grant);
+  for (Range* r = m.lru_head; r; r = r->lru_next) grant(r);
+  return true;
+}
+
 void Allocator::inject_fault(const std::string& call, uint64_t nth, int err, uint64_t count) {
   impl_->check_not_forked();
   std::lock_guard<std::mutex> g(impl_->mu);

@@ -120,6 +120,11 @@ class Allocator {
   // `p` is also used on `stream`: its memory is not reused until the work queued on `stream` up to
   // the free is complete (torch's record_stream).
   void record_stream(void* p, uintptr_t stream);
+  // Give `device` read-write access to all memory this allocator has mapped and will map (one
+  // process, several GPUs: a kernel or peer copy of `device` reading these tensors). False, with
+  // nothing changed, when `device` has no peer-to-peer path to this allocator's device (and on
+  // the host backend). Driver errors throw std::runtime_error.
+  bool add_peer(int device);
 
   Stats stats() const;
   void reset_peak();                   // peaks := current values (torch.cuda.reset_peak_memory_stats)

@@ -126,6 +126,10 @@ class SmallBins {
   void reserve_pending() { pending_.reserve(pending_.size() + 1); }
 
   size_t slab_count() const { return slabs_.size(); }
+  template <class F>
+  void for_each_slab_range(F&& f) const {
+    for (Slab* s : slabs_) f(s->range);
+  }
   uint64_t clear_visits() const { return clear_visits_; }  // blocks walked by clear() (tests: linear)
 
  private:

@@ -133,6 +133,10 @@ void bind_alloc(nb::module_& m) {
           "record_stream", [](Allocator& a, uintptr_t ptr, uint64_t stream) { a.record_stream(as_ptr(ptr), stream); },
           "ptr"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>(),
           "The allocation is also used on `stream`: its memory waits for that stream's work before reuse.")
+      .def("add_peer", &Allocator::add_peer, "device"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Give CUDA device `device` read-write access to all memory this allocator has mapped and "
+           "will map (one process, several GPUs). False when it has no peer-to-peer path (and on "
+           "the host backend).")
       .def("stats", [](const Allocator& a) { return stats_dict(a.stats()); })
       .def("reset_peak", &Allocator::reset_peak, "Set the *_peak stats to their current values.")
       .def("trim", &Allocator::trim, nb::call_guard<nb::gil_scoped_release>(),

@@ -65,24 +65,27 @@ Registry& registry() {
   return *r;
 }
 
-// cuMemMap'd memory is readable by the devices cuMemSetAccess names, and vmalloc names only its
-// own: PyTorch's peer access (cudaDeviceEnablePeerAccess) covers cudaMalloc memory, not this. So a
-// kernel or peer copy of one GPU reading another's vmalloc memory in the same process may fault.
-// Not verified on hardware yet: say it once, loudly, where it can happen. Called under r.mutex.
-void warn_if_several_devices(const Registry& r, int device) {
+// Mapped memory is readable only by the devices cuMemSetAccess names, and PyTorch's peer access
+// (cudaDeviceEnablePeerAccess, which the pluggable allocator's enablePeerAccess calls) covers
+// cudaMalloc memory only. So when a process allocates on a second GPU, every pair of its vmalloc
+// GPUs gets access to each other's memory (as PyTorch's expandable segments add peers): kernels
+// and peer copies of one GPU may read another's tensors (model parallel, device_map="auto").
+// A pair without a peer-to-peer path is said once. Called under r.mutex, with `a` new.
+void connect_peers(const Registry& r, vmalloc::Allocator* a, int device) {
   if (r.base.backend != "cuda") return;
   for (int d = 0; d < kMaxDevices; ++d) {
-    if (d == device || !r.alloc[d].load(std::memory_order_relaxed)) continue;
+    vmalloc::Allocator* other = d == device ? nullptr : r.alloc[d].load(std::memory_order_relaxed);
+    if (!other) continue;
+    bool both = other->add_peer(device);
+    both = a->add_peer(d) && both;
     static bool warned = false;
-    if (!warned)
+    if (!both && !warned) {
+      warned = true;
       std::fprintf(stderr,
-                   "vmalloc: warning: this process allocates on GPUs %d and %d. vmalloc grants each GPU "
-                   "access to its own memory only, so a kernel or peer copy of one GPU that reads the "
-                   "other's tensors directly may fail with an illegal memory access. Use one process "
-                   "per GPU (torchrun), or VMALLOC=0 for single-process multi-GPU.\n",
-                   d, device);
-    warned = true;
-    return;
+                   "vmalloc: warning: GPUs %d and %d have no peer-to-peer path, so a kernel of one "
+                   "cannot read the other's vmalloc memory directly; copy tensors between them "
+                   "through the host, or use one process per GPU (torchrun).\n", d, device);
+    }
   }
 }
 
@@ -103,7 +106,7 @@ vmalloc::Allocator* get(int device, bool create) {
     a = new vmalloc::Allocator(cfg);
     a->set_trace(r.trace);
     r.alloc[device].store(a, std::memory_order_release);
-    warn_if_several_devices(r, device);
+    connect_peers(r, a, device);
   }
   return a;
 }

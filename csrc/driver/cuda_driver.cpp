@@ -58,7 +58,7 @@ namespace {
   X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
   X(cuCtxSetCurrent) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)    \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)   \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy) X(cuDeviceCanAccessPeer)
 
 struct Api {
 #define VMALLOC_DECLARE(name) decltype(&::name) name = nullptr;
@@ -146,8 +146,10 @@ class CudaDriver final : public Driver {
     check(a_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
     check(a_.cuDeviceTotalMem(&total_, dev_), "cuDeviceTotalMem");
-    access_.location = prop_.location;
-    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUmemAccessDesc own{};
+    own.location = prop_.location;
+    own.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access_.push_back(own);
     // Last, so that no failure above leaves it retained. The primary context is the one the CUDA
     // runtime (and so PyTorch) uses on this device.
     check(a_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
@@ -197,7 +199,23 @@ class CudaDriver final : public Driver {
   void set_access(uintptr_t va, size_t size) override {
     Ctx g(*this);
     g.check();
-    check(a_.cuMemSetAccess(static_cast<CUdeviceptr>(va), size, &access_, 1), "cuMemSetAccess");
+    check(a_.cuMemSetAccess(static_cast<CUdeviceptr>(va), size, access_.data(), access_.size()),
+          "cuMemSetAccess");
+  }
+  bool add_peer(int device) override {
+    for (const auto& d : access_)
+      if (d.location.id == device) return true;
+    CUdevice peer = 0;
+    check(a_.cuDeviceGet(&peer, device), "cuDeviceGet");
+    int can = 0;  // can `peer` reach this device's memory?
+    check(a_.cuDeviceCanAccessPeer(&can, peer, dev_), "cuDeviceCanAccessPeer");
+    if (!can) return false;
+    CUmemAccessDesc d{};
+    d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = device;
+    d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access_.push_back(d);
+    return true;
   }
   void unmap(uintptr_t va, size_t size) override {
     Ctx g(*this);
@@ -319,7 +337,7 @@ class CudaDriver final : public Driver {
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   CUmemAllocationProp prop_;
-  CUmemAccessDesc access_{};
+  std::vector<CUmemAccessDesc> access_;  // this device, then the peers add_peer named
   size_t granularity_ = 0;
   size_t total_ = 0;
   std::vector<CUevent> event_pool_;

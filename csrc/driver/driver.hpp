@@ -50,6 +50,10 @@ class Driver {
   virtual void set_access(uintptr_t va, size_t size) = 0;
   // Undo one map() (exactly the range one map() covered); the address stays reserved.
   virtual void unmap(uintptr_t va, size_t size) = 0;
+  // From now on set_access also gives `device` read-write access (a process whose kernels on
+  // one GPU read another GPU's memory: mapped memory is accessible only to the devices named).
+  // False when `device` has no peer-to-peer path to this one. The host backend has no devices.
+  virtual bool add_peer(int /*device*/) { return false; }
 
   // Events order host decisions after device work: record on a stream, then query or wait.
   virtual EventHandle record_event(uintptr_t stream) = 0;
