@@ -93,7 +93,7 @@ def test_granularity_and_bad_devices_leave_no_context_retained(fake, mem):
     assert fake.get("calls:cuDevicePrimaryCtxRetain") == retains  # no context made to answer
     with pytest.raises(ValueError, match="no CUDA device 7"):
         granularity("cuda", device=7)
-    with pytest.raises(ValueError, match="no CUDA device 5 .this machine has 2"):
+    with pytest.raises(ValueError, match="no CUDA device 5 .this machine has 3"):
         Allocator("cuda", chunk_size=G, device=5)
     with pytest.raises(ValueError, match="chunk_size"):
         Allocator("cuda", chunk_size=G + 4096)
@@ -399,3 +399,25 @@ def test_a_second_gpu_in_one_process_connects_the_two(fake, mem):
     free(p1, 3 * G, 1, None)
     mem._current()
     free(p0, 3 * G, 0, None)
+
+
+def test_a_gpu_pair_that_cannot_be_connected_is_said_and_the_rest_connect(fake, mem, capfd):
+    """Connecting a third GPU: a failing cuMemSetAccess leaves that pair unconnected and says so
+    on stderr, naming the error; the other pairs still connect."""
+    _core._torch_configure("cuda", G, 0, -1)
+    a0, a1 = _core._torch_allocator(0, True), _core._torch_allocator(1, True)
+    p0 = a0.malloc(G)                    # something mapped: add_peer re-grants it
+    fake.inject("cuMemSetAccess", 1, CUDA_ERROR_UNKNOWN)   # the first pair's grant fails
+    a2 = _core._torch_allocator(2, True)
+    err = capfd.readouterr().err
+    assert "GPUs 0 and 2 were not given access to each other's memory" in err
+    assert "cuMemSetAccess failed" in err
+    assert "GPUs 1 and 2" not in err     # the next pair connected
+    third = CudaMemory(device=2)
+    third._current()
+    p1 = a1.malloc(G)
+    fake.use(0, p1, G)                   # device 2 reads device 1's memory
+    mem._current()
+    a0.free(p0)
+    a1.free(p1)
+    assert a2 is not None

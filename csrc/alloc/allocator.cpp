@@ -94,6 +94,7 @@ void install_fork_handler() {
 // (2): it names the calling thread's stream, so an event recorded late from another thread would
 // land on another stream; its events are recorded at free, from the freeing thread.
 inline bool is_default_stream(uintptr_t s) { return s == 0 || s == 1; }
+constexpr uintptr_t kPerThreadStream = 2;
 
 std::string human(size_t bytes) {
   char buf[64];
@@ -255,7 +256,7 @@ struct Allocator::Impl {
   }
   bool ready_for(Range* r, uintptr_t stream) {
     if (r->all_ready) return true;
-    if (r->stream == stream) {
+    if (r->stream == stream && stream != kPerThreadStream) {  // 2: maybe another thread's stream
       if (prune_extra(r)) return true;
       ++st.num_stream_waits;
       return false;
@@ -1061,7 +1062,7 @@ bool Allocator::add_peer(int device) {
   m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
-  if (device == m.cfg.device) return true;
+  if (device == m.cfg.device) return m.drv->add_peer(device);  // nothing to re-grant
   if (!m.drv->add_peer(device)) return false;
   // What is mapped already gets it too: live ranges, slabs, cached ranges (each is k chunks
   // mapped back to back, so one call covers it).

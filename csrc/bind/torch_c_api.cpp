@@ -75,17 +75,21 @@ void connect_peers(const Registry& r, vmalloc::Allocator* a, int device) {
   if (r.base.backend != "cuda") return;
   for (int d = 0; d < kMaxDevices; ++d) {
     vmalloc::Allocator* other = d == device ? nullptr : r.alloc[d].load(std::memory_order_relaxed);
-    if (!other) continue;
-    bool both = other->add_peer(device);
-    both = a->add_peer(d) && both;
-    static bool warned = false;
-    if (!both && !warned) {
-      warned = true;
-      std::fprintf(stderr,
-                   "vmalloc: warning: GPUs %d and %d have no peer-to-peer path, so a kernel of one "
-                   "cannot read the other's vmalloc memory directly; copy tensors between them "
-                   "through the host, or use one process per GPU (torchrun).\n", d, device);
+    if (!other || other->closed()) continue;  // closed by the user (or dead in a forked child)
+    // Each pair on its own: a failure leaves the others connected, and is said (never silent).
+    std::string why;
+    try {
+      bool both = other->add_peer(device);
+      if (!(a->add_peer(d) && both)) why = "they have no peer-to-peer path";
+    } catch (const std::exception& e) {
+      why = e.what();
     }
+    if (!why.empty())
+      std::fprintf(stderr,
+                   "vmalloc: warning: GPUs %d and %d were not given access to each other's memory "
+                   "(%s), so a kernel of one cannot read the other's vmalloc tensors directly; copy "
+                   "them through the host, or use one process per GPU (torchrun).\n",
+                   d, device, why.c_str());
   }
 }
 

@@ -17,22 +17,7 @@ std::unique_ptr<Driver> make_cuda_driver(int) {
       "nvidia-cuda-runtime wheel at build time); rebuild with one of them installed (and "
       "VMALLOC_REQUIRE_CUDA=1 so that a missing cuda.h stops the build), or use backend='host'");
 }
-// Without a driver object: no primary context is retained (retaining the last reference would
-// create a context on the GPU just to answer, and releasing it destroy it again).
-size_t cuda_granularity(int device) {
-  const Api& a = api();
-  check(a.cuInit(0), "cuInit");
-  int count = 0;
-  check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
-  if (device < 0 || device >= count)
-    throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
-                                std::to_string(count) + ")");
-  CUmemAllocationProp prop = chunk_props(device);
-  size_t g = 0;
-  check(a.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-        "cuMemGetAllocationGranularity");
-  return g;
-}
+size_t cuda_granularity(int device) { return make_cuda_driver(device)->granularity(); }
 }  // namespace driver
 }  // namespace vmalloc
 
@@ -205,6 +190,11 @@ class CudaDriver final : public Driver {
   bool add_peer(int device) override {
     for (const auto& d : access_)
       if (d.location.id == device) return true;
+    int count = 0;
+    check(a_.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    if (device < 0 || device >= count)
+      throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
+                                  std::to_string(count) + ")");
     CUdevice peer = 0;
     check(a_.cuDeviceGet(&peer, device), "cuDeviceGet");
     int can = 0;  // can `peer` reach this device's memory?

@@ -21,7 +21,7 @@
  *
  * Test controls (ctypes): fakecuda_inject (the nth next call of a function fails with a CUresult),
  * fakecuda_stream_hold, fakecuda_get (live objects and counters), fakecuda_violation (messages).
- * Knobs (environment, read at cuInit): FAKECUDA_DEVICES (2), FAKECUDA_TOTAL_MEM (bytes per device,
+ * Knobs (environment, read at cuInit): FAKECUDA_DEVICES (3), FAKECUDA_TOTAL_MEM (bytes per device,
  * 4 GiB), FAKECUDA_GRANULARITY (2 MiB).
  *
  * Declarations are written here, not taken from cuda.h, so the fake builds anywhere; they follow
@@ -283,7 +283,7 @@ static CUresult do_init(unsigned int flags) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (initialized) return CUDA_SUCCESS;
-  ndevices = (int)env_size("FAKECUDA_DEVICES", 2);
+  ndevices = (int)env_size("FAKECUDA_DEVICES", 3);
   if (ndevices > MAX_DEVICES) ndevices = MAX_DEVICES;
   total_mem = env_size("FAKECUDA_TOTAL_MEM", (size_t)4 << 30);
   gran = env_size("FAKECUDA_GRANULARITY", (size_t)2 << 20);
