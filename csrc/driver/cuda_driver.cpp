@@ -118,15 +118,20 @@ CUmemAllocationProp chunk_props(int device) {
   return prop;
 }
 
+// cuInit, then std::invalid_argument naming `device` unless this machine has it.
+void init_and_check_device(const Api& a, int device) {
+  check(a.cuInit(0), "cuInit");
+  int count = 0;
+  check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (device < 0 || device >= count)
+    throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
+                                std::to_string(count) + ")");
+}
+
 class CudaDriver final : public Driver {
  public:
   explicit CudaDriver(int device) : a_(api()), prop_(chunk_props(device)) {
-    check(a_.cuInit(0), "cuInit");
-    int count = 0;
-    check(a_.cuDeviceGetCount(&count), "cuDeviceGetCount");
-    if (device < 0 || device >= count)
-      throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
-                                  std::to_string(count) + ")");
+    init_and_check_device(a_, device);
     check(a_.cuDeviceGet(&dev_, device), "cuDeviceGet");
     check(a_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
@@ -190,11 +195,7 @@ class CudaDriver final : public Driver {
   bool add_peer(int device) override {
     for (const auto& d : access_)
       if (d.location.id == device) return true;
-    int count = 0;
-    check(a_.cuDeviceGetCount(&count), "cuDeviceGetCount");
-    if (device < 0 || device >= count)
-      throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
-                                  std::to_string(count) + ")");
+    init_and_check_device(a_, device);
     CUdevice peer = 0;
     check(a_.cuDeviceGet(&peer, device), "cuDeviceGet");
     int can = 0;  // can `peer` reach this device's memory?
@@ -342,12 +343,7 @@ std::unique_ptr<Driver> make_cuda_driver(int device) { return std::make_unique<C
 // create a context on the GPU just to answer, and releasing it destroy it again).
 size_t cuda_granularity(int device) {
   const Api& a = api();
-  check(a.cuInit(0), "cuInit");
-  int count = 0;
-  check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
-  if (device < 0 || device >= count)
-    throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
-                                std::to_string(count) + ")");
+  init_and_check_device(a, device);
   CUmemAllocationProp prop = chunk_props(device);
   size_t g = 0;
   check(a.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
