@@ -70,7 +70,8 @@ Registry& registry() {
 // cudaMalloc memory only. So when a process allocates on a second GPU, every pair of its vmalloc
 // GPUs gets access to each other's memory (as PyTorch's expandable segments add peers): kernels
 // and peer copies of one GPU may read another's tensors (model parallel, device_map="auto").
-// A pair without a peer-to-peer path is said once. Called under r.mutex, with `a` new.
+// A pair that cannot be connected (no peer-to-peer path, a driver error) is said on stderr.
+// Called under r.mutex, with `a` new.
 void connect_peers(const Registry& r, vmalloc::Allocator* a, int device) {
   if (r.base.backend != "cuda") return;
   for (int d = 0; d < kMaxDevices; ++d) {
