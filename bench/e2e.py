@@ -141,21 +141,29 @@ def parse_model(model: str) -> Tuple[str, Optional[int], bool]:
                      "bert-s<seq>, bert-dyn)")
 
 
+def zoo_spec(model: str, smoke: bool) -> Tuple[str, str, bool, Dict[str, Any]]:
+    """(zoo name, family, dynamic, the zoo builder's keyword arguments) of ``model``; a dynamic
+    model is built for its longest input."""
+    name, seq_len, dynamic = parse_model(model)
+    family = "resnet" if name.startswith("resnet") else name
+    kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
+    if dynamic:
+        kw["seq_len"] = DYNAMIC_LENGTHS[smoke][1]
+    elif seq_len is not None:
+        kw["seq_len"] = seq_len
+    return name, family, dynamic, kw
+
+
 def build_workload(model: str, batch: int, device: torch.device, smoke: bool,
                    seed: int) -> Workload:
     from bench.models import build  # the project's own zoo (no torchvision)
 
-    name, seq_len, dynamic = parse_model(model)
-    family = "resnet" if name.startswith("resnet") else name
-    kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
+    name, family, dynamic, kw = zoo_spec(model, smoke)
     lengths: List[Optional[int]] = [None]
     if dynamic:
         lo, hi = DYNAMIC_LENGTHS[smoke]
         g = torch.Generator().manual_seed(seed + 2)
         lengths = [int(v) for v in torch.randint(lo, hi + 1, (DYNAMIC_STEPS,), generator=g)]
-        kw["seq_len"] = hi
-    elif seq_len is not None:
-        kw["seq_len"] = seq_len
     torch.manual_seed(seed)  # the same weights for every method
     zm = build(name, batch=batch, device=device, **kw)
     blocks = [b.to(device) for b in zm.blocks]
@@ -411,7 +419,7 @@ def check_losses(method: Method, losses: List[float], ref: JobResult) -> str:
     return f"loss bitwise equal to plain training ({len(losses)} steps)"
 
 
-def op_floor_note(model: str, batch: int, budget: Optional[int], smoke: bool = False) -> str:
+def op_floor_note(model: str, batch: int, budget: Optional[int]) -> str:
     """Why no method can train ``model`` at ``batch`` within ``budget``, or "" when the floor
     fits: its largest operator's tensors (scheduler.profile.op_floor, on the meta device) plus
     what lives throughout (weights, gradients and SGD's momentum: 3 x the parameters) exceed
@@ -421,16 +429,9 @@ def op_floor_note(model: str, batch: int, budget: Optional[int], smoke: bool = F
     from bench.models import build
     from scheduler.profile.op_floor import op_floor
 
-    name, seq_len, dynamic = parse_model(model)
-    family = "resnet" if name.startswith("resnet") else name
-    kw: Dict[str, Any] = dict(SMOKE_SIZES[family]) if smoke else {}
-    if dynamic:
-        kw["seq_len"] = DYNAMIC_LENGTHS[smoke][1]   # the longest input of the run
-    elif seq_len is not None:
-        kw["seq_len"] = seq_len
+    name, _, _, kw = zoo_spec(model, smoke=False)   # a GPU job's model: full size
     zm = build(name, batch=batch, device="meta", **kw)
-    floor = op_floor(zm.blocks, zm.input_shape,
-                     input_dtype=torch.float32 if family == "resnet" else torch.long)
+    floor = op_floor(zm.blocks, zm.input_shape, input_dtype=zm.input_dtype)
     need = floor.bytes + 3 * floor.param_bytes
     if need <= budget:
         return ""
