@@ -72,8 +72,15 @@ def catcher(tmp_path_factory):
     return run
 
 
+# torch 2.13 exports OutOfMemoryError's constructor; torch 2.11 (the GPU machines' torch) does
+# not, and there vmalloc takes the vtable route
+CONSTRUCTOR_EXPORTED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
 @pytest.mark.parametrize("path,route", [(1, "constructor"), (2, "vtable"), (0, None)])
 def test_oom_is_caught_as_c10_out_of_memory_error(catcher, path, route):
+    if route == "constructor" and not CONSTRUCTOR_EXPORTED:
+        pytest.skip(f"torch {torch.__version__} exports no OutOfMemoryError constructor")
     kind = _core._torch_oom_kind(path)
     assert kind.startswith("c10::OutOfMemoryError"), kind
     if route:
@@ -84,7 +91,10 @@ def test_oom_is_caught_as_c10_out_of_memory_error(catcher, path, route):
 
 
 def test_auto_route_prefers_the_exported_constructor():
-    assert _core._torch_oom_kind(0) == _core._torch_oom_kind(1) == "c10::OutOfMemoryError (constructor)"
+    want = "constructor" if CONSTRUCTOR_EXPORTED else "vtable"
+    assert _core._torch_oom_kind(0) == f"c10::OutOfMemoryError ({want})"
+    if CONSTRUCTOR_EXPORTED:
+        assert _core._torch_oom_kind(1) == _core._torch_oom_kind(0)
 
 
 def test_the_python_face_is_a_runtime_error_with_the_message():

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import weakref
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -324,11 +324,11 @@ def _mark(ref: "weakref.ref[OpTracer]", *_: Any) -> None:
 
 
 def _mark_nodes(outputs: Sequence[torch.Tensor], tracer: OpTracer,
-                stop: Set[int] = frozenset()) -> List[Any]:
+                stop: Iterable[Any] = ()) -> List[Any]:
     """Post-hooks on the stage's autograd nodes telling ``tracer`` when each one finished
-    (``AccumulateGrad`` nodes belong to the parameters: left alone; ``stop``: ids of nodes
-    not to go past, as ``graph_nodes``). Returns the hooks' handles (a graph that outlives
-    the trace, the model's own, should have them removed)."""
+    (``AccumulateGrad`` nodes belong to the parameters: left alone; ``stop``: nodes not to go
+    past, as ``graph_nodes``). Returns the hooks' handles (a graph that outlives the trace,
+    the model's own, should have them removed)."""
     # a weak reference: the hooks live on the graph's C++ nodes, which the tracer's kept
     # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
     # every traced tensor, once per measured stage)
@@ -338,16 +338,21 @@ def _mark_nodes(outputs: Sequence[torch.Tensor], tracer: OpTracer,
             if type(node).__name__ != "AccumulateGrad"]
 
 
-def graph_nodes(roots: Iterable[Any], stop: Set[int] = frozenset()) -> Iterable[Any]:
+def graph_nodes(roots: Iterable[Any], stop: Iterable[Any] = ()) -> Iterator[Any]:
     """Each autograd node reachable from the nodes ``roots`` (``None``s skipped), once,
-    without going past the nodes whose ``id`` is in ``stop``."""
-    seen: Set[int] = set()
+    without going past the nodes in ``stop``.
+
+    Nodes are told apart by the identity of their Python objects, so every one seen is held
+    until the walk ends: a C++ node's Python object lives only while referenced (torch 2.11
+    drops it at once), and a freed object's ``id`` is reused by the next one, which would
+    then pass for a node already seen (its hook never registered: nondeterministic marks)."""
+    held: Dict[int, Any] = {id(n): n for n in stop if n is not None}
     todo = [n for n in roots if n is not None]
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
+        if node is None or id(node) in held:
             continue
-        seen.add(id(node))
+        held[id(node)] = node
         yield node
         todo.extend(f for f, _ in node.next_functions)
 

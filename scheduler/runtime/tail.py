@@ -449,8 +449,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
         m0 = torch.cuda.memory_allocated(dev)
     else:
         tracer = T.OpTracer()
-        stop = {id(t.grad_fn) for t in rec.lasts if t.grad_fn is not None}
-        marks = T._mark_nodes(roots, tracer, stop)
+        marks = T._mark_nodes(roots, tracer, [t.grad_fn for t in rec.lasts])
     t0 = time.perf_counter()
     rec.step.replaying = True
     try:
@@ -493,10 +492,9 @@ def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
     """The parameters the tail's backward reaches (``AccumulateGrad`` nodes) from ``roots``
     without going past the last block's outputs, and whether it runs a custom autograd
     Function (its backward could have side effects a replay would repeat)."""
-    stop = {id(t.grad_fn) for t in lasts if t.grad_fn is not None}
     params: List[torch.Tensor] = []
     custom = False
-    for node in T.graph_nodes([t.grad_fn for t in roots], stop):
+    for node in T.graph_nodes([t.grad_fn for t in roots], [t.grad_fn for t in lasts]):
         if type(node).__name__ == "AccumulateGrad":
             params.append(node.variable)
         else:
