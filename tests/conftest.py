@@ -48,6 +48,7 @@ if FAKE_CUDA:
         request.node.fake_driver = fake
         fake.expected_violations = 0
         yield
+        fake.revive()  # a test that shut the driver down (fake.deinit()) gets it back
         new = fake.violations()[before:]
         got = fake.get("violations") - before
         assert got == fake.expected_violations, (

@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from fake_cuda import CUDA_ERROR_DEINITIALIZED, ENTRY_POINTS
 from test_alloc_memory import CudaMemory
 
 pytestmark = pytest.mark.fake_cuda
@@ -159,3 +160,43 @@ def test_a_call_in_a_forked_child(fake, drv, tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert "called in a forked child" in report.read_text()
+
+
+def test_a_driver_shutting_down_answers_every_call_with_deinitialized(fake, drv):
+    """fake.deinit(): every entry point returns CUDA_ERROR_DEINITIALIZED, changes nothing and
+    records no violation (even for a misuse: that is the driver's state, not vmalloc's fault);
+    revive() gives the driver back as it was."""
+    va, h = drv.mapped(G)
+    held = {k: fake.get(k) for k in ("reservations", "handles", "mappings", "events", "context_refs")}
+    fake.deinit()
+    assert fake.get("deinitialized") == 1
+    for name in ENTRY_POINTS:
+        fn = getattr(drv.cu, name + "_v2", None) or getattr(drv.cu, name)
+        # the fake answers before it reads an argument, so zeros stand for every signature
+        assert fn(*[ctypes.c_uint64(0)] * 6) == CUDA_ERROR_DEINITIALIZED, name
+    assert drv.unmap(va, G) == drv.release(h) == drv.unmap(va + G, G) == CUDA_ERROR_DEINITIALIZED
+    s = ctypes.c_char_p()
+    assert drv.cu.cuGetErrorString(CUDA_ERROR_DEINITIALIZED, ctypes.byref(s)) == CUDA_ERROR_DEINITIALIZED
+    assert {k: fake.get(k) for k in held} == held
+    fake.revive()
+    assert drv.cu.cuGetErrorName(CUDA_ERROR_DEINITIALIZED, ctypes.byref(s)) == 0
+    assert s.value == b"CUDA_ERROR_DEINITIALIZED"
+    drv.clean(va, G, h)
+    fake.deinit()
+    fake.disarm()                       # undoes deinit() too
+    assert fake.get("deinitialized") == 0
+
+
+def test_reclaim_takes_what_was_made_after_the_serial(fake, drv):
+    """What a test that shut the driver down leaked, the fake destroys as the driver does at exit."""
+    old_va, old_h = drv.mapped(G)
+    held = {k: fake.get(k) for k in ("reservations", "handles", "mappings", "committed_bytes", "events",
+                                     "streams")}
+    mark = fake.serial()
+    drv.mapped(2 * G)
+    drv.mem.new_stream()
+    e = ctypes.c_void_p()
+    assert drv.cu.cuEventCreate(ctypes.byref(e), 2) == 0
+    assert fake.reclaim(mark) == 5      # reservation, handle, mapping, stream, event
+    assert {k: fake.get(k) for k in held} == held
+    drv.clean(old_va, G, old_h)         # older objects are untouched

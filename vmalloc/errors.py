@@ -12,3 +12,12 @@ class OutOfMemoryError(MemoryError):
         self.requested = requested
         self.in_use = in_use
         self.budget = budget
+
+
+class DriverShutDownError(RuntimeError):
+    """The CUDA driver is shutting down (``CUDA_ERROR_DEINITIALIZED``): the process is exiting and
+    the CUDA runtime has been torn down, so no device memory can be allocated or used any more.
+
+    Raised by ``malloc``, ``trim``, ``record_stream`` and constructing an allocator; ``free`` and
+    ``close`` stay quiet then (the driver takes the memory with it).
+    """

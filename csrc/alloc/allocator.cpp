@@ -38,6 +38,10 @@
 // events before it retires the pointer. trim() releases what it can and then reports the first
 // error. close() and the destructor never throw, never allocate, and release everything (each
 // driver call on its own; the host backend's shutdown frees what a failed release left).
+// The driver shutting down (driver::DriverShutDown, at process exit) is the end, not a failure to
+// recover from: free() leaves the pointer live and returns, close() and the destructor try every
+// call quietly as always, and the driver takes the memory with it; malloc, trim and record_stream
+// raise it (once any call has seen it, before they use the cache).
 //
 // fork(): an allocator belongs to the process that built it. An at-fork handler bumps a
 // generation counter; in a child every call raises, close() and the destructor release nothing
@@ -474,6 +478,9 @@ struct Allocator::Impl {
     // Chunks go back to the free pool (room reserved by gather) on any failure below.
     try {
       addr = timed([&] { return va->take(k); });
+    } catch (const driver::DriverShutDown&) {
+      for (auto h : handles) free_chunks.push_back(h);
+      throw;  // not out of memory: the driver is gone
     } catch (const std::exception& e) {
       for (auto h : handles) free_chunks.push_back(h);
       // No address space left is running out of memory, whatever the backend calls it.
@@ -834,6 +841,7 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
     {
       std::lock_guard<std::mutex> g(m.mu);
       m.check_open();
+      m.drv->check_not_shut_down();  // the cache would otherwise serve it without a driver call
       m.note_stream(stream);
       m.failure.clear();
       bool device_full = false;
@@ -904,7 +912,9 @@ void Allocator::free(void* p) {
                                 " is not a live allocation of this allocator (unknown or already freed)");
   // Record the events reuse must wait for before anything changes: if that fails the pointer goes
   // back into the live map (no rehash: it was just there) and the stats are untouched, so the
-  // caller may retry; nothing below fails on the driver.
+  // caller may retry; nothing below fails on the driver. When the driver is shutting down (process
+  // exit) the pointer stays live the same way, but free returns: nothing can reuse the memory
+  // any more, the driver takes it with it, and a deleter at exit has nobody to tell.
   try {
     if (is_block(v)) {
       Block* b = as_block(v);
@@ -916,6 +926,9 @@ void Allocator::free(void* p) {
       Range* r = as_range(v);
       if (!r->extra_streams.empty() || m.owner_event_now(r->stream)) m.record_free_events(r);
     }
+  } catch (const driver::DriverShutDown&) {
+    m.live.insert(addr, v);
+    return;
   } catch (...) {
     m.live.insert(addr, v);
     throw;
@@ -949,6 +962,7 @@ void Allocator::record_stream(void* p, uintptr_t stream) {
   m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
+  m.drv->check_not_shut_down();
   auto addr = reinterpret_cast<uintptr_t>(p);
   const uintptr_t* found = m.live.find(addr);
   if (!found) throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
@@ -991,9 +1005,12 @@ size_t Allocator::trim() {
   m.check_not_forked();
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) return 0;
+  m.drv->check_not_shut_down();
   size_t released = m.shrink_to(0, /*wait=*/true);
   try {
     m.va->release_unused();
+  } catch (const driver::DriverShutDown&) {
+    throw;
   } catch (...) {  // an unreserve failure keeps that span (still counted in va_reserved)
   }
   return released;

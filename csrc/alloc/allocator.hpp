@@ -109,13 +109,16 @@ class Allocator {
 
   // Returns device memory of at least `nbytes` (> 0) bytes, usable on `stream`. 256-byte aligned
   // (small) / chunk aligned (large). Throws OutOfMemory past the budget, std::invalid_argument for
-  // nbytes == 0, std::runtime_error once closed.
+  // nbytes == 0, std::runtime_error once closed, driver::DriverShutDown (a std::runtime_error)
+  // once the CUDA driver is shutting down (process exit; record_stream and trim too).
   void* malloc(size_t nbytes, uintptr_t stream = 0);
   // Like malloc, but returns nullptr where malloc throws OutOfMemory, and never calls the pressure
   // callback (for callers holding a lock the callback may need: PyTorch's MemPool path). Other
   // errors (closed, nbytes == 0, driver failures) still throw.
   void* try_malloc(size_t nbytes, uintptr_t stream = 0);
   // Throws std::invalid_argument if `p` is not a live allocation (unknown or already freed).
+  // While the CUDA driver is shutting down (process exit) it returns quietly and leaves `p` live:
+  // the driver takes its memory with it.
   void free(void* p);
   // `p` is also used on `stream`: its memory is not reused until the work queued on `stream` up to
   // the free is complete (torch's record_stream).

@@ -10,6 +10,7 @@
 
 #include "alloc/allocator.hpp"
 #include "alloc/bench_loops.hpp"
+#include "driver/driver.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -85,7 +86,8 @@ int64_t byte_count(nb::handle n, const char* name) {
 }  // namespace
 
 void bind_alloc(nb::module_& m) {
-  // vmalloc::OutOfMemory -> vmalloc.errors.OutOfMemoryError(message, requested, in_use, budget).
+  // vmalloc::OutOfMemory -> vmalloc.errors.OutOfMemoryError(message, requested, in_use, budget);
+  // driver::DriverShutDown -> vmalloc.errors.DriverShutDownError(message).
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -93,6 +95,9 @@ void bind_alloc(nb::module_& m) {
       nb::object cls = nb::module_::import_("vmalloc.errors").attr("OutOfMemoryError");
       nb::object err = cls(e.what(), e.requested, e.in_use, e.budget);
       PyErr_SetObject(cls.ptr(), err.ptr());
+    } catch (const vmalloc::driver::DriverShutDown& e) {
+      nb::object cls = nb::module_::import_("vmalloc.errors").attr("DriverShutDownError");
+      PyErr_SetString(cls.ptr(), e.what());
     }
   });
 

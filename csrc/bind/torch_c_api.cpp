@@ -17,7 +17,10 @@
 //    before PyTorch's allocator lock, never after).
 //  * free `void(void*, size_t size, int device, cudaStream_t stream)`: PyTorch keeps the
 //    allocation-time size/device/stream and passes them back. Called from a DataPtr deleter, so it
-//    must not throw.
+//    must not throw. At process exit it may run after the CUDA runtime's teardown (C++ statics,
+//    thread-locals, late garbage collection): the driver then answers CUDA_ERROR_DEINITIALIZED to
+//    everything, and the free is quiet (Allocator::free leaves the memory to the driver), as
+//    PyTorch's own allocator ignores cudaErrorCudartUnloading.
 //  * set_record_stream_fn `void(void*, cudaStream_t)`: Tensor.record_stream.
 //  * set_reset_fn `void()`: torch.cuda.empty_cache().
 //  * set_memory_fraction_fn `void(double, int)`: torch.cuda.set_per_process_memory_fraction.
@@ -38,6 +41,7 @@
 
 #include "alloc/allocator.hpp"
 #include "bind/torch_oom.hpp"
+#include "driver/driver.hpp"
 
 namespace nb = nanobind;
 
@@ -162,7 +166,18 @@ VMALLOC_EXPORT void* vmalloc_torch_malloc_pool(size_t size, int device, void* st
 VMALLOC_EXPORT void vmalloc_torch_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
   if (!ptr) return;
   try {
-    get(device, false)->free(ptr);
+    vmalloc::Allocator* a = get(device, false);
+    if (!a) {
+      std::fprintf(stderr,
+                   "vmalloc: free(%p) on device %d: vmalloc has no allocator for device %d, so this "
+                   "is not a vmalloc allocation (another allocator's pointer, or the wrong device); "
+                   "not freed\n",
+                   ptr, device, device);
+      return;
+    }
+    a->free(ptr);
+  } catch (const vmalloc::driver::DriverShutDown&) {
+    // process exit: the driver takes the memory with it (Allocator::free already says nothing)
   } catch (const std::exception& e) {
     // called from a DataPtr deleter: throwing would terminate the process
     std::fprintf(stderr, "vmalloc: free(%p) on device %d failed: %s\n", ptr, device, e.what());

@@ -26,6 +26,7 @@ size_t cuda_granularity(int device) { return make_cuda_driver(device)->granulari
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -102,8 +103,22 @@ std::string error_string(CUresult r) {
   return out;
 }
 
+// Set when a call returned CUDA_ERROR_DEINITIALIZED: the driver is shutting down, for the whole
+// process (every allocator's malloc then refuses, see check_not_shut_down).
+std::atomic<bool> g_shut_down{false};
+
+[[noreturn]] void throw_shut_down(const char* what) {
+  g_shut_down.store(true, std::memory_order_relaxed);
+  // Written out, not from cuGetErrorString: no driver call answers any more.
+  throw DriverShutDown(std::string("vmalloc cuda backend: the CUDA driver is shutting down (") + what +
+                       " returned CUDA_ERROR_DEINITIALIZED, 4): the process is exiting (the CUDA "
+                       "runtime has been torn down), so no device memory can be allocated or used "
+                       "any more");
+}
+
 void check(CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return;
+  if (r == CUDA_ERROR_DEINITIALIZED) throw_shut_down(what);
   std::string msg = std::string("vmalloc cuda backend: ") + what + " failed: " + error_string(r);
   if (r == CUDA_ERROR_OUT_OF_MEMORY) throw DriverOutOfMemory(msg);
   throw std::runtime_error(msg);
@@ -149,6 +164,14 @@ class CudaDriver final : public Driver {
   // close(): everything was unmapped and released; give back the events and the context too,
   // so that a closed allocator holds nothing of the driver's.
   void shutdown() noexcept override { drop_context(); }
+
+  // One driver call, only once a call has seen the shutdown: the allocator's fast paths call none.
+  void check_not_shut_down() override {
+    if (!g_shut_down.load(std::memory_order_relaxed)) return;
+    CUcontext c = nullptr;
+    if (a_.cuCtxGetCurrent(&c) == CUDA_ERROR_DEINITIALIZED) throw_shut_down("cuCtxGetCurrent");
+    g_shut_down.store(false, std::memory_order_relaxed);  // it answers again (only a fake does)
+  }
 
   const char* name() const override { return "cuda"; }
   size_t granularity() const override { return granularity_; }
@@ -279,8 +302,9 @@ class CudaDriver final : public Driver {
   }
 
  private:
-  // Destroys the events and releases the primary context, once. Best effort: at interpreter exit
-  // the driver may already be shutting down.
+  // Destroys the events and releases the primary context, once. Best effort and silent: at
+  // interpreter exit the driver may already be shutting down (every call then fails with
+  // CUDA_ERROR_DEINITIALIZED, and the driver takes the events and the context with it).
   void drop_context() noexcept {
     if (!ctx_) return;
     {
@@ -309,6 +333,7 @@ class CudaDriver final : public Driver {
       if (r != CUDA_SUCCESS) {
         result_ = r;
       } else if (prev_ != target) {
+        call_ = "cuCtxSetCurrent";
         result_ = d_.a_.cuCtxSetCurrent(target);
         switched_ = result_ == CUDA_SUCCESS;
       }
@@ -317,10 +342,14 @@ class CudaDriver final : public Driver {
       if (switched_) d_.a_.cuCtxSetCurrent(prev_);
     }
     bool ok() const { return result_ == CUDA_SUCCESS; }
-    void check() const { vmalloc::driver::check(result_, "making the device's context current"); }
+    void check() const {
+      if (result_ == CUDA_ERROR_DEINITIALIZED) throw_shut_down(call_);
+      vmalloc::driver::check(result_, "making the device's context current");
+    }
     CudaDriver& d_;
     CUcontext prev_ = nullptr;
     CUresult result_ = CUDA_SUCCESS;
+    const char* call_ = "cuCtxGetCurrent";  // the call that gave result_
     bool switched_ = false;
   };
 

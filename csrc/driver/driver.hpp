@@ -26,6 +26,14 @@ struct DriverOutOfMemory : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The driver is shutting down (CUDA_ERROR_DEINITIALIZED: the CUDA runtime's teardown at process
+// exit while C++ statics, thread-locals or late garbage collection still free tensors). No call
+// succeeds again, and the driver takes all the process's device memory with it: the paths that
+// must not throw (free, close, the destructor) leak quietly; the others raise this.
+struct DriverShutDown : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -60,6 +68,10 @@ class Driver {
   virtual bool event_done(EventHandle e) = 0;
   virtual void event_wait(EventHandle e) = 0;
   virtual void event_destroy(EventHandle e) = 0;
+
+  // Throws DriverShutDown when a call of this process has seen the driver shutting down (and it
+  // still is): for the paths that may succeed without any driver call (a malloc from the cache).
+  virtual void check_not_shut_down() {}
 
   // close(): everything was unmapped and released (or tried to be); drop what the backend still
   // holds (the host backend closes its memfd, which frees any chunk a failed release left

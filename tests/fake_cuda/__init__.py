@@ -31,6 +31,7 @@ ENTRY_POINTS = (
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_DEINITIALIZED = 4
 CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_UNKNOWN = 999
@@ -87,6 +88,8 @@ class FakeDriver:
         self.lib.fakecuda_stream_use.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
         self.lib.fakecuda_violation.restype = ctypes.c_char_p
         self.lib.fakecuda_violation.argtypes = [ctypes.c_longlong]
+        self.lib.fakecuda_reclaim.restype = ctypes.c_longlong
+        self.lib.fakecuda_reclaim.argtypes = [ctypes.c_ulonglong]
 
     def get(self, what: str) -> int:
         v = int(self.lib.fakecuda_get(what.encode()))
@@ -104,7 +107,28 @@ class FakeDriver:
         self.lib.fakecuda_inject(fn.encode(), nth, result, count)
 
     def disarm(self) -> None:
+        """Undo inject() and deinit(): the driver answers normally again."""
         self.inject("any", 0, 0)
+        self.revive()
+
+    def deinit(self) -> None:
+        """The driver shuts down, as at process exit under the CUDA runtime's teardown: every
+        entry point returns CUDA_ERROR_DEINITIALIZED (not a violation) until revive()."""
+        self.lib.fakecuda_deinit()
+
+    def revive(self) -> None:
+        """Undo deinit() (tests/conftest.py does it after every test)."""
+        self.lib.fakecuda_revive()
+
+    def serial(self) -> int:
+        """The creation serial of the newest driver object: reclaim() takes what comes after."""
+        return self.get("serial")
+
+    def reclaim(self, since: int) -> int:
+        """Destroy every mapping, handle, reservation, event and stream created after serial
+        `since`, as the real driver does at exit (what a test that shut it down leaked); context
+        references stay. Returns how many objects went."""
+        return int(self.lib.fakecuda_reclaim(since))
 
     def hold(self, stream: int, held: bool = True) -> None:
         """Keep the events recorded on `stream` pending (its work still running), or let them go."""

@@ -20,7 +20,9 @@
  * cuMemCreate and cuMemMap: the context of the memory's own device).
  *
  * Test controls (ctypes): fakecuda_inject (the nth next call of a function fails with a CUresult),
- * fakecuda_stream_hold, fakecuda_get (live objects and counters), fakecuda_violation (messages).
+ * fakecuda_stream_hold, fakecuda_get (live objects and counters), fakecuda_violation (messages),
+ * fakecuda_deinit / fakecuda_revive (the driver shutting down at process exit: every call returns
+ * CUDA_ERROR_DEINITIALIZED), fakecuda_reclaim (what a shut-down driver takes with it).
  * Knobs (environment, read at cuInit): FAKECUDA_DEVICES (3), FAKECUDA_TOTAL_MEM (bytes per device,
  * 4 GiB), FAKECUDA_GRANULARITY (2 MiB).
  *
@@ -74,6 +76,7 @@ enum {
   CUDA_ERROR_INVALID_VALUE = 1,
   CUDA_ERROR_OUT_OF_MEMORY = 2,
   CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_DEINITIALIZED = 4,
   CUDA_ERROR_INVALID_DEVICE = 101,
   CUDA_ERROR_INVALID_CONTEXT = 201,
   CUDA_ERROR_INVALID_HANDLE = 400,
@@ -89,6 +92,7 @@ enum {
 /* ------------------------------------------------------------------------------------ state */
 
 struct Stream {
+  unsigned long long born; /* creation serial (fakecuda_reclaim) */
   CUcontext ctx;
   int held;                                  /* its work does not complete until let go */
   unsigned long long submitted, completed;   /* work queued on it / done, in order */
@@ -99,6 +103,7 @@ struct Ctx {
   struct Stream legacy;  /* what the NULL, legacy and per-thread handles name in this context */
 };
 struct Event {
+  unsigned long long born;
   CUcontext ctx;
   CUstream stream;        /* where it was last recorded; NULL: never recorded */
   unsigned long long seq; /* the stream's work up to here */
@@ -110,15 +115,18 @@ typedef struct { /* device work queued on a stream that reads or writes [va, va 
   size_t size;
 } Use;
 typedef struct {
+  unsigned long long born;
   int device;
   size_t size, slot; /* first slot in the device's memfd */
   int mappings, released;
 } Handle;
 typedef struct {
+  unsigned long long born;
   CUdeviceptr va;
   size_t size;
 } Reservation;
 typedef struct {
+  unsigned long long born;
   CUdeviceptr va;
   size_t size, offset;
   Handle* h;
@@ -162,6 +170,8 @@ static Device devices[MAX_DEVICES];
 static Vec reservations, handles, mappings, events, streams, uses;
 static Vec cover; /* scratch of covering(), under mu */
 static long long n_violations, n_event_syncs, n_calls;
+static unsigned long long n_born; /* serial of the last object created */
+static int deinitialized;         /* fakecuda_deinit: the driver is shutting down */
 
 /* injected failures */
 static char inject_name[64];
@@ -217,6 +227,8 @@ static CUresult enter(const char* fn, int needs_init) {
               (int)getpid(), (int)owner_pid);
     return CUDA_ERROR_NOT_INITIALIZED;
   }
+  /* the driver's state at process exit, not a misuse: every call says so, nothing is recorded */
+  if (deinitialized) return CUDA_ERROR_DEINITIALIZED;
   if (inject_nth && (!strcmp(inject_name, fn) || !strcmp(inject_name, "any"))) {
     if (--inject_nth == 0) {
       ++n_injected;
@@ -411,6 +423,7 @@ static CUresult do_reserve(CUdeviceptr* out, size_t size, size_t alignment, CUde
   if (start > lo) munmap(p, start - lo);
   if (lo + size + align > start + size) munmap((void*)(start + size), lo + size + align - start - size);
   Reservation* r = malloc(sizeof *r);
+  r->born = ++n_born;
   r->va = start;
   r->size = size;
   vec_push(&reservations, r);
@@ -501,6 +514,7 @@ static CUresult do_create(CUmemGenericAllocationHandle* out, size_t size, const 
       size_t first = s + 1 - need;
       memset(dev->used + first, 1, need);
       Handle* h = calloc(1, sizeof *h);
+      h->born = ++n_born;
       h->device = prop->location.id;
       h->size = size;
       h->slot = first;
@@ -586,6 +600,7 @@ static CUresult do_map(CUdeviceptr va, size_t size, size_t offset, CUmemGenericA
                  (off_t)(h->slot * gran + offset));
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   Mapping* m = calloc(1, sizeof *m);
+  m->born = ++n_born;
   m->va = va;
   m->size = size;
   m->offset = offset;
@@ -757,6 +772,7 @@ static CUresult do_stream_create(CUstream* out, unsigned int flags) {
   (void)flags;
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   CUstream s = calloc(1, sizeof *s);
+  s->born = ++n_born;
   s->ctx = current;
   vec_push(&streams, s);
   *out = s;
@@ -807,6 +823,7 @@ static CUresult do_event_create(CUevent* out, unsigned int flags) {
   NEED(need_context("cuEventCreate"));
   if (!out || (flags & ~0xfu)) return CUDA_ERROR_INVALID_VALUE;
   CUevent e = calloc(1, sizeof *e);
+  e->born = ++n_born;
   e->ctx = current;
   vec_push(&events, e);
   *out = e;
@@ -925,6 +942,7 @@ static const char* err_name(CUresult r) {
     case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
     case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_DEINITIALIZED: return "CUDA_ERROR_DEINITIALIZED";
     case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
     case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
@@ -934,14 +952,25 @@ static const char* err_name(CUresult r) {
     default: return NULL;
   }
 }
+static int is_deinitialized(void) {
+  pthread_mutex_lock(&mu);
+  int d = deinitialized;
+  pthread_mutex_unlock(&mu);
+  return d;
+}
+/* Not counted in `calls`. While the driver is shut down they fail too: vmalloc's messages must
+ * not need them then. */
 EXPORT CUresult cuGetErrorName(CUresult r, const char** out) {
+  if (is_deinitialized()) return CUDA_ERROR_DEINITIALIZED;
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   *out = err_name(r);
   return *out ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 EXPORT CUresult cuGetErrorString(CUresult r, const char** out) {
+  if (is_deinitialized()) return CUDA_ERROR_DEINITIALIZED;
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   switch (r) {
+    case CUDA_ERROR_DEINITIALIZED: *out = "driver shutting down"; break;
     case CUDA_ERROR_OUT_OF_MEMORY: *out = "out of memory"; break;
     case CUDA_ERROR_INVALID_VALUE: *out = "invalid argument"; break;
     case CUDA_ERROR_NOT_READY: *out = "device not ready"; break;
@@ -1003,6 +1032,72 @@ EXPORT int fakecuda_stream_use(CUstream s, CUdeviceptr p, size_t n) {
   return ok ? 0 : -1;
 }
 
+/* The driver shuts down, as the CUDA runtime's teardown does at process exit while the program
+ * still frees memory: from now on every entry point returns CUDA_ERROR_DEINITIALIZED, records no
+ * violation and changes nothing (the objects stay as they were). fakecuda_revive undoes it (the
+ * real driver never comes back; a test does, and tests/conftest.py revives after each). */
+EXPORT void fakecuda_deinit(void) {
+  pthread_mutex_lock(&mu);
+  deinitialized = 1;
+  pthread_mutex_unlock(&mu);
+}
+EXPORT void fakecuda_revive(void) {
+  pthread_mutex_lock(&mu);
+  deinitialized = 0;
+  pthread_mutex_unlock(&mu);
+}
+
+/* What the real driver does at exit for a test that shut it down: destroy every mapping, handle,
+ * reservation, event and stream created after serial `since` (fakecuda_get("serial") taken
+ * before), whoever still refers to them. Context references are not touched. Returns how many
+ * objects went. */
+EXPORT long long fakecuda_reclaim(unsigned long long since) {
+  pthread_mutex_lock(&mu);
+  long long n = 0;
+  for (size_t i = mappings.n; i-- > 0;) {
+    Mapping* m = mappings.p[i];
+    if (m->born <= since) continue;
+    mmap((void*)(uintptr_t)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+         -1, 0);
+    Handle* h = m->h;
+    vec_remove_at(&mappings, i);
+    free(m);
+    if (--h->mappings == 0 && h->released) free_handle(h);
+    ++n;
+  }
+  for (size_t i = handles.n; i-- > 0;) {
+    Handle* h = handles.p[i];
+    if (h->born <= since || h->mappings) continue; /* still mapped by an older mapping: kept */
+    free_handle(h);
+    ++n;
+  }
+  for (size_t i = reservations.n; i-- > 0;) {
+    Reservation* r = reservations.p[i];
+    if (r->born <= since) continue;
+    munmap((void*)(uintptr_t)r->va, r->size);
+    vec_remove_at(&reservations, i);
+    free(r);
+    ++n;
+  }
+  for (size_t i = events.n; i-- > 0;) {
+    CUevent e = events.p[i];
+    if (e->born <= since) continue;
+    vec_remove_at(&events, i);
+    free(e);
+    ++n;
+  }
+  for (size_t i = streams.n; i-- > 0;) {
+    CUstream s = streams.p[i];
+    if (s->born <= since) continue;
+    retire_stream(s);
+    vec_remove_at(&streams, i);
+    free(s);
+    ++n;
+  }
+  pthread_mutex_unlock(&mu);
+  return n;
+}
+
 /* A counter or a count of live objects, by name; -1 for an unknown name. */
 EXPORT long long fakecuda_get(const char* what) {
   pthread_mutex_lock(&mu);
@@ -1048,6 +1143,8 @@ EXPORT long long fakecuda_get(const char* what) {
       if (!strcmp(fn_names[i], what + 6)) v = fn_calls[i];
   }
   else if (!strcmp(what, "granularity")) v = (long long)gran;
+  else if (!strcmp(what, "serial")) v = (long long)n_born;
+  else if (!strcmp(what, "deinitialized")) v = deinitialized;
   else if (!strcmp(what, "total_mem")) v = (long long)total_mem;
   pthread_mutex_unlock(&mu);
   return v;
