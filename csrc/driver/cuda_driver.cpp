@@ -26,7 +26,6 @@ size_t cuda_granularity(int device) { return make_cuda_driver(device)->granulari
 #include <cuda.h>
 #include <dlfcn.h>
 
-#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -103,12 +102,10 @@ std::string error_string(CUresult r) {
   return out;
 }
 
-// Set when a call returned CUDA_ERROR_DEINITIALIZED: the driver is shutting down, for the whole
-// process (every allocator's malloc then refuses, see check_not_shut_down).
-std::atomic<bool> g_shut_down{false};
-
+// A call returned CUDA_ERROR_DEINITIALIZED: the driver is shutting down, for the whole process
+// (every allocator's malloc then refuses, see Driver::check_not_shut_down).
 [[noreturn]] void throw_shut_down(const char* what) {
-  g_shut_down.store(true, std::memory_order_relaxed);
+  Driver::shut_down_seen.store(true, std::memory_order_relaxed);
   // Written out, not from cuGetErrorString: no driver call answers any more.
   throw DriverShutDown(std::string("vmalloc cuda backend: the CUDA driver is shutting down (") + what +
                        " returned CUDA_ERROR_DEINITIALIZED, 4): the process is exiting (the CUDA "
@@ -166,11 +163,10 @@ class CudaDriver final : public Driver {
   void shutdown() noexcept override { drop_context(); }
 
   // One driver call, only once a call has seen the shutdown: the allocator's fast paths call none.
-  void check_not_shut_down() override {
-    if (!g_shut_down.load(std::memory_order_relaxed)) return;
+  void probe_shut_down() override {
     CUcontext c = nullptr;
     if (a_.cuCtxGetCurrent(&c) == CUDA_ERROR_DEINITIALIZED) throw_shut_down("cuCtxGetCurrent");
-    g_shut_down.store(false, std::memory_order_relaxed);  // it answers again (only a fake does)
+    shut_down_seen.store(false, std::memory_order_relaxed);  // it answers again (only a fake does)
   }
 
   const char* name() const override { return "cuda"; }

@@ -8,6 +8,7 @@
 // Backends are not thread-safe; the allocator serializes all calls under its lock.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -71,7 +72,15 @@ class Driver {
 
   // Throws DriverShutDown when a call of this process has seen the driver shutting down (and it
   // still is): for the paths that may succeed without any driver call (a malloc from the cache).
-  virtual void check_not_shut_down() {}
+  // One relaxed load on those fast paths; the backend is asked only once the flag is set.
+  void check_not_shut_down() {
+    if (shut_down_seen.load(std::memory_order_relaxed)) probe_shut_down();
+  }
+  // Set by a backend when one of its calls found the driver shutting down (cuda_driver.cpp).
+  static inline std::atomic<bool> shut_down_seen{false};
+
+  // The flag is set: throw DriverShutDown if the driver still is shutting down, else clear it.
+  virtual void probe_shut_down() { shut_down_seen.store(false, std::memory_order_relaxed); }
 
   // close(): everything was unmapped and released (or tried to be); drop what the backend still
   // holds (the host backend closes its memfd, which frees any chunk a failed release left
