@@ -33,7 +33,7 @@ def test_without_a_gpu_the_gpu_steps_are_skipped(tmp_path):
                        text=True, timeout=300, env=python_env(), cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     summary = (out / "gpu-check.log").read_text()
-    for step in ("pytest-gpu", "alloc_micro", "swap", "checkpoint_real", "e2e-quick"):
+    for step in ("pytest-gpu", "demo", "alloc_micro", "swap", "checkpoint_real", "e2e-quick"):
         assert f"SKIP  {step}: no CUDA device" in summary, summary
     assert "env (" in summary and "DONE" in summary   # WARN in CI: the checkout is not built there
     files = sorted(p.name for p in out.iterdir())
@@ -47,7 +47,8 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", str(tmp_path / "q")],
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
-    for cmd in ("scripts/dev-build", "-m pytest -m gpu", "bench/alloc_micro.py --quick",
+    for cmd in ("scripts/dev-build", "-m pytest -m gpu", "-m vmalloc.cli demo",
+                "bench/alloc_micro.py --quick",
                 "bench/swap.py --quick", "bench/checkpoint_real.py --quick", "bench/e2e.py --quick"):
         assert cmd in r.stdout, (cmd, r.stdout)
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--full", str(tmp_path / "f")],

@@ -96,6 +96,9 @@ _GPU_DEMO = textwrap.dedent("""
     import vmalloc._autoload as auto
     auto.install()            # what the installed .pth does at start-up when VMALLOC=1
     import torch, vmalloc
+    if not vmalloc.is_enabled():   # never a demo of PyTorch's own allocator passing for ours
+        raise SystemExit("vmalloc demo: VMALLOC=1 did not make vmalloc PyTorch's allocator "
+                         "(see the warnings above)")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU())
                                   for _ in range(12)]).cuda()
