@@ -25,14 +25,23 @@
 //  * set_reset_fn `void()`: torch.cuda.empty_cache().
 //  * set_memory_fraction_fn `void(double, int)`: torch.cuda.set_per_process_memory_fraction.
 //  * set_init_fn `void(int device_count)`: CUDA lazy initialisation.
+//  * set_begin_allocate_to_pool `void(int, MempoolId_t, std::function<bool(cudaStream_t)>)`: CUDA
+//    graph capture (torch.cuda.graph, torch.compile's cudagraphs) and torch.cuda.use_mem_pool
+//    send allocations to a private pool, whose memory must never serve anything else (a graph
+//    replays into the addresses it captured). With no hook set PyTorch ignores the request, so
+//    vmalloc would go on serving them from its shared cache and a replay could write into
+//    another tensor's memory. vmalloc has no private pools: the hook refuses, before capture
+//    begins (PyTorch calls it first), and Python sees a RuntimeError saying so.
 // A size of 0 (empty tensors, pytorch/pytorch#159892) gets nullptr, as the native allocator does.
 #include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -231,6 +240,22 @@ VMALLOC_EXPORT void vmalloc_torch_init(int device_count) {
   registry().device_count = device_count;
 }
 
+// c10::cuda::MempoolId_t, and the stream filter the hook is handed (by value, as PyTorch's
+// FuncType has it; a std::function's layout does not depend on its signature)
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
+using StreamFilter = std::function<bool(void*)>;
+
+VMALLOC_EXPORT void vmalloc_torch_begin_allocate_to_pool(int device, MempoolId pool,
+                                                        StreamFilter /*filter*/) {
+  throw std::runtime_error(
+      "vmalloc: PyTorch asked for a private memory pool on GPU " + std::to_string(device) +
+      " (pool id (" + std::to_string(pool.first) + ", " + std::to_string(pool.second) +
+      ")): CUDA graph capture (torch.cuda.graph, torch.compile(mode=\"reduce-overhead\")) and "
+      "torch.cuda.use_mem_pool need memory no other tensor may reuse, and vmalloc has no private "
+      "pools, so it refuses rather than let a graph replay write into other tensors. Use "
+      "torch.compile's default mode, or run without vmalloc (VMALLOC=0) for graph capture.");
+}
+
 // Test-only: throws what an OOM throws, by `path` (0 auto, 1 constructor, 2 vtable), for C++
 // built against torch to catch (tests/test_torch_oom.py); Python cannot catch a C++ type.
 VMALLOC_EXPORT void vmalloc_torch_throw_oom_for_test(const char* msg, int path) {
@@ -305,6 +330,8 @@ void bind_torch(nb::module_& m) {
     d["vmalloc_torch_empty_cache"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_empty_cache);
     d["vmalloc_torch_memory_fraction"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_memory_fraction);
     d["vmalloc_torch_init"] = reinterpret_cast<uintptr_t>(&vmalloc_torch_init);
+    d["vmalloc_torch_begin_allocate_to_pool"] =
+        reinterpret_cast<uintptr_t>(&vmalloc_torch_begin_allocate_to_pool);
     return d;
   });
 }

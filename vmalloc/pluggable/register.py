@@ -2,11 +2,13 @@
 and ``pool()`` (a scoped ``torch.cuda.MemPool`` whose segments come from vmalloc).
 
 Both hand PyTorch the C entry points of ``csrc/bind/torch_c_api.cpp`` (exported from
-``vmalloc._core``) through ``torch.cuda.memory.CUDAPluggableAllocator`` and wire the four extra
-hooks PyTorch offers a pluggable allocator (``torch/csrc/cuda/CUDAPluggableAllocator.h``, torch
+``vmalloc._core``) through ``torch.cuda.memory.CUDAPluggableAllocator`` and wire the extra hooks
+PyTorch offers a pluggable allocator (``torch/csrc/cuda/CUDAPluggableAllocator.h``, torch
 2.4 - 2.13): ``set_record_stream_fn`` (``Tensor.record_stream``), ``set_reset_fn``
 (``torch.cuda.empty_cache()`` -> trim), ``set_memory_fraction_fn``
-(``set_per_process_memory_fraction`` -> budget), ``set_init_fn`` (device count).
+(``set_per_process_memory_fraction`` -> budget), ``set_init_fn`` (device count),
+``set_begin_allocate_to_pool`` (a private pool for CUDA graph capture or ``use_mem_pool``:
+refused with a ``RuntimeError``, vmalloc has none).
 """
 from __future__ import annotations
 

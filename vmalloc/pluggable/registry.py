@@ -19,7 +19,9 @@ FREE_FN = "vmalloc_torch_free"
 HOOKS = {"set_record_stream_fn": "vmalloc_torch_record_stream",
          "set_reset_fn": "vmalloc_torch_empty_cache",
          "set_memory_fraction_fn": "vmalloc_torch_memory_fraction",
-         "set_init_fn": "vmalloc_torch_init"}
+         "set_init_fn": "vmalloc_torch_init",
+         # refuses: CUDA graphs / use_mem_pool need private pools (see torch_c_api.cpp)
+         "set_begin_allocate_to_pool": "vmalloc_torch_begin_allocate_to_pool"}
 
 
 @dataclass
