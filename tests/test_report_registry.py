@@ -17,7 +17,7 @@ lib.vmalloc_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 assert set(core._torch_entry_points()) == {"vmalloc_torch_malloc", "vmalloc_torch_malloc_pool",
     "vmalloc_torch_free",
     "vmalloc_torch_record_stream", "vmalloc_torch_empty_cache", "vmalloc_torch_memory_fraction",
-    "vmalloc_torch_init"}
+    "vmalloc_torch_init", "vmalloc_torch_begin_allocate_to_pool"}
 
 assert ta.stats(3)["requested_current"] == 0            # a device that allocated nothing yet
 assert malloc(0, 0, None) is None                        # empty tensors get nullptr
