@@ -1,6 +1,7 @@
 """Choose the allocator's ``cache_slack`` default from data (issue 12, step 4).
 
     python bench/cache_slack.py [--quick] [--traces-dir DIR] [--alloc-micro FILE]
+                                [--max-seconds S] [--stop-at EPOCH]
 
 ``cache_slack`` (README, the allocator's knobs): without a budget, new chunks are created only
 while physical memory stays below ``(1 + cache_slack)`` x the peak of chunks in use; past that,
@@ -32,9 +33,14 @@ a few percent of a step, else say why not"): a slack keeps memory near 1.05 on a
 physical / requested peak is at most ``max(1.05, floor) + 0.02``, ``floor`` being the trace's
 ratio at slack 0 (the leanest any slack can be: chunk rounding, not caching). The candidate is
 the largest finite slack that does so on every trace (the most cache, so the fewest remaps,
-the memory target allows); it is the default if its remaps cost at most 3% of a step on every
-trace (the worst step after the first: the first fills the cache). If not, the verdict says
-why, with the tightest slack whose remaps stay under 3% as the alternative.
+the memory target allows) whose remaps cost at most 3% of a step on every trace (the worst
+step after the first: the first fills the cache). If none does, the verdict says why, with the
+tightest slack whose remaps stay under 3% as the alternative.
+
+The host backend commits real RAM for every chunk: a replay stops (its ratio then a lower
+bound) once it holds 60% of the RAM free, and ``--max-seconds`` / ``--stop-at`` leave out the
+traces there is no time for (said in the JSON; scripts/gpu-check --traces runs this on the
+device right after recording, where the large traces' RAM is).
 
 Results: a table on stdout and ``bench/results/cache_slack.json`` (inputs, every replay's per
 step counts, the decision, and the verdict paragraph README's Results section shows).
@@ -371,8 +377,7 @@ def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Seque
                              f"cost {detail(max(looser))}.")
         else:
             parts.append(f"Why not: its remaps cost {detail(pick)}, above the "
-                         f"{REMAP_THRESHOLD_PERCENT:g}% threshold (and no tighter slack costs "
-                         "less).")
+                         f"{REMAP_THRESHOLD_PERCENT:g}% threshold, as are every tighter slack's.")
     if meets:
         chosen, found = pick, True
     else:   # the tightest slack (no cap last) whose remaps stay under the threshold everywhere
@@ -401,20 +406,32 @@ def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Seque
 
 # ------------------------------------------------------------------------------ main
 def run(trace_paths: Sequence[str], cost: Dict[str, Any], candidates: Sequence[Optional[float]],
-        results: str, max_seconds: Optional[float] = None) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Replay each trace under each candidate, smallest file first; once ``max_seconds`` have
-    passed, the traces not started are left out (returned by name) so that what was done is
-    still written."""
+        results: str, max_seconds: Optional[float] = None,
+        stop_at: Optional[float] = None) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Replay each trace under each candidate, smallest file first. A trace is left out
+    (returned by name; what was done is still written) once ``max_seconds`` have passed, or
+    when its replays would end after ``stop_at`` (epoch seconds: the device call's end),
+    predicted from the seconds per byte of physical memory the replays so far took (the host
+    backend's cost is committing RAM)."""
     from vmalloc.replay import load
 
     out: List[Dict[str, Any]] = []
     left_out: List[str] = []
     t0 = time.monotonic()
+    spent = committed = 0.0   # replay seconds, physical bytes those replays reached
+    weight = sum(2.0 if s is None else 1.0 + s for s in candidates)
     for path in sorted(trace_paths, key=os.path.getsize):
         if max_seconds is not None and out and time.monotonic() - t0 > max_seconds:
             left_out.append(os.path.basename(path))
             continue
         trace = load(path)
+        if stop_at is not None and committed:
+            guess = spent / committed * trace.peak_requested() * weight
+            if time.time() + guess > stop_at:
+                left_out.append(os.path.basename(path))
+                print(f"\nleaving out {os.path.basename(path)}: its replays would take about "
+                      f"{guess:.0f} s, past --stop-at")
+                continue
         starts, cut = step_cuts(trace)
         secs, secs_how, measured = step_seconds(trace, starts, results)
         t: Dict[str, Any] = {
@@ -425,7 +442,10 @@ def run(trace_paths: Sequence[str], cost: Dict[str, Any], candidates: Sequence[O
         for s in candidates:
             ram = available_ram()
             limit = int(RAM_SHARE * ram) if ram else None
+            t1 = time.monotonic()
             row = replay_steps(trace, starts, s, limit)
+            spent += time.monotonic() - t1
+            committed += row["physical_peak"]
             cost_of(row, cost, secs)
             t["rows"].append(row)
         floor = next(r for r in t["rows"] if r["cache_slack"] == 0.0)["ratio"]
@@ -434,7 +454,7 @@ def run(trace_paths: Sequence[str], cost: Dict[str, Any], candidates: Sequence[O
         out.append(t)
         print_trace(t)
     if left_out:
-        print(f"\nleft out (--max-seconds {max_seconds:g} passed): {', '.join(left_out)}")
+        print(f"\nleft out for time: {', '.join(left_out)}")
     return out, left_out
 
 
@@ -471,6 +491,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=RESULTS, help="where cache_slack.json goes")
     p.add_argument("--max-seconds", type=float, default=None, help="start no new trace after "
                    "this long (smallest traces first); the JSON names the ones left out")
+    p.add_argument("--stop-at", type=float, default=None, help="epoch seconds: leave out a "
+                   "trace whose replays would end later (scripts/gpu-check: its call's end)")
     args = p.parse_args(argv)
 
     try:
@@ -490,7 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ", ".join(os.path.basename(x) for x in paths))
     print(f"remap cost: {cost['us_per_chunk_remapped']:.3g} us per chunk ({cost['source']}, "
           f"{cost['measured_on']}); created chunk: {cost['us_per_chunk_created']} us")
-    traces, left_out = run(paths, cost, candidates, args.out, args.max_seconds)
+    traces, left_out = run(paths, cost, candidates, args.out, args.max_seconds, args.stop_at)
     decision = decide(traces, cost, candidates, real, current_default(), left_out)
     print("\n" + decision["verdict"])
 

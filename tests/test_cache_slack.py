@@ -173,3 +173,17 @@ def test_a_tighter_slack_that_remaps_less_is_taken_when_the_largest_costs_too_mu
     d = _decide(5.0, [_trace("a", RATIOS, remaps)])   # 0: 1%, 0.05: 4%
     assert d["meets_target"] and d["cache_slack"] == 0.0
     assert "0.05 keeps the memory target too, but its remaps cost 4.00% of a step" in d["verdict"]
+
+
+def test_traces_without_time_left_are_left_out_and_said_so(tmp_path):
+    _tiny_gpu_trace(tmp_path / "a-gpu.json.gz")
+    _tiny_gpu_trace(tmp_path / "b-gpu.json.gz")
+    micro = {"cuda": {"device": "Fake GPU",
+                      "vmalloc_remap": [{"k": 2, "us_per_chunk_remapped": 20.0}]}}
+    (tmp_path / "am.json").write_text(json.dumps(micro))
+    # the call's end has passed: the first trace still runs, the second is left out
+    assert cs.main(["--traces-dir", str(tmp_path), "--alloc-micro", str(tmp_path / "am.json"),
+                    "--out", str(tmp_path), "--stop-at", "0"]) == 0
+    d = json.loads((tmp_path / "cache_slack.json").read_text())
+    assert len(d["traces"]) == 1 and len(d["left_out"]) == 1
+    assert d["decision"]["provisional"] and "left out for time" in d["verdict"]
