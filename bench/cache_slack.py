@@ -233,14 +233,26 @@ class _StepCounter:
 
 
 def available_ram() -> Optional[int]:
+    """Bytes of RAM free to this process: MemAvailable, or less under a cgroup's memory limit
+    (a container's /proc/meminfo shows the host's)."""
+    free: Optional[int] = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if cap.isdigit():
+            free = min(free, int(cap) - used) if free is not None else int(cap) - used
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float],

@@ -9,11 +9,12 @@ builds the model, turns on ``torch.cuda.memory._record_memory_history`` (no stac
 trace stays small), trains ``--steps`` SGD steps on the native caching allocator, and dumps the
 snapshot. The parent turns it into the project's trace format (``vmalloc.replay.trace``,
 gzip'ed JSON, a few hundred KB) with ``meta.real_gpu_trace = True`` and what PyTorch itself
-reported: peak reserved and peak allocated bytes, and each step's wall time
-(``step_seconds``, synchronized; under recording) and first event (``step_starts``: the child
-counts PyTorch's allocations at each step's start, ``bench/cache_slack.py`` cuts the trace there). It then replays the trace through the model
-of the caching allocator (``vmalloc.replay.caching_model``) and reports the model's error: its
-predicted peak reserved bytes against what PyTorch really reserved, in percent.
+reported: peak reserved and peak allocated bytes, each step's wall time (``step_seconds``,
+synchronized, under recording) and first event (``step_starts``: the child counts PyTorch's
+allocations at each step's start; ``bench/cache_slack.py`` cuts the trace there). It then
+replays the trace through the model of the caching allocator (``vmalloc.replay.caching_model``)
+and reports the model's error: its predicted peak reserved bytes against what PyTorch really
+reserved, in percent.
 
 Results: the traces in ``--out`` (``<model>-b<batch>-<method>-gpu.json.gz``) and
 ``bench/results/traces-gpu.json`` (per trace: events, peaks, model error). Without CUDA it
