@@ -182,6 +182,48 @@ def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     return out
 
 
+def cache_slack(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
+    meta, cost, dec, rule = d.get("meta", {}), d["remap_cost"], d["decision"], d["rule"]
+    traces = d["traces"]
+    out = [f"Replayed on the host (vmalloc's host backend, {size(d.get('chunk_size'))} chunks): "
+           f"traces {d['traces_used']} ({', '.join(t['trace'] for t in traces)}); remap cost "
+           f"{num(cost['us_per_chunk_remapped'])} us per chunk from alloc_micro.json's "
+           f"{cost['source']} rows ({cost['measured_on']}).",
+           meta_line(meta, (("gpu", "device"), ("torch", "torch"), ("date", "date"))), "",
+           f"**Verdict:** {d['verdict']}", "",
+           f"Per candidate, the worst over the traces: physical / requested peak (target "
+           f"{g(rule['ratio_target'])} + {g(rule['ratio_tolerance'])}, or the trace's slack-0 "
+           f"floor + {g(rule['ratio_tolerance'])}) and the remap time of the worst step after "
+           f"the first, in percent of a step (threshold {g(rule['remap_threshold_percent'])}%).", ""]
+    rows = []
+    for lab in d["candidates"]:
+        per = [(t, next(r for r in t["rows"] if r["label"] == lab)) for t in traces]
+        ratio = max(per, key=lambda tr: tr[1]["ratio"] or 0.0)
+        pcts = [(r["steady_percent_max"], t["trace"]) for t, r in per]
+        known = [x for x in pcts if x[0] is not None]
+        worst = max(known) if known and len(known) == len(pcts) else None
+        mem = all(r["complete"] and r["ratio"] is not None and r["ratio"] <= t["ratio_limit"] + 1e-12
+                  for t, r in per)
+        rows.append((lab, f"{num(ratio[1]['ratio'], 4)} ({ratio[0]['trace']})"
+                     + ("" if ratio[1]["complete"] else " (lower bound: stopped)"),
+                     f"{pct(worst[0], sign=False)} ({worst[1]})" if worst else "-",
+                     met(mem), met(worst[0] <= rule["remap_threshold_percent"]) if worst else "n/a"))
+    out += table(["cache_slack", "worst physical / requested peak", "worst remap share of a step",
+                  "memory target", "remaps under threshold"], rows)
+    out += ["", "Step times: " + "; ".join(
+        f"{t['trace']} {num(t['step_seconds'])} s" if t["step_seconds"] else f"{t['trace']} unknown"
+        for t in traces) + " (" + "; ".join(sorted({t["step_time_source"] for t in traces})) + ")."]
+    if d.get("left_out"):
+        out += [f"Left out for time: {', '.join(d['left_out'])}."]
+    ctx.goal("cache_slack", "default keeps physical/requested near 1.05 if remaps cost < "
+             f"{g(rule['remap_threshold_percent'])}% of a step, else say why not",
+             (f"{dec['label']}" if dec.get("found") else "no default from this data")
+             + (" (provisional)" if dec["provisional"] else ""),
+             None if dec["provisional"] else dec["meets_target"])
+    out += ["", reproduce(meta.get("command", "python bench/cache_slack.py"))]
+    return out
+
+
 def fragmentation(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     goal = float(d.get("goal_budget_ratio", 1.05))
     traces = sorted(d["traces"], key=lambda t: t["trace"])
@@ -801,6 +843,8 @@ Section = Tuple[str, str, str, Callable[..., List[str]]]   # (file or glob, titl
 SECTIONS: List[Section] = [
     ("e2e-*.json", "End to end: training under a budget", "python bench/e2e.py", e2e),
     ("alloc_micro.json", "Allocator fast path", "python bench/alloc_micro.py", alloc_micro),
+    ("cache_slack.json", "cache_slack's default: remap time vs memory (issue 12)",
+     "python bench/cache_slack.py", cache_slack),
     ("fragmentation.json", "Fragmentation: vmalloc vs PyTorch's caching allocator",
      "python bench/fragmentation.py", fragmentation),
     ("planners_time.json", "Planner solve time", "python bench/planners_time.py", planners_time),

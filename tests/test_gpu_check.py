@@ -66,6 +66,9 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
     assert "bench/traces/record_gpu.py" in r.stdout and "bench/e2e.py" not in r.stdout
+    # cache_slack replays the traces just recorded, after them and before hf
+    assert r.stdout.index("record_gpu.py") < r.stdout.index("bench/cache_slack.py --traces-dir") \
+        < r.stdout.index("bench/hf.py")
 
 
 def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):

@@ -42,3 +42,29 @@ def test_without_cuda_it_records_nothing_and_says_so(capsys, tmp_path):
     assert record_gpu.main(["--out", str(tmp_path)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_step_starts_count_recorded_allocations_after_the_pre_existing_blocks(tmp_path):
+    """The child counts PyTorch's allocations at each step's start; a block allocated before the
+    recording (its free is in the trace) becomes an allocation at the trace's start, which the
+    counts skip."""
+    snap = _snapshot()
+    pre = {"action": "free_completed", "addr": 0x9000, "size": MiB, "stream": 0, "time_us": 0,
+           "frames": []}
+    snap["device_traces"][0].insert(0, pre)
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    job = record_gpu.Job("resnet50", 4, "native")
+    # step 1: the first two allocations; step 2: the third (after the 3 MiB block's free)
+    figures = {"reserved_peak": 20 * MiB, "allocated_peak": 15 * MiB, "gpu": "test",
+               "step_seconds": [0.3, 0.1], "step_allocs": [0, 2, 3]}
+    record_gpu.convert(str(path), job, figures, 2, tmp_path / "traces")
+    t = load(tmp_path / "traces" / "resnet50-b4-native-gpu.json.gz")
+    # the pre-existing block: allocated at the start, freed by the first entry
+    assert [(e.action, e.size) for e in t.events[:2]] == [("alloc", MiB), ("free", MiB)]
+    assert t.meta["step_starts"] == [2, 5]
+    assert (t.events[2].size, t.events[5].size) == (3 * MiB, 2 * MiB)
+    assert t.meta["step_seconds"] == [0.3, 0.1] and t.meta["model"] == "resnet50"
+    # counts the trace cannot hold (the history ring dropped entries): no cut, not a wrong one
+    assert record_gpu.step_starts(t, [0, 2, 9]) is None
+    assert record_gpu.step_starts(t, None) is None

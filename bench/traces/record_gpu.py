@@ -9,9 +9,12 @@ builds the model, turns on ``torch.cuda.memory._record_memory_history`` (no stac
 trace stays small), trains ``--steps`` SGD steps on the native caching allocator, and dumps the
 snapshot. The parent turns it into the project's trace format (``vmalloc.replay.trace``,
 gzip'ed JSON, a few hundred KB) with ``meta.real_gpu_trace = True`` and what PyTorch itself
-reported: peak reserved and peak allocated bytes. It then replays the trace through the model
-of the caching allocator (``vmalloc.replay.caching_model``) and reports the model's error: its
-predicted peak reserved bytes against what PyTorch really reserved, in percent.
+reported: peak reserved and peak allocated bytes, each step's wall time (``step_seconds``,
+synchronized, under recording) and first event (``step_starts``: the child counts PyTorch's
+allocations at each step's start; ``bench/cache_slack.py`` cuts the trace there). It then
+replays the trace through the model of the caching allocator (``vmalloc.replay.caching_model``)
+and reports the model's error: its predicted peak reserved bytes against what PyTorch really
+reserved, in percent.
 
 Results: the traces in ``--out`` (``<model>-b<batch>-<method>-gpu.json.gz``) and
 ``bench/results/traces-gpu.json`` (per trace: events, peaks, model error). Without CUDA it
@@ -27,6 +30,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -67,6 +71,13 @@ def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
     device = torch.device("cuda")
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                              max_entries=MAX_ENTRIES)
+
+    def allocs() -> int:   # PyTorch counts each allocation where it records its trace entry
+        return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+
+    base = allocs()
+    step_allocs: List[int] = []      # allocations recorded before each step, then in all
+    step_seconds: List[float] = []
     wl = build_workload(job.model, job.batch, device, smoke=False, seed=0)
     params = list({id(p): p for b in wl.blocks for p in b.parameters()}.values())
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
@@ -75,11 +86,17 @@ def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
     torch.manual_seed(0)
     with method_context(method, wl, budget, device, None) as (forward, _stats):
         for step in range(steps):
+            torch.cuda.synchronize()
+            step_allocs.append(allocs() - base)
+            t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = loss_of(forward(wl.input(step)), wl)
             loss.backward()
             opt.step()
+            torch.cuda.synchronize()
+            step_seconds.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
+    step_allocs.append(allocs() - base)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     with open(snapshot_path, "wb") as f:
@@ -87,7 +104,7 @@ def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
     return {"reserved_peak": int(torch.cuda.max_memory_reserved()),
             "allocated_peak": int(torch.cuda.max_memory_allocated()),
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "cuda": torch.version.cuda}
+            "cuda": torch.version.cuda, "step_seconds": step_seconds, "step_allocs": step_allocs}
 
 
 def _parse(size: str) -> int:
@@ -108,6 +125,21 @@ def model_error(trace: Any, reserved_peak: int) -> Dict[str, Any]:
             if reserved_peak else None}
 
 
+def step_starts(trace: Any, step_allocs: Optional[Sequence[int]]) -> Optional[List[int]]:
+    """Index of each step's first event in ``trace``, from ``step_allocs`` (allocations recorded
+    before each step, then in all). The recorded allocations are the trace's last ones: blocks
+    that predate the recording come first (``from_snapshot``). None when the counts do not fit
+    the trace (the history ring dropped entries, or no counts)."""
+    if not step_allocs or len(step_allocs) < 2:
+        return None
+    alloc_at = [i for i, e in enumerate(trace.events) if e.action == "alloc"]
+    offset = len(alloc_at) - step_allocs[-1]
+    if offset < 0 or any(b < a for a, b in zip(step_allocs, step_allocs[1:])) or step_allocs[0] < 0:
+        return None
+    return [alloc_at[offset + c] if offset + c < len(alloc_at) else len(trace.events)
+            for c in step_allocs[:-1]]
+
+
 def convert(snapshot_path: str, job: Job, figures: Dict[str, Any], steps: int,
             out_dir: Path) -> Dict[str, Any]:
     """Snapshot -> ``out_dir/<stem>.json.gz`` with the recording's facts in ``meta``; the row
@@ -115,13 +147,15 @@ def convert(snapshot_path: str, job: Job, figures: Dict[str, Any], steps: int,
     from vmalloc.replay import load
 
     trace = load(snapshot_path)
+    starts = step_starts(trace, figures.get("step_allocs"))
     trace.meta.update({
         "name": job.stem, "source": "recorded: torch.cuda.memory._record_memory_history "
         "(native caching allocator)", "real_gpu_trace": True,
         "derived_from": f"bench/traces/record_gpu.py: {job.model} batch {job.batch}, "
                         f"{steps} SGD steps, method {job.method}"
                         + (f", saved-tensor budget {job.budget}" if job.budget else ""),
-        **figures})
+        "model": job.model, "batch": job.batch, "method": job.method, "steps": steps,
+        "step_starts": starts, **figures})
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{job.stem}.json.gz"
     trace.save(path)
