@@ -214,8 +214,14 @@ def test_enable_after_cuda_init_says_why():
         with vmalloc.pool():                       # the scoped form still works
             x = torch.empty(8 << 20, device="cuda")
         print("POOL")
+        # x outlives the block: its segment goes back through the pool's allocator here (it
+        # was destroyed with the block once: a use after free)
+        del x
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        print("FREED", vmalloc.device_allocator(0).stats()["requested_current"])
     """)
-    assert "OK" in out and "POOL" in out, out
+    assert "OK" in out and "POOL" in out and "FREED" in out, out
 
 
 def test_pool_mode_oom_is_pytorchs_own_after_its_retry():
