@@ -25,11 +25,16 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def deterministic():
+    """Deterministic kernels for this module's tests only: the settings are put back after each
+    (later GPU tests in the same process measure memory with PyTorch's defaults)."""
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+              torch.are_deterministic_algorithms_enabled())
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.use_deterministic_algorithms(True)
     yield
-    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
+    torch.use_deterministic_algorithms(before[2])
 
 
 def _train_cuda(name, ctx=None, steps=3):
@@ -111,6 +116,7 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
        pressure callback (pressure calls > 0) and stays within vmalloc's budget."""
     pytest.importorskip("vmalloc._core")
     script = textwrap.dedent("""
+        import faulthandler; faulthandler.dump_traceback_later(165, exit=True)  # a hang: stacks
         import torch, vmalloc, scheduler
         from vmalloc import torch_allocator as ta
         MiB = 1 << 20
@@ -169,11 +175,11 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
     # the autograd thread too) and the runtime's lock must fail the test, not hang the session
     try:
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              cwd=tempfile.gettempdir(), env=python_env(), timeout=300)
+                              cwd=tempfile.gettempdir(), env=python_env(), timeout=180)
     except subprocess.TimeoutExpired as e:
         out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                for x in (e.stdout, e.stderr)]
-        pytest.fail(f"did not finish in 300 s (killed; a deadlock?)\n--- stdout ---\n"
+        pytest.fail(f"did not finish in 180 s (killed; a deadlock?)\n--- stdout ---\n"
                     f"{out[0][-2000:]}\n--- stderr ---\n{out[1][-4000:]}")
     assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout ---\n"
                                   f"{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")

@@ -15,7 +15,9 @@ from _subproc import python_env
 
 pytestmark = pytest.mark.gpu
 TMP = tempfile.gettempdir()   # any working directory outside the checkout (see _subproc)
-TIMEOUT = 300                 # seconds per interpreter: a hang fails the test, with its output
+# Seconds per interpreter (each snippet takes seconds; the GPU session's whole pytest step has
+# 420): a hang fails the test with the Python stacks of every thread (faulthandler, just before)
+TIMEOUT = 120
 
 
 def run(code, env=None, args=(), cwd=TMP):
@@ -23,7 +25,9 @@ def run(code, env=None, args=(), cwd=TMP):
     A non-zero exit, a signal (a crash at exit included) or a hang fails with all it printed."""
     full = python_env(base={k: v for k, v in os.environ.items() if not k.startswith("VMALLOC")},
                       **(env or {}))
-    cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+    code = (f"import faulthandler; faulthandler.dump_traceback_later({TIMEOUT - 15}, exit=True)\n"
+            + textwrap.dedent(code))
+    cmd = [sys.executable, "-c", code, *args]
     try:
         r = subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True,
                            timeout=TIMEOUT)
