@@ -45,8 +45,8 @@ def test_cuda_gradients_identical(planner, frac):
         model = scheduler.wrap(blocks, budget, planner=planner, sample_input=x,
                                bandwidth=12e9 if planner == "pofo" else None,
                                measure_options={"repeat": 1})
-    except scheduler.InfeasibleError:
-        assert planner == "periodic"
+    except scheduler.InfeasibleError as e:   # periodic's fixed segments may not fit; the others must
+        assert planner == "periodic", f"{planner} at {frac} of the peak ({budget} bytes): {e}"
         return
     for step in range(2):
         for b in ref:
