@@ -286,9 +286,9 @@ def test_measure_chain_on_cuda_agrees_with_meta_chain():
     real = measure_chain(blocks, x, repeat=3)
     meta = meta_chain(blocks, tuple(x.shape))
     for f in ("x", "xbar", "delta"):
-        assert getattr(real, f) == getattr(meta, f), f
-    assert real.meta["tmp"] == "cuda allocator statistics"
-    assert all(t > 0 for t in real.fw[:-1])
+        assert getattr(real, f) == getattr(meta, f), (f, getattr(real, f), getattr(meta, f))
+    assert real.meta["tmp"] == "cuda allocator statistics", real.meta
+    assert all(t > 0 for t in real.fw[:-1]), real.fw
 
 
 def test_measuring_leaves_no_tracer_or_graph_behind():

@@ -25,11 +25,16 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def deterministic():
+    """Deterministic kernels for this module's tests only: the settings are put back after each
+    (later GPU tests in the same process measure memory with PyTorch's defaults)."""
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+              torch.are_deterministic_algorithms_enabled())
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.use_deterministic_algorithms(True)
     yield
-    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
+    torch.use_deterministic_algorithms(before[2])
 
 
 def _train_cuda(name, ctx=None, steps=3):
@@ -60,18 +65,20 @@ def test_cuda_bit_identical(name, setting):
     ref = _train_cuda(name)
     ctx = scheduler.swap(window=window, budget=budget, device="cuda", min_bytes=0)
     got = _train_cuda(name, ctx)
-    for a, b in zip(ref[0], got[0]):
-        assert torch.equal(a, b)
-    for ga, gb in zip(ref[1], got[1]):
-        for a, b in zip(ga, gb):
-            assert torch.equal(a, b)
     torch.cuda.synchronize()
     st = ctx.stats()
+    differ = [f"loss {i}" for i, (a, b) in enumerate(zip(ref[0], got[0])) if not torch.equal(a, b)]
+    differ += [f"step {i} grad {j}: max |diff| {(a - b).abs().max().item():.3e}"
+               for i, (ga, gb) in enumerate(zip(ref[1], got[1]))
+               for j, (a, b) in enumerate(zip(ga, gb)) if not torch.equal(a, b)]
+    assert not differ, (f"{name}, window={window}, budget={budget}: "
+                        + "; ".join(differ[:10]) + f"; runtime stats {st}")
     if budget is not None:
         e = ctx.last_entry
-        assert st["last_iteration_peak_resident_bytes"] <= budget
-        assert replay(e.sequence, e.schedule).peak <= budget
-    assert st["resident_bytes"] == 0 and st["host_in_use_bytes"] == 0
+        assert st["last_iteration_peak_resident_bytes"] <= budget, (budget, st)
+        simulated = replay(e.sequence, e.schedule).peak
+        assert simulated <= budget, (simulated, budget)
+    assert st["resident_bytes"] == 0 and st["host_in_use_bytes"] == 0, st
 
 
 def test_copies_overlap_compute():
@@ -92,8 +99,8 @@ def test_copies_overlap_compute():
     torch.cuda.synchronize()
     st = ctx.stats()
     swap_ins = st["swapped_in_bytes"] // (batch * width * 4)
-    assert st["swapped_out_bytes"] > 0 and swap_ins > 0
-    assert st["on_demand_swap_ins"] == 0
+    assert st["swapped_out_bytes"] > 0 and swap_ins > 0, st
+    assert st["on_demand_swap_ins"] == 0, st
 
 
 def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
@@ -109,6 +116,7 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
        pressure callback (pressure calls > 0) and stays within vmalloc's budget."""
     pytest.importorskip("vmalloc._core")
     script = textwrap.dedent("""
+        import faulthandler; faulthandler.dump_traceback_later(165, exit=True)  # a hang: stacks
         import torch, vmalloc, scheduler
         from vmalloc import torch_allocator as ta
         MiB = 1 << 20
@@ -163,7 +171,16 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
         print("B", budget, s["physical_peak"], st["pressure_calls"], st["pressure_freed_bytes"])
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=tempfile.gettempdir(), env=python_env())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.rstrip().endswith("ok")
+    # bounded: a deadlock between the pressure callback (called inside vmalloc's malloc, from
+    # the autograd thread too) and the runtime's lock must fail the test, not hang the session
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              cwd=tempfile.gettempdir(), env=python_env(), timeout=180)
+    except subprocess.TimeoutExpired as e:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+               for x in (e.stdout, e.stderr)]
+        pytest.fail(f"did not finish in 180 s (killed; a deadlock?)\n--- stdout ---\n"
+                    f"{out[0][-2000:]}\n--- stderr ---\n{out[1][-4000:]}")
+    assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout ---\n"
+                                  f"{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    assert proc.stdout.rstrip().endswith("ok"), proc.stdout[-2000:]

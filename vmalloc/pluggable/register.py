@@ -89,13 +89,25 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
     cap = parse_optional_size(budget, "budget") or 0
     native._torch_configure("cuda", chunk, cap, -1 if device is None else device)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, POOL_ALLOC_FN, FREE_FN)
-    _wire_hooks(native, alloc.allocator())
-    mem_pool = torch.cuda.MemPool(alloc.allocator())
+    mem_pool = torch.cuda.MemPool(_pool_allocator(torch, native).allocator())
     REGISTRY.mode = "pool"
     REGISTRY.config = {"chunk_size": chunk, "budget": cap, "device": device, "backend": "cuda"}
     with torch.cuda.use_mem_pool(mem_pool, device=device):
         yield mem_pool
+
+
+def _pool_allocator(torch: Any, native: Any) -> Any:
+    """The one ``CUDAPluggableAllocator`` every ``pool()`` gives its ``MemPool``, kept for the
+    process. A MemPool holds only a raw pointer to its allocator (torch/csrc/cuda/MemPool.cpp
+    binds it without keep_alive) and PyTorch frees the pool's segments through it whenever they
+    fall free - after the block too: tensors made inside outlive it, and ``empty_cache()`` or
+    the MemPool's destructor release their segments later. An allocator local to ``pool()``
+    was freed at the end of the block, and that later free ran on a destroyed object."""
+    if REGISTRY.pool_allocator is None:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, POOL_ALLOC_FN, FREE_FN)
+        _wire_hooks(native, alloc.allocator())
+        REGISTRY.pool_allocator = alloc
+    return REGISTRY.pool_allocator
 
 
 def _require_cuda(torch: Any, who: str) -> None:

@@ -42,6 +42,7 @@ class Registry:
     trace_capacity: int = TRACE_CAPACITY
     recording: bool = False
     torch_allocator: Any = None            # the CUDAPluggableAllocator object (kept alive)
+    pool_allocator: Any = None             # pool()'s CUDAPluggableAllocator (kept alive)
     patched: Dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
