@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from _cxx import build_library
 from _subproc import python_env
 from vmalloc import _core
 from vmalloc.pluggable import register
@@ -53,16 +53,7 @@ extern "C" int begin_pool(const char* core_so, char* out, size_t n) {
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    d = tmp_path_factory.mktemp("pool")
-    src, lib = d / "begin_pool.cpp", d / "begin_pool.so"
-    src.write_text(CALLER)
-    r = subprocess.run([cxx, "-std=c++17", "-O0", "-shared", "-fPIC", str(src), "-o", str(lib),
-                        "-ldl"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    so = build_library(tmp_path_factory.mktemp("pool"), "begin_pool", CALLER)
     so.begin_pool.restype = ctypes.c_int
     so.begin_pool.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     return so

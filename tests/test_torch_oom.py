@@ -5,12 +5,11 @@ the C++ type in a small library built against the installed torch's headers (a f
 includes only c10/util/Exception.h)."""
 import ctypes
 import os
-import shutil
-import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")   # loads libc10, whose OutOfMemoryError we throw
+from _cxx import build_library  # noqa: E402
 from vmalloc import _core  # noqa: E402
 
 CATCHER = r"""
@@ -46,21 +45,13 @@ CAUGHT = {1: "c10::OutOfMemoryError", 2: "c10::Error", 3: "std::exception", 0: "
 
 @pytest.fixture(scope="module")
 def catcher(tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     from torch.utils.cpp_extension import include_paths, library_paths
-    d = tmp_path_factory.mktemp("oom")
-    src, lib = d / "catch_oom.cpp", d / "catch_oom.so"
-    src.write_text(CATCHER)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     libdir = library_paths()[0]
-    cmd = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           *[f"-I{p}" for p in include_paths()], str(src), "-o", str(lib), f"-L{libdir}",
-           "-lc10", f"-Wl,-rpath,{libdir}", "-ldl"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    so = build_library(tmp_path_factory.mktemp("oom"), "catch_oom", CATCHER,
+                       cflags=[f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                               *[f"-I{p}" for p in include_paths()]],
+                       libs=[f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}"])
     so.catch_oom.restype = ctypes.c_int
     so.catch_oom.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
 
