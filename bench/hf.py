@@ -37,7 +37,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -161,8 +160,10 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: str
 # ------------------------------------------------------------------------------ methods
 def hf_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     kwargs = {"use_reentrant": False}  # transformers 5's default
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the alias is deprecated in v5
+    enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.2x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 

@@ -139,11 +139,14 @@ def _input_aware(net: Net, budget: int) -> nn.Module:
                           chain=InputAwareChain(blocks, samples=3, measure_options={"repeat": 1}))
 
 
+CHAINS: List[Any] = []   # the chains a checkpoint runtime planned on in the current case
+
+
 def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     def prepare(net: Net, budget: int) -> nn.Module:
         # blocks= names the list: the CNN's blocks are of different classes (no auto-detection)
         return scheduler.checkpoint(net, budget, planner=planner, bandwidth=BANDWIDTH,
-                                    blocks="blocks")
+                                    blocks="blocks", on_chain=lambda c: CHAINS.append(c) or c)
     return prepare
 
 
@@ -205,6 +208,7 @@ def grad_digest(model: nn.Module) -> Dict[str, Any]:
 
 def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) -> Dict[str, Any]:
     rt = RUNTIMES[runtime]
+    CHAINS.clear()
     net = build(model)
     wrapped = PARALLEL[parallel](rt.prepare(net, budget))
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
@@ -230,6 +234,8 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["plan"] = hashlib.sha256(repr(plan.ops).encode()).hexdigest()
         chain = plan.chain
         rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
+    if CHAINS:   # what the step held beside the chain, as the last planned-on chain counts it
+        rec["outside"] = CHAINS[-1].meta.get("outside")
     return rec
 
 

@@ -253,8 +253,12 @@ def test_bad_arguments_fail_at_call_time():
     with pytest.raises(ValueError, match="blocks="):
         scheduler.checkpoint(nn.Linear(3, 3), "1GiB")
     assert checkpointed(model) is None  # nothing installed by a failed call
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+    # HF's own checkpointing on (transformers >= 5.2x: activation_*, the gradient_* names
+    # deprecated aliases; older: gradient_* only): refused, naming the call that turns it off
+    new_names = hasattr(model, "activation_checkpointing_enable")
+    (model.activation_checkpointing_enable if new_names else model.gradient_checkpointing_enable)()
+    with pytest.raises(ValueError, match="activation_checkpointing_disable" if new_names
+                       else "gradient_checkpointing_disable"):
         scheduler.checkpoint(model, "1GiB")
 
 

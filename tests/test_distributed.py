@@ -159,6 +159,11 @@ def test_plans_agree_across_ranks(runs):
         assert runs["cases"][0][name]["plan"] == runs["cases"][1][name]["plan"], name
         if "/wrap-rotor" in name or "/wrap-pofo/" in name:  # planned on the agreed chain
             assert runs["cases"][0][name]["agreed_over_ranks"] == 2, name
+    for name, rec in runs["cases"][0].items():
+        if "/checkpoint-rotor/" in name or "/checkpoint-pofo/" in name:
+            # the model's step: what it holds beside the chain counts (here the random states
+            # the runner keeps), also where FSDP's profiling step measures forward-only
+            assert rec.get("outside") and rec["outside"]["forward"] > 0, (name, rec.get("outside"))
 
 
 def test_agree_chain_takes_the_max_and_rejects_different_inputs(runs):

@@ -163,6 +163,13 @@ def _collected(step: ChainStep) -> Estimate:
                     tmp=None if tmp is None else {k: np.array(v, float) for k, v in tmp.items()})
 
 
+def _with_outside(chain: Chain, step: ChainStep) -> Chain:
+    """``chain`` with what ``step`` held outside it (masks, the head's saved tensors, random
+    states: ``tail.outside`` at block 0 of a profiling or collection step), when measured."""
+    outside = getattr(step, "outside", None)
+    return chain if outside is None else add_outside(chain, outside.bytes)
+
+
 class _BoundBlock(nn.Module):
     """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
     the other arguments of the loop's call; returns the tensors of its output."""
@@ -313,10 +320,7 @@ class ChainRunner:
         stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        chain = self._measure(stages, x0)
-        if outside is not None:
-            chain = add_outside(chain, outside.bytes)
-        return chain, signature(x0, {})
+        return _with_outside(self._measure(stages, x0), step), signature(x0, {})
 
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:
@@ -446,10 +450,9 @@ class ChainRunner:
         if key is not None:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
-            if step.collector is not None:
-                chain = self._check_chain(chain_from_estimate(_collected(step),
-                                                              name="forward-measured"),
-                                          agree_on=key)
+            if step.collector is not None:  # FSDP: measured forward-only (``_begin``)
+                chain = self._check_chain(_with_outside(chain_from_estimate(
+                    _collected(step), name="forward-measured"), step), agree_on=key)
                 self.cache.get_or_plan(key, lambda: self._make(chain, dev))
                 return
             chain, agree_on = self._measure_step(step)
@@ -464,10 +467,8 @@ class ChainRunner:
             if self.tail is not None:
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
-                chain = chain_from_estimate(est, "mimose-sample")
-                outside = getattr(step, "outside", None)
-                if outside is not None:  # (the tail adds the tied gradients it finds)
-                    chain = add_outside(chain, outside.bytes)
+                # (the tail adds the tied gradients it finds)
+                chain = _with_outside(chain_from_estimate(est, "mimose-sample"), step)
                 if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
                                    _device_of(step.frames[0].call.x, {}), tensor_leaves(out),
                                    step):

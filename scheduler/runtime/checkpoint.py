@@ -213,12 +213,13 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     check_planner(planner, NAME)
     total = parse_budget(budget, NAME)
     parse_rate(bandwidth, NAME)
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
-    if getattr(model, flag, False):
+    # transformers >= 5.2x names it activation checkpointing (the gradient_* names: deprecated)
+    new_names = hasattr(type(model), "is_activation_checkpointing")
+    if getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing",
+               False):
+        off = "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
         raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
-                         "call model.gradient_checkpointing_disable() first (the plan decides "
-                         "what is recomputed)")
+                         f"call model.{off}() first (the plan decides what is recomputed)")
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
     undo(model)  # calling again re-plans with the new arguments, never wraps twice
