@@ -63,6 +63,7 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <thread>
 
 #include <pthread.h>
 
@@ -152,6 +153,8 @@ struct Allocator::Impl {
   bool seen_stream = false;
   uintptr_t first_stream = 0;
   bool multistream = false;  // more than one stream seen: record owner events eagerly at free
+  std::thread::id per_thread_caller;  // the first thread that passed the per-thread handle
+  bool warned_per_thread = false;
 
   uint64_t fork_generation = g_fork_generation.load(std::memory_order_relaxed);
   size_t device_limit = 0;  // device memory (host: physical RAM); 0 = unknown
@@ -180,6 +183,25 @@ struct Allocator::Impl {
       first_stream = s;
     } else if (s != first_stream) {
       multistream = true;
+    }
+    if (s == kPerThreadStream) note_per_thread_caller();
+  }
+  // The per-thread handle names a different stream in each thread, and vmalloc keys streams by
+  // handle: from a second thread, memory freed by one thread can be reused by another before the
+  // first one's queued work is done. Not silent: said once per allocator (README, "What does not
+  // work with a pluggable allocator").
+  void note_per_thread_caller() {
+    std::thread::id me = std::this_thread::get_id();
+    if (per_thread_caller == std::thread::id()) {
+      per_thread_caller = me;
+    } else if (me != per_thread_caller && !warned_per_thread) {
+      warned_per_thread = true;
+      std::fprintf(stderr,
+                   "vmalloc: warning: the per-thread default stream handle (CU_STREAM_PER_THREAD, "
+                   "e.g. CuPy's Stream.ptds) is used from several threads; each thread's is a "
+                   "different stream that vmalloc cannot tell apart by its handle, so memory freed "
+                   "in one thread may be reused in another before the first thread's queued work "
+                   "is done. Use explicit streams (cudaStreamCreate, cupy.cuda.Stream()).\n");
     }
   }
 
