@@ -41,17 +41,21 @@ def autoload_env(tmp_path, *extra_path: str, **variables: str) -> Dict[str, str]
                       PYTHONUSERBASE=base, **variables)
 
 
-# The start of a fresh interpreter that drives PyTorch's C entry points of vmalloc._core by hand,
-# on the host backend (no GPU): the registry configured as enable() would, `malloc`/`free` bound
-# with ctypes as PyTorch's pluggable allocator calls them.
-TORCH_ENTRY_POINTS = r"""
-import ctypes, types
+# The start of a fresh interpreter that uses vmalloc's per-device registry without a GPU: it
+# configured as enable() would, on the host backend (64 KiB chunks, no budget).
+HOST_REGISTRY = r"""
 import vmalloc
 from vmalloc import torch_allocator as ta
 core = ta.core()
 core._torch_configure("host", 64 << 10, 0, -1)     # what enable() does, on the host backend
 reg = ta.registry()
 reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
+"""
+
+# ... that also drives PyTorch's C entry points of vmalloc._core by hand: `malloc`/`free` bound
+# with ctypes as PyTorch's pluggable allocator calls them.
+TORCH_ENTRY_POINTS = HOST_REGISTRY + r"""
+import ctypes, types
 lib = ctypes.CDLL(core.__file__)
 malloc = lib.vmalloc_torch_malloc
 malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from _subproc import TORCH_ENTRY_POINTS, python_env
+from _subproc import HOST_REGISTRY, TORCH_ENTRY_POINTS, python_env
 
 pytest.importorskip("vmalloc._core")
 
@@ -98,15 +98,10 @@ def test_registry_entry_points_and_shims_on_the_host_backend(tmp_path):
     assert "not a live allocation" in r.stderr or "0x1234" in r.stderr
 
 
-SHIMS = r"""
+SHIMS = HOST_REGISTRY + r"""
 import types, warnings
 import torch
-from vmalloc import torch_allocator as ta
 
-core = ta.core()
-core._torch_configure("host", 64 << 10, 0, -1)
-reg = ta.registry()
-reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
 a = core._torch_allocator(0, True)
 total = a.total_memory
 torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(total_memory=total)

@@ -10,20 +10,15 @@ import sys
 
 import pytest
 
-from _subproc import python_env
+from _subproc import HOST_REGISTRY, python_env
 
 pytest.importorskip("vmalloc._core")
 pytest.importorskip("torch")
 
-SCRIPT = r"""
+SCRIPT = HOST_REGISTRY + r"""
 import pickle, sys
 import torch, torch.cuda.memory as M
-from vmalloc import torch_allocator as ta
 
-core = ta.core()
-core._torch_configure("host", 64 << 10, 0, -1)
-reg = ta.registry()
-reg.mode, reg.config = "global", {"chunk_size": 64 << 10, "budget": 0, "device": None}
 a = core._torch_allocator(0, True)
 ta.install_shims(torch)
 # no GPU here: the functions below see CUDA initialised, on device 0
