@@ -50,7 +50,6 @@
 
 #include "alloc/allocator.hpp"
 #include "bind/torch_oom.hpp"
-#include "driver/driver.hpp"
 
 namespace nb = nanobind;
 
@@ -184,9 +183,7 @@ VMALLOC_EXPORT void vmalloc_torch_free(void* ptr, size_t /*size*/, int device, v
                    ptr, device, device);
       return;
     }
-    a->free(ptr);
-  } catch (const vmalloc::driver::DriverShutDown&) {
-    // process exit: the driver takes the memory with it (Allocator::free already says nothing)
+    a->free(ptr);  // quiet when the driver is shutting down (Allocator::free handles it)
   } catch (const std::exception& e) {
     // called from a DataPtr deleter: throwing would terminate the process
     std::fprintf(stderr, "vmalloc: free(%p) on device %d failed: %s\n", ptr, device, e.what());
