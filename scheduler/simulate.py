@@ -180,9 +180,10 @@ def _size(chain: Chain, key: Key) -> float:
 class _Compute:
     dur: float
     allocs: List[Tuple[Any, float]]          # (key or ("tmp", i), size), at start
-    frees: List[Any]                         # at end
+    frees: List[Tuple[Any, float]]           # (key, size), at end
     wait_for: List[int]                      # prefetch ops whose copy must be complete
     reads_offloaded: List[Tuple[Key, int]]   # (item, offload op): copy must not be done before start
+    need: float = 0                          # the allocs' sizes summed
 
 
 @dataclass
@@ -292,9 +293,9 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
             produce(i, ("xbar", s) if kind == "F_all" else ("x", s + 1), c)
             tmp = chain.fw_tmp[s] if kind == "F_all" else chain.fck_tmp[s]
             c.allocs.append((("tmp", i), tmp))
-            c.frees.append(("tmp", i))
+            c.frees.append((("tmp", i), tmp))
             if consumed:
-                c.frees.append(inp)
+                c.frees.append((inp, _size(chain, inp)))
                 del state[inp]
         else:  # B
             if ("xbar", s) not in state:
@@ -306,11 +307,12 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
                 use(i, key, key != inp or key == ("x", s), c)
             produce(i, ("delta", s), c)
             c.allocs.append((("tmp", i), chain.bw_tmp[s]))
-            c.frees.append(("tmp", i))
+            c.frees.append((("tmp", i), chain.bw_tmp[s]))
             for key in needs:
                 if key != inp or key == ("x", s):
-                    c.frees.append(key)
+                    c.frees.append((key, _size(chain, key)))
                     del state[key]
+        c.need = sum(size for _, size in c.allocs)
         out.append(c)
 
     if complete and ("delta", 0) not in state:
@@ -486,8 +488,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         st = steps[i]
         st.end = t
         if isinstance(f, _Compute):
-            for key in f.frees:
-                free(t, key, _alloc_size(i, key))
+            for key, size in f.frees:
+                free(t, key, size)
             comp_running, compute_free_at = None, t
             comp_done += 1
             comp_end.append(t)
@@ -514,12 +516,6 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         changed(t)
         st.memory_after = mem
 
-    # sizes of what each compute op frees: its tmp, or a stored item (whatever its size was)
-    def _alloc_size(i: int, key: Any) -> float:
-        if key[0] == "tmp":
-            return dict(flow[i].allocs)[key]
-        return _size(chain, key)
-
     def compute_blocker(i: int) -> Optional[str]:
         c = flow[i]
         for j in c.wait_for:
@@ -534,10 +530,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
                     f"op {i} ({ops[i].kind} {ops[i].stage}): {_name(key)} was offloaded by op {j} "
                     f"and its copy {'completed' if j in done_at else 'began freeing it'} at "
                     f"t={done:g}, before this op starts at t={t:g}; prefetch it first", i)
-        if limit is not None:
-            need = sum(size for _, size in c.allocs)
-            if mem + need > limit + tol:
-                return f"needs {need:g} more but {mem:g} of the limit {limit:g} is in use"
+        if limit is not None and mem + c.need > limit + tol:
+            return f"needs {c.need:g} more but {mem:g} of the limit {limit:g} is in use"
         return None
 
     def transfer_blocker(i: int) -> Optional[str]:
