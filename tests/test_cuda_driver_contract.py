@@ -222,6 +222,25 @@ def test_driver_out_of_memory_reclaims_the_cache_then_raises(fake, mem):
         a.free(a.malloc(3 * G))
 
 
+def test_largest_available_asks_the_device(fake, mem):
+    """cacheInfo's answer (cudnn.benchmark): the device's free memory (cuMemGetInfo) plus the
+    cached chunks, capped by the budget."""
+    total = fake.get("total_mem")
+    with Allocator("cuda", chunk_size=G, small_threshold=0) as a:
+        assert a.largest_available() == total - fake.get("committed_bytes")
+        p = a.malloc(2 * G + 1)                       # 3 chunks
+        assert a.largest_available() == total - fake.get("committed_bytes")
+        a.free(p)                                     # cached: still committed, and available
+        assert a.largest_available() == total - fake.get("committed_bytes") + 3 * G
+        a.set_budget(8 * G)
+        q = a.malloc(G)                               # from the cache
+        assert a.largest_available() == 7 * G
+        a.free(q)
+        fake.inject("cuMemGetInfo", 1, CUDA_ERROR_UNKNOWN)
+        with pytest.raises(RuntimeError, match="cuMemGetInfo"):
+            a.largest_available()
+
+
 # Host fault kinds (bench/alloc_probe.py's CALLS) -> the driver functions behind them
 CUDA_CALLS = {
     "create": ("cuMemCreate",), "release": ("cuMemRelease",), "map": ("cuMemMap", "cuMemSetAccess"),

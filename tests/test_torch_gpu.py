@@ -252,7 +252,8 @@ def test_pool_mode_oom_is_pytorchs_own_after_its_retry():
 
 def test_memory_api_with_vmalloc_on():
     """get_per_process_memory_fraction, torch.accelerator's memory functions, UntypedStorage on
-    cuda, and cudnn.benchmark (kept off with a warning) with vmalloc as the allocator."""
+    cuda, and cudnn.benchmark (cuDNN's autotuner asks vmalloc's cacheInfo: no warning, no OOM from
+    the workspaces it tries) with vmalloc as the allocator."""
     out = run("""
         import warnings, torch, vmalloc
         vmalloc.enable()
@@ -272,13 +273,22 @@ def test_memory_api_with_vmalloc_on():
             del x, s
             torch.accelerator.empty_cache()
             assert vmalloc.stats()["cached_bytes"] == 0, vmalloc.stats()
+        from vmalloc.torch_allocator import registry
+        assert registry().cache_info_missing == "", registry().cache_info_missing
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             torch.backends.cudnn.benchmark = True
-        assert torch.backends.cudnn.benchmark is False and w, (
+        assert torch.backends.cudnn.benchmark is True and not w, (
             torch.backends.cudnn.benchmark, [str(x.message) for x in w])
-        conv = torch.nn.Conv2d(3, 8, 3).cuda()
-        conv(torch.randn(4, 3, 32, 32, device="cuda")).sum().backward()
+        oom = vmalloc.stats()["num_oom"]
+        conv = torch.nn.Conv2d(3, 64, 3, padding=1).cuda()
+        x = torch.randn(32, 3, 64, 64, device="cuda", requires_grad=True)
+        conv(x).sum().backward()                  # autotuned: cacheInfo answered, workspaces tried
+        torch.cuda.synchronize()
+        assert vmalloc.stats()["num_oom"] == oom, vmalloc.stats()
+        ref = torch.nn.functional.conv2d(x.detach().double(), conv.weight.double(),
+                                         conv.bias.double(), padding=1)
+        assert torch.allclose(conv(x).double(), ref, atol=1e-3), "autotuned conv is wrong"
         print("OK")
     """)
     assert "OK" in out, out

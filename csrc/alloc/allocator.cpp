@@ -1161,6 +1161,20 @@ size_t Allocator::allocation_size(const void* p) const {
 
 size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
 
+size_t Allocator::largest_available() {
+  Impl& m = *impl_;
+  m.check_not_forked();
+  std::lock_guard<std::mutex> g(m.mu);
+  m.check_open();
+  size_t cached = (m.free_chunks.size() + m.cached_range_chunks) * m.chunk;
+  size_t room = m.timed([&] { return m.drv->free_memory(); });
+  if (m.cfg.budget != 0) {
+    size_t held = m.chunks_held * m.chunk;
+    room = std::min(room, m.cfg.budget > held ? m.cfg.budget - held : 0);
+  }
+  return cached + room / m.chunk * m.chunk;
+}
+
 size_t backend_granularity(const std::string& backend, int device) {
   if (backend == "host") return driver::host_granularity();
   if (backend == "cuda") return driver::cuda_granularity(device);

@@ -150,6 +150,10 @@ class Allocator {
   size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
   size_t total_memory() const;          // device memory (cuda) / machine RAM (host), bytes: for
                                         // memory fractions (torch.cuda.set_per_process_memory_fraction)
+  // The largest malloc that succeeds now without the pressure callback: the cached chunks (any of
+  // them serves any request) plus the whole chunks the budget and the device still allow (one
+  // driver call: the device's free memory). What cuDNN's autotuner sizes its workspaces by.
+  size_t largest_available();
   // True in a process forked after this allocator was built: it is dead there (every call but
   // close()/closed() throws; close() and the destructor release nothing of the parent's).
   bool forked() const;

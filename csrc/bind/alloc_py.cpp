@@ -232,7 +232,10 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("prefer_remap", [](const Allocator& a) { return a.config().prefer_remap; })
       .def_prop_ro("cache_slack", [](const Allocator& a) { return a.config().cache_slack; })
       .def_prop_ro("granularity", &Allocator::granularity)
-      .def_prop_ro("total_memory", &Allocator::total_memory);
+      .def_prop_ro("total_memory", &Allocator::total_memory)
+      .def("largest_available", &Allocator::largest_available, nb::call_guard<nb::gil_scoped_release>(),
+           "Bytes of the largest malloc that succeeds now without the pressure callback: cached chunks "
+           "plus the whole chunks the budget and the device's free memory allow.");
 
   m.def("backend_granularity", &vmalloc::backend_granularity, "backend"_a, "device"_a = 0,
         "Allocation granularity of a backend (host: the page size; cuda: cuMemGetAllocationGranularity).");

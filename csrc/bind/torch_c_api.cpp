@@ -25,6 +25,8 @@
 //  * set_reset_fn `void()`: torch.cuda.empty_cache().
 //  * set_memory_fraction_fn `void(double, int)`: torch.cuda.set_per_process_memory_fraction.
 //  * set_init_fn `void(int device_count)`: CUDA lazy initialisation.
+//  * cacheInfo (no hook; the virtual method throws): cuDNN's autotuner asks it. Answered by
+//    torch_cache_info.cpp: the largest allocation vmalloc can serve now (largest_block below).
 //  * set_begin_allocate_to_pool `void(int, MempoolId_t, std::function<bool(cudaStream_t)>)`: CUDA
 //    graph capture (torch.cuda.graph, torch.compile's cudagraphs) and torch.cuda.use_mem_pool
 //    send allocations to a private pool, whose memory must never serve anything else (a graph
@@ -49,6 +51,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "alloc/allocator.hpp"
+#include "bind/torch_cache_info.hpp"
 #include "bind/torch_oom.hpp"
 
 namespace nb = nanobind;
@@ -126,6 +129,17 @@ vmalloc::Allocator* get(int device, bool create) {
     connect_peers(r, a, device);
   }
   return a;
+}
+
+// cacheInfo's answer: what one allocation could get now without the pressure callback (so a
+// workspace cuDNN merely tries never makes the swap runtime evict). 0 when the device has no
+// allocator yet and none can be made: cuDNN then times the algorithms that need no workspace.
+size_t largest_block(int device) noexcept {
+  try {
+    return get(device, true)->largest_available();
+  } catch (...) {
+    return 0;
+  }
 }
 
 std::string fmt_bytes(size_t n) {
@@ -311,6 +325,11 @@ void bind_torch(nb::module_& m) {
     r.trace = on;
     for (auto& a : r.alloc) if (auto* p = a.load()) p->set_trace(on);
   });
+  m.def("_torch_install_cache_info", [] { return vmalloc::install_cache_info(&largest_block); },
+        "Make PyTorch's current CUDA allocator (vmalloc's CUDAPluggableAllocator) answer "
+        "cacheInfo, for cudnn.benchmark: '' when done, else why not (nothing changed).");
+  m.def("_torch_largest_block", [](int device) { return largest_block(device); }, nb::arg("device"),
+        nb::call_guard<nb::gil_scoped_release>(), "What cacheInfo answers for `device` (bytes).");
   m.def("_torch_throw_oom_for_test", [](const std::string& msg) { vmalloc::throw_torch_oom(msg); },
         "Throws what an out-of-memory malloc throws (tests the c10::OutOfMemoryError path).");
   m.def("_torch_oom_kind", [](int path) { return std::string(vmalloc::torch_oom_kind(static_cast<vmalloc::OomPath>(path))); },

@@ -43,7 +43,8 @@ namespace {
   X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
   X(cuCtxSetCurrent) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)    \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)   \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy) X(cuDeviceCanAccessPeer)
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy) X(cuDeviceCanAccessPeer)  \
+  X(cuMemGetInfo)
 
 struct Api {
 #define VMALLOC_DECLARE(name) decltype(&::name) name = nullptr;
@@ -172,6 +173,13 @@ class CudaDriver final : public Driver {
   const char* name() const override { return "cuda"; }
   size_t granularity() const override { return granularity_; }
   size_t total_memory() const override { return total_; }
+  size_t free_memory() override {
+    Ctx g(*this);
+    g.check();
+    size_t free = 0, total = 0;
+    check(a_.cuMemGetInfo(&free, &total), "cuMemGetInfo");
+    return free;
+  }
 
   uintptr_t reserve(size_t size) override {
     Ctx g(*this);

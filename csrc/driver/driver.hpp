@@ -43,6 +43,8 @@ class Driver {
   virtual size_t granularity() const = 0;
   // Total memory of the device (cuda) or of the machine (host), bytes: for reports.
   virtual size_t total_memory() const = 0;
+  // Memory the device could still give now (cuMemGetInfo's free bytes; host: free RAM), bytes.
+  virtual size_t free_memory() = 0;
 
   // Reserve `size` bytes of virtual address space (inaccessible until mapped).
   virtual uintptr_t reserve(size_t size) = 0;

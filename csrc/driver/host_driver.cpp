@@ -57,6 +57,10 @@ class HostDriver final : public Driver {
     long pages = ::sysconf(_SC_PHYS_PAGES);
     return pages > 0 ? static_cast<size_t>(pages) * host_granularity() : 0;
   }
+  size_t free_memory() override {
+    long pages = ::sysconf(_SC_AVPHYS_PAGES);
+    return pages > 0 ? static_cast<size_t>(pages) * host_granularity() : 0;
+  }
 
   uintptr_t reserve(size_t size) override {
     void* p = MAP_FAILED;

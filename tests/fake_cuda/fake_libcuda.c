@@ -349,6 +349,18 @@ static CUresult do_total_mem(size_t* bytes, CUdevice d) {
 }
 EXPORT CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) { LOCKED("cuDeviceTotalMem", 1, do_total_mem(bytes, d)); }
 
+/* free/total memory of the current context's device (its uncommitted slots) */
+static CUresult do_mem_get_info(size_t* free_bytes, size_t* total_bytes) {
+  NEED(need_context("cuMemGetInfo"));
+  if (!free_bytes || !total_bytes) return CUDA_ERROR_INVALID_VALUE;
+  *free_bytes = total_mem - devices[current->device].committed;
+  *total_bytes = total_mem;
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
+  LOCKED("cuMemGetInfo", 1, do_mem_get_info(free_bytes, total_bytes));
+}
+
 /* ------------------------------------------------------------------------------- contexts */
 
 static CUresult do_retain(CUcontext* out, CUdevice d) {
@@ -931,6 +943,8 @@ EXPORT CUresult cuDeviceCanAccessPeer(int* can, CUdevice dev, CUdevice peer) {
 OLD_NAME((unsigned int* bytes __attribute__((unused)), CUdevice d __attribute__((unused))),
          cuDeviceTotalMem, cuDeviceTotalMem_v2)
 OLD_NAME((CUdevice d __attribute__((unused))), cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2)
+OLD_NAME((unsigned int* f __attribute__((unused)), unsigned int* t __attribute__((unused))), cuMemGetInfo,
+         cuMemGetInfo_v2)
 OLD_NAME((CUevent e __attribute__((unused))), cuEventDestroy, cuEventDestroy_v2)
 OLD_NAME((CUstream s __attribute__((unused))), cuStreamDestroy, cuStreamDestroy_v2)
 

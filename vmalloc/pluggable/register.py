@@ -8,7 +8,8 @@ PyTorch offers a pluggable allocator (``torch/csrc/cuda/CUDAPluggableAllocator.h
 (``torch.cuda.empty_cache()`` -> trim), ``set_memory_fraction_fn``
 (``set_per_process_memory_fraction`` -> budget), ``set_init_fn`` (device count),
 ``set_begin_allocate_to_pool`` (a private pool for CUDA graph capture or ``use_mem_pool``:
-refused with a ``RuntimeError``, vmalloc has none).
+refused with a ``RuntimeError``, vmalloc has none); and, with no hook for it, ``cacheInfo``
+(cuDNN's autotuner) through ``_torch_install_cache_info`` (csrc/bind/torch_cache_info.cpp).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
         _wire_hooks(native, alloc.allocator())
         torch.cuda.memory.change_current_allocator(alloc)
         reg.torch_allocator = alloc
+        reg.cache_info_missing = native._torch_install_cache_info()   # for cudnn.benchmark
         reg.enabled, reg.mode, reg.config = True, "global", cfg
         from .shims import install_shims
         install_shims(torch)

@@ -43,6 +43,8 @@ class Registry:
     recording: bool = False
     torch_allocator: Any = None            # the CUDAPluggableAllocator object (kept alive)
     pool_allocator: Any = None             # pool()'s CUDAPluggableAllocator (kept alive)
+    # why vmalloc's allocator cannot answer cuDNN's cacheInfo ("": it does; None: not tried)
+    cache_info_missing: Optional[str] = None
     patched: Dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -15,8 +15,10 @@ vmalloc:
   (``_accelerator_getDeviceStats``), ``reset_peak_memory_stats``, ``empty_cache``
   (``_accelerator_emptyCache``: vmalloc's trim), ``_accelerator_isAllocatorInitialized``;
 * ``torch.backends.cudnn.benchmark = True``: cuDNN's autotuner asks the allocator for its largest
-  free block (``cacheInfo``), which a pluggable allocator cannot answer (it raises in every
-  convolution). Not shimmable from Python: setting it warns and leaves it off.
+  free block (``CUDAAllocator::cacheInfo``), which PyTorch's pluggable allocator raises on in
+  every convolution. ``enable()`` makes vmalloc's allocator object answer it
+  (csrc/bind/torch_cache_info.cpp); where that could not be done (``REGISTRY.cache_info_missing``
+  says why), setting it warns and leaves it off.
 
 ``get_memory_info`` / ``mem_get_info`` ask the driver (cudaMemGetInfo) and stay right as they are.
 """
@@ -142,7 +144,8 @@ def install_shims(torch: Any) -> None:
         # CPU tests drive the shims through a CPU build of torch
         reg.patched.setdefault(name, getattr(C, name, None))
         setattr(C, name, fn)
-    guard_cudnn_benchmark(torch)
+    if reg.cache_info_missing != "":
+        guard_cudnn_benchmark(torch, reg.cache_info_missing or "not installed")
 
 
 def budget_fraction(s: Mapping[str, Any], total_memory: int) -> float:
@@ -161,13 +164,14 @@ def _total_memory(torch: Any, device: int) -> int:
 CUDNN_BENCHMARK_WARNING = (
     "vmalloc: torch.backends.cudnn.benchmark = True is left off: cuDNN's autotuner asks the "
     "allocator for its largest free block (CUDAAllocator::cacheInfo), which PyTorch's pluggable "
-    "allocator does not support (every convolution would raise). Convolutions use cuDNN's "
-    "heuristics instead; run without vmalloc (VMALLOC=0) to autotune.")
+    "allocator does not support (every convolution would raise), and vmalloc could not answer "
+    "it here ({why}). Convolutions use cuDNN's heuristics instead; run without vmalloc "
+    "(VMALLOC=0) to autotune.")
 
 
-def guard_cudnn_benchmark(torch: Any) -> None:
-    """Keep ``cudnn.benchmark`` off with a warning (see the module doc), also when it was already
-    on and through ``torch.backends.cudnn.flags(benchmark=True)``."""
+def guard_cudnn_benchmark(torch: Any, why: str) -> None:
+    """Keep ``cudnn.benchmark`` off with a warning saying ``why`` (see the module doc), also when
+    it was already on and through ``torch.backends.cudnn.flags(benchmark=True)``."""
     C = torch._C
     original = REGISTRY.patched.get("_set_cudnn_benchmark") or getattr(C, "_set_cudnn_benchmark", None)
     if original is None:
@@ -176,7 +180,7 @@ def guard_cudnn_benchmark(torch: Any) -> None:
 
     def set_benchmark(value: Any) -> None:
         if value:
-            _warn_once("cudnn_benchmark", CUDNN_BENCHMARK_WARNING)
+            _warn_once("cudnn_benchmark", CUDNN_BENCHMARK_WARNING.format(why=why))
         original(False)
 
     C._set_cudnn_benchmark = set_benchmark
