@@ -148,6 +148,31 @@ print("OK")
 """, tmp_path)
 
 
+def test_an_allocator_global_of_another_type_is_refused(tmp_path):
+    """A variable's mangled name does not say its type: a PyTorch whose current-allocator
+    global is not one pointer (a wrapper, a shared_ptr) is refused, not read through."""
+    # the same name, two words wide; libtorch_cuda links to it by name all the same
+    wide = FAKE_C10_CUDA.replace("std::atomic<void*> allocator{nullptr};",
+                                 "struct Wide { std::atomic<void*> p; void* more; };\n"
+                                 "Wide allocator{};")
+    assert wide != FAKE_C10_CUDA
+    build_library(tmp_path, "libc10_cuda", wide, cflags=["-Wl,-soname,libc10_cuda.so"],
+                  load=False)
+    build_library(tmp_path, "libtorch_cuda", FAKE_TORCH_CUDA,
+                  cflags=["-Wl,-soname,libtorch_cuda.so"],
+                  libs=[str(tmp_path / "libc10_cuda.so"), f"-Wl,-rpath,{tmp_path}"], load=False)
+    run(HOST_REGISTRY + f"""
+import ctypes
+ctypes.CDLL({str(tmp_path)!r} + "/libc10_cuda.so", mode=ctypes.RTLD_GLOBAL)
+t = ctypes.CDLL({str(tmp_path)!r} + "/libtorch_cuda.so", mode=ctypes.RTLD_GLOBAL)
+t.make_current(0)
+why = core._torch_install_cache_info()
+assert why == "c10::cuda::CUDACachingAllocator::allocator is not one pointer in this PyTorch", why
+assert t.cache_info(0) == -1                       # left alone
+print("OK")
+""", tmp_path)
+
+
 def test_without_torch_cuda_it_says_so(tmp_path):
     # a CPU build of torch loads no libtorch_cuda.so (this process may import torch: run apart)
     run(HOST_REGISTRY + """

@@ -235,7 +235,8 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("total_memory", &Allocator::total_memory)
       .def("largest_available", &Allocator::largest_available, nb::call_guard<nb::gil_scoped_release>(),
            "Bytes of the largest malloc that succeeds now without the pressure callback: cached chunks "
-           "plus the whole chunks the budget and the device's free memory allow.");
+           "plus the whole chunks the budget and the device's free memory (less 1/64, for what others "
+           "may take meanwhile) allow.");
 
   m.def("backend_granularity", &vmalloc::backend_granularity, "backend"_a, "device"_a = 0,
         "Allocation granularity of a backend (host: the page size; cuda: cuMemGetAllocationGranularity).");

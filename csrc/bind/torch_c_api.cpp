@@ -132,14 +132,23 @@ vmalloc::Allocator* get(int device, bool create) {
 }
 
 // cacheInfo's answer: what one allocation could get now without the pressure callback (so a
-// workspace cuDNN merely tries never makes the swap runtime evict). 0 when the device has no
-// allocator yet and none can be made: cuDNN then times the algorithms that need no workspace.
+// workspace cuDNN merely tries does not make the swap runtime evict). 0 when asking fails: cuDNN
+// then times only the algorithms that need no workspace and keeps that choice for the shape, so
+// the failure is said once on stderr rather than left to show as a slow convolution.
 size_t largest_block(int device) noexcept {
+  static std::atomic<bool> said{false};
+  const char* why = "unknown error";
   try {
     return get(device, true)->largest_available();
+  } catch (const std::exception& e) {
+    why = e.what();
   } catch (...) {
-    return 0;
   }
+  if (!said.exchange(true))
+    std::fprintf(stderr, "vmalloc: cudnn.benchmark's workspace query (cacheInfo) failed on device "
+                 "%d: %s; answering 0 bytes, so cuDNN times only algorithms without a workspace\n",
+                 device, why);
+  return 0;
 }
 
 std::string fmt_bytes(size_t n) {

@@ -86,9 +86,15 @@ std::string install_cache_info(LargestBlockFn largest) {
   if (!v) return "libtorch_cuda.so exports no CUDAPluggableAllocator::cacheInfo";
   auto* current = static_cast<std::atomic<void*>*>(symbol_in("libc10_cuda.so", kAllocator));
   if (!current) return "libc10_cuda.so has no c10::cuda::CUDACachingAllocator::allocator";
-
+  // a variable's mangled name says nothing of its type: read it only if it is one pointer
   Dl_info info{};
-  void* entry = nullptr;  // the vtable's ElfW(Sym)
+  void* entry = nullptr;  // the symbol's ElfW(Sym)
+  if (!dladdr1(current, &info, &entry, RTLD_DL_SYMENT) || !entry ||
+      static_cast<const ElfW(Sym)*>(entry)->st_size != sizeof(void*) ||
+      ELF64_ST_TYPE(static_cast<const ElfW(Sym)*>(entry)->st_info) != STT_OBJECT)
+    return "c10::cuda::CUDACachingAllocator::allocator is not one pointer in this PyTorch";
+
+  entry = nullptr;  // the vtable's ElfW(Sym)
   if (!dladdr1(vt, &info, &entry, RTLD_DL_SYMENT) || !entry || !info.dli_sname ||
       std::strcmp(info.dli_sname, kVtable) != 0)
     return "the size of CUDAPluggableAllocator's vtable is not in the symbol table";
