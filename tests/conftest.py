@@ -10,6 +10,27 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)
 
 
+# cuBLAS gives the same bits on every run only with a fixed workspace: set before any test
+# module imports torch, for the GPU tests that compare gradients bit for bit
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@pytest.fixture
+def deterministic_kernels():
+    """Deterministic kernels for one test (bit-for-bit comparisons on a GPU: a kernel that adds
+    with atomics then raises instead of differing by run-to-run noise); put back after it, since
+    other GPU tests measure memory with PyTorch's defaults."""
+    import torch
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+              torch.are_deterministic_algorithms_enabled())
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
+    torch.use_deterministic_algorithms(before[2])
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -1,40 +1,22 @@
 """The swap runtime on CUDA (``pytest -m gpu``; skipped where no CUDA device is present).
 
 Unverified without a GPU: written from the PyTorch stream/event documentation."""
-import os
 import subprocess
 import sys
 import tempfile
 import textwrap
 
 import pytest
+import torch
+from torch import nn
+
+import scheduler
+from scheduler.planners.swap_schedule import replay
 
 from _subproc import python_env
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import scheduler  # noqa: E402
-from scheduler.planners.swap_schedule import replay  # noqa: E402
-
-pytestmark = pytest.mark.gpu
-
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    """Deterministic kernels for this module's tests only: the settings are put back after each
-    (later GPU tests in the same process measure memory with PyTorch's defaults)."""
-    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-              torch.are_deterministic_algorithms_enabled())
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
-    torch.use_deterministic_algorithms(before[2])
+# deterministic kernels (tests/conftest.py, which also fixes cuBLAS's workspace) for every test
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_kernels")]
 
 
 def _train_cuda(name, ctx=None, steps=3):

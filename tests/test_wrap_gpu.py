@@ -35,6 +35,7 @@ def full_peak(blocks, x):
     return scheduler.simulate(chain, plan_from_checkpoints(len(blocks), [])).peak_memory
 
 
+@pytest.mark.usefixtures("deterministic_kernels")   # tests/conftest.py: bits, not noise
 @pytest.mark.parametrize("planner", ["rotor", "periodic", "pofo"])
 @pytest.mark.parametrize("frac", [0.9, 0.5])
 def test_cuda_gradients_identical(planner, frac):
@@ -55,6 +56,7 @@ def test_cuda_gradients_identical(planner, frac):
              f"{planner} at {frac} of the peak ({budget} bytes), step {step}")
 
 
+@pytest.mark.usefixtures("deterministic_kernels")
 def test_cuda_pofo_really_offloads_and_matches():
     blocks, ref = twins(lambda: [b.to(DEV) for b in mlp_blocks(12, 512)])
     x = torch.randn(1024, 512, device=DEV)
@@ -68,6 +70,7 @@ def test_cuda_pofo_really_offloads_and_matches():
         assert st["prefetched_bytes"] == st["offloaded_bytes"], st
 
 
+@pytest.mark.usefixtures("deterministic_kernels")
 def test_cuda_mimose_matches_plain_training():
     from wrap_models import token_batch, transformer_blocks
     blocks, ref = twins(lambda: [b.to(DEV) for b in transformer_blocks(4, 64)])
