@@ -3,6 +3,7 @@ few files in OUTDIR (the device tool returns at most 8, 2 folders deep), and a f
 it with the command named."""
 import importlib.machinery
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -14,12 +15,21 @@ import pytest
 from _subproc import ROOT, python_env
 
 SCRIPT = Path(ROOT) / "scripts" / "gpu-check"
+sys.path.insert(0, str(Path(ROOT) / "scripts"))   # gpu_record, as the script imports it
+
+
+@pytest.fixture(autouse=True)
+def _own_state(monkeypatch, tmp_path):
+    """Each test's own folder for what a call keeps for the next call on its machine: never
+    the real one, whose files a later call would restore into the checkout."""
+    monkeypatch.setenv("VMALLOC_GPU_CHECK_STATE", str(tmp_path / "machine-state"))
 
 
 def load_script():
     loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
     spec = importlib.util.spec_from_loader("gpu_check", loader)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod   # dataclasses look their module up there
     loader.exec_module(mod)
     return mod
 
@@ -56,19 +66,30 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "--quick" not in r.stdout and "-m pytest" not in r.stdout
     for m in ("resnet50", "gpt2-s1024", "gpt2-s2048", "bert-dyn"):   # one step (and JSON) each
-        assert f"bench/e2e.py --models {m} --out" in r.stdout, (m, r.stdout)
+        assert f"bench/e2e.py --models {m} --resume" in r.stdout, (m, r.stdout)
     assert "--coexist" in r.stdout
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--full", "--models",
                         "bert-dyn", str(tmp_path / "m")],
                        capture_output=True, text=True, timeout=120, env=python_env())
-    assert "--models bert-dyn" in r.stdout and "--models resnet50 --out" not in r.stdout
+    assert "--models bert-dyn" in r.stdout and "--models resnet50 --resume" not in r.stdout
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--traces", str(tmp_path / "t")],
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
     assert "bench/traces/record_gpu.py" in r.stdout and "bench/e2e.py" not in r.stdout
     # cache_slack replays the traces just recorded, after them and before hf
-    assert r.stdout.index("record_gpu.py") < r.stdout.index("bench/cache_slack.py --traces-dir") \
+    assert r.stdout.index("record_gpu.py") < r.stdout.index("bench/cache_slack.py") \
         < r.stdout.index("bench/hf.py")
+    # --next: every mode's steps, in issue 12's order; each e2e run resumes its own file
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--next", str(tmp_path / "n")],
+                       capture_output=True, text=True, timeout=120, env=python_env())
+    assert r.returncode == 0, r.stderr
+    order = ["-m pytest -m gpu", "vmalloc.cli demo", "bench/alloc_micro.py", "bench/swap.py",
+             "bench/checkpoint_real.py", "bench/e2e.py --quick", "record_gpu.py",
+             "bench/cache_slack.py", "bench/hf.py", "--models resnet50 --resume",
+             "--models bert-dyn --resume", "--coexist 512"]
+    at = [r.stdout.index(cmd) for cmd in order]
+    assert at == sorted(at), r.stdout
+    assert "--resume bench/results/e2e-GPU-quick.json --stop-at" in r.stdout
 
 
 def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
@@ -94,32 +115,186 @@ def test_out_of_time_stops_before_the_next_step(tmp_path):
     assert "out of time" in (tmp_path / "gpu-check.log").read_text()
 
 
-def test_results_patterns_collect_what_the_benches_write_on_a_gpu(monkeypatch, tmp_path):
-    """bench/hf.py and bench/checkpoint_real.py name their results after the GPU; gpu-check
-    must bring those back (and not the committed CPU ones, hf-cpu.json and the like)."""
-    import fnmatch
-    import types
-
-    import torch
+def test_results_archive_holds_what_the_steps_wrote_with_checkout_paths(monkeypatch, tmp_path):
+    """results.tar.gz carries back the files written under bench/results/ and bench/traces/
+    during the call (with their paths in the checkout, so `tar -xzf` lands them), never the
+    committed ones the device tool copied in before it (hf-cpu.json and the like)."""
     gc = load_script()
-    name = "NVIDIA H100 80GB HBM3"
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
-    sys.path.insert(0, str(Path(ROOT) / "bench"))
-    try:
-        from common import run_meta   # bench/hf.py's results name
-    finally:
-        sys.path.pop(0)
-    hf_file = f"hf-{run_meta('x', 'cuda')['device_tag']}.json"
-    ck_file = f"checkpoint_real-{name.replace(' ', '_')}.json"   # bench/checkpoint_real.py's
-    tag = gc.device_tag(name)
-    for mode, step, wanted, stale in (("traces", "hf", hf_file, "hf-cpu.json"),
-                                      ("quick", "checkpoint_real", ck_file,
-                                       "checkpoint_real-cpu.json")):
-        args = types.SimpleNamespace(full=False, traces=mode == "traces", models="")
-        pattern = next(s[3] for s in gc.steps_for(args, tmp_path) if s[0] == step)
-        pattern = pattern.format(tag=tag)
-        assert fnmatch.fnmatch(wanted, pattern), (wanted, pattern)
-        assert not fnmatch.fnmatch(stale, pattern), (stale, pattern)
+    root = tmp_path / "checkout"
+    for d in ("bench/results", "bench/traces", "bench/results/__pycache__"):
+        (root / d).mkdir(parents=True)
+    old = root / "bench/results/hf-cpu.json"
+    old.write_text("{}")
+    os.utime(old, (1, 1))   # copied in before the call
+    monkeypatch.setattr(gc, "ROOT", root)
+    c = gc.Check(tmp_path / "out", dry_run=False, seconds=300)
+    (root / "bench/results/swap.json").write_text("{}")
+    (root / "bench/traces/gpt2-s1024-b8-native-gpu.json.gz").write_bytes(b"x")
+    (root / "bench/results/__pycache__/x.pyc").write_bytes(b"x")
+    c.pack()
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        names = sorted(tar.getnames())
+    assert names == ["bench/results/swap.json",
+                     "bench/traces/gpt2-s1024-b8-native-gpu.json.gz"], names
+
+
+def _fake_gpu(monkeypatch, tmp_path, outcomes):
+    """gpu-check's main on a fake GPU: steps 'run' by outcome (0 ok, else its exit status;
+    a callable runs first), in a checkout of its own under tmp_path."""
+    gc = load_script()
+    root = tmp_path / "checkout"
+    (root / "vmalloc").mkdir(parents=True)
+    (root / "vmalloc" / "x.py").write_text("x = 1\n")
+    monkeypatch.setattr(gc, "ROOT", root)
+    monkeypatch.setattr(gc, "probe", lambda env: {"gpu": "Fake GPU", "torch": "2.11.0",
+                                                  "cuda": "13.0", "driver": "580"})
+    ran = []
+
+    def run(self, name, cmd, timeout, must_pass=True):
+        if name in ("wheels", "build", "env", "nvidia-smi"):
+            return 0.0
+        ran.append(name)
+        rc = outcomes.get(name, 0)
+        if callable(rc):
+            rc = rc(cmd)
+        if rc:
+            raise gc.StepFailed(rc, 1.5)
+        return 2.0
+
+    monkeypatch.setattr(gc.Check, "run", run)
+    return gc, root, ran
+
+
+def test_next_records_progress_and_resumes_where_the_last_session_stopped(monkeypatch, tmp_path):
+    from gpu_record import PROGRESS
+    outcomes = {"swap": 3}
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--next", "--no-build", str(tmp_path / "a")])
+    assert e.value.code == 3
+    assert ran == ["pytest-gpu", "demo", "alloc_micro", "swap"]   # stops at the failure
+    progress = json.loads((root / PROGRESS).read_text())
+    assert {k: v["status"] for k, v in progress["steps"].items()} == {
+        "pytest-gpu": "ok", "demo": "ok", "alloc_micro": "ok", "swap": "failed"}
+    assert progress["steps"]["alloc_micro"]["gpu"] == "Fake GPU"
+    with tarfile.open(tmp_path / "a" / "results.tar.gz") as tar:
+        assert "bench/results/gpu-progress.json" in tar.getnames()
+
+    # the next session, swap fixed: the same source, so only the step that failed runs
+    outcomes.clear()
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo,alloc_micro,swap",
+             str(tmp_path / "b")])
+    assert ran == ["swap"]
+    # a change to the source makes the test steps stale, not the benches
+    (root / "vmalloc" / "x.py").write_text("x = 2\n")
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo,alloc_micro,swap",
+             str(tmp_path / "c")])
+    assert ran == ["pytest-gpu", "demo"]
+
+
+def test_a_second_call_on_the_warm_machine_goes_on_from_the_first(monkeypatch, tmp_path):
+    """The device tool sends the checkout again for each call, without what the last call
+    wrote: gpu-check puts that back, so --next knows what is done without landing in between,
+    and the second archive carries both calls' results."""
+    from gpu_record import PROGRESS
+
+    def bench(cmd):   # alloc_micro writes its results file
+        (gc.ROOT / "bench/results").mkdir(parents=True, exist_ok=True)
+        (gc.ROOT / "bench/results/alloc_micro.json").write_text('{"cuda": {}}')
+        return 0
+
+    outcomes = {"alloc_micro": bench}
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    steps = "pytest-gpu,demo,alloc_micro,swap"
+    with pytest.raises(SystemExit):   # call 1 runs out of time at swap
+        outcomes["swap"] = 124
+        gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
+    # the checkout sent again, as committed: no progress, no results
+    (root / PROGRESS).unlink()
+    (root / "bench/results/alloc_micro.json").unlink()
+    outcomes.clear()
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
+    assert ran == ["swap"]
+    assert "RESTORE 2 files" in (tmp_path / "b" / "gpu-check.log").read_text()
+    with tarfile.open(tmp_path / "b" / "results.tar.gz") as tar:
+        names = set(tar.getnames())
+        progress = json.load(tar.extractfile("bench/results/gpu-progress.json"))
+    assert {"bench/results/alloc_micro.json", "bench/results/gpu-progress.json"} <= names
+    assert {k: v["status"] for k, v in progress["steps"].items()} == {
+        "pytest-gpu": "ok", "demo": "ok", "alloc_micro": "ok", "swap": "ok"}
+
+
+def test_a_resumable_step_that_stopped_in_time_stays_to_do(monkeypatch, tmp_path):
+    from gpu_record import PROGRESS
+
+    def e2e(cmd):   # bench/e2e.py --resume FILE --stop-at T: stopped with jobs left
+        out = cmd[cmd.index("--resume") + 1]
+        path = Path(gc.ROOT) / out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {"incomplete": True, "not_run": 7}, "results": []}))
+        return 0
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"e2e-quick": e2e})
+    gc.main(["--next", "--no-build", "--only", "e2e-quick", str(tmp_path / "a")])
+    progress = json.loads((root / PROGRESS).read_text())
+    assert progress["steps"]["e2e-quick"]["status"] == "partial"
+    assert (root / "bench/results/e2e-Fake_GPU-quick.json").exists()
+    assert "PART  e2e-quick: stopped in time, 7 jobs left" in (tmp_path / "a" / "gpu-check.log").read_text()
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", "e2e-quick", str(tmp_path / "b")])
+    assert ran == ["e2e-quick"]   # partial: the next call resumes it
+
+
+def test_keep_going_runs_past_a_failure_and_still_exits_with_it(monkeypatch, tmp_path):
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"demo": 2})
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--keep-going", "--no-build", "--only", "pytest-gpu,demo,alloc_micro",
+                 str(tmp_path / "a")])
+    assert e.value.code == 2 and ran == ["pytest-gpu", "demo", "alloc_micro"]
+
+
+def test_pytest_junit_becomes_gpu_tests_json(tmp_path):
+    """gpu-tests.json from a junit XML that pytest itself wrote: outcome, seconds and the
+    failure's first lines per test."""
+    import gpu_record
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'the numbers differ'\n"
+        "@pytest.mark.skip(reason='no device')\ndef test_skip():\n    pass\n")
+    xml = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={xml}", "test_x.py"], cwd=tmp_path, capture_output=True,
+                   timeout=120, env=python_env())
+    doc = gpu_record.junit_summary(xml, {"gpu": "Fake GPU"})
+    by = {t["test"].split("::")[1]: t for t in doc["tests"]}
+    assert {k: t["outcome"] for k, t in by.items()} == {
+        "test_ok": "passed", "test_bad": "failed", "test_skip": "skipped"}
+    assert "the numbers differ" in by["test_bad"]["message"]
+    assert by["test_ok"]["test"] == "test_x.py::test_ok"
+    assert doc["summary"]["total"] == 3 and doc["summary"]["failed"] == 1
+    assert doc["meta"] == {"gpu": "Fake GPU"}
+
+
+def test_source_hash_follows_the_source_not_build_output(tmp_path):
+    import gpu_record
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "a.cpp").write_text("int a;")
+    h = gpu_record.source_hash(tmp_path)
+    for junk in ("csrc/build/x.cpp", "csrc/__pycache__/a.py", "csrc/a.so"):
+        (tmp_path / junk).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / junk).write_text("junk")
+    assert gpu_record.source_hash(tmp_path) == h
+    (tmp_path / "csrc" / "a.cpp").write_text("int b;")
+    assert gpu_record.source_hash(tmp_path) != h
+    bad = tmp_path / "bench" / "results" / "gpu-progress.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="gpu-progress.json is not JSON"):
+        gpu_record.load_progress(tmp_path)
 
 
 def test_only_runs_the_named_steps_and_a_typo_stops_before_the_build(tmp_path):
@@ -138,17 +313,18 @@ def test_only_runs_the_named_steps_and_a_typo_stops_before_the_build(tmp_path):
 
 def test_out_of_time_names_the_steps_left_and_the_last_step_gets_all_time(monkeypatch, tmp_path):
     gc = load_script()
-    monkeypatch.setattr(gc, "cuda_device", lambda env: "Fake GPU")
+    monkeypatch.setattr(gc, "ROOT", tmp_path / "checkout")
+    monkeypatch.setattr(gc, "probe", lambda env: {"gpu": "Fake GPU"})
     limits = {}
 
     def run(self, name, cmd, timeout, must_pass=True):
         limits[name] = timeout
         if name == "swap":
             self.say("FAIL  swap: out of time")
-            raise SystemExit(124)
+            raise gc.StepFailed(124, 0.0)
+        return 0.0
 
     monkeypatch.setattr(gc.Check, "run", run)
-    monkeypatch.setattr(gc.Check, "collect", lambda self, pattern: None)
     with pytest.raises(SystemExit) as e:
         gc.main(["--no-build", "--only", "alloc_micro,swap,e2e-quick", str(tmp_path / "a")])
     assert e.value.code == 124
