@@ -10,6 +10,16 @@ runtime (native allocator and vmalloc), the DYNPROG offload plan, rotor and pofo
     python bench/e2e.py --quick     # GPU, minutes
     python bench/e2e.py             # GPU, the full grid of the issue
     python bench/e2e.py --coexist 64   # + two processes sharing one GPU, half the budget each
+    python bench/e2e.py --resume R.json --stop-at EPOCH   # a grid spread over several sessions
+
+``--stop-at EPOCH`` (seconds since the epoch): no job (one method at one batch size; plain
+training's reference run counts as one) starts once fewer than max(60 s, the longest job so
+far in that process) are left before EPOCH; GPU workers obey it too. Jobs not started are not
+written: the file's ``meta`` says ``"incomplete": true`` and ``"not_run": N``, the exit status
+stays 0. ``--resume FILE`` keeps FILE's rows whose status is not ``error`` and runs only the
+other jobs (``error`` rows run again); the output defaults to FILE, and ``meta`` gets
+``"resumed_from": <rows kept>``. A missing FILE starts from nothing, so every session can pass
+the same command until the file is complete.
 
 Each allocator needs its own process (PyTorch's allocator is chosen before CUDA starts), so
 on a GPU the parent runs one worker process per allocator and collects their JSON lines.
@@ -328,6 +338,55 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
 
 
 # ----------------------------------------------------------------------------- the grid
+Key = Tuple[str, str, int]    # (model, method, batch size): one job, one row
+
+
+def row_key(r: JobResult) -> Key:
+    return (r.model, r.method, r.batch_size)
+
+
+def clock() -> float:
+    """The wall clock ``--stop-at`` is compared with (seconds since the epoch; tests replace it)."""
+    return time.time()
+
+
+STOP_MARGIN = 60.0   # seconds: no job starts with less than this (or the longest job) left
+
+
+class Plan:
+    """Which jobs are left, and whether the next may start: one rule for the CPU path, the GPU
+    parent and its workers. ``done``: jobs whose rows an earlier run wrote (``--resume``);
+    ``stop_at``: ``--stop-at``. Once it refuses a job it refuses every later one."""
+
+    def __init__(self, stop_at: Optional[float] = None, done: Sequence[Sequence[Any]] = ()):
+        self.stop_at = stop_at
+        self.done = {(str(m), str(n), int(b)) for m, n, b in done}
+        self.longest = 0.0          # seconds, the longest job this process has run
+        self.stopped = False
+        self.left: List[Key] = []   # jobs not started because of stop_at
+
+    @classmethod
+    def of(cls, grid: "Grid") -> "Plan":
+        return cls(grid.stop_at, grid.done)
+
+    def pending(self, model: str, method: str, batch: int) -> bool:
+        return (model, method, batch) not in self.done
+
+    def may_start(self) -> bool:
+        if self.stop_at is not None and not self.stopped:
+            self.stopped = clock() > self.stop_at - max(STOP_MARGIN, self.longest)
+        return not self.stopped
+
+    @contextlib.contextmanager
+    def job(self) -> Iterator[None]:
+        """Time one job (its length raises the margin for the next)."""
+        t0 = clock()
+        try:
+            yield
+        finally:
+            self.longest = max(self.longest, clock() - t0)
+
+
 FULL_BATCHES = {"resnet50": [64, 128, 256, 512, 928, 1120, 1248, 1440, 2048],
                 "gpt2-s1024": [4, 8, 16, 32, 64], "gpt2-s2048": [2, 4, 8, 16, 32],
                 "bert-dyn": [16, 32, 64, 128]}
@@ -349,6 +408,11 @@ class Grid:
     warmup: int
     seed: int = 0
     budgets: Dict[str, int] = field(default_factory=dict)   # per-model override (CPU)
+    stop_at: Optional[float] = None          # --stop-at (epoch seconds)
+    done: List[Key] = field(default_factory=list)           # jobs an earlier run did (--resume)
+    references: List[str] = field(default_factory=list)     # models whose plain-training
+    # reference this process runs even with no job of theirs left (the native worker's, which
+    # the other allocators' references are compared with)
 
     def budget_for(self, model: str) -> Optional[int]:
         return self.budgets.get(model, self.budget)
@@ -365,7 +429,8 @@ def _progress(i: int, n: int, text: str) -> None:
 
 def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
              report: Optional[Callable[[str, Any], None]] = None,
-             floor: Optional[Callable[[str, int, Optional[int]], str]] = None
+             floor: Optional[Callable[[str, int, Optional[int]], str]] = None,
+             plan: Optional[Plan] = None
              ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """Every method at every batch size under the budget, in this process. At the smallest
     batch each run's losses are compared with plain training's (same seed, no budget), which
@@ -373,42 +438,72 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
     payload)`` hears each result as it is made (a GPU worker prints it at once: a worker that
     dies later, killed for host memory say, keeps what it finished). ``floor(model, batch,
     budget)``: why no method can fit (``op_floor_note``), or ""; such jobs become
-    ``infeasible`` rows without running."""
+    ``infeasible`` rows without running. ``plan`` (default: from ``grid.stop_at`` and
+    ``grid.done``) skips the jobs done before and stops starting jobs at ``--stop-at``; those
+    it did not start are in ``plan.left`` and told as one ``LEFT`` list."""
     tell = report or (lambda kind, payload: None)
+    plan = plan or Plan.of(grid)
     rows: List[JobResult] = []
     references: Dict[str, List[float]] = {}
-    total = sum(len(b) * len(methods) + 1 for b in grid.models.values())
+    todo = {model: [(m, b) for m in methods for b in batches if plan.pending(model, m.name, b)]
+            for model, batches in grid.models.items()}
+    # a model's reference runs where its jobs (or another process's loss check) need it
+    with_ref = [model for model in grid.models if todo[model] or model in grid.references]
+    total = sum(len(t) for t in todo.values()) + len(with_ref)
     done = 0
+
+    def skip(model: str, jobs: Sequence[Tuple[Method, int]]) -> None:
+        plan.left.extend((model, m.name, b) for m, b in jobs)
+
     for model, batches in grid.models.items():
+        if model not in with_ref:
+            continue
         smallest = min(batches)
+        if not plan.may_start():
+            skip(model, todo[model])
+            continue
         _progress(done, total, f"{model}: plain training, the reference")
-        ref = run_job(BY_NAME["native"], _factory(model, smallest, device, grid), None, device,
-                      grid.steps, grid.warmup, grid.seed)
+        with plan.job():
+            ref = run_job(BY_NAME["native"], _factory(model, smallest, device, grid), None,
+                          device, grid.steps, grid.warmup, grid.seed)
         done += 1
         references[model] = ref.losses
         tell(REF, {model: ref.losses})
         # the op floor bounds a physical budget (a GPU's); the CPU smoke's simulated budgets
         # leave the weights out, so none is checked there
-        below_floor = {b: (floor or (lambda *a: ""))(model, b, grid.budget_for(model))
-                       for b in batches}
-        for m in methods:
-            for b in batches:
-                _progress(done, total, f"{model} {m.name} b={b}")
+        below_floor: Dict[int, str] = {}
+        for i, (m, b) in enumerate(todo[model]):
+            if not plan.may_start():
+                skip(model, todo[model][i:])
+                break
+            _progress(done, total, f"{model} {m.name} b={b}")
+            with plan.job():
+                if b not in below_floor:
+                    below_floor[b] = (floor or (lambda *a: ""))(model, b, grid.budget_for(model))
                 if below_floor[b]:
                     r = JobResult(model, m.name, b, None, "", None, grid.budget_for(model),
                                   "infeasible", below_floor[b])
                 else:
                     r = run_job(m, _factory(model, b, device, grid), grid.budget_for(model),
                                 device, grid.steps, grid.warmup, grid.seed)
-                done += 1
-                if b == smallest and r.status == "ok":
-                    r.note = check_losses(m, r.losses, ref)
-                    if r.note.startswith("LOSS MISMATCH"):
-                        r.status = "error"
-                rows.append(r)
-                tell(ROW, r.row())
-    _progress(total, total, "done")
+            r.model, r.batch_size = model, b   # also when the workload failed to build
+            done += 1
+            if b == smallest and r.status == "ok":
+                r.note = check_losses(m, r.losses, ref)
+                if r.note.startswith("LOSS MISMATCH"):
+                    r.status = "error"
+            rows.append(r)
+            tell(ROW, r.row())
+    if plan.left:
+        tell(LEFT, plan.left)
+        print(f"\n{stopped_note(len(plan.left))}", file=sys.stderr)
+    else:
+        _progress(total, total, "done")
     return rows, references
+
+
+def stopped_note(n: int) -> str:
+    return f"stopped at --stop-at: {n} jobs left for a later run (--resume)"
 
 
 def check_losses(method: Method, losses: List[float], ref: JobResult) -> str:
@@ -479,6 +574,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 ROW, REF = "E2E-ROW", "E2E-REF"   # the lines a worker prints for the parent
+LEFT = "E2E-LEFT"                 # the jobs it did not start (--stop-at)
 
 
 def _start_worker(allocator: str, spec: Dict[str, Any],
@@ -488,8 +584,10 @@ def _start_worker(allocator: str, spec: Dict[str, Any],
                             env=env, stdout=subprocess.PIPE, text=True)
 
 
-def worker_output(stdout: str) -> Tuple[List[JobResult], Dict[str, List[float]]]:
-    """A worker's rows and its plain-training reference losses (per model)."""
+def worker_output(stdout: str, left: Optional[List[Key]] = None
+                  ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
+    """A worker's rows and its plain-training reference losses (per model); the jobs it did
+    not start (``--stop-at``) are added to ``left``."""
     rows: List[JobResult] = []
     references: Dict[str, List[float]] = {}
     for line in stdout.splitlines():
@@ -498,33 +596,53 @@ def worker_output(stdout: str) -> Tuple[List[JobResult], Dict[str, List[float]]]
             rows.append(JobResult(**json.loads(payload)))
         elif kind == REF:
             references.update(json.loads(payload))   # one line per model
+        elif kind == LEFT and left is not None:
+            left.extend((str(m), str(n), int(b)) for m, n, b in json.loads(payload))
     return rows, references
 
 
-def run_workers(grid: Grid) -> List[JobResult]:
-    """One process per allocator. Plain training must give the same losses under each."""
+def run_workers(grid: Grid, plan: Optional[Plan] = None) -> List[JobResult]:
+    """One process per allocator. Plain training must give the same losses under each.
+    ``plan`` (default: from ``grid``): the jobs done before are not run, and no worker starts
+    at ``--stop-at`` (each worker obeys it too); the jobs not started go to ``plan.left``."""
+    plan = plan or Plan.of(grid)
     rows: List[JobResult] = []
     references: Dict[str, Dict[str, List[float]]] = {}
+    pending = [(model, m, b) for model, bs in grid.models.items() for m in grid.methods
+               for b in bs if plan.pending(model, m.name, b)]
+    # the native worker runs the reference of every model with a job left anywhere: the
+    # other allocators' plain training is compared with it
+    need_ref = list(dict.fromkeys(model for model, _, _ in pending))
     for allocator in ALLOCATORS:
         methods = [m for m in grid.methods if m.allocator == allocator]
         if not methods:
             continue
-        spec = dict(grid.__dict__, methods=[m.name for m in methods])
+        todo = [(model, m.name, b) for model, m, b in pending if m.allocator == allocator]
+        refs = need_ref if allocator == "native" else []
+        if not todo and not refs:
+            continue
+        if not plan.may_start():
+            plan.left += todo
+            continue
+        spec = dict(grid.__dict__, methods=[m.name for m in methods], references=refs,
+                    done=sorted(plan.done))
         env = dict(os.environ)
         if allocator == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        print(f"-- worker: {allocator} allocator, {len(methods)} methods", file=sys.stderr)
+        print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
+        left: List[Key] = []
         proc = _start_worker(allocator, spec, env)
-        got, ref = worker_output(proc.communicate()[0])
+        got, ref = worker_output(proc.communicate()[0], left)
         if ref:
             references[allocator] = ref
-        if proc.returncode != 0 or not got:   # the jobs it did not finish, in its order
-            done = {(r.model, r.method, r.batch_size) for r in got}
-            got += [JobResult(model, m.name, b, None, "", None, grid.budget, "error",
+        plan.left += left
+        finished = {row_key(r) for r in got} | set(left)
+        if proc.returncode != 0 or any(k not in finished for k in todo):
+            # the jobs it did not finish, in its order
+            got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
                               f"worker for the {allocator} allocator exited {proc.returncode} "
                               "before this job finished")
-                    for model, bs in grid.models.items() for m in methods for b in bs
-                    if (model, m.name, b) not in done]
+                    for model, name, b in todo if (model, name, b) not in finished]
         rows += got
     base = references.get("native")
     for allocator, ref in references.items():
@@ -587,6 +705,8 @@ def table(rows: Sequence[JobResult]) -> str:
 
 
 def plots(rows: Sequence[JobResult], stem: Path, grid: Grid) -> List[str]:
+    if not rows:   # a run stopped (--stop-at) before its first job
+        return []
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -640,8 +760,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--coexist", type=int, default=0, metavar="BATCH",
                    help="GPU: also train ResNet-50 at BATCH in two processes at once, each under "
                         "half the budget with its own vmalloc allocator")
-    p.add_argument("--out", default=None, help="results file (default bench/results/"
-                   "e2e-<gpu>-<date>.json)")
+    p.add_argument("--out", default=None, help="results file (default: the --resume file, "
+                   "else bench/results/e2e-<gpu>-<date>.json)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH",
+                   help="start no job once fewer than max(60 s, the longest job so far) are "
+                        "left before EPOCH (seconds since the epoch); the jobs not started are "
+                        "left for --resume and the file's meta says incomplete")
+    p.add_argument("--resume", default=None, metavar="FILE",
+                   help="keep FILE's rows (an earlier results file) except status 'error' and "
+                        "run only the other jobs; the output defaults to FILE; a missing FILE "
+                        "starts from nothing")
     p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
     p.add_argument("--worker-grid", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -691,6 +819,39 @@ def cpu_budgets(grid: Grid) -> Dict[str, int]:
     return out
 
 
+def load_resume(path: Path) -> List[JobResult]:
+    """The rows of an earlier results file to keep: every one whose status is not ``error``
+    (those run again). A missing file keeps nothing; a file we cannot read is an error."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        print(f"--resume {path}: no such file yet, starting from nothing", file=sys.stderr)
+        return []
+    names = set(JobResult.__dataclass_fields__) - {"losses"}
+    try:
+        doc = json.loads(text)
+        results = doc["results"]
+        if not isinstance(results, list):
+            raise TypeError("'results' is not a list")
+        rows = []
+        for row in results:
+            missing = {"model", "method", "batch_size", "status"} - set(row)
+            if missing:
+                raise KeyError(f"a row lacks {sorted(missing)}")
+            rows.append(JobResult(**{k: v for k, v in row.items() if k in names}))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"--resume {path}: not a bench/e2e.py results file "
+                         f"({type(exc).__name__}: {exc})") from None
+    return [r for r in rows if r.status != "error"]
+
+
+def grid_order(rows: Sequence[JobResult], grid: Grid) -> List[JobResult]:
+    """Rows in the order the grid runs them (model, method, batch); others after, as given."""
+    pos = {(model, m.name, b): i for i, (model, m, b) in enumerate(
+        (model, m, b) for model, bs in grid.models.items() for m in grid.methods for b in bs)}
+    return sorted(rows, key=lambda r: pos.get(row_key(r), len(pos)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -702,7 +863,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.coexist and not cuda:
         raise SystemExit("--coexist: needs a GPU (two processes sharing one device)")
     command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    kept = load_resume(Path(args.resume)) if args.resume else []
     grid = make_grid(args, cuda)
+    grid.stop_at = args.stop_at
+    grid.done = sorted({row_key(r) for r in kept})
+    plan = Plan.of(grid)
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda and grid.budget is None:
         grid.budgets = cpu_budgets(grid)
@@ -710,19 +875,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format_size(grid.budget) if grid.budget else "none")
     print(f"e2e: {device}, budget {budgets}, "
           f"{len(grid.methods)} methods, models {grid.models}", file=sys.stderr)
-    rows = run_workers(grid) if cuda else run_grid(grid, grid.methods, device)[0]
+    if kept:
+        print(f"--resume {args.resume}: {len(kept)} rows kept, {len(grid.done)} jobs not run "
+              "again", file=sys.stderr)
+    rows = (run_workers(grid, plan) if cuda
+            else run_grid(grid, grid.methods, device, plan=plan)[0])
     if args.coexist:
-        rows += run_coexist(grid, args.coexist)
+        names = {f"window+vmalloc (process {i} of 2, half budget)" for i in (1, 2)}
+        if not names <= {r.method for r in kept if r.batch_size == args.coexist}:
+            if plan.may_start():
+                with plan.job():
+                    rows += run_coexist(grid, args.coexist)
+            else:
+                plan.left.append(("resnet50", "window+vmalloc (coexist)", args.coexist))
+    new = rows
+    rows = grid_order(kept + rows, grid)
     info = meta(device, command.strip())
-    out = Path(args.out) if args.out else RESULTS / (
-        f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json")
+    if args.resume:
+        info["resumed_from"] = len(kept)
+    if plan.left:
+        info["incomplete"] = True
+        info["not_run"] = len(plan.left)
+    out = Path(args.out or args.resume or RESULTS / (
+        f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"meta": info, "results": [r.row() for r in rows]}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(rows))
+    if plan.left:
+        print(f"\n{stopped_note(len(plan.left))}")
     pngs = plots(rows, out.with_suffix(""), grid)
     print(f"\nwrote {out}" + "".join(f", {p}" for p in pngs))
-    bad = [r for r in rows if "LOSS MISMATCH" in r.note]
+    bad = [r for r in new if "LOSS MISMATCH" in r.note]
     if bad:
         print(f"FAILED: {len(bad)} configuration(s) do not reproduce plain training's loss",
               file=sys.stderr)

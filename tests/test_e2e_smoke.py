@@ -180,3 +180,161 @@ def test_the_worker_reports_each_result_as_it_is_made(monkeypatch):
                               lambda kind, payload: heard.append((kind, payload)))
     assert [k for k, _ in heard] == [e2e.REF, e2e.ROW]
     assert heard[0][1] == refs and heard[1][1] == rows[0].row()
+
+
+# ------------------------------------------------------- --stop-at / --resume (a grid over sessions)
+TWO_MODELS = ["--smoke", "--models", "gpt2-s32,bert-dyn", "--methods", "native,window",
+              "--steps", "1"]
+GRID_KEYS = {(m, n, 2) for m in ("gpt2-s32", "bert-dyn") for n in ("native", "window")}
+
+
+def keys(doc):
+    return [(r["model"], r["method"], r["batch_size"]) for r in doc["results"]]
+
+
+def test_stop_at_in_the_past_starts_nothing(tmp_path, monkeypatch, capsys):
+    def no_job(*args, **kwargs):
+        raise AssertionError("a job started after --stop-at")
+
+    monkeypatch.setattr(e2e, "run_job", no_job)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TWO_MODELS + ["--stop-at", "0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["results"] == []
+    assert doc["meta"]["incomplete"] is True and doc["meta"]["not_run"] == len(GRID_KEYS)
+    assert "stopped at --stop-at: 4 jobs left for a later run (--resume)" in capsys.readouterr().out
+
+
+def test_a_stopped_run_is_completed_by_resume(tmp_path, monkeypatch, capsys):
+    """A fake clock: each job (plain training's reference included) takes one second, and no
+    job starts with less than 60 s left. Jobs at t = 0 (gpt2 reference), 1, 2, 3 (bert
+    reference), 4 start before --stop-at 64.5; the job due at 5 does not."""
+    now = [0.0]
+    real = e2e.run_job
+
+    def one_second(*args, **kwargs):
+        now[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    monkeypatch.setattr(e2e, "run_job", one_second)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TWO_MODELS + ["--stop-at", "64.5", "--out", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert keys(first) == [("gpt2-s32", "native", 2), ("gpt2-s32", "window", 2),
+                           ("bert-dyn", "native", 2)]
+    assert first["meta"]["incomplete"] is True and first["meta"]["not_run"] == 1
+    assert "1 jobs left for a later run (--resume)" in capsys.readouterr().out
+
+    # the next session: the same file, no deadline (--out defaults to the --resume file)
+    assert e2e.main(TWO_MODELS + ["--resume", str(out)]) == 0
+    final = json.loads(out.read_text())
+    assert sorted(keys(final)) == sorted(GRID_KEYS)        # every job exactly once
+    assert not final["meta"].get("incomplete") and "not_run" not in final["meta"]
+    assert final["meta"]["resumed_from"] == 3
+    kept = [r for r in final["results"] if (r["model"], r["method"]) != ("bert-dyn", "window")]
+    assert sorted(kept, key=json.dumps) == sorted(first["results"], key=json.dumps)
+    new = next(r for r in final["results"] if (r["model"], r["method"]) == ("bert-dyn", "window"))
+    # checked against the plain-training reference this run computed again
+    assert new["status"] == "ok" and new["note"].startswith("loss bitwise equal"), new
+
+
+def test_resume_of_a_missing_file_runs_everything(tmp_path):
+    out = tmp_path / "not-yet.json"
+    assert e2e.main(TWO_MODELS[:3] + ["--methods", "native", "--steps", "1",
+                                      "--resume", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(keys(doc)) == [("bert-dyn", "native", 2), ("gpt2-s32", "native", 2)]
+    assert doc["meta"]["resumed_from"] == 0 and "incomplete" not in doc["meta"]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"meta": {}}', '{"results": [{"x": 1}]}'])
+def test_resume_of_a_file_that_is_not_results_names_it(tmp_path, text):
+    bad = tmp_path / "broken-results.json"
+    bad.write_text(text)
+    with pytest.raises(SystemExit, match="broken-results.json"):
+        e2e.main(TWO_MODELS + ["--resume", str(bad)])
+
+
+def test_resume_runs_error_rows_again(tmp_path, monkeypatch):
+    done = e2e.JobResult("gpt2-s32", "native", 2, 1234.5, "tokens/s", None, 1000, "ok",
+                         "loss bitwise equal to plain training (2 steps)").row()
+    failed = e2e.JobResult("gpt2-s32", "window", 2, None, "", None, 1000, "error",
+                           "RuntimeError: boom").row()
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"meta": {"gpu": "cpu"}, "results": [done, failed]}))
+    ran = []
+    real = e2e.run_job
+
+    def spy(method, *args, **kwargs):
+        ran.append(method.name)
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(e2e, "run_job", spy)
+    assert e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window",
+                     "--steps", "1", "--resume", str(path)]) == 0
+    assert ran == ["native", "window"]     # plain training's reference, then the failed job
+    doc = json.loads(path.read_text())
+    rows = {r["method"]: r for r in doc["results"]}
+    assert rows["native"] == done and len(doc["results"]) == 2
+    assert rows["window"]["status"] == "ok" and doc["meta"]["resumed_from"] == 1
+
+
+def test_gpu_workers_get_the_deadline_and_report_what_they_left(monkeypatch, capsys):
+    """The parent passes --stop-at and the jobs done before in the worker spec; a worker past
+    the deadline starts nothing and prints the jobs it left, which the parent counts as not
+    run (not as errors); once the deadline has passed the parent starts no more workers."""
+    import argparse
+
+    import torch
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark)
+    monkeypatch.setattr(e2e, "_set_allocator", lambda allocator, budget: None)
+    now = [0.0]
+    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    specs = []
+
+    class Worker:   # runs worker_main in this process, with the clock past the deadline
+        def __init__(self, allocator, spec, env=None):
+            specs.append((allocator, spec))
+            capsys.readouterr()
+            now[0] = 1000.0
+            try:
+                self.returncode = e2e.worker_main(argparse.Namespace(
+                    worker=allocator, worker_grid=json.dumps(spec)))
+            finally:
+                cudnn.deterministic, cudnn.benchmark = saved
+
+        def communicate(self):
+            return capsys.readouterr().out, None
+
+    monkeypatch.setattr(e2e, "_start_worker", Worker)
+    methods = [e2e.BY_NAME[n] for n in ("native", "window", "window+vmalloc")]
+    grid = e2e.Grid({"resnet50": [64, 128]}, methods, 16 << 30, 1, 0, stop_at=500.0,
+                    done=[("resnet50", "native", 64)])
+    plan = e2e.Plan.of(grid)
+    assert e2e.run_workers(grid, plan) == []
+    [(allocator, spec)] = specs                      # the vmalloc worker was not started
+    assert allocator == "native" and spec["stop_at"] == 500.0
+    assert [tuple(k) for k in spec["done"]] == [("resnet50", "native", 64)]
+    assert sorted(plan.left) == sorted([("resnet50", "native", 128), ("resnet50", "window", 64),
+                                        ("resnet50", "window", 128),
+                                        ("resnet50", "window+vmalloc", 64),
+                                        ("resnet50", "window+vmalloc", 128)])
+
+
+def test_the_margin_is_the_longest_job_so_far(monkeypatch):
+    """No job starts with less than max(60 s, the longest job this process ran) left."""
+    now = [0.0]
+    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    plan = e2e.Plan(stop_at=1000.0)
+    assert plan.may_start()
+    with plan.job():
+        now[0] = 100.0                      # a 100 s job
+    now[0] = 899.0
+    assert plan.may_start()                 # 101 s left
+    now[0] = 901.0
+    assert not plan.may_start()             # 99 s left: less than the longest job
+    now[0] = 0.0
+    assert not plan.may_start()             # once stopped, stopped
+    assert e2e.Plan(stop_at=1000.0).may_start() and e2e.Plan().may_start()
