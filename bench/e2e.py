@@ -601,11 +601,15 @@ def worker_output(stdout: str, left: Optional[List[Key]] = None
     return rows, references
 
 
-def run_workers(grid: Grid, plan: Optional[Plan] = None) -> List[JobResult]:
-    """One process per allocator. Plain training must give the same losses under each.
+def run_workers(grid: Grid, plan: Optional[Plan] = None,
+                report: Optional[Callable[[str, Any], None]] = None) -> List[JobResult]:
+    """One process per allocator. Plain training must give the same losses under each: a
+    worker's rows of a model whose reference differs from the native worker's are errors.
     ``plan`` (default: from ``grid``): the jobs done before are not run, and no worker starts
-    at ``--stop-at`` (each worker obeys it too); the jobs not started go to ``plan.left``."""
+    at ``--stop-at`` (each worker obeys it too); the jobs not started go to ``plan.left``.
+    ``report(ROW, row)`` hears each row, checked, as its worker prints it."""
     plan = plan or Plan.of(grid)
+    tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
     references: Dict[str, Dict[str, List[float]]] = {}
     pending = [(model, m, b) for model, bs in grid.models.items() for m in grid.methods
@@ -631,10 +635,21 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None) -> List[JobResult]:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
         left: List[Key] = []
+        got: List[JobResult] = []
+        ref = references.setdefault(allocator, {})
+        base = references.get("native", {})
         proc = _start_worker(allocator, spec, env)
-        got, ref = worker_output(proc.communicate()[0], left)
-        if ref:
-            references[allocator] = ref
+        for line in proc.stdout:   # as the worker prints it (each model's reference first)
+            new, new_ref = worker_output(line, left)
+            ref.update(new_ref)
+            for r in new:
+                if r.model in ref and r.model in base and ref[r.model] != base[r.model]:
+                    r.status = "error"
+                    r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
+                              f"allocator gives {ref[r.model]}, native {base[r.model]}")
+                got.append(r)
+                tell(ROW, r.row())
+        proc.wait()
         plan.left += left
         finished = {row_key(r) for r in got} | set(left)
         if proc.returncode != 0 or any(k not in finished for k in todo):
@@ -644,15 +659,6 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None) -> List[JobResult]:
                               "before this job finished")
                     for model, name, b in todo if (model, name, b) not in finished]
         rows += got
-    base = references.get("native")
-    for allocator, ref in references.items():
-        for model, losses in ref.items():
-            if base is not None and model in base and losses != base[model]:
-                for r in rows:
-                    if r.model == model and BY_NAME[r.method].allocator == allocator:
-                        r.status = "error"
-                        r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
-                                  f"allocator gives {losses}, native {base[model]}")
     return rows
 
 
@@ -819,6 +825,14 @@ def cpu_budgets(grid: Grid) -> Dict[str, int]:
     return out
 
 
+def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -> None:
+    """The results file, written whole and renamed: a kill mid-write leaves the last one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_text(json.dumps({"meta": info, "results": rows}, indent=1) + "\n")
+    tmp.replace(out)
+
+
 def load_resume(path: Path) -> List[JobResult]:
     """The rows of an earlier results file to keep: every one whose status is not ``error``
     (those run again). A missing file keeps nothing; a file we cannot read is an error."""
@@ -878,8 +892,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kept:
         print(f"--resume {args.resume}: {len(kept)} rows kept, {len(grid.done)} jobs not run "
               "again", file=sys.stderr)
-    rows = (run_workers(grid, plan) if cuda
-            else run_grid(grid, grid.methods, device, plan=plan)[0])
+    info = meta(device, command.strip())
+    if args.resume:
+        info["resumed_from"] = len(kept)
+    out = Path(args.out or args.resume or RESULTS / (
+        f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json"))
+    made: List[Dict[str, Any]] = []
+
+    def checkpoint(kind: str, payload: Any) -> None:
+        """The file after each row, marked incomplete: a run killed at a time limit (a job
+        longer than --stop-at's margin) keeps what it finished for --resume."""
+        if kind == ROW:
+            made.append(payload)
+            write_results(out, {**info, "incomplete": True},
+                          [r.row() for r in kept] + made)
+
+    rows = (run_workers(grid, plan, checkpoint) if cuda
+            else run_grid(grid, grid.methods, device, checkpoint, plan=plan)[0])
     if args.coexist:
         names = {f"window+vmalloc (process {i} of 2, half budget)" for i in (1, 2)}
         if not names <= {r.method for r in kept if r.batch_size == args.coexist}:
@@ -890,17 +919,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 plan.left.append(("resnet50", "window+vmalloc (coexist)", args.coexist))
     new = rows
     rows = grid_order(kept + rows, grid)
-    info = meta(device, command.strip())
-    if args.resume:
-        info["resumed_from"] = len(kept)
     if plan.left:
         info["incomplete"] = True
         info["not_run"] = len(plan.left)
-    out = Path(args.out or args.resume or RESULTS / (
-        f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": info, "results": [r.row() for r in rows]}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(out, info, [r.row() for r in rows])
     print(table(rows))
     if plan.left:
         print(f"\n{stopped_note(len(plan.left))}")

@@ -1,5 +1,6 @@
 """bench/e2e.py's CPU smoke mode: every CPU-capable method trains a tiny model under a simulated
 budget with losses bit-identical to plain training, and the results file has the issue's shape."""
+import io
 import json
 
 import pytest
@@ -161,9 +162,10 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
 
     class Killed:   # what Popen gives for a worker the kernel killed after one job
         returncode = -9
+        stdout = io.StringIO("\n".join(lines[:2]) + "\n")
 
-        def communicate(self):
-            return "\n".join(lines[:2]) + "\n", None
+        def wait(self):
+            return self.returncode
 
     monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: Killed())
     grid = e2e.Grid({"resnet50": [64, 512]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
@@ -305,8 +307,10 @@ def test_gpu_workers_get_the_deadline_and_report_what_they_left(monkeypatch, cap
             finally:
                 cudnn.deterministic, cudnn.benchmark = saved
 
-        def communicate(self):
-            return capsys.readouterr().out, None
+            self.stdout = io.StringIO(capsys.readouterr().out)
+
+        def wait(self):
+            return self.returncode
 
     monkeypatch.setattr(e2e, "_start_worker", Worker)
     methods = [e2e.BY_NAME[n] for n in ("native", "window", "window+vmalloc")]
@@ -338,3 +342,55 @@ def test_the_margin_is_the_longest_job_so_far(monkeypatch):
     now[0] = 0.0
     assert not plan.may_start()             # once stopped, stopped
     assert e2e.Plan(stop_at=1000.0).may_start() and e2e.Plan().may_start()
+
+
+def test_a_run_killed_mid_grid_keeps_its_rows_for_resume(tmp_path, monkeypatch):
+    """The file is written after every row (marked incomplete): a run killed at a time limit
+    (a job longer than --stop-at's margin, or a hang) loses only the job it was in."""
+    real, calls = e2e.run_job, [0]
+
+    def killed_at_the_fourth(*args, **kwargs):   # gpt2 reference, 2 rows, then the kill
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt("the device call's time limit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "run_job", killed_at_the_fourth)
+    out = tmp_path / "e2e.json"
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(TWO_MODELS + ["--resume", str(out)])
+    first = json.loads(out.read_text())
+    assert keys(first) == [("gpt2-s32", "native", 2), ("gpt2-s32", "window", 2)]
+    assert first["meta"]["incomplete"] is True
+    monkeypatch.setattr(e2e, "run_job", real)
+    assert e2e.main(TWO_MODELS + ["--resume", str(out)]) == 0
+    final = json.loads(out.read_text())
+    assert sorted(keys(final)) == sorted(GRID_KEYS) and not final["meta"].get("incomplete")
+
+
+def test_a_worker_whose_plain_training_differs_from_native_gets_error_rows(monkeypatch):
+    """Checked as the rows stream in (each is reported, and checkpointed, already checked):
+    plain training under another allocator must give native's losses."""
+    def worker(ref, row):
+        class Worker:
+            returncode = 0
+            stdout = io.StringIO(f"{e2e.REF} {json.dumps({'resnet50': ref})}\n"
+                                 f"{e2e.ROW} {json.dumps(row.row())}\n")
+
+            def wait(self):
+                return 0
+        return Worker()
+
+    native = e2e.JobResult("resnet50", "native", 64, 1.0, "images/s", 1, 2, "ok", "")
+    mine = e2e.JobResult("resnet50", "window+vmalloc", 64, 1.0, "images/s", 1, 2, "ok", "")
+    workers = {"native": worker([2.5, 2.25], native), "vmalloc": worker([2.5, 2.5], mine)}
+    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: workers[allocator])
+    heard = []
+    grid = e2e.Grid({"resnet50": [64]}, [e2e.BY_NAME["native"], e2e.BY_NAME["window+vmalloc"]],
+                    16 << 30, 1, 0)
+    rows = {r.method: r for r in e2e.run_workers(grid, report=lambda k, r: heard.append(r))}
+    assert rows["native"].status == "ok"
+    assert rows["window+vmalloc"].status == "error"
+    assert rows["window+vmalloc"].note.startswith("LOSS MISMATCH: plain training under the "
+                                                  "vmalloc allocator gives [2.5, 2.5]")
+    assert [r["status"] for r in heard] == ["ok", "error"]
