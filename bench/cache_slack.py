@@ -37,10 +37,10 @@ the memory target allows) whose remaps cost at most 3% of a step on every trace 
 step after the first: the first fills the cache). If none does, the verdict says why, with the
 tightest slack whose remaps stay under 3% as the alternative.
 
-The host backend commits real RAM for every chunk: a replay stops (its ratio then a lower
-bound) once it holds 60% of the RAM free, and ``--max-seconds`` / ``--stop-at`` leave out the
-traces there is no time for (said in the JSON; scripts/gpu-check --traces runs this on the
-device right after recording, where the large traces' RAM is).
+The replays run on vmalloc's host-lazy backend (real mappings that take no RAM: a replay never
+writes), so a trace recorded on an 80 GB GPU replays whole on any machine; ``--max-seconds`` /
+``--stop-at`` leave out the traces there is no time for (said in the JSON; scripts/gpu-check
+runs this on the device right after recording the traces).
 
 Results: a table on stdout and ``bench/results/cache_slack.json`` (inputs, every replay's per
 step counts, the decision, and the verdict paragraph README's Results section shows).
@@ -72,7 +72,6 @@ QUICK_CANDIDATES: Tuple[Optional[float], ...] = (0.0, 0.05, 0.25, None)
 RATIO_TARGET = 1.05                 # physical / requested peak, issue 12
 RATIO_TOLERANCE = 0.02              # "near 1.05": at most 1.07 (or the slack-0 floor + 0.02)
 REMAP_THRESHOLD_PERCENT = 3.0       # "a few percent of a step"
-RAM_SHARE = 0.6                     # a replay stops once it holds this share of the free RAM
 
 
 def label(slack: Optional[float]) -> str:
@@ -196,19 +195,13 @@ def remap_cost(alloc_micro: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ replay
-class _PhysicalLimit(MemoryError):
-    """The replay would hold more of the host's RAM than it may (vmalloc.replay stops on it)."""
-
-
 class _StepCounter:
-    """An allocator for ``vmalloc.replay.replay`` that passes every call through, takes
-    ``stats()`` before each step's first event, and stops the replay (a MemoryError) once
-    physical memory passes ``limit`` bytes: the host backend commits real RAM."""
+    """An allocator for ``vmalloc.replay.replay`` that passes every call through and takes
+    ``stats()`` before each step's first event."""
 
-    def __init__(self, allocator: Any, starts: Sequence[int], limit: Optional[int]) -> None:
+    def __init__(self, allocator: Any, starts: Sequence[int]) -> None:
         self.a = allocator
         self.starts = set(starts)
-        self.limit = limit
         self.i = 0
         self.at: Dict[int, Dict[str, Any]] = {}
 
@@ -219,10 +212,7 @@ class _StepCounter:
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         self._next()
-        ptr = self.a.malloc(nbytes, stream)
-        if self.limit is not None and self.a.stats()["physical_current"] > self.limit:
-            raise _PhysicalLimit(f"physical memory passed {self.limit} bytes")
-        return ptr
+        return self.a.malloc(nbytes, stream)
 
     def free(self, ptr: int) -> None:
         self._next()
@@ -232,37 +222,14 @@ class _StepCounter:
         return self.a.stats()
 
 
-def available_ram() -> Optional[int]:
-    """Bytes of RAM free to this process: MemAvailable, or less under a cgroup's memory limit
-    (a container's /proc/meminfo shows the host's)."""
-    free: Optional[int] = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            cap = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if cap.isdigit():
-            free = min(free, int(cap) - used) if free is not None else int(cap) - used
-    except (OSError, ValueError):
-        pass
-    return free
-
-
-def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float],
-                 limit: Optional[int]) -> Dict[str, Any]:
-    """Replay ``trace`` on a fresh host allocator with ``cache_slack=slack``; per step counts."""
+def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float]) -> Dict[str, Any]:
+    """Replay ``trace`` on a fresh host-lazy allocator with ``cache_slack=slack``; per step
+    counts."""
     from vmalloc import Allocator
     from vmalloc.replay import replay
 
-    with Allocator("host", chunk_size=CHUNK, cache_slack=slack) as a:
-        counter = _StepCounter(a, starts, limit)
+    with Allocator("host-lazy", chunk_size=CHUNK, cache_slack=slack) as a:
+        counter = _StepCounter(a, starts)
         res = replay(trace, counter)
         end = dict(a.stats())
     marks = [counter.at[s] for s in starts if s in counter.at] + [end]
@@ -286,10 +253,7 @@ def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float],
         "maps": end["num_map"], "unmaps": end["num_unmap"], "created": end["num_chunks_created"],
         "mallocs": end["num_malloc"], "per_step": per_step}
     if not res.ok:
-        row["stopped"] = (f"stopped at event {res.failed_at} of {len(trace)}: physical memory "
-                          f"passed {limit / 2**30:.1f} GiB ({RAM_SHARE:.0%} of the RAM free); "
-                          "the ratio is a lower bound" if limit else
-                          f"ran out of memory at event {res.failed_at}")
+        row["stopped"] = f"ran out of memory at event {res.failed_at} of {len(trace)}"
     return row
 
 
@@ -423,22 +387,20 @@ def run(trace_paths: Sequence[str], cost: Dict[str, Any], candidates: Sequence[O
     """Replay each trace under each candidate, smallest file first. A trace is left out
     (returned by name; what was done is still written) once ``max_seconds`` have passed, or
     when its replays would end after ``stop_at`` (epoch seconds: the device call's end),
-    predicted from the seconds per byte of physical memory the replays so far took (the host
-    backend's cost is committing RAM)."""
+    predicted from the seconds per event the replays so far took."""
     from vmalloc.replay import load
 
     out: List[Dict[str, Any]] = []
     left_out: List[str] = []
     t0 = time.monotonic()
-    spent = committed = 0.0   # replay seconds, physical bytes those replays reached
-    weight = sum(2.0 if s is None else 1.0 + s for s in candidates)
+    spent = events = 0.0   # replay seconds, events those replays went through
     for path in sorted(trace_paths, key=os.path.getsize):
         if max_seconds is not None and out and time.monotonic() - t0 > max_seconds:
             left_out.append(os.path.basename(path))
             continue
         trace = load(path)
-        if stop_at is not None and committed:
-            guess = spent / committed * trace.peak_requested() * weight
+        if stop_at is not None and events:
+            guess = spent / events * len(trace) * len(candidates)
             if time.time() + guess > stop_at:
                 left_out.append(os.path.basename(path))
                 print(f"\nleaving out {os.path.basename(path)}: its replays would take about "
@@ -452,12 +414,10 @@ def run(trace_paths: Sequence[str], cost: Dict[str, Any], candidates: Sequence[O
             "step_cut": cut, "step_seconds": secs, "step_time_source": secs_how,
             "step_time_measured": measured, "rows": []}
         for s in candidates:
-            ram = available_ram()
-            limit = int(RAM_SHARE * ram) if ram else None
             t1 = time.monotonic()
-            row = replay_steps(trace, starts, s, limit)
+            row = replay_steps(trace, starts, s)
             spent += time.monotonic() - t1
-            committed += row["physical_peak"]
+            events += len(trace)
             cost_of(row, cost, secs)
             t["rows"].append(row)
         floor = next(r for r in t["rows"] if r["cache_slack"] == 0.0)["ratio"]

@@ -7,8 +7,9 @@ Per trace and allocator: peak requested, peak physical without a cap (the cache 
 fragmentation 1 - requested/physical (GMLake's metric: it reports 15% on average, up to 33%, for
 PyTorch on LLM training), and the smallest physical budget at which the whole trace replays
 (bisection). Goal: vmalloc needs <= 1.05 x the peak requested bytes on every swap-heavy trace.
-vmalloc runs on its host backend (real memfd page mappings); PyTorch's allocator is the model in
-vmalloc/replay/caching_model.py. Writes bench/results/fragmentation.json and .png.
+vmalloc runs on its host-lazy backend (real memfd page mappings that take no RAM); PyTorch's
+allocator is the model in vmalloc/replay/caching_model.py. Writes
+bench/results/fragmentation.json and .png.
 """
 from __future__ import annotations
 
@@ -69,10 +70,12 @@ def main() -> None:
         }
     print("summary:", json.dumps(summary, indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    real = sum(1 for res in results if res["meta"].get("real_gpu_trace"))
     out = {"benchmark": "fragmentation", "quick": args.quick, "goal_budget_ratio": GOAL,
            "goal_met": ok_all, "seconds": time.time() - t0,
-           "machine": platform.platform(), "note": "traces are simulated swap schedules (no GPU); "
-           "vmalloc on the host backend, PyTorch as vmalloc/replay/caching_model.py",
+           "machine": platform.platform(), "note": f"traces: {real} recorded on a GPU, "
+           f"{len(results) - real} simulated swap schedules; vmalloc on the host-lazy backend "
+           "(no RAM taken), PyTorch as vmalloc/replay/caching_model.py",
            "summary": summary,
            "traces": [{k: v for k, v in res.items() if k != "timelines"} for res in results]}
     with open(args.out, "w") as f:

@@ -55,7 +55,7 @@ def fake(tmp_path):
             {"model": "r50", "method": "torchtune", "status": "n/a", "error": "not installed"}]}})
     _write(res, "e2e-H200-2026-01-02.json", {
         "meta": {"gpu": "H200", "driver": "1.0", "torch": "2.13", "date": "2026-01-02",
-                 "command": "python bench/e2e.py --quick"},
+                 "command": "python bench/e2e.py --models resnet50"},
         "results": [
             {"model": "resnet50", "method": "native", "batch_size": 64, "throughput": 1000.0,
              "unit": "images/s", "peak_bytes": 3 << 30, "budget_bytes": 16 << 30, "status": "ok",
@@ -112,6 +112,53 @@ def test_generates_tables_notes_and_commands(fake, capsys):
                  "pofo.json", "mimose.json", "checkpoint_real-*.json"):
         assert f"No results file (`bench/results/{name}`)" in inner
     assert "checkpoint_real (GPU)" in inner and "not run" in inner
+
+
+def test_gpu_sessions_tests_and_traces_render_with_goals(fake):
+    """What scripts/gpu-check brings back from a GPU: its progress record, pytest -m gpu's
+    outcome per test, the real traces' model error; a quick or incomplete e2e file says so
+    and sets no goal row (its batches stop short of the goal's)."""
+    res, readme = fake
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "torch": "2.11.0+cu130",
+            "date": "2026-12-01", "source": "0123abcd0123abcd"}
+    _write(res, "gpu-progress.json", {"steps": {
+        "pytest-gpu": {"status": "ok", "seconds": 201.4, **meta},
+        "e2e-resnet50": {"status": "partial", "seconds": 330.0, **meta}}})
+    _write(res, "gpu-tests.json", {"meta": meta,
+                                   "summary": {"passed": 51, "failed": 1, "skipped": 1,
+                                               "total": 53, "seconds": 190.2},
+                                   "tests": [{"test": "tests/test_a.py::test_slow", "outcome": "passed",
+                                              "seconds": 40.0},
+                                             {"test": "tests/test_a.py::test_bad", "outcome": "failed",
+                                              "seconds": 1.0, "message": "AssertionError: 3 != 4\nmore"}]})
+    _write(res, "traces-gpu.json", {"meta": {**meta, "command": "python bench/traces/record_gpu.py"},
+                                    "rows": [{"trace": "resnet50-b256-native-gpu.json.gz",
+                                              "status": "ok", "events": 1234,
+                                              "peak_requested": 10 << 30, "reserved_peak": 12 << 30,
+                                              "model_reserved_peak": 12.6 * 2 ** 30,
+                                              "model_error_percent": 5.0},
+                                             {"trace": "gpt2-s1024-b8-swap", "status": "error",
+                                              "note": ["OOM"]}]})
+    _write(res, "e2e-H200-quick.json", {
+        "meta": {"gpu": "H200", "command": "python bench/e2e.py --quick --resume x",
+                 "incomplete": True, "not_run": 7},
+        "results": [{"model": "resnet50", "method": "native", "batch_size": 512,
+                     "throughput": 900.0, "unit": "images/s", "peak_bytes": None,
+                     "budget_bytes": 16 << 30, "status": "ok", "note": ""}]})
+    _run(res, readme)
+    inner = readme.read_text().split(rr.BEGIN)[1].split(rr.END)[0]
+    assert "| pytest-gpu | ok | 201 | NVIDIA H100 80GB HBM3 | 580.159.04 |" in inner
+    assert "| e2e-resnet50 | partial |" in inner
+    assert ("| pytest -m gpu (NVIDIA H100 80GB HBM3) | every GPU test passes on a GPU | "
+            "51 of 52 passed | **no** |") in inner
+    assert "- `tests/test_a.py::test_bad`: AssertionError: 3 != 4" in inner
+    assert "Slowest: `test_slow` 40 s" in inner
+    assert "| resnet50-b256-native-gpu.json.gz | 1234 | 10.00 GiB | 12.00 GiB | 12.60 GiB | +5.0% |" in inner
+    assert "Not recorded: gpt2-s1024-b8-swap" in inner
+    assert "worst +5.0% (resnet50-b256-native-gpu.json.gz), 1 traces | n/a |" in inner
+    assert "- Incomplete: 7 jobs not run yet" in inner
+    assert "batch 512 (native)" not in inner   # the quick file sets no goal row
+    assert "unexpected structure" not in inner
 
 
 def test_rerun_is_a_no_op_and_check_names_the_stale_section(fake, capsys):

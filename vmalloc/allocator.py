@@ -16,13 +16,13 @@ except ImportError as exc:  # pragma: no cover - only when the extension was not
     raise ImportError(
         "vmalloc._core is not built: run scripts/dev-build (or pip install .)") from exc
 
-BACKENDS = ("host", "cuda")
+BACKENDS = ("host", "host-lazy", "cuda")
 
 
 def granularity(backend: str = "host", device: int = 0) -> int:
     """Allocation granularity in bytes: chunk sizes must be a multiple of it.
 
-    ``host``: the page size (4 KiB here). We do not mirror the GPUs' 2 MiB on the host: the tests
+    ``host``, ``host-lazy``: the page size (4 KiB here). We do not mirror the GPUs' 2 MiB on the host: the tests
     use small chunks to keep RAM low, and the host mapping really works at page granularity.
     ``cuda``: ``cuMemGetAllocationGranularity`` (minimum) for the device, 2 MiB on current GPUs.
     """
@@ -32,7 +32,8 @@ def granularity(backend: str = "host", device: int = 0) -> int:
 
 def _check_backend(backend: object) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"backend: unknown backend {backend!r} (expected 'host' or 'cuda')")
+        raise ValueError(f"backend: unknown backend {backend!r} (expected 'host', 'host-lazy' "
+                         "or 'cuda')")
     return backend  # type: ignore[return-value]
 
 
@@ -52,7 +53,10 @@ class Allocator(_core.Allocator):
 
     Parameters
     ----------
-    backend: ``"host"`` (memfd chunks mapped with mmap; works everywhere) or ``"cuda"``.
+    backend: ``"host"`` (memfd chunks mapped with mmap; works everywhere), ``"host-lazy"``
+        (the same, but a chunk takes RAM only once written: replays, which never write, make
+        the same decisions without the trace's peak in RAM; no limit but the budget) or
+        ``"cuda"``.
     chunk_size: bytes per chunk (int or size string such as ``"2MiB"``), a multiple of
         :func:`granularity`. Default 2 MiB.
     budget: cap on physical bytes (int or size string), at least one chunk; ``None`` = no cap.

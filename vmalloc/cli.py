@@ -31,7 +31,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _replay_one(path: Union[str, "Trace"], chunk_sizes: Sequence[int], bisect: bool,
-                device: Optional[int], backend: str = "host",
+                device: Optional[int], backend: str = "host-lazy",
                 max_bytes: Optional[int] = None) -> dict:
     rpt = importlib.import_module("vmalloc.report")
     from .replay import DEFAULT_MAX_BYTES, compare, default_contenders, load
@@ -160,7 +160,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         _plan_and_replay(args, chunks)
     traces = bundled_traces(args.traces)
     print(f"[3/3] replaying the {len(traces)} bundled allocation traces through vmalloc "
-          "(host backend: real page mappings) and a model of PyTorch's caching allocator.\n"
+          "(host-lazy backend: real page mappings that take no RAM, since a replay never writes) and "
+          "a model of PyTorch's caching allocator.\n"
           "phys/req = peak physical / peak requested; frag = 1 - requested/physical (GMLake's "
           "metric); smallest budget = least physical memory the whole trace replays in; IF = "
           "internal fragmentation (seed 003 Eq. 1) and its Eq. 2 bound N_max x chunk.\n",

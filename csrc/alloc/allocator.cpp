@@ -1183,9 +1183,10 @@ size_t Allocator::largest_available() {
 }
 
 size_t backend_granularity(const std::string& backend, int device) {
-  if (backend == "host") return driver::host_granularity();
+  if (backend == "host" || backend == "host-lazy") return driver::host_granularity();
   if (backend == "cuda") return driver::cuda_granularity(device);
-  throw std::invalid_argument("backend: unknown backend '" + backend + "' (expected 'host' or 'cuda')");
+  throw std::invalid_argument("backend: unknown backend '" + backend +
+                              "' (expected 'host', 'host-lazy' or 'cuda')");
 }
 
 }  // namespace vmalloc

@@ -15,7 +15,8 @@
 namespace vmalloc {
 
 struct Config {
-  std::string backend = "host";        // "host" (memfd + mmap) or "cuda" (driver VMM API)
+  std::string backend = "host";        // "host" (memfd + mmap), "host-lazy" (no RAM until written)
+                                       // or "cuda" (driver VMM API)
   size_t chunk_size = 2u << 20;        // bytes per physical chunk; a multiple of the granularity
   size_t budget = 0;                   // cap on physical bytes; 0 = none
   int device = 0;                      // CUDA device ordinal (ignored by the host backend)

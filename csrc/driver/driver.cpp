@@ -5,8 +5,10 @@ namespace driver {
 
 std::unique_ptr<Driver> make_driver(const std::string& backend, int device) {
   if (backend == "host") return make_host_driver();
+  if (backend == "host-lazy") return make_host_driver(false);
   if (backend == "cuda") return make_cuda_driver(device);
-  throw std::invalid_argument("backend: unknown backend '" + backend + "' (expected 'host' or 'cuda')");
+  throw std::invalid_argument("backend: unknown backend '" + backend +
+                              "' (expected 'host', 'host-lazy' or 'cuda')");
 }
 
 void Driver::inject_fault(const std::string&, uint64_t, int, uint64_t) {

@@ -103,11 +103,12 @@ class Driver {
   virtual Usage usage() const { return {}; }
 };
 
-// "host" or "cuda"; std::invalid_argument naming `backend` for anything else. The cuda backend
-// throws std::runtime_error when it was compiled without cuda.h or the driver cannot be loaded.
+// "host", "host-lazy" or "cuda"; std::invalid_argument naming `backend` for anything else. The
+// cuda backend throws std::runtime_error when it was compiled without cuda.h or the driver cannot
+// be loaded.
 std::unique_ptr<Driver> make_driver(const std::string& backend, int device);
 
-std::unique_ptr<Driver> make_host_driver();
+std::unique_ptr<Driver> make_host_driver(bool commit = true);  // false: host-lazy
 std::unique_ptr<Driver> make_cuda_driver(int device);
 
 // Granularity without creating chunks (the host page size; the CUDA minimum granularity).

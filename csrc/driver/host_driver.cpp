@@ -1,6 +1,9 @@
 // Host backend: physical chunks are slots of one memfd (one file, so thousands of chunks do not
 // exhaust file descriptors); a chunk is committed with fallocate (real RAM, like cuMemCreate) and
-// returned with a punched hole. Mapping = mmap(MAP_FIXED|MAP_SHARED) of the slot over a PROT_NONE
+// returned with a punched hole. "host-lazy" commits nothing: the memfd only grows (sparse), so a
+// page takes RAM when first written. A trace replay never writes, so it makes the same
+// decisions as on "host" without holding the trace's peak in RAM (a GPU's 80 GB trace replays on
+// a laptop); the machine's RAM is then no limit (total_memory 0 = unknown). Mapping = mmap(MAP_FIXED|MAP_SHARED) of the slot over a PROT_NONE
 // reservation; unmapping = mmap(MAP_FIXED) of PROT_NONE anonymous memory back over it, so the
 // address stays reserved. Streams do not exist here: events are trivially complete (handle 0),
 // while the allocator keeps exactly the bookkeeping it keeps on cuda.
@@ -22,6 +25,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -45,19 +49,20 @@ std::string sys_error(const char* what, int err) {
 
 class HostDriver final : public Driver {
  public:
-  HostDriver() {
+  explicit HostDriver(bool commit) : commit_(commit) {
     fd_ = static_cast<int>(::syscall(SYS_memfd_create, "vmalloc-chunks", 1u /*MFD_CLOEXEC*/));
     if (fd_ < 0) throw std::runtime_error(sys_error("memfd_create", errno));
   }
   ~HostDriver() override { shutdown(); }
 
-  const char* name() const override { return "host"; }
+  const char* name() const override { return commit_ ? "host" : "host-lazy"; }
   size_t granularity() const override { return host_granularity(); }
   size_t total_memory() const override {
     long pages = ::sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? static_cast<size_t>(pages) * host_granularity() : 0;
+    return commit_ && pages > 0 ? static_cast<size_t>(pages) * host_granularity() : 0;
   }
   size_t free_memory() override {
+    if (!commit_) return SIZE_MAX / 2;  // no limit but the budget (and no overflow in a sum)
     long pages = ::sysconf(_SC_AVPHYS_PAGES);
     return pages > 0 ? static_cast<size_t>(pages) * host_granularity() : 0;
   }
@@ -90,8 +95,16 @@ class HostDriver final : public Driver {
     } else {
       slot = next_slot_++;
     }
-    // Commit the pages now: a chunk is real memory from creation on, as with cuMemCreate.
-    int err = syscall_or_fault(kCreate, [&] { return ::fallocate(fd_, 0, offset(slot), off(size)) == 0; });
+    // Commit the pages now: a chunk is real memory from creation on, as with cuMemCreate
+    // (host-lazy: the file only grows to cover the slot, so mapping it is valid).
+    int err = syscall_or_fault(kCreate, [&] {
+      if (commit_) return ::fallocate(fd_, 0, offset(slot), off(size)) == 0;
+      size_t end = (slot + 1) * size;
+      if (end <= file_bytes_) return true;
+      if (::ftruncate(fd_, off(end)) != 0) return false;
+      file_bytes_ = end;
+      return true;
+    });
     if (err) {
       punch(slot);  // a failed fallocate may have committed part of the range
       free_slots_.push_back(slot);
@@ -210,7 +223,9 @@ class HostDriver final : public Driver {
     }
   }
 
+  const bool commit_;       // false: host-lazy
   int fd_ = -1;
+  size_t file_bytes_ = 0;   // host-lazy: the memfd's size
   size_t chunk_bytes_ = 0;
   size_t next_slot_ = 0;
   size_t mapped_ = 0;
@@ -226,7 +241,7 @@ size_t host_granularity() {
   return page;
 }
 
-std::unique_ptr<Driver> make_host_driver() { return std::make_unique<HostDriver>(); }
+std::unique_ptr<Driver> make_host_driver(bool commit) { return std::make_unique<HostDriver>(commit); }
 
 }  // namespace driver
 }  // namespace vmalloc

@@ -1,5 +1,6 @@
 """Trace replay without a GPU: PyTorch snapshots and the project's JSON traces, replayed
-through vmalloc's host backend and through a model of PyTorch's caching allocator."""
+through vmalloc's host-lazy backend (no RAM taken) and through a model of PyTorch's caching
+allocator."""
 from .caching_model import CachingAllocatorModel, allocation_size, round_size
 from .run import (Contender, ReplayResult, Row, caching_factory, compare, default_contenders,
                   fits, min_budget, replay, vmalloc_factory)

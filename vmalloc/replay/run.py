@@ -1,7 +1,8 @@
 """Replay a trace through an allocator, and find the smallest budget it still fits in.
 
 Any object with ``malloc(nbytes, stream) -> int``, ``free(ptr)``, ``stats() -> mapping`` and
-``close()`` can be replayed: :class:`vmalloc.Allocator` (host backend: real page mappings, no GPU)
+``close()`` can be replayed: :class:`vmalloc.Allocator` (host-lazy backend: real page mappings
+that take no RAM, no GPU)
 and :class:`CachingAllocatorModel` (PyTorch's native allocator) share this one loop.
 """
 from __future__ import annotations
@@ -112,8 +113,13 @@ def min_budget(trace: Trace, factory: Factory, granularity: int,
     return lo * granularity
 
 
-def vmalloc_factory(chunk_size: int, backend: str = "host", prefer_remap: bool = False) -> Factory:
+def vmalloc_factory(chunk_size: int, backend: str = "host-lazy",
+                    prefer_remap: bool = False) -> Factory:
     """Fresh :class:`vmalloc.Allocator` on ``backend`` with ``chunk_size`` and a given budget.
+
+    ``host-lazy`` (the default): real mappings of memfd chunks that take no RAM, since a replay
+    never writes, so a trace recorded on an 80 GB GPU replays on any machine, decision for
+    decision as on ``host``.
 
     ``prefer_remap`` is issue 2's lean policy (remap cached chunks before creating new ones); the
     default policy grows the cache up to the budget first, as PyTorch's allocator does.
@@ -150,7 +156,7 @@ class Contender:
 
 
 def default_contenders(chunk_sizes: Sequence[int] = (2 << 20, 20 << 20),
-                       backend: str = "host") -> List[Contender]:
+                       backend: str = "host-lazy") -> List[Contender]:
     out = [Contender(f"vmalloc {_mib(c)}", vmalloc_factory(c, backend), c, c,
                      lean_factory=vmalloc_factory(c, backend, prefer_remap=True))
            for c in chunk_sizes]
