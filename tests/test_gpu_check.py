@@ -248,6 +248,28 @@ def test_a_resumable_step_that_stopped_in_time_stays_to_do(monkeypatch, tmp_path
     assert ran == ["e2e-quick"]   # partial: the next call resumes it
 
 
+def test_gpu_tests_that_all_skip_are_a_failure_not_a_pass(monkeypatch, tmp_path):
+    """On a GPU machine, `pytest -m gpu` exiting 0 with every test skipped (torch seeing no
+    device inside pytest, say) has tested nothing: recorded failed, and the call stops."""
+    from gpu_record import GPU_TESTS, PROGRESS
+
+    def all_skipped(cmd):
+        xml = Path(next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1])
+        xml.write_text('<testsuites><testsuite><testcase classname="tests.test_x" name="test_a" '
+                       'time="0.1"><skipped message="needs a CUDA device"/></testcase>'
+                       '</testsuite></testsuites>')
+        return 0
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"pytest-gpu": all_skipped})
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo", str(tmp_path / "a")])
+    assert e.value.code == 1 and ran == ["pytest-gpu"]
+    assert json.loads((root / PROGRESS).read_text())["steps"]["pytest-gpu"]["status"] == "failed"
+    assert json.loads((root / GPU_TESTS).read_text())["summary"] == {
+        "skipped": 1, "total": 1, "seconds": 0.1}
+    assert "no GPU test passed" in (tmp_path / "a" / "gpu-check.log").read_text()
+
+
 def test_keep_going_runs_past_a_failure_and_still_exits_with_it(monkeypatch, tmp_path):
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"demo": 2})
     with pytest.raises(SystemExit) as e:
