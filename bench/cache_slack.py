@@ -494,6 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = run_meta(command, device)
     meta.update({"remap_cost_from": cost["source"], "remap_cost_measured_on": cost["measured_on"],
                  "alloc_micro_date": (micro.get("meta") or {}).get("date"), "quick": args.quick})
+    if left_out:   # scripts/gpu-check then runs it again in a later call
+        meta.update({"incomplete": True, "not_run": len(left_out), "left_out": list(left_out)})
     path = write_json("cache_slack", {
         "meta": meta, "chunk_size": CHUNK, "candidates": [label(s) for s in candidates],
         "traces_used": "recorded on a GPU" if real else "bundled CPU-made (simulated)",

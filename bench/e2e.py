@@ -651,6 +651,8 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
                 tell(ROW, r.row())
         proc.wait()
         plan.left += left
+        if left:   # the worker stopped at --stop-at: no later worker starts either
+            plan.stopped = True
         finished = {row_key(r) for r in got} | set(left)
         if proc.returncode != 0 or any(k not in finished for k in todo):
             # the jobs it did not finish, in its order
@@ -667,8 +669,9 @@ def run_coexist(grid: Grid, batch: int) -> List[JobResult]:
     allocator (one per process and device): per-process allocators coexist."""
     if grid.budget is None:
         raise SystemExit("--coexist needs a budget")
+    # its own one-job grid: none of the main grid's resume list, references or deadline
     spec = dict(grid.__dict__, methods=["window+vmalloc"], models={"resnet50": [batch]},
-                budget=grid.budget // 2, budgets={})
+                budget=grid.budget // 2, budgets={}, done=[], references=[], stop_at=None)
     print(f"-- coexist: 2 processes, {format_size(grid.budget // 2)} each", file=sys.stderr)
     procs = [_start_worker("vmalloc", spec) for _ in range(2)]   # at the same time
     rows: List[JobResult] = []
@@ -912,6 +915,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.coexist:
         names = {f"window+vmalloc (process {i} of 2, half budget)" for i in (1, 2)}
         if not names <= {r.method for r in kept if r.batch_size == args.coexist}:
+            kept = [r for r in kept if r.method not in names]   # both processes run again
             if plan.may_start():
                 with plan.job():
                     rows += run_coexist(grid, args.coexist)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List
 PROGRESS = Path("bench") / "results" / "gpu-progress.json"
 GPU_TESTS = Path("bench") / "results" / "gpu-tests.json"
 # what the tests exercise; a change here makes the GPU tests stale
-SOURCE_DIRS = ("csrc", "vmalloc", "scheduler", "tests")
+SOURCE_DIRS = ("bench", "csrc", "scheduler", "tests", "vmalloc")
 SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml")
 SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".txt", ".toml", ".cmake")
 RERUN_ON_CHANGE = ("pytest-gpu", "demo")   # correctness checks: done only for the same source
@@ -58,8 +58,10 @@ def load_progress(root: Path) -> Dict[str, Any]:
         doc = json.loads(path.read_text())
     except ValueError as exc:
         raise SystemExit(f"gpu-check: {path} is not JSON ({exc}); fix or remove it") from exc
-    if not isinstance(doc.get("steps"), dict):
-        raise SystemExit(f"gpu-check: {path} has no 'steps' object")
+    steps = doc.get("steps") if isinstance(doc, dict) else None
+    if not isinstance(steps, dict) or not all(isinstance(r, dict) for r in steps.values()):
+        raise SystemExit(f"gpu-check: {path} has no 'steps' object of step records; fix or "
+                         "remove it")
     return doc
 
 
@@ -79,9 +81,17 @@ def record(progress: Dict[str, Any], step: str, status: str, seconds: float,
 def junit_summary(xml_path: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
     """pytest's junit XML as gpu-tests.json: per test its outcome, seconds and the first lines
     of a failure, so a committed record says which test failed where and how long each took
-    (the next session sizes its device call from these)."""
+    (the next session sizes its device call from these). Without a readable XML (pytest killed
+    at its time limit, or crashed) a record that says so, with no test passed: never the last
+    run's record left in place."""
     tests: List[Dict[str, Any]] = []
-    root = ET.parse(xml_path).getroot()
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return {"meta": meta, "summary": {"total": 0, "seconds": 0.0},
+                "note": f"no junit XML from pytest ({type(exc).__name__}: {exc}): killed at "
+                        "its time limit or crashed; logs/pytest-gpu.log in logs.tar.gz says "
+                        "how far it got", "tests": []}
     for case in root.iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         outcome, message = "passed", None

@@ -22,13 +22,14 @@ def deterministic_kernels():
     other GPU tests measure memory with PyTorch's defaults."""
     import torch
     before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-              torch.are_deterministic_algorithms_enabled())
+              torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.use_deterministic_algorithms(True)
     yield
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
-    torch.use_deterministic_algorithms(before[2])
+    torch.use_deterministic_algorithms(before[2], warn_only=before[3])
 
 
 def _cuda_available() -> bool:

@@ -394,3 +394,29 @@ def test_a_worker_whose_plain_training_differs_from_native_gets_error_rows(monke
     assert rows["window+vmalloc"].note.startswith("LOSS MISMATCH: plain training under the "
                                                   "vmalloc allocator gives [2.5, 2.5]")
     assert [r["status"] for r in heard] == ["ok", "error"]
+
+
+def test_coexist_workers_get_their_own_grid_not_the_resume_list(monkeypatch):
+    """The coexist processes run one job each: the main grid's resume list (which may hold
+    the same model, method and batch), references and deadline must not reach them, or
+    they would skip it and come back as errors."""
+    specs = []
+
+    class Worker:
+        returncode = 0
+
+        def __init__(self, allocator, spec, env=None):
+            specs.append(spec)
+
+        def communicate(self):
+            row = e2e.JobResult("resnet50", "window+vmalloc", 512, 1.0, "images/s", 1, 2, "ok", "")
+            return f"{e2e.ROW} {json.dumps(row.row())}\n", None
+
+    monkeypatch.setattr(e2e, "_start_worker", Worker)
+    grid = e2e.Grid({"resnet50": [512]}, [e2e.BY_NAME["window+vmalloc"]], 16 << 30, 1, 0,
+                    stop_at=1.0, done=[("resnet50", "window+vmalloc", 512)],
+                    references=["resnet50"])
+    rows = e2e.run_coexist(grid, 512)
+    assert [r.status for r in rows] == ["ok", "ok"] and len(specs) == 2
+    for spec in specs:
+        assert spec["done"] == [] and spec["references"] == [] and spec["stop_at"] is None

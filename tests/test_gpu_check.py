@@ -109,9 +109,9 @@ def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
 def test_out_of_time_stops_before_the_next_step(tmp_path):
     gc = load_script()
     c = gc.Check(tmp_path, dry_run=False, seconds=5)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(gc.StepFailed) as e:
         c.run("late", [sys.executable, "-c", "pass"], 60)
-    assert e.value.code == 124
+    assert e.value.code == 124 and not e.value.started   # never started: nothing to record
     assert "out of time" in (tmp_path / "gpu-check.log").read_text()
 
 
@@ -157,6 +157,10 @@ def _fake_gpu(monkeypatch, tmp_path, outcomes):
         rc = outcomes.get(name, 0)
         if callable(rc):
             rc = rc(cmd)
+        elif name == "pytest-gpu" and rc == 0:   # what pytest writes when a test passed
+            xml = next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]
+            Path(xml).write_text('<testsuites><testsuite><testcase classname="tests.test_x" '
+                                 'name="test_a" time="0.5"/></testsuite></testsuites>')
         if rc:
             raise gc.StepFailed(rc, 1.5)
         return 2.0
@@ -218,7 +222,7 @@ def test_a_second_call_on_the_warm_machine_goes_on_from_the_first(monkeypatch, t
     ran.clear()
     gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
     assert ran == ["swap"]
-    assert "RESTORE 2 files" in (tmp_path / "b" / "gpu-check.log").read_text()
+    assert "RESTORE 3 files" in (tmp_path / "b" / "gpu-check.log").read_text()
     with tarfile.open(tmp_path / "b" / "results.tar.gz") as tar:
         names = set(tar.getnames())
         progress = json.load(tar.extractfile("bench/results/gpu-progress.json"))
@@ -242,7 +246,7 @@ def test_a_resumable_step_that_stopped_in_time_stays_to_do(monkeypatch, tmp_path
     progress = json.loads((root / PROGRESS).read_text())
     assert progress["steps"]["e2e-quick"]["status"] == "partial"
     assert (root / "bench/results/e2e-Fake_GPU-quick.json").exists()
-    assert "PART  e2e-quick: stopped in time, 7 jobs left" in (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "PART  e2e-quick: stopped in time, 7 left" in (tmp_path / "a" / "gpu-check.log").read_text()
     ran.clear()
     gc.main(["--next", "--no-build", "--only", "e2e-quick", str(tmp_path / "b")])
     assert ran == ["e2e-quick"]   # partial: the next call resumes it
@@ -369,3 +373,89 @@ def test_a_broken_torch_is_a_failure_not_a_machine_without_a_gpu(tmp_path):
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", "
                                       "name='torch')\n")
     assert gc.cuda_device(env) is None
+
+
+def test_a_step_that_stopped_for_time_ends_the_call_and_error_rows_stay_to_do(monkeypatch,
+                                                                               tmp_path):
+    """partial (an e2e run stopped at --stop-at): the steps after it would only be killed, so
+    the call ends there; errors (rows that failed, a crashed worker say): recorded not ok, so
+    the next --next runs them again, and the call goes on."""
+    from gpu_record import PROGRESS
+
+    def writes(meta, rows):
+        def step(cmd):
+            path = Path(gc.ROOT) / cmd[cmd.index("--resume") + 1]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"meta": meta, "results": rows}))
+            return 0
+        return step
+
+    crashed = {"model": "resnet50", "method": "window+vmalloc", "batch_size": 64,
+               "status": "error", "note": "worker for the vmalloc allocator exited -11"}
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {
+        "e2e-quick": writes({}, [crashed]), "e2e-resnet50": writes({"incomplete": True}, [])})
+    gc.main(["--next", "--no-build", "--only", "e2e-quick,e2e-resnet50,e2e-gpt2-s1024",
+             str(tmp_path / "a")])
+    assert ran == ["e2e-quick", "e2e-resnet50"]                 # gpt2 not started
+    steps = json.loads((root / PROGRESS).read_text())["steps"]
+    assert {k: v["status"] for k, v in steps.items()} == {"e2e-quick": "errors",
+                                                          "e2e-resnet50": "partial"}
+    log = (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "ERRS  e2e-quick: 1 rows in error" in log and "exited -11" in log
+    assert "NOT DONE e2e-resnet50,e2e-gpt2-s1024" in log
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "gpu-check.log", "gpu-progress.json", "logs.tar.gz", "results.tar.gz"]
+
+
+def test_pytest_killed_before_its_junit_leaves_a_record_that_says_so(monkeypatch, tmp_path):
+    """No junit XML (pytest killed at its limit): gpu-tests.json says so, never the last
+    run's record left in place."""
+    from gpu_record import GPU_TESTS, PROGRESS
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"pytest-gpu": 124})
+    (root / GPU_TESTS).parent.mkdir(parents=True, exist_ok=True)
+    (root / GPU_TESTS).write_text('{"summary": {"passed": 53}}')   # an earlier session's
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo", str(tmp_path / "a")])
+    assert e.value.code == 124
+    doc = json.loads((root / GPU_TESTS).read_text())
+    assert doc["summary"]["total"] == 0 and "no junit XML" in doc["note"]
+    assert json.loads((root / PROGRESS).read_text())["steps"]["pytest-gpu"]["status"] == "timeout"
+
+
+def test_a_step_killed_at_its_limit_takes_its_children_with_it(monkeypatch, tmp_path):
+    """A step's children (e2e's GPU workers, pytest's subprocesses) die with it at its time
+    limit instead of holding the GPU through the next step. The limit is made to expire once
+    the grandchild exists (it reports its pid through a FIFO), and its exit is awaited with a
+    pidfd: no sleeps."""
+    import select
+    gc = load_script()
+    fifo = tmp_path / "pid"
+    os.mkfifo(fifo)
+    real_popen = subprocess.Popen
+    seen = {}
+
+    class Expiring(real_popen):
+        def wait(self, timeout=None):
+            if timeout is not None and "pid" not in seen:   # the step's wait: expire it
+                with open(fifo) as f:
+                    seen["pid"] = int(f.read())
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(gc.subprocess, "Popen", Expiring)
+    step = ("import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(fifo)!r}, 'w').write(str(p.pid)); p.wait()")
+    c = gc.Check(tmp_path / "out", dry_run=False, seconds=300)
+    with pytest.raises(gc.StepFailed) as e:
+        c.run("stuck", [sys.executable, "-c", step], 60)
+    assert e.value.code == 124
+    try:
+        fd = os.pidfd_open(seen["pid"])
+    except ProcessLookupError:
+        return   # already gone and reaped
+    try:
+        ready, _, _ = select.select([fd], [], [], 60)   # readable once the process has exited
+        assert ready, f"the step's child {seen['pid']} outlived the step's kill"
+    finally:
+        os.close(fd)

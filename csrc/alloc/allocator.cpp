@@ -1164,16 +1164,12 @@ size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
 size_t Allocator::largest_available() {
   Impl& m = *impl_;
   m.check_not_forked();
-  {
-    std::lock_guard<std::mutex> g(m.mu);
-    m.check_open();
-  }
-  // a snapshot, so asked outside the lock (no malloc waits on the driver for it), less 1/64
-  // for what others (NCCL, other processes) may take before the caller allocates
-  size_t room = m.drv->free_memory();
-  room -= room / 64;
-  std::lock_guard<std::mutex> g(m.mu);
+  std::lock_guard<std::mutex> g(m.mu);  // also against close() dropping the driver's context
   m.check_open();
+  // a snapshot (microseconds), less 1/64 for what others (NCCL, other processes) may take
+  // before the caller allocates
+  size_t room = m.timed([&] { return m.drv->free_memory(); });
+  room -= room / 64;
   size_t cached = (m.free_chunks.size() + m.cached_range_chunks) * m.chunk;
   if (m.cfg.budget != 0) {
     size_t held = m.chunks_held * m.chunk;

@@ -1,7 +1,7 @@
 // Host backend: physical chunks are slots of one memfd (one file, so thousands of chunks do not
 // exhaust file descriptors); a chunk is committed with fallocate (real RAM, like cuMemCreate) and
 // returned with a punched hole. "host-lazy" commits nothing: the memfd only grows (sparse), so a
-// page takes RAM when first written. A trace replay never writes, so it makes the same
+// page takes RAM when first touched. A trace replay never writes, so it makes the same
 // decisions as on "host" without holding the trace's peak in RAM (a GPU's 80 GB trace replays on
 // a laptop); the machine's RAM is then no limit (total_memory 0 = unknown). Mapping = mmap(MAP_FIXED|MAP_SHARED) of the slot over a PROT_NONE
 // reservation; unmapping = mmap(MAP_FIXED) of PROT_NONE anonymous memory back over it, so the
@@ -108,7 +108,7 @@ class HostDriver final : public Driver {
     if (err) {
       punch(slot);  // a failed fallocate may have committed part of the range
       free_slots_.push_back(slot);
-      fail("fallocate", err);
+      fail(commit_ ? "fallocate" : "ftruncate", err);
     }
     return slot + 1;
   }

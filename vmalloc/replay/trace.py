@@ -9,6 +9,7 @@ PyTorch snapshots are read by ``snapshot.py``, files (bounded, gzip or not) by `
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
@@ -77,15 +78,25 @@ class Trace:
         return {"meta": dict(self.meta), "events": [e.to_json() for e in self.events]}
 
     def save(self, path: PathLike) -> None:
-        """Write JSON (gzip'ed when the name ends in ``.gz``), compact and deterministic."""
+        """Write JSON (gzip'ed when the name ends in ``.gz``), compact and deterministic; whole
+        or not at all (written beside it, then renamed: a kill mid-write leaves no truncated
+        trace for a replay to choke on)."""
         data = json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
-        if str(path).endswith(".gz"):
-            # mtime=0: the same trace gives the same bytes (reproducible bundled files)
-            with open(path, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
-                f.write(data)
-        else:
-            with open(path, "wb") as f:
-                f.write(data)
+        tmp = f"{os.fspath(path)}.part"
+        try:
+            if str(path).endswith(".gz"):
+                # mtime=0: the same trace gives the same bytes (reproducible bundled files)
+                with open(tmp, "wb") as raw, \
+                        gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
+                    f.write(data)
+            else:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def checked_int(value: Any, where: str, lo: int = 0, hi: int = SIZE_LIMIT) -> int:
