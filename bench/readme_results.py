@@ -860,8 +860,9 @@ def gpu_tests(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     bad = [t for t in tests if t["outcome"] in ("failed", "error")]
     counts = ", ".join(f"{summary[k]} {k}" for k in ("passed", "failed", "error", "skipped")
                        if summary.get(k))
-    out = [f"`pytest -m gpu` on {meta.get('gpu', '?')}: {summary['total']} tests, {counts}, "
-           f"{num(summary['seconds'], 1)} s in tests.",
+    out = [f"`pytest -m gpu` on {meta.get('gpu', '?')}: {summary['total']} tests, "
+           f"{counts or 'none ran'}, {num(summary['seconds'], 1)} s in tests."
+           + (f" {d['note']}." if d.get("note") else ""),
            meta_line(meta, (("gpu", "device"), ("driver", "driver"), ("cuda", "CUDA"),
                             ("torch", "torch"), ("date", "date"), ("source", "source hash")))]
     ran = summary["total"] - summary.get("skipped", 0)
@@ -872,8 +873,9 @@ def gpu_tests(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
         out += [f"- `{t['test']}`: {(t.get('message') or '').splitlines()[0][:200] if t.get('message') else ''}"
                 for t in bad]
     slow = sorted(tests, key=lambda t: -t["seconds"])[:5]
-    out += ["", "Slowest: " + "; ".join(f"`{t['test'].split('::')[-1]}` {num(t['seconds'], 1)} s"
-                                        for t in slow) + "."]
+    if slow:
+        out += ["", "Slowest: " + "; ".join(f"`{t['test'].split('::')[-1]}` "
+                                            f"{num(t['seconds'], 1)} s" for t in slow) + "."]
     return out
 
 

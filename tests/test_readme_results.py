@@ -159,6 +159,13 @@ def test_gpu_sessions_tests_and_traces_render_with_goals(fake):
     assert "- Incomplete: 7 jobs not run yet" in inner
     assert "batch 512 (native)" not in inner   # the quick file sets no goal row
     assert "unexpected structure" not in inner
+    # pytest killed before it wrote its junit XML: said, and the goal is not met
+    _write(res, "gpu-tests.json", {"meta": meta, "summary": {"total": 0, "seconds": 0.0},
+                                   "note": "no junit XML from pytest (killed)", "tests": []})
+    _run(res, readme)
+    inner = readme.read_text().split(rr.BEGIN)[1].split(rr.END)[0]
+    assert "0 tests, none ran, 0 s in tests. no junit XML from pytest (killed)." in inner
+    assert "| every GPU test passes on a GPU | 0 of 0 passed | **no** |" in inner
 
 
 def test_rerun_is_a_no_op_and_check_names_the_stale_section(fake, capsys):
