@@ -647,6 +647,9 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
                     r.status = "error"
                     r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
                               f"allocator gives {ref[r.model]}, native {base[r.model]}")
+                elif allocator != "native" and r.model not in base and r.note:
+                    r.note += ("; not compared across allocators: plain training under the "
+                               "native one did not run in this call")
                 got.append(r)
                 tell(ROW, r.row())
         proc.wait()

@@ -394,6 +394,14 @@ def test_a_worker_whose_plain_training_differs_from_native_gets_error_rows(monke
     assert rows["window+vmalloc"].note.startswith("LOSS MISMATCH: plain training under the "
                                                   "vmalloc allocator gives [2.5, 2.5]")
     assert [r["status"] for r in heard] == ["ok", "error"]
+    # without the native worker (its methods not asked for) nothing says the two agree: said
+    workers["vmalloc"] = worker([2.5, 2.5], e2e.JobResult(
+        "resnet50", "window+vmalloc", 64, 1.0, "images/s", 1, 2, "ok", "loss bitwise equal"))
+    grid.methods = [e2e.BY_NAME["window+vmalloc"]]
+    [row] = e2e.run_workers(grid)
+    assert row.status == "ok" and row.note.endswith("not compared across allocators: plain "
+                                                    "training under the native one did not "
+                                                    "run in this call")
 
 
 def test_coexist_workers_get_their_own_grid_not_the_resume_list(monkeypatch):
