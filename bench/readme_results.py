@@ -866,8 +866,10 @@ def gpu_tests(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            meta_line(meta, (("gpu", "device"), ("driver", "driver"), ("cuda", "CUDA"),
                             ("torch", "torch"), ("date", "date"), ("source", "source hash")))]
     ran = summary["total"] - summary.get("skipped", 0)
+    whole = d.get("complete", True)   # False: pytest was killed before its end
     ctx.goal(f"pytest -m gpu ({meta.get('gpu', '?')})", "every GPU test passes on a GPU",
-             f"{summary.get('passed', 0)} of {ran} passed", not bad and ran > 0)
+             f"{summary.get('passed', 0)} of {ran} passed"
+             + ("" if whole else " (killed before the end)"), not bad and ran > 0 and whole)
     if bad:
         out += ["", "Failed:", ""]
         out += [f"- `{t['test']}`: {(t.get('message') or '').splitlines()[0][:200] if t.get('message') else ''}"

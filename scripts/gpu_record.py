@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 PROGRESS = Path("bench") / "results" / "gpu-progress.json"
 GPU_TESTS = Path("bench") / "results" / "gpu-tests.json"
@@ -78,20 +79,22 @@ def record(progress: Dict[str, Any], step: str, status: str, seconds: float,
     progress["steps"][step] = {"status": status, "seconds": round(seconds, 1), **meta}
 
 
-def junit_summary(xml_path: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
+# a line of `pytest -v`: "tests/test_x.py::test_y[a b] PASSED   [ 40%]"
+VERBOSE_LINE = re.compile(r"^(tests/\S+?\.py::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def junit_summary(xml_path: Path, meta: Dict[str, Any],
+                  log_path: Optional[Path] = None) -> Dict[str, Any]:
     """pytest's junit XML as gpu-tests.json: per test its outcome, seconds and the first lines
     of a failure, so a committed record says which test failed where and how long each took
     (the next session sizes its device call from these). Without a readable XML (pytest killed
-    at its time limit, or crashed) a record that says so, with no test passed: never the last
-    run's record left in place."""
+    at its time limit, or crashed) the outcomes its ``-v`` log shows up to where it stopped,
+    marked incomplete: never the last run's record left in place."""
     tests: List[Dict[str, Any]] = []
     try:
         root = ET.parse(xml_path).getroot()
     except (OSError, ET.ParseError) as exc:
-        return {"meta": meta, "summary": {"total": 0, "seconds": 0.0},
-                "note": f"no junit XML from pytest ({type(exc).__name__}: {exc}): killed at "
-                        "its time limit or crashed; logs/pytest-gpu.log in logs.tar.gz says "
-                        "how far it got", "tests": []}
+        return from_verbose_log(log_path, meta, f"{type(exc).__name__}: {exc}")
     for case in root.iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         outcome, message = "passed", None
@@ -105,12 +108,34 @@ def junit_summary(xml_path: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
         tests.append({"test": f"{module}.py::{case.get('name')}", "outcome": outcome,
                       "seconds": round(float(case.get("time") or 0.0), 2),
                       **({"message": message} if message else {})})
+    return {"meta": meta, "summary": summarize(tests), "tests": tests}
+
+
+def summarize(tests: List[Dict[str, Any]]) -> Dict[str, Any]:
     counts: Dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    return {"meta": meta, "summary": {**counts, "total": len(tests),
-                                      "seconds": round(sum(t["seconds"] for t in tests), 1)},
-            "tests": tests}
+    return {**counts, "total": len(tests),
+            "seconds": round(sum(t["seconds"] for t in tests), 1)}
+
+
+def from_verbose_log(log_path: Optional[Path], meta: Dict[str, Any], why: str) -> Dict[str, Any]:
+    """What a pytest run that wrote no junit XML showed in its -v log (no durations)."""
+    outcome = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+               "XFAIL": "skipped", "XPASS": "passed"}
+    tests: List[Dict[str, Any]] = []
+    try:
+        lines = log_path.read_text(errors="replace").splitlines() if log_path else []
+    except OSError:
+        lines = []
+    for line in lines:
+        m = VERBOSE_LINE.match(line)
+        if m:
+            tests.append({"test": m.group(1), "outcome": outcome[m.group(2)], "seconds": 0.0})
+    return {"meta": meta, "summary": summarize(tests), "complete": False,
+            "note": f"no junit XML from pytest ({why}): killed at its time limit or crashed; "
+                    f"{len(tests)} outcomes from its -v log, up to where it stopped "
+                    "(logs/pytest-gpu.log in logs.tar.gz)", "tests": tests}
 
 
 def write_json(path: Path, doc: Dict[str, Any]) -> None:

@@ -411,14 +411,25 @@ def test_pytest_killed_before_its_junit_leaves_a_record_that_says_so(monkeypatch
     """No junit XML (pytest killed at its limit): gpu-tests.json says so, never the last
     run's record left in place."""
     from gpu_record import GPU_TESTS, PROGRESS
-    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"pytest-gpu": 124})
+    def killed(cmd):   # what pytest -v printed before the kill; no XML
+        xml = next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]
+        Path(xml).with_suffix(".log").write_text(
+            "tests/test_allocator.py::test_bad_sizes_and_pointers[cuda] PASSED  [  1%]\n"
+            "tests/test_swap_gpu.py::test_cuda_bit_identical[smallest window-mlp] FAILED [ 40%]\n"
+            "tests/test_torch_gpu.py::test_torch_compile_default_mode_trains_on_vmalloc \n")
+        return 124
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"pytest-gpu": killed})
     (root / GPU_TESTS).parent.mkdir(parents=True, exist_ok=True)
     (root / GPU_TESTS).write_text('{"summary": {"passed": 53}}')   # an earlier session's
     with pytest.raises(SystemExit) as e:
         gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo", str(tmp_path / "a")])
     assert e.value.code == 124
     doc = json.loads((root / GPU_TESTS).read_text())
-    assert doc["summary"]["total"] == 0 and "no junit XML" in doc["note"]
+    assert "no junit XML" in doc["note"] and doc["complete"] is False
+    assert [(t["test"], t["outcome"]) for t in doc["tests"]] == [
+        ("tests/test_allocator.py::test_bad_sizes_and_pointers[cuda]", "passed"),
+        ("tests/test_swap_gpu.py::test_cuda_bit_identical[smallest window-mlp]", "failed")]
     assert json.loads((root / PROGRESS).read_text())["steps"]["pytest-gpu"]["status"] == "timeout"
 
 
