@@ -85,6 +85,17 @@ def pyplot():
         return None
 
 
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver's version (nvidia-smi), or None where there is none to ask."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
 def run_meta(command: str, device: str = "cpu") -> Dict[str, Any]:
     """What a results file is tagged with: machine, GPU (or "cpu"), torch (and transformers)
     version, date, command; ``device_tag`` names the file (``cpu`` or the GPU's name)."""
@@ -96,6 +107,8 @@ def run_meta(command: str, device: str = "cpu") -> Dict[str, Any]:
                             "device": device, "gpu": gpu, "torch": torch.__version__,
                             "date": datetime.date.today().isoformat(), "command": command,
                             "device_tag": "cpu" if gpu == "cpu" else gpu.replace(" ", "_")}
+    if device == "cuda":
+        meta["driver"] = driver_version()
     try:
         import transformers
         meta["transformers"] = transformers.__version__

@@ -65,6 +65,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.common import driver_version  # noqa: E402
 from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -694,12 +695,7 @@ def meta(device: torch.device, command: str) -> Dict[str, Any]:
     gpu, driver = "cpu", None
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(0)
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True)
-            driver = out.stdout.strip() or None
-        except OSError:
-            driver = None
+        driver = driver_version()
     return {"gpu": gpu, "driver": driver, "torch": torch.__version__,
             "date": _dt.date.today().isoformat(), "command": command,
             "host": platform.node(), "cuda": torch.version.cuda}
