@@ -368,11 +368,11 @@ def test_a_broken_torch_is_a_failure_not_a_machine_without_a_gpu(tmp_path):
     (fake / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
     with pytest.raises(RuntimeError, match="libcudart"):
-        gc.cuda_device(env)
+        gc.probe(env)["gpu"]
     # no torch at all (as the import reports it): no GPU steps, not an error
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", "
                                       "name='torch')\n")
-    assert gc.cuda_device(env) is None
+    assert gc.probe(env)["gpu"] is None
 
 
 def test_a_step_that_stopped_for_time_ends_the_call_and_error_rows_stay_to_do(monkeypatch,

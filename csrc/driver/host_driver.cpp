@@ -3,9 +3,9 @@
 // returned with a punched hole. "host-lazy" commits nothing: the memfd only grows (sparse), so a
 // page takes RAM when first touched. A trace replay never writes, so it makes the same
 // decisions as on "host" without holding the trace's peak in RAM (a GPU's 80 GB trace replays on
-// a laptop); the machine's RAM is then no limit (total_memory 0 = unknown). Mapping = mmap(MAP_FIXED|MAP_SHARED) of the slot over a PROT_NONE
-// reservation; unmapping = mmap(MAP_FIXED) of PROT_NONE anonymous memory back over it, so the
-// address stays reserved. Streams do not exist here: events are trivially complete (handle 0),
+// a laptop); the machine's RAM is then no limit (total_memory 0 = unknown).
+// Mapping = mmap(MAP_FIXED|MAP_SHARED) of the slot over a PROT_NONE reservation; unmapping =
+// mmap(MAP_FIXED) of PROT_NONE anonymous memory back over it, so the address stays reserved. Streams do not exist here: events are trivially complete (handle 0),
 // while the allocator keeps exactly the bookkeeping it keeps on cuda.
 //
 // fork(): every reservation and mapping is MADV_DONTFORK, so a forked child inherits none of the
@@ -99,9 +99,9 @@ class HostDriver final : public Driver {
     // (host-lazy: the file only grows to cover the slot, so mapping it is valid).
     int err = syscall_or_fault(kCreate, [&] {
       if (commit_) return ::fallocate(fd_, 0, offset(slot), off(size)) == 0;
-      size_t end = (slot + 1) * size;
+      off_t end = offset(slot + 1);
       if (end <= file_bytes_) return true;
-      if (::ftruncate(fd_, off(end)) != 0) return false;
+      if (::ftruncate(fd_, end) != 0) return false;
       file_bytes_ = end;
       return true;
     });
@@ -225,7 +225,7 @@ class HostDriver final : public Driver {
 
   const bool commit_;       // false: host-lazy
   int fd_ = -1;
-  size_t file_bytes_ = 0;   // host-lazy: the memfd's size
+  off_t file_bytes_ = 0;    // host-lazy: the memfd's size
   size_t chunk_bytes_ = 0;
   size_t next_slot_ = 0;
   size_t mapped_ = 0;
