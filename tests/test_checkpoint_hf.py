@@ -262,6 +262,74 @@ def test_bad_arguments_fail_at_call_time():
         scheduler.checkpoint(model, "1GiB")
 
 
+# ------------------------------------------------------------------------------ KV cache
+def with_cache(name: str) -> Tuple[nn.Module, Dict[str, Any]]:
+    """``name`` with its KV cache on, as every pretrained causal LM's config has it."""
+    model, batch = make(name)
+    model.config.use_cache = True
+    for module in model.modules():  # T5's decoder stack keeps a config of its own
+        config = getattr(module, "config", None)
+        if getattr(config, "is_decoder", False):
+            config.use_cache = True
+    return model, batch
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_kv_cache_on_training_runs_without_it(name, monkeypatch):
+    """A block recomputed in the backward would write its KV cache twice: training steps run
+    the blocks without it, as HF's own checkpointing does (said once), bit-identical to plain
+    training without the cache. For Llama that is plain training with it too; T5 sums the
+    encoder's gradient in another order when its cache is on (1-ulp differences)."""
+    monkeypatch.setattr(scheduler.runtime.checkpoint._CacheGuard, "warned", False)
+    ref, batch = with_cache(name)
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, budgets(name)[0], "rotor", measure_options=FAST)
+    with pytest.warns(UserWarning, match="without their KV cache"):
+        step(model, batch, 0)  # profiling step
+    for seed in range(1, 3):
+        lm = step(model, batch, seed)
+        assert_same(ref, model, step(ref, dict(batch, use_cache=False), seed), lm,
+                    f"{name} step {seed} against plain use_cache=False")
+        if name == "llama":
+            assert_same(ref, model, step(ref, batch, seed), lm, f"llama step {seed}")
+    assert sum(r.last_stats.recomputed_forwards for r in runners(model)) > 0
+    if name == "llama":  # without gradients nothing is recomputed: generation keeps its cache
+        ref.eval(), model.eval()
+        prompt = batch["input_ids"][:, :4]
+        with torch.no_grad():
+            want = ref.generate(prompt, max_new_tokens=3, do_sample=False)
+            assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
+
+
+def test_prefix_kv_cache_in_training_raises():
+    """A cache that already holds positions cannot be dropped without training on something
+    else: refused, naming the block and how many positions it held."""
+    model, batch = with_cache("llama")
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :4], use_cache=True)
+    past = getattr(out, "cache", None) or out.past_key_values   # transformers >= 5.2x: cache
+    scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
+    with pytest.raises(ValueError, match="block 0 .*already holds 4 positions"):
+        model(input_ids=ids[:, 4:], past_key_values=past, labels=ids[:, 4:])
+
+
+def test_hf_checkpointing_turned_on_afterwards_raises():
+    """HF's checkpointing on top of the plan would checkpoint every block twice (the plan's
+    recomputations recomputed again): refused at the step, then fine once turned off."""
+    ref, batch = make("llama")
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
+    new_names = hasattr(model, "activation_checkpointing_enable")
+    (model.activation_checkpointing_enable if new_names else model.gradient_checkpointing_enable)()
+    with pytest.raises(RuntimeError, match="turned on for block 0 .*after scheduler.checkpoint"):
+        step(model, batch, 0)
+    (model.activation_checkpointing_disable if new_names
+     else model.gradient_checkpointing_disable)()
+    for seed in range(2):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "after")
+
+
 # ------------------------------------------------------------------------------ CNN
 class Stage(nn.Module):
     def __init__(self, c: int):

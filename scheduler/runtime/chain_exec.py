@@ -484,7 +484,8 @@ class ChainStep:
             raise RuntimeError(
                 f"{self.name}: block {s} was called but block {self.next} was expected: the "
                 f"model must call each of its {self.L} blocks once, in order, per forward "
-                "(name the list its loop walks with blocks=)")
+                "(name the list its loop walks with blocks=; a model that skips blocks at "
+                "random, LayerDrop, needs its layerdrop set to 0)")
         call = BlockCall(args, kwargs, self._previous(), all_inputs=all_inputs)
         self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
@@ -572,7 +573,8 @@ class ChainStep:
         if self.next != self.L:
             raise RuntimeError(
                 f"{self.name}: backward reached block {target} but the forward called only "
-                f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward")
+                f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
+                "(a model that skips blocks at random, LayerDrop, needs its layerdrop set to 0)")
         ops = self.cplan.backward_ops
         while self.bptr < len(ops):
             index, kind, st = ops[self.bptr]

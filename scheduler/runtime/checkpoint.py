@@ -99,37 +99,88 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
     return found
 
 
+def layerdrop(model: nn.Module) -> List[str]:
+    """Where ``model`` keeps a LayerDrop probability above 0 (HF's encoders and decoders: a
+    module's own ``layerdrop``, read in its forward, or its config's ``layerdrop``,
+    ``encoder_layerdrop``, ``decoder_layerdrop``), as ``path=value``."""
+    found, configs = [], set()
+    for name, module in model.named_modules():
+        where = f"model.{name}" if name else "model"
+        value = module.__dict__.get("layerdrop")
+        if isinstance(value, float) and value > 0:
+            found.append(f"{where}.layerdrop={value}")
+        config = module.__dict__.get("config")
+        if config is None or id(config) in configs:
+            continue
+        configs.add(id(config))
+        for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            value = getattr(config, key, None)
+            if isinstance(value, float) and value > 0:
+                found.append(f"{where}.config.{key}={value}")
+    return found
+
+
 # ------------------------------------------------------------------------------ interception
 class _CacheGuard:
     """Under a plan a block runs again in the backward: a KV cache it writes would be written
     twice. As HF's own gradient checkpointing does, training steps run without the cache."""
 
+    # the cache's argument names across transformers versions (5.2x calls it `cache`); any
+    # other argument holding a transformers Cache is dropped too, whatever its name
+    NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
     warned = False
 
     @classmethod
-    def clean(cls, block: nn.Module, args: Tuple[Any, ...],
+    def clean(cls, block: nn.Module, s: int, args: Tuple[Any, ...],
               kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         if getattr(block, "_can_checkpoint_with_cache", False):
             return args, kwargs
         utils = sys.modules.get("transformers.cache_utils")
         cache_cls = getattr(utils, "Cache", None) if utils else None
+
+        def is_cache(key: Optional[str], value: Any) -> bool:
+            if value is None:
+                return False
+            if cache_cls is not None and isinstance(value, cache_cls):
+                return True
+            return key in cls.NAMES
+
         changed = False
         if kwargs.get("use_cache"):
             kwargs = dict(kwargs, use_cache=False)
             changed = True
-        for key in ("past_key_values", "past_key_value", "layer_past"):
-            if kwargs.get(key) is not None:
-                kwargs = dict(kwargs, **{key: None})
-                changed = True
-        if cache_cls is not None and any(isinstance(a, cache_cls) for a in args):
-            args = tuple(None if isinstance(a, cache_cls) else a for a in args)
+        dropped = [(k, v) for k, v in kwargs.items() if is_cache(k, v)]
+        dropped += [(None, a) for a in args if is_cache(None, a)]
+        for key, value in dropped:
+            cls._check_empty(block, s, key, value)
+        if dropped:
+            kwargs = {k: (None if is_cache(k, v) else v) for k, v in kwargs.items()}
+            args = tuple(None if is_cache(None, a) else a for a in args)
             changed = True
         if changed and not cls.warned:
             cls.warned = True
             warnings.warn(f"{NAME}: training steps run the blocks without their KV cache "
                           "(use_cache=False), as Hugging Face's gradient checkpointing does: "
-                          "a recomputed block would write it twice", stacklevel=4)
+                          "a recomputed block would write it twice; the cache the model "
+                          "returns stays empty", stacklevel=4)
         return args, kwargs
+
+    @staticmethod
+    def _check_empty(block: nn.Module, s: int, key: Optional[str], cache: Any) -> None:
+        """A cache that already holds positions (a prefix passed in) cannot be dropped without
+        changing the step's result: say so instead of training on something else."""
+        length = getattr(cache, "get_seq_length", None)
+        try:
+            held = int(length()) if callable(length) else 0
+        except Exception:  # a cache type that cannot say: nothing known to be lost
+            held = 0
+        if held > 0:
+            raise ValueError(
+                f"{NAME}: block {s} ({type(block).__name__}) got a KV cache "
+                f"({key or 'a positional argument'}) that already holds {held} positions in a "
+                "training step; the checkpointed blocks run without their cache (a recomputed "
+                "block would write it twice), so that prefix would be lost: train without a "
+                "past cache, or call scheduler.runtime.checkpoint.undo(model) first")
 
 
 class _BlockForward:
@@ -158,7 +209,16 @@ class _BlockForward:
                                    "one process per device")
             step = r.current is not None
         if step:
-            args, kwargs = _CacheGuard.clean(r.blocks[self.s], args, kwargs)
+            block = r.blocks[self.s]
+            if getattr(block, "gradient_checkpointing", False) and block.training:
+                # HF's checkpointing turned on after ours: each block would be checkpointed
+                # twice (its recomputation recomputed), costing time against the plan
+                raise RuntimeError(
+                    f"{NAME}: Hugging Face gradient checkpointing was turned on for block "
+                    f"{self.s} ({type(block).__name__}) after scheduler.checkpoint; call "
+                    "model.activation_checkpointing_disable() (transformers < 5.2x: "
+                    "gradient_checkpointing_disable()): the plan decides what is recomputed")
+            args, kwargs = _CacheGuard.clean(block, self.s, args, kwargs)
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
 
@@ -222,6 +282,10 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
                          f"call model.{off}() first (the plan decides what is recomputed)")
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
+    skipping = layerdrop(model)
+    if skipping:
+        raise ValueError(f"{NAME}: the model skips blocks at random in training (LayerDrop: "
+                         f"{', '.join(skipping)}), and a plan runs every block; set each to 0")
     undo(model)  # calling again re-plans with the new arguments, never wraps twice
     lists = find_blocks(model, blocks)
     n_all = sum(len(lst) for _, lst in lists)

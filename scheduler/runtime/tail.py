@@ -22,7 +22,8 @@ outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward
   last block's output aside; CUDA: ``memory_allocated`` now minus at ``begin``, the truth),
   ``fw_tmp[L]`` = the forward's peak above that (tracer / ``max_memory_allocated``), ``fw[L]``
   its time. Then the tail's backward is replayed once (``torch.autograd.grad`` from the
-  model's loss, or from its outputs, to the last block's output, ``retain_graph=True``:
+  model's loss, or from its outputs, to those of the last block's outputs the tail reads
+  itself (``_read_by_tail``), ``retain_graph=True``:
   nothing accumulates, the user's backward later runs on the same graph): ``bw[L]`` its time,
   ``bw_tmp[L]`` its peak less the gradients it makes (counted from when they are made), plus
   the largest of the tail's weight gradients (transient) or, for weights tied to the head's,
@@ -429,9 +430,10 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
-    if not roots:
+    lasts = _read_by_tail(roots, rec.lasts)
+    if not roots or not lasts:
         return None
-    params, custom = _tail_graph(roots, rec.lasts)
+    params, custom = _tail_graph(roots, lasts)
     if custom or has_backward_hooks(model):
         _warn_once("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks "
                    "or custom autograd Functions, which a replay of its backward would run a "
@@ -449,12 +451,12 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
         m0 = torch.cuda.memory_allocated(dev)
     else:
         tracer = T.OpTracer()
-        marks = T._mark_nodes(roots, tracer, [t.grad_fn for t in rec.lasts])
+        marks = T._mark_nodes(roots, tracer, [t.grad_fn for t in lasts])
     t0 = time.perf_counter()
     rec.step.replaying = True
     try:
         with tracer if tracer is not None else contextlib.nullcontext():
-            grads = torch.autograd.grad(roots, rec.lasts, seeds, retain_graph=True,
+            grads = torch.autograd.grad(roots, lasts, seeds, retain_graph=True,
                                         allow_unused=True)
     finally:
         rec.step.replaying = False
@@ -485,6 +487,23 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     untied = [p for p in params if T.storage_key(p) not in head]
     return (bw, bw_tmp + max((T.storage_bytes([p]) for p in untied), default=0),
             T.storage_bytes(tied))
+
+
+def _read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
+                  ) -> List[torch.Tensor]:
+    """The last block's outputs the tail reads itself. An output that feeds another output
+    inside the block (Bloom's block returns its attention probabilities beside the hidden
+    state computed from them) is not the tail's input: asking autograd for its gradient would
+    run the block's own backward."""
+    stops = [t.grad_fn for t in lasts]  # held: their ids are theirs for the whole walk
+    edge = {(id(fn), t.output_nr): k for k, (fn, t) in enumerate(zip(stops, lasts))}
+    read = {k for k, t in enumerate(lasts) if any(r is t for r in roots)}
+    for node in T.graph_nodes([t.grad_fn for t in roots], stops):
+        for fn, nr in node.next_functions:
+            k = edge.get((id(fn), nr))
+            if k is not None:
+                read.add(k)
+    return [t for k, t in enumerate(lasts) if k in read]
 
 
 def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
