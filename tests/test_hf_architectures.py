@@ -165,6 +165,60 @@ def test_checkpoint_bit_identical(model_type):
         assert "failed" not in meta.get("tail", {}), meta
 
 
+
+def whisper() -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    cfg = transformers.WhisperConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=16, max_target_positions=32, vocab_size=VOCAB, dropout=0.1,
+        decoder_start_token_id=0, **TOKENS)
+    batch = {"input_features": torch.randn(2, 16, 32),
+             "labels": torch.randint(2, VOCAB, (2, 6))}
+    return transformers.WhisperForConditionalGeneration(cfg), batch, dict(batch, use_cache=False)
+
+
+def wav2vec2() -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    # its default LayerDrop (0.1) is refused (test below): 0 here
+    cfg = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, vocab_size=16, layerdrop=0.0, hidden_dropout=0.1,
+        mask_time_prob=0.0)
+    batch = {"input_values": torch.randn(2, 1600), "labels": torch.randint(1, 16, (2, 5))}
+    return transformers.Wav2Vec2ForCTC(cfg), batch, batch
+
+
+def clip() -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, dropout=0.1)
+    cfg = transformers.CLIPConfig(
+        text_config=dict(tower, vocab_size=VOCAB, max_position_embeddings=16),
+        vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=16)
+    batch = {"input_ids": torch.randint(1, VOCAB, (2, 8)),
+             "pixel_values": torch.randn(2, 3, 32, 32), "return_loss": True}
+    return transformers.CLIPModel(cfg), batch, batch
+
+
+@pytest.mark.parametrize("make", [whisper, wav2vec2, clip], ids=lambda f: f.__name__)
+def test_speech_and_two_towers(make):
+    """Two block lists each: Whisper's encoder and decoder, wav2vec2's convolutional feature
+    extractor and transformer encoder, CLIP's text and vision towers (one loss over both)."""
+    torch.manual_seed(0)
+    ref, batch, plain = make()
+    ref.train()
+    model = copy.deepcopy(ref)
+    names = [n for n, _ in ref.named_parameters()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without their KV cache")
+        scheduler.checkpoint(model, "1TiB", "rotor", measure_options=FAST)
+        for seed in range(2):
+            assert_same(step(ref, plain, seed), step(model, batch, seed), names, f"step {seed}")
+        assert [r.L for r in checkpointed(model).runners] == [2, 2]
+        scheduler.checkpoint(model, None, plan_from_checkpoints(2, [0, 1]))
+        for seed in range(2, 4):
+            assert_same(step(ref, plain, seed), step(model, batch, seed), names, f"step {seed}")
+    assert all(r.last_stats.recomputed_forwards == 2 for r in checkpointed(model).runners)
+
 def test_layerdrop_refused_naming_where():
     """LayerDrop (M2M100 and NLLB's default, wav2vec2's) skips blocks at random in training,
     which no plan over every block can follow: refused at the call, naming each place that
