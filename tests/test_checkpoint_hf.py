@@ -330,6 +330,29 @@ def test_hf_checkpointing_turned_on_afterwards_raises():
         assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "after")
 
 
+# ------------------------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_torch_compile_of_the_model(name):
+    """torch.compile(model) over a checkpointed model: the blocks' calls go through the runner
+    eagerly (a graph break each), the rest is compiled. With aot_eager (AOTAutograd's graphs,
+    eager kernels: no CPU compiler needed) every step is bit-identical to eager plain
+    training, the profiling step included, and a planned step compiles nothing new."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    ref, batch = make(name)
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, budgets(name)[0], "rotor", measure_options=FAST)
+    compiled = torch.compile(model, backend="aot_eager")
+    for seed in range(4):  # profiling step, then the plan
+        if seed == 3:
+            frames = counters["frames"]["total"]
+        assert_same(ref, model, step(ref, batch, seed), step(compiled, batch, seed),
+                    f"{name} compiled step {seed}")
+    assert counters["frames"]["total"] == frames, "a planned step compiled again"
+    assert sum(r.last_stats.recomputed_forwards for r in runners(model)) > 0
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------ CNN
 class Stage(nn.Module):
     def __init__(self, c: int):

@@ -619,6 +619,9 @@ class CheckpointedChain(nn.Module):
     def stats(self) -> Dict[str, Any]:
         return self.runner.stats()
 
+    # torch.compile leaves the runner to run eagerly (it pushes autograd hooks, reads the
+    # graph, moves storages): a graph break around the chain, compiled code around it
+    @torch.compiler.disable
     def forward(self, *args: Any) -> Any:
         if not args:
             raise TypeError("scheduler.wrap: the wrapped chain needs at least one input")

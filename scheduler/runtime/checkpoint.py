@@ -20,6 +20,7 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
@@ -194,6 +195,7 @@ class _BlockForward:
         self.installed = installed     # whether the block had its own instance forward
         self.thread: Optional[int] = None
 
+    @torch.compiler.disable  # as CheckpointedChain.forward: the runner runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         r = self.runner
         if r.passthrough:  # a recomputation or a measurement: the block itself

@@ -186,6 +186,8 @@ class TailProbe:
         self.handles = []
 
     # ------------------------------------------------------------------------ model hooks
+    # (never traced by torch.compile: they read the autograd and dispatch stacks and push hooks)
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.rec is not None:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
@@ -203,6 +205,7 @@ class TailProbe:
         # only a new one at the forward hook means the forward raised
         self.handling.append(sys.exc_info()[1])
 
+    @torch.compiler.disable
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.clean:
