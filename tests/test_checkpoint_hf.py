@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -310,8 +311,9 @@ def test_prefix_kv_cache_in_training_raises():
         out = model(input_ids=ids[:, :4], use_cache=True)
     past = getattr(out, "cache", None) or out.past_key_values   # transformers >= 5.2x: cache
     scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with pytest.raises(ValueError, match="block 0 .*already holds 4 positions"):
-        model(input_ids=ids[:, 4:], past_key_values=past, labels=ids[:, 4:])
+        model(input_ids=ids[:, 4:], labels=ids[:, 4:], **{name: past})
 
 
 def test_hf_checkpointing_turned_on_afterwards_raises():
@@ -328,6 +330,34 @@ def test_hf_checkpointing_turned_on_afterwards_raises():
      else model.gradient_checkpointing_disable)()
     for seed in range(2):
         assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "after")
+
+
+# ------------------------------------------------------------------------------ LoRA
+def test_lora_adapters_with_peft():
+    """Fine-tuning with LoRA (peft): the base weights frozen, adapters with dropout inside the
+    blocks. Profiling step, rotor at its smallest budget and every block recomputed: losses
+    and the adapters' gradients bit-identical to plain training, none on the base weights."""
+    import peft  # a test dependency (pyproject [test])
+    base, batch = make("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                           target_modules=["q_proj", "v_proj", "down_proj"])
+    ref = peft.get_peft_model(base, lora)
+    ref.train()
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, "1TiB", "rotor", measure_options=FAST)
+    for seed in range(2):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), f"step {seed}")
+    (runner,) = runners(model)
+    assert runner.L == 4
+    low = rotor.min_memory(runner.last_plan.chain)
+    for planner in ("rotor", plan_from_checkpoints(4, range(4))):
+        scheduler.checkpoint(model, int(low * 1.1), planner, measure_options=FAST)
+        for seed in range(2, 5):
+            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+                        f"{planner} step {seed}")
+        assert runners(model)[0].last_stats.recomputed_forwards > 0
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)
 
 
 # ------------------------------------------------------------------------------ torch.compile

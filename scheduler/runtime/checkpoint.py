@@ -276,7 +276,7 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     total = parse_budget(budget, NAME)
     parse_rate(bandwidth, NAME)
     # transformers >= 5.2x names it activation checkpointing (the gradient_* names: deprecated)
-    new_names = hasattr(type(model), "is_activation_checkpointing")
+    new_names = hasattr(model, "is_activation_checkpointing")  # a PeftModel forwards it
     if getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing",
                False):
         off = "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
