@@ -447,8 +447,12 @@ def test_non_sequential_cnn_with_its_block_list():
 
 
 # ------------------------------------------------------------------------------ Trainer
-def test_hf_trainer_loss_curve_identical(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch_compile"])
+def test_hf_trainer_loss_curve_identical(tmp_path, compiled):
+    """HF's Trainer, gradient accumulation, and its torch_compile=True (aot_eager: AOTAutograd
+    with eager kernels, so plain training's losses are the reference)."""
     from transformers import Trainer, TrainingArguments
+    compile_args = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
 
     class Data(torch.utils.data.Dataset):
         def __init__(self):
@@ -466,7 +470,7 @@ def test_hf_trainer_loss_curve_identical(tmp_path):
                                  max_steps=4, learning_rate=1e-3, logging_steps=1,
                                  save_strategy="no", report_to=[], use_cpu=True, seed=0,
                                  gradient_accumulation_steps=2, dataloader_num_workers=0,
-                                 disable_tqdm=True)
+                                 disable_tqdm=True, **compile_args)
         trainer = Trainer(model=model, args=args, train_dataset=Data())
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -479,6 +483,7 @@ def test_hf_trainer_loss_curve_identical(tmp_path):
     assert len(plain) == 4 and plain == ours
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     assert runners(model)[0].last_plan.planner == "rotor"
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------ loops

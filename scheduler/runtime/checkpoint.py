@@ -219,7 +219,8 @@ class _BlockForward:
                     f"{NAME}: Hugging Face gradient checkpointing was turned on for block "
                     f"{self.s} ({type(block).__name__}) after scheduler.checkpoint; call "
                     "model.activation_checkpointing_disable() (transformers < 5.2x: "
-                    "gradient_checkpointing_disable()): the plan decides what is recomputed")
+                    "gradient_checkpointing_disable()), and leave gradient_checkpointing out "
+                    "of the Trainer's TrainingArguments: the plan decides what is recomputed")
             args, kwargs = _CacheGuard.clean(block, self.s, args, kwargs)
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
@@ -281,7 +282,8 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
                False):
         off = "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
         raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
-                         f"call model.{off}() first (the plan decides what is recomputed)")
+                         f"call model.{off}() first, and leave gradient_checkpointing out of "
+                         "the Trainer's TrainingArguments (the plan decides what is recomputed)")
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
     skipping = layerdrop(model)
