@@ -166,6 +166,40 @@ def test_checkpoint_bit_identical(model_type):
 
 
 
+
+@pytest.mark.parametrize("planner", ["rotor", "mimose"])
+@pytest.mark.parametrize("model_type, asked", [
+    ("mixtral", {"output_router_logits": True}),   # the load-balancing loss joins the loss
+    ("llama", {"output_hidden_states": True, "output_attentions": True})])
+def test_captured_outputs_are_the_models_own(model_type, asked, planner):
+    """transformers 5 collects hidden states, attentions and MoE router logits with hooks
+    while the model's forward runs; the runner's own block calls in that forward (measuring
+    the chain, Mimose's collection) must not join them: the same outputs as plain training,
+    as many, and the router loss's backward through the right graphs."""
+    ref, batch, plain = build(model_type)
+    ref.config.router_aux_loss_coef = 0.5
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, "1TiB", planner, measure_options=FAST)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without their KV cache")
+        for seed in range(4):  # profiling (or collection) steps, then plans
+            outs = []
+            for m, b in ((ref, dict(plain, **asked)), (model, dict(batch, **asked))):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                out = m(**b)
+                out.loss.backward()
+                outs.append((out, [p.grad for p in m.parameters()]))
+            (want, want_grads), (got, got_grads) = outs
+            names = [n for n, _ in ref.named_parameters()]
+            assert_same((want.loss, want_grads), (got.loss, got_grads), names, f"step {seed}")
+            for key in ("hidden_states", "attentions", "router_logits"):
+                a, b = getattr(want, key, None), getattr(got, key, None)
+                assert (a is None) == (b is None), key
+                if a is not None:
+                    assert len(a) == len(b), f"step {seed}: {len(b)} {key}, plain has {len(a)}"
+                    assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {seed}: {key}"
+
 def whisper() -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     cfg = transformers.WhisperConfig(
         d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -41,6 +41,7 @@ from ..plan import FORWARD_KINDS, Plan
 from ..profile import _trace
 from . import accounting, buffers, rng
 from .block_calls import BlockCall, tensor_leaves
+from .hf_outputs import outputs_not_captured
 from .offload import StorageCopy, Transfers
 
 Comps = Tuple[Any, ...]  # the components of a value passed between blocks
@@ -503,9 +504,10 @@ class ChainStep:
             frame.state = rng.capture(self.devices)
             frame.modes = [m.training for m in block.modules()]
         if self.collector is not None and kind == "F_ck":
-            self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
-                                   call.rg, frame.state, self.param_storages,
-                                   call.shared_tensors())
+            with outputs_not_captured():  # Mimose's measurement: not the model's outputs
+                self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
+                                       call.rg, frame.state, self.param_storages,
+                                       call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)

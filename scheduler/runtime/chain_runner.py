@@ -32,6 +32,7 @@ from . import accounting, buffers, distributed, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
+from .hf_outputs import outputs_not_captured
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
 
@@ -306,8 +307,9 @@ class ChainRunner:
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
         was, self.passthrough = self.passthrough, True
         try:
-            return measure_chain(stages, x0[0] if len(x0) == 1 else x0, loss=self.loss,
-                                 input_grad=grad_in, **self.measure_options)
+            with outputs_not_captured():  # inside the model's forward: not its outputs
+                return measure_chain(stages, x0[0] if len(x0) == 1 else x0, loss=self.loss,
+                                     input_grad=grad_in, **self.measure_options)
         finally:
             self.passthrough = was
             keep.restore()
@@ -519,7 +521,8 @@ class ChainRunner:
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True
         try:
-            return self.blocks[s](*args, **kwargs)
+            with outputs_not_captured():
+                return self.blocks[s](*args, **kwargs)
         finally:
             self.passthrough = was
 
