@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
+from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, hf_checkpointing, layerdrop,
+                        model_cache_off)
 from .tail import TailProbe
 
 NAME = "scheduler.checkpoint"
@@ -35,10 +36,11 @@ class Checkpointed:
     """What ``checkpoint`` installed on a model: the block lists and their runners."""
 
     def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner],
-                 tail: Optional[TailProbe] = None):
+                 tail: Optional[TailProbe] = None, hooks: Sequence[Any] = ()):
         self.lists = lists
         self.runners = runners
         self.tail = tail  # measures the model's tail as the chain's loss stage, or None
+        self.hooks = list(hooks)  # hf_guards.model_cache_off's pre-hooks on the lists' owners
 
     def stats(self) -> Dict[str, Any]:
         """Per block list: the runner's figures (plans, cache, last peak)."""
@@ -100,97 +102,22 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
     return found
 
 
-def layerdrop(model: nn.Module) -> List[str]:
-    """Where ``model`` keeps a LayerDrop probability above 0 (HF's encoders and decoders: a
-    module's own ``layerdrop``, read in its forward, or its config's ``layerdrop``,
-    ``encoder_layerdrop``, ``decoder_layerdrop``), as ``path=value``."""
-    found, configs = [], set()
-    for name, module in model.named_modules():
-        where = f"model.{name}" if name else "model"
-        value = module.__dict__.get("layerdrop")
-        if isinstance(value, float) and value > 0:
-            found.append(f"{where}.layerdrop={value}")
-        config = module.__dict__.get("config")
-        if config is None or id(config) in configs:
-            continue
-        configs.add(id(config))
-        for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
-            value = getattr(config, key, None)
-            if isinstance(value, float) and value > 0:
-                found.append(f"{where}.config.{key}={value}")
-    return found
+def _owner(model: nn.Module, name: str) -> Optional[nn.Module]:
+    """The module holding the list ``name``: the one whose forward loops over it."""
+    if not name:
+        return None
+    return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
 
 
 # ------------------------------------------------------------------------------ interception
-class _CacheGuard:
-    """Under a plan a block runs again in the backward: a KV cache it writes would be written
-    twice. As HF's own gradient checkpointing does, training steps run without the cache."""
-
-    # the cache's argument names across transformers versions (5.2x calls it `cache`); any
-    # other argument holding a transformers Cache is dropped too, whatever its name
-    NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
-    warned = False
-
-    @classmethod
-    def clean(cls, block: nn.Module, s: int, args: Tuple[Any, ...],
-              kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        if getattr(block, "_can_checkpoint_with_cache", False):
-            return args, kwargs
-        utils = sys.modules.get("transformers.cache_utils")
-        cache_cls = getattr(utils, "Cache", None) if utils else None
-
-        def is_cache(key: Optional[str], value: Any) -> bool:
-            if value is None:
-                return False
-            if cache_cls is not None and isinstance(value, cache_cls):
-                return True
-            return key in cls.NAMES
-
-        changed = False
-        if kwargs.get("use_cache"):
-            kwargs = dict(kwargs, use_cache=False)
-            changed = True
-        dropped = [(k, v) for k, v in kwargs.items() if is_cache(k, v)]
-        dropped += [(None, a) for a in args if is_cache(None, a)]
-        for key, value in dropped:
-            cls._check_empty(block, s, key, value)
-        if dropped:
-            kwargs = {k: (None if is_cache(k, v) else v) for k, v in kwargs.items()}
-            args = tuple(None if is_cache(None, a) else a for a in args)
-            changed = True
-        if changed and not cls.warned:
-            cls.warned = True
-            warnings.warn(f"{NAME}: training steps run the blocks without their KV cache "
-                          "(use_cache=False), as Hugging Face's gradient checkpointing does: "
-                          "a recomputed block would write it twice; the cache the model "
-                          "returns stays empty", stacklevel=4)
-        return args, kwargs
-
-    @staticmethod
-    def _check_empty(block: nn.Module, s: int, key: Optional[str], cache: Any) -> None:
-        """A cache that already holds positions (a prefix passed in) cannot be dropped without
-        changing the step's result: say so instead of training on something else."""
-        length = getattr(cache, "get_seq_length", None)
-        try:
-            held = int(length()) if callable(length) else 0
-        except Exception:  # a cache type that cannot say: nothing known to be lost
-            held = 0
-        if held > 0:
-            raise ValueError(
-                f"{NAME}: block {s} ({type(block).__name__}) got a KV cache "
-                f"({key or 'a positional argument'}) that already holds {held} positions in a "
-                "training step; the checkpointed blocks run without their cache (a recomputed "
-                "block would write it twice), so that prefix would be lost: train without a "
-                "past cache, or call scheduler.runtime.checkpoint.undo(model) first")
-
-
 class _BlockForward:
     """The instance ``forward`` of a checkpointed block: the call goes through the runner."""
 
     def __init__(self, runner: ChainRunner, s: int, block: nn.Module, original: Any,
-                 installed: bool):
+                 installed: bool, owner: Optional[nn.Module]):
         self.runner = runner
         self.s = s
+        self.owner = owner             # the module whose forward loops over the list
         self.original = original       # the forward to call (bound)
         self.installed = installed     # whether the block had its own instance forward
         self.thread: Optional[int] = None
@@ -212,16 +139,8 @@ class _BlockForward:
             step = r.current is not None
         if step:
             block = r.blocks[self.s]
-            if getattr(block, "gradient_checkpointing", False) and block.training:
-                # HF's checkpointing turned on after ours: each block would be checkpointed
-                # twice (its recomputation recomputed), costing time against the plan
-                raise RuntimeError(
-                    f"{NAME}: Hugging Face gradient checkpointing was turned on for block "
-                    f"{self.s} ({type(block).__name__}) after scheduler.checkpoint; call "
-                    "model.activation_checkpointing_disable() (transformers < 5.2x: "
-                    "gradient_checkpointing_disable()), and leave gradient_checkpointing out "
-                    "of the Trainer's TrainingArguments: the plan decides what is recomputed")
-            args, kwargs = _CacheGuard.clean(block, self.s, args, kwargs)
+            check_not_hf_checkpointed(block, self.owner, self.s)
+            args, kwargs = KVCacheGuard.clean(block, self.s, args, kwargs)
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
 
@@ -232,6 +151,8 @@ def undo(model: nn.Module) -> nn.Module:
         return model
     if done.tail is not None:
         done.tail.remove()
+    for hook in done.hooks:
+        hook.remove()
     for (_, lst), runner in zip(done.lists, done.runners):
         for block in lst:
             fwd = block.__dict__.get("forward")
@@ -276,36 +197,38 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     check_planner(planner, NAME)
     total = parse_budget(budget, NAME)
     parse_rate(bandwidth, NAME)
-    # transformers >= 5.2x names it activation checkpointing (the gradient_* names: deprecated)
-    new_names = hasattr(model, "is_activation_checkpointing")  # a PeftModel forwards it
-    if getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing",
-               False):
-        off = "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
+    off = hf_checkpointing(model)
+    if off:
         raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
                          f"call model.{off}() first, and leave gradient_checkpointing out of "
                          "the Trainer's TrainingArguments (the plan decides what is recomputed)")
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
-    skipping = layerdrop(model)
+    lists = find_blocks(model, blocks)
+    owners = [(name, _owner(model, name)) for name, _ in lists]
+    skipping = layerdrop([(f"model.{n.rpartition('.')[0]}" if "." in n else "model", o)
+                          for n, o in owners if o is not None])
     if skipping:
         raise ValueError(f"{NAME}: the model skips blocks at random in training (LayerDrop: "
                          f"{', '.join(skipping)}), and a plan runs every block; set each to 0")
     undo(model)  # calling again re-plans with the new arguments, never wraps twice
-    lists = find_blocks(model, blocks)
     n_all = sum(len(lst) for _, lst in lists)
     runners = []
-    for name, lst in lists:
+    for (name, lst), (_, owner) in zip(lists, owners):
         share = None if total is None else max(1, total * len(lst) // n_all)
         runner = ChainRunner(list(lst), share, planner, bandwidth, name=NAME, **options)
         runners.append(runner)
         for s, block in enumerate(lst):
             own = block.__dict__.get("forward")
             block.forward = _BlockForward(runner, s, block, own or block.forward,
-                                          installed=own is not None)
+                                          installed=own is not None, owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
     # profiling steps as the chain's loss stage, unless loss= says what that stage is
     tail = TailProbe(model, NAME) if "loss" not in options else None
     for runner in runners:
         runner.tail = tail
-    model.__dict__[_ATTR] = Checkpointed(lists, runners, tail)
+    # the KV cache off where the blocks' outputs are read: in the modules looping over them
+    unique = {id(o): o for _, o in owners if o is not None}.values()
+    hooks = [h for h in map(model_cache_off, unique) if h is not None]
+    model.__dict__[_ATTR] = Checkpointed(lists, runners, tail, hooks)
     return model

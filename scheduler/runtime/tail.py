@@ -494,19 +494,28 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
 
 def _read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
                   ) -> List[torch.Tensor]:
-    """The last block's outputs the tail reads itself. An output that feeds another output
-    inside the block (Bloom's block returns its attention probabilities beside the hidden
-    state computed from them) is not the tail's input: asking autograd for its gradient would
-    run the block's own backward."""
+    """The last block's outputs whose gradients the replay asks for: those the tail reads
+    itself and that feed no other output of the block. An output computed on the way to
+    another (BLOOM's attention probabilities, and transformers 4's MoE router logits, which
+    the tail's load-balancing loss reads too) would make autograd run the block's own
+    backward. A leaf output has no graph to enter: kept."""
     stops = [t.grad_fn for t in lasts]  # held: their ids are theirs for the whole walk
-    edge = {(id(fn), t.output_nr): k for k, (fn, t) in enumerate(zip(stops, lasts))}
-    read = {k for k, t in enumerate(lasts) if any(r is t for r in roots)}
-    for node in T.graph_nodes([t.grad_fn for t in roots], stops):
-        for fn, nr in node.next_functions:
-            k = edge.get((id(fn), nr))
-            if k is not None:
-                read.add(k)
-    return [t for k, t in enumerate(lasts) if k in read]
+    edge = {(id(fn), t.output_nr): k for k, (fn, t) in enumerate(zip(stops, lasts))
+            if fn is not None}
+
+    def reached(starts: Sequence[Any], stop: Sequence[Any]) -> Set[int]:
+        found = set()
+        for node in T.graph_nodes(starts, stop):
+            for fn, nr in node.next_functions:
+                k = edge.get((id(fn), nr))
+                if k is not None:
+                    found.add(k)
+        return found
+
+    read = reached([t.grad_fn for t in roots], stops)
+    read |= {k for k, t in enumerate(lasts) if t.grad_fn is None or any(r is t for r in roots)}
+    inner = reached(stops, ())  # consumed below another output: inside the block
+    return [t for k, t in enumerate(lasts) if k in read and k not in inner]
 
 
 def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
