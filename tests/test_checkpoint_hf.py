@@ -353,6 +353,22 @@ def test_a_non_hf_argument_named_cache_is_left_alone():
     assert runners(model)[0].last_stats.recomputed_forwards == 4
 
 
+def test_many_input_shapes_say_how_to_avoid_profiling_each():
+    """Dynamic padding under rotor profiles every new length (an extra forward and backward
+    of every block each): said once, at the 8th, naming the planners that predict shapes."""
+    ref, _ = make("gpt2")
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for length in range(4, 14):
+            ids = torch.randint(0, VOCAB, (2, length))
+            model(input_ids=ids, labels=ids).loss.backward()
+    ours = [str(w.message) for w in said if "chains measured" in str(w.message)]
+    assert len(ours) == 1 and "planner='mimose'" in ours[0] and "InputAwareChain" in ours[0]
+    assert runners(model)[0].stats()["chains_measured"] == 10
+
+
 def test_hf_checkpointing_turned_on_afterwards_raises():
     """HF's checkpointing on top of the plan would checkpoint every block twice (the plan's
     recomputations recomputed again): refused at the step, then fine once turned off."""

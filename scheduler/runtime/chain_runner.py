@@ -38,6 +38,7 @@ from .offload import Transfers
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
+MEASUREMENTS_SAID = 8  # chains measured (one per new input shape) before saying how to avoid it
 
 PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
 ChainArg = Union[None, Chain, Callable[..., Chain]]
@@ -243,6 +244,7 @@ class ChainRunner:
         self.last_plan: Optional[Plan] = None
         self.collections = 0
         self.profiling_steps = 0
+        self.measurements = 0  # chains measured (measure_chain), one per new plan key
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -303,6 +305,15 @@ class ChainRunner:
         except ImportError as e:
             raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
                                "measure_chain is not available in this build") from e
+        self.measurements += 1
+        if self.measurements == MEASUREMENTS_SAID:  # a slow step each, said once
+            warnings.warn(
+                f"{self.name}: {MEASUREMENTS_SAID} chains measured so far, one per new input "
+                "shape (or budget, train/eval mode, autocast state), each an extra forward and "
+                "backward of every block. For inputs whose shape changes from step to step "
+                "(dynamic padding), use planner='mimose' or chain=scheduler.runtime."
+                "input_aware.InputAwareChain(blocks), which predict new shapes from a few "
+                "measured ones, or pad to a few fixed lengths", stacklevel=2)
         keep = _PreservedState(self.blocks, x0)
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
         was, self.passthrough = self.passthrough, True
@@ -570,7 +581,8 @@ class ChainRunner:
         cache = self.mimose.cache if self.mimose is not None else self.cache
         out: Dict[str, Any] = {"planner": self.planner if isinstance(self.planner, str)
                                else type(self.planner).__name__, "budget": self._budget,
-                               "profiling_steps": self.profiling_steps}
+                               "profiling_steps": self.profiling_steps,
+                               "chains_measured": self.measurements}
         out.update(cache.stats())
         if self.last_stats is not None:
             out.update(last_peak_bytes=self.last_stats.peak_bytes,
