@@ -4,13 +4,14 @@ JSON line per case to ``OUT/rank<R>.jsonl`` as it goes (a hang or crash still le
 cases before it); ``tests/test_distributed.py`` starts the launches and reads the lines.
 
 A case is (model, runtime, parallel): the runtime is looked up in ``RUNTIMES`` (name ->
-how it wraps the model and runs a step), the parallel wrapper in ``PARALLEL``. For each step
+how it wraps the model and runs a step), the parallel wrapper in ``PARALLEL``; Hugging Face's
+Llama runs plain training and ``scheduler.checkpoint`` only (``HF_RUNTIMES``). For each step
 the case records a SHA-256 of every parameter's gradient on this rank (after the
 reduction), so the test compares a runtime against the plain run of the same model and
 parallel setup, per rank and per step, bit for bit, across launches.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_worker.py \\
-        OUT [--runtimes plain,swap,...] [--models cnn,transformer] [--parallel ddp,...] [--extra]
+        OUT [--runtimes plain,swap,...] [--models cnn,transformer,llama] [--parallel ddp,...]
 """
 from __future__ import annotations
 
@@ -85,7 +86,35 @@ class Net(nn.Module):
         return x
 
 
-def build(model: str) -> Net:
+class HFLlama(nn.Module):
+    """Hugging Face's Llama from a small config with its defaults (the KV cache on, so the
+    runner turns it off), attention dropout on: the logits out."""
+
+    block_path = "lm.model.layers"   # what scheduler.checkpoint's blocks= names
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=50, max_position_embeddings=64,
+            attention_dropout=0.1)
+        self.lm = transformers.LlamaForCausalLM(cfg)
+
+    @property
+    def blocks(self) -> nn.ModuleList:  # for FSDP2 per block
+        return self.lm.model.layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+HF_MODELS = ("llama",)
+HF_RUNTIMES = ("plain", "checkpoint-rotor", "checkpoint-pofo", "checkpoint-periodic",
+               "checkpoint-mimose")
+
+
+def build(model: str) -> nn.Module:
     torch.manual_seed(0)  # the same weights on every rank
     if model == "cnn":  # skips and BatchNorm
         return Net([nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
@@ -94,6 +123,8 @@ def build(model: str) -> Net:
         layers = [nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
                   for _ in range(4)]
         return Net([Embed(50, 32), *layers, Pool(32, 5, (1,))])
+    if model == "llama":
+        return HFLlama()
     raise ValueError(f"dist_worker: unknown model {model!r}")
 
 
@@ -109,8 +140,16 @@ def budget_for(model: str) -> int:
     input: a budget under which every planner must recompute (bytes: equal on every rank)."""
     net = build(model)
     x = batch(model, 0, SEQ_LENS.index(max(SEQ_LENS)))
-    chain = scheduler.profile.measure_chain(list(net.blocks), x, loss="sum", repeat=1,
-                                             input_grad=x.is_floating_point())
+    if model in HF_MODELS:  # its blocks take the model's masks and rotary tables: profiled
+        from scheduler.runtime.checkpoint import checkpointed
+        scheduler.checkpoint(net, 1 << 40, blocks=HFLlama.block_path,
+                             measure_options={"repeat": 1})
+        for _ in range(2):  # the profiling step, then a plan with the measured chain
+            net(x).float().pow(2).mean().backward()
+        chain = checkpointed(net).runners[0].last_plan.chain
+    else:
+        chain = scheduler.profile.measure_chain(list(net.blocks), x, loss="sum", repeat=1,
+                                                 input_grad=x.is_floating_point())
     full = scheduler.simulate(chain, M.plan_from_checkpoints(chain.L, [])).peak_memory
     floor = scheduler.simulate(chain, M.plan_from_checkpoints(chain.L, range(chain.L))).peak_memory
     return int((full + floor) / 2)
@@ -146,7 +185,8 @@ def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     def prepare(net: Net, budget: int) -> nn.Module:
         # blocks= names the list: the CNN's blocks are of different classes (no auto-detection)
         return scheduler.checkpoint(net, budget, planner=planner, bandwidth=BANDWIDTH,
-                                    blocks="blocks", on_chain=lambda c: CHAINS.append(c) or c)
+                                    blocks=getattr(net, "block_path", "blocks"),
+                                    on_chain=lambda c: CHAINS.append(c) or c)
     return prepare
 
 
@@ -158,7 +198,8 @@ RUNTIMES: Dict[str, Runtime] = {
                     lambda: scheduler.swap(window="64KiB", device="cpu", min_bytes=0)),
     **{f"wrap-{p}": Runtime(_wrap(p)) for p in ("rotor", "pofo", "mimose")},
     "wrap-rotor-input-aware": Runtime(_input_aware),
-    **{f"checkpoint-{p}": Runtime(_checkpoint(p)) for p in ("rotor", "pofo", "mimose")},
+    **{f"checkpoint-{p}": Runtime(_checkpoint(p))
+       for p in ("rotor", "pofo", "periodic", "mimose")},
 }
 
 
@@ -236,6 +277,11 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
     if CHAINS:   # what the step held beside the chain, as the last planned-on chain counts it
         rec["outside"] = CHAINS[-1].meta.get("outside")
+    from scheduler.runtime.checkpoint import checkpointed
+    done = checkpointed(inner)
+    if done is not None:  # scheduler.checkpoint: the last step's recomputations and offloads
+        rec["recomputed"] = sum(r.last_stats.recomputed_forwards for r in done.runners)
+        rec["offloaded"] = sum(r.last_stats.offloaded for r in done.runners)
     return rec
 
 
@@ -265,7 +311,7 @@ def agreement_checks(rank: int) -> Dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--models", default="cnn,transformer")
+    ap.add_argument("--models", default="cnn,transformer,llama")
     ap.add_argument("--runtimes", default="plain")
     ap.add_argument("--parallel", default=",".join(PARALLEL))
     ap.add_argument("--agreement", action="store_true")
@@ -287,6 +333,8 @@ def main() -> None:
         for model in args.models.split(","):
             budget = budget_for(model)
             for runtime in args.runtimes.split(","):
+                if model in HF_MODELS and runtime not in HF_RUNTIMES:
+                    continue
                 for parallel in args.parallel.split(","):
                     try:
                         rec = run_case(model, runtime, parallel, budget, rank)

@@ -1,10 +1,10 @@
 """Several processes (issue 15): DDP and FSDP2 under torchrun with 2 gloo ranks on localhost,
-with every runtime, gradients per rank and step bit-identical to the plain run of the same
+with every runtime (Hugging Face's Llama, its KV cache on by default: scheduler.checkpoint), gradients per rank and step bit-identical to the plain run of the same
 setup, plans agreeing across ranks, and one vmalloc report per rank (none from the launcher).
 
 Two launches of ``tests/dist_worker.py`` run every case (a launch costs seconds of start-up,
 so cases are batched): the first with ``VMALLOC_REPORT=<tmp>/frag.json`` runs plain training,
-``scheduler.swap``, ``scheduler.wrap`` and ``scheduler.checkpoint`` (rotor, pofo, mimose);
+``scheduler.swap``, ``scheduler.wrap`` and ``scheduler.checkpoint`` (rotor, pofo, periodic, mimose);
 the second runs plain training with ``VMALLOC_WINDOW`` (the global byte window) and
 ``VMALLOC_REPORT=-``. Each launch is bounded by a timeout that kills the whole process group.
 
@@ -34,10 +34,10 @@ needs_autoload = pytest.mark.skipif(not AUTOLOAD, reason="user site-packages dis
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 LAUNCH_TIMEOUT_S = 300
-MODELS = ("cnn", "transformer")
+MODELS = ("cnn", "transformer", "llama")
 MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
                  "wrap-rotor-input-aware", "checkpoint-rotor", "checkpoint-pofo",
-                 "checkpoint-mimose")
+                 "checkpoint-periodic", "checkpoint-mimose")
 WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
 
 # (runtime, parallel) pairs that cannot work yet, each with the reason (strict xfail: fixing one
@@ -126,6 +126,8 @@ def runs(tmp_path_factory) -> Dict[str, dict]:
 def _case_params():
     for model in MODELS:
         for runtime in (*MAIN_RUNTIMES[1:], "window"):
+            if model in W.HF_MODELS and runtime not in W.HF_RUNTIMES:
+                continue
             for parallel in W.PARALLEL:
                 marks = []
                 reason = KNOWN_BROKEN.get((runtime, parallel))
@@ -150,6 +152,10 @@ def test_gradients_match_plain_per_rank_and_step(runs, model, runtime, parallel)
             assert got["losses"] == want["losses"], f"rank {rank} step {step}: losses differ"
             assert got["sha"] == want["sha"], f"rank {rank} step {step}: gradients differ"
         assert len(rec["steps"]) == len(ref["steps"]) == W.STEPS
+        if runtime.startswith("checkpoint-") and not runtime.endswith("mimose"):
+            # the budget is half way (budget_for): the plan recomputes or offloads (Mimose
+            # still collects)
+            assert rec["recomputed"] + rec["offloaded"] > 0, f"rank {rank}: the plan kept all"
 
 
 def test_plans_agree_across_ranks(runs):
