@@ -64,7 +64,9 @@ def configs(quick: bool) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple
     import transformers as T
     layers, hidden, heads, seq = (2, 64, 4, 32) if quick else (6, 128, 4, 256)
     vocab = 512
-    common = dict(attn_implementation="eager")
+    # use_cache=False: every method trains without the KV cache (checkpointing turns it off;
+    # plain training with it on would also hold the cache's copies of keys and values)
+    common = dict(attn_implementation="eager", use_cache=False)
     return {
         "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
             n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
