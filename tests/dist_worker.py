@@ -279,7 +279,13 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["outside"] = CHAINS[-1].meta.get("outside")
     from scheduler.runtime.checkpoint import checkpointed
     done = checkpointed(inner)
-    if done is not None:  # scheduler.checkpoint: the last step's recomputations and offloads
+    if done is not None:
+        # scheduler.checkpoint: what a planned step does (the recorded steps may all be
+        # profiling steps: a new sequence length each): step 0's shape again, unrecorded
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(rank)
+        with rt.context():
+            wrapped(batch(model, rank, 0)).float().pow(2).mean().backward()
         rec["recomputed"] = sum(r.last_stats.recomputed_forwards for r in done.runners)
         rec["offloaded"] = sum(r.last_stats.offloaded for r in done.runners)
     return rec
@@ -341,7 +347,12 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001 - recorded, the test decides
                         rec = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
                                "trace": traceback.format_exc(limit=4)}
-                        dist.barrier()   # both ranks leave the failed case together
+                    # both ranks leave every case together, failed or not: a barrier on the
+                    # failed rank alone would pair with the other's next collective
+                    failed = torch.tensor([int(rec["status"] != "ok")])
+                    dist.all_reduce(failed)
+                    if failed.item() and rec["status"] == "ok":
+                        rec["other_rank_failed"] = True
                     emit({"case": f"{model}/{runtime}/{parallel}", **rec})
         # not dist.destroy_process_group(): a rank could abort at exit (see shutdown)
         shutdown()

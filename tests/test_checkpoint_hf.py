@@ -302,6 +302,38 @@ def test_kv_cache_on_training_runs_without_it(name, monkeypatch):
             assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
 
 
+def test_kv_cache_off_in_eval_with_gradients_and_by_position():
+    """The runner steps whenever gradients are wanted, eval mode included (saliency, or
+    fine-tuning without dropout): the cache is off there too, and when use_cache comes by
+    position to the module looping over the blocks."""
+    ref, batch = with_cache("llama")
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, budgets("llama")[0], "rotor", measure_options=FAST)
+    ref.eval(), model.eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without their KV cache")
+        for seed in range(3):
+            assert_same(ref, model, step(ref, dict(batch, use_cache=False), seed),
+                        step(model, batch, seed), f"eval step {seed}")
+        assert runners(model)[0].last_stats.recomputed_forwards > 0
+        ref.train(), model.train()
+        ids = batch["input_ids"]
+        try:  # transformers 5.2x's own decorators refuse use_cache by position
+            ref.model(ids, None, None, None, None, False)
+        except TypeError:
+            return
+        for seed in range(3, 5):
+            got = []
+            for m, on in ((ref, False), (model, True)):  # (ids, mask, positions, cache, embeds, use_cache)
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                out = m.model(ids, None, None, None, None, on)
+                out.last_hidden_state.square().mean().backward()
+                got.append(out.last_hidden_state.detach())
+            assert torch.equal(*got), f"by position, step {seed}"
+        assert runners(model)[0].last_stats.recomputed_forwards > 0
+
+
 def test_prefix_kv_cache_in_training_raises():
     """A cache that already holds positions cannot be dropped without training on something
     else: refused, naming the block and how many positions it held."""
@@ -335,7 +367,8 @@ class CachedLoop(nn.Module):
         self.layers = nn.ModuleList(Cached() for _ in range(4))
         self.register_buffer("bias", torch.randn(8))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_cache: bool = True) -> torch.Tensor:
+        self.use_cache = use_cache  # its own meaning: not turned off for it
         for layer in self.layers:
             x = layer(x, cache=self.bias)
         return x.square().mean()
@@ -351,6 +384,7 @@ def test_a_non_hf_argument_named_cache_is_left_alone():
         m(x).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
     assert runners(model)[0].last_stats.recomputed_forwards == 4
+    assert model.use_cache is True
 
 
 def test_many_input_shapes_say_how_to_avoid_profiling_each():
@@ -364,9 +398,21 @@ def test_many_input_shapes_say_how_to_avoid_profiling_each():
         for length in range(4, 14):
             ids = torch.randint(0, VOCAB, (2, length))
             model(input_ids=ids, labels=ids).loss.backward()
-    ours = [str(w.message) for w in said if "chains measured" in str(w.message)]
+    ours = [str(w.message) for w in said if "input shapes so far" in str(w.message)]
     assert len(ours) == 1 and "planner='mimose'" in ours[0] and "InputAwareChain" in ours[0]
     assert runners(model)[0].stats()["chains_measured"] == 10
+    # new budgets on one shape measure again (the plan key holds the budget), but say nothing
+    model, _ = make("gpt2")
+    scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
+    (runner,) = runners(model)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k in range(10):
+            runner.budget = (k + 1) << 30
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert runner.stats()["chains_measured"] == 10
+    assert not [w for w in said if "input shapes so far" in str(w.message)]
 
 
 def test_hf_checkpointing_turned_on_afterwards_raises():

@@ -103,7 +103,14 @@ def read_cases(out: str) -> Dict[int, Dict[str, dict]]:
         path = os.path.join(out, f"rank{rank}.jsonl")
         if os.path.exists(path):
             with open(path) as f:
-                got[rank] = {r["case"]: r for r in map(json.loads, f)}
+                lines = f.read().splitlines()
+            recs = []
+            for line in lines:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:  # the last line, cut short by a kill
+                    recs.append({"case": "cut-short", "line": line[:200]})
+            got[rank] = {r["case"]: r for r in recs}
     return got
 
 

@@ -342,6 +342,44 @@ def test_tail_replay_never_enters_the_last_block(aux):
     assert chains and "failed" not in chains[0].meta.get("tail", {"failed": "not measured"})
 
 
+class Viewed(nn.Module):
+    """A block returning its output and a view of it (reshaped for the next stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor):
+        h = torch.tanh(self.lin(h))
+        return h, h.view(-1, 2, 4)
+
+
+class ViewedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Viewed() for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x, _ = layer(x)
+        return self.head(x).square().mean()
+
+
+def test_an_output_viewed_by_another_is_still_the_tails_input():
+    """A view's backward reads nothing saved: the output it views is still asked for, and
+    the tail is measured (not the stand-in)."""
+    torch.manual_seed(0)
+    model = ViewedModel()
+    chains: List[Any] = []
+    scheduler.checkpoint(model, 1 << 30, "rotor", measure_options=FAST,
+                         on_chain=lambda c: chains.append(c) or c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(4, 8)).backward()
+    assert chains and "tail" in chains[0].meta and "failed" not in chains[0].meta["tail"]
+
+
 def test_wrap_and_loss_option_keep_their_loss_stage():
     blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
     chains: List[Any] = []

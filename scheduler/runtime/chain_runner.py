@@ -38,7 +38,7 @@ from .offload import Transfers
 
 PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
-MEASUREMENTS_SAID = 8  # chains measured (one per new input shape) before saying how to avoid it
+MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 
 PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
 ChainArg = Union[None, Chain, Callable[..., Chain]]
@@ -245,6 +245,8 @@ class ChainRunner:
         self.collections = 0
         self.profiling_steps = 0
         self.measurements = 0  # chains measured (measure_chain), one per new plan key
+        self._shapes_measured: set = set()  # ... and the input signatures among them
+        self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -306,11 +308,13 @@ class ChainRunner:
             raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
                                "measure_chain is not available in this build") from e
         self.measurements += 1
-        if self.measurements == MEASUREMENTS_SAID:  # a slow step each, said once
+        self._shapes_measured.add(signature(x0, {}))
+        if len(self._shapes_measured) >= MEASUREMENTS_SAID and not self._said_shapes:
+            self._said_shapes = True
             warnings.warn(
-                f"{self.name}: {MEASUREMENTS_SAID} chains measured so far, one per new input "
-                "shape (or budget, train/eval mode, autocast state), each an extra forward and "
-                "backward of every block. For inputs whose shape changes from step to step "
+                f"{self.name}: chains measured for {MEASUREMENTS_SAID} input shapes so far, "
+                "each an extra forward and backward of every block. For inputs whose shape "
+                "changes from step to step "
                 "(dynamic padding), use planner='mimose' or chain=scheduler.runtime."
                 "input_aware.InputAwareChain(blocks), which predict new shapes from a few "
                 "measured ones, or pad to a few fixed lengths", stacklevel=2)

@@ -99,10 +99,14 @@ def _check_empty(block: nn.Module, s: int, key: Optional[str], cache: Any) -> No
 
 
 def model_cache_off(model: nn.Module) -> Optional[Any]:
-    """A forward pre-hook on ``model`` (a module looping over checkpointed blocks) that passes
-    ``use_cache=False`` in a training step (the handle; ``None`` if its forward takes no
-    ``use_cache``), as HF's checkpointing does at the model level: transformers 4 reads its
-    blocks' outputs by position, which a block asked alone for no cache shortens."""
+    """A forward pre-hook on ``model`` (a transformers module looping over checkpointed
+    blocks) that passes ``use_cache=False`` whenever the runner may step (gradients enabled
+    and a parameter that wants one, train or eval mode alike); the handle, or ``None`` if the
+    module is not HF's or its forward takes no ``use_cache``. As HF's checkpointing does at the
+    model level: transformers 4 reads its blocks' outputs by position, which a block asked
+    alone for no cache shortens."""
+    if not is_hf(model):  # a user's own loop: its use_cache means what it means there
+        return None
     try:
         params = list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
@@ -113,14 +117,20 @@ def model_cache_off(model: nn.Module) -> Optional[Any]:
 
     def hook(module: nn.Module, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-        if not (module.training and torch.is_grad_enabled()) or len(args) > position:
+        if not torch.is_grad_enabled() or \
+                not any(p.requires_grad for p in module.parameters()):
             return None
-        wanted = kwargs.get("use_cache")
+        if len(args) > position:  # passed by position
+            wanted = args[position]
+            args = args[:position] + (False,) + args[position + 1:]
+        else:
+            wanted = kwargs.get("use_cache")
+            kwargs = dict(kwargs, use_cache=False)
         if wanted is None:
             wanted = getattr(getattr(module, "config", None), "use_cache", False)
         if wanted:
             KVCacheGuard.say()
-        return args, dict(kwargs, use_cache=False)
+        return args, kwargs
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -495,27 +495,51 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
 def _read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
                   ) -> List[torch.Tensor]:
     """The last block's outputs whose gradients the replay asks for: those the tail reads
-    itself and that feed no other output of the block. An output computed on the way to
-    another (BLOOM's attention probabilities, and transformers 4's MoE router logits, which
-    the tail's load-balancing loss reads too) would make autograd run the block's own
-    backward. A leaf output has no graph to enter: kept."""
+    itself, less those another output is computed from by ops that saved tensors (BLOOM's
+    attention probabilities, transformers 4's MoE router logits, which the tail's
+    load-balancing loss reads too): asking for their gradient would run the block's own
+    backward. An output that is only a view of another is kept (a view's backward reads
+    nothing saved), as is a leaf output (no graph to enter). If that leaves nothing, every
+    output the tail reads: the replay then says why it cannot measure."""
     stops = [t.grad_fn for t in lasts]  # held: their ids are theirs for the whole walk
     edge = {(id(fn), t.output_nr): k for k, (fn, t) in enumerate(zip(stops, lasts))
             if fn is not None}
+    read = {k for k, t in enumerate(lasts) if t.grad_fn is None or any(r is t for r in roots)}
+    for node in T.graph_nodes([t.grad_fn for t in roots], stops):
+        read.update(k for k in (edge.get((id(fn), nr)) for fn, nr in node.next_functions)
+                    if k is not None)
+    inner = _computed_from(stops, edge)
+    kept = [t for k, t in enumerate(lasts) if k in read and k not in inner]
+    return kept or [t for k, t in enumerate(lasts) if k in read]
 
-    def reached(starts: Sequence[Any], stop: Sequence[Any]) -> Set[int]:
-        found = set()
-        for node in T.graph_nodes(starts, stop):
-            for fn, nr in node.next_functions:
-                k = edge.get((id(fn), nr))
-                if k is not None:
-                    found.add(k)
-        return found
 
-    read = reached([t.grad_fn for t in roots], stops)
-    read |= {k for k, t in enumerate(lasts) if t.grad_fn is None or any(r is t for r in roots)}
-    inner = reached(stops, ())  # consumed below another output: inside the block
-    return [t for k, t in enumerate(lasts) if k in read and k not in inner]
+def _computed_from(stops: Sequence[Any], edge: Dict[Tuple[int, int], int]) -> Set[int]:
+    """The outputs (``edge`` keys: node id, output number) that another output's graph reaches
+    through a node that saved tensors (its backward would unpack them)."""
+    found: Set[int] = set()
+    held = list(stops)  # nodes seen stay alive: their ids stay theirs (see T.graph_nodes)
+    seen: Set[Tuple[int, bool]] = set()
+    todo = [(fn, False) for fn in stops if fn is not None]
+    while todo:
+        node, saving = todo.pop()
+        saving = saving or _saves(node)
+        if (id(node), saving) in seen:
+            continue
+        seen.add((id(node), saving))
+        held.append(node)
+        for fn, nr in node.next_functions:
+            if fn is None:
+                continue
+            k = edge.get((id(fn), nr))
+            if k is not None and saving:
+                found.add(k)
+            todo.append((fn, saving))
+    return found
+
+
+def _saves(node: Any) -> bool:
+    """Whether an autograd node's backward reads tensors saved in the forward."""
+    return any(name.startswith("_raw_saved_") for name in dir(node))
 
 
 def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
