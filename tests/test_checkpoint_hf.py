@@ -415,6 +415,21 @@ def test_many_input_shapes_say_how_to_avoid_profiling_each():
     assert not [w for w in said if "input shapes so far" in str(w.message)]
 
 
+def test_a_legacy_prefix_cache_is_refused_too():
+    """transformers 4's blocks take the cache as tuples of key and value tensors: one that
+    holds positions is refused like a Cache; an empty one is dropped."""
+    from scheduler.runtime.hf_guards import KVCacheGuard
+    block = type("Block", (nn.Linear,), {"__module__": "transformers.models.fake"})(2, 2)
+    full = (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="block 1 .*already holds 3 positions"):
+        KVCacheGuard.clean(block, 1, (), {"layer_past": full})
+    empty = (torch.zeros(1, 2, 0, 4), torch.zeros(1, 2, 0, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args, kwargs = KVCacheGuard.clean(block, 1, (), {"layer_past": empty, "use_cache": True})
+    assert kwargs == {"layer_past": None, "use_cache": False}
+
+
 def test_hf_checkpointing_turned_on_afterwards_raises():
     """HF's checkpointing on top of the plan would checkpoint every block twice (the plan's
     recomputations recomputed again): refused at the step, then fine once turned off."""

@@ -308,9 +308,11 @@ class ChainRunner:
             raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
                                "measure_chain is not available in this build") from e
         self.measurements += 1
-        self._shapes_measured.add(signature(x0, {}))
+        if not self._said_shapes:  # (then nothing more to count: the set stays small)
+            self._shapes_measured.add(signature(x0, {}))
         if len(self._shapes_measured) >= MEASUREMENTS_SAID and not self._said_shapes:
             self._said_shapes = True
+            self._shapes_measured.clear()
             warnings.warn(
                 f"{self.name}: chains measured for {MEASUREMENTS_SAID} input shapes so far, "
                 "each an extra forward and backward of every block. For inputs whose shape "

@@ -83,12 +83,8 @@ class KVCacheGuard:
 
 
 def _check_empty(block: nn.Module, s: int, key: Optional[str], cache: Any) -> None:
-    length = getattr(cache, "get_seq_length", None)
-    try:
-        held = int(length()) if callable(length) else 0
-    except Exception:  # a cache type that cannot say: nothing known to be lost
-        held = 0
-    if held > 0:
+    held = _positions(cache)
+    if held:
         raise ValueError(
             f"{NAME}: block {s} ({type(block).__name__}) got a KV cache "
             f"({key or 'a positional argument'}) that already holds {held} positions in a "
@@ -96,6 +92,22 @@ def _check_empty(block: nn.Module, s: int, key: Optional[str], cache: Any) -> No
             "block would write it twice), so that prefix would be lost: train without a past "
             "cache (peft's prefix tuning passes one), or call "
             "scheduler.runtime.checkpoint.undo(model) first")
+
+
+def _positions(cache: Any) -> int:
+    """How many positions a cache holds: a transformers Cache says; a legacy one (tuples of
+    key and value tensors, batch x heads x positions x dim) by its tensors' shapes."""
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        try:
+            return int(length())
+        except Exception:  # a cache type that cannot say: nothing known to be lost
+            return 0
+    if isinstance(cache, torch.Tensor):
+        return int(cache.shape[-2]) if cache.dim() >= 2 and cache.numel() else 0
+    if isinstance(cache, (tuple, list)):
+        return max((_positions(c) for c in cache), default=0)
+    return 0
 
 
 def model_cache_off(model: nn.Module) -> Optional[Any]:

@@ -518,15 +518,18 @@ def _computed_from(stops: Sequence[Any], edge: Dict[Tuple[int, int], int]) -> Se
     through a node that saved tensors (its backward would unpack them)."""
     found: Set[int] = set()
     held = list(stops)  # nodes seen stay alive: their ids stay theirs (see T.graph_nodes)
+    saves: Dict[int, bool] = {}
     seen: Set[Tuple[int, bool]] = set()
     todo = [(fn, False) for fn in stops if fn is not None]
     while todo:
         node, saving = todo.pop()
-        saving = saving or _saves(node)
+        if id(node) not in saves:
+            saves[id(node)] = _saves(node)
+            held.append(node)
+        saving = saving or saves[id(node)]
         if (id(node), saving) in seen:
             continue
         seen.add((id(node), saving))
-        held.append(node)
         for fn, nr in node.next_functions:
             if fn is None:
                 continue
