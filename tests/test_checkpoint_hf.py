@@ -401,17 +401,24 @@ def test_many_input_shapes_say_how_to_avoid_profiling_each():
     ours = [str(w.message) for w in said if "input shapes so far" in str(w.message)]
     assert len(ours) == 1 and "planner='mimose'" in ours[0] and "InputAwareChain" in ours[0]
     assert runners(model)[0].stats()["chains_measured"] == 10
-    # new budgets on one shape measure again (the plan key holds the budget), but say nothing
-    model, _ = make("gpt2")
+    # new budgets on one shape plan on the chain measured for it: no measurement, no word
+    ref, batch = make("gpt2")
+    model = copy.deepcopy(ref)
     scheduler.checkpoint(model, "1GiB", "rotor", measure_options=FAST)
     (runner,) = runners(model)
-    ids = torch.randint(0, VOCAB, (2, 8))
+    low = None
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        for k in range(10):
-            runner.budget = (k + 1) << 30
-            model(input_ids=ids, labels=ids).loss.backward()
-    assert runner.stats()["chains_measured"] == 10
+        for seed in range(6):
+            if seed >= 2:  # from rotor's smallest budget up
+                low = low or rotor.min_memory(runner.last_plan.chain)
+                runner.budget = int(low * (1.1 + 0.3 * (seed - 2)))
+            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+                        f"budget step {seed}")
+            if seed >= 2:
+                assert runner.last_plan.planner == "rotor"
+    assert runner.stats()["chains_measured"] == 1 and runner.stats()["profiling_steps"] == 1
+    assert runner.stats()["misses"] == 5  # a plan per budget (and the first)
     assert not [w for w in said if "input shapes so far" in str(w.message)]
 
 

@@ -41,6 +41,13 @@ MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tai
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 
 PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
+
+
+def _shape_of(key: Hashable) -> Hashable:
+    """A plan key (``ChainRunner._key``: signature, budget, train mode, autocast state) less
+    its budget: what a measured chain depends on."""
+    signature_, _budget, training, autocast = key  # type: ignore[misc]
+    return signature_, training, autocast
 ChainArg = Union[None, Chain, Callable[..., Chain]]
 
 
@@ -247,6 +254,7 @@ class ChainRunner:
         self.measurements = 0  # chains measured (measure_chain), one per new plan key
         self._shapes_measured: set = set()  # ... and the input signatures among them
         self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
+        self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -354,6 +362,7 @@ class ChainRunner:
                                  if measured and isinstance(out, dict) else None)
             return
         chain = self._check_chain(chain, agree_on=agree_on)
+        self._remember(key, chain)
         self.cache.get_or_plan(key, lambda: self._make(chain, device))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
@@ -390,12 +399,23 @@ class ChainRunner:
         key = self._key(args, kwargs)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
-        chain = self._chain_for(args, kwargs)
+        # a new budget for a shape measured before plans on that chain (no measurement)
+        chain = self._measured.get(_shape_of(key)) if self.chain_source is None else None
+        if chain is None:
+            chain = self._chain_for(args, kwargs)
+            if chain is not None and self.chain_source is None:  # measured (a bare chain)
+                self._remember(key, chain)
         if chain is None:  # checkpoint every block while the chain is measured on this step
             return self._compile(plan_from_checkpoints(self.L, range(self.L),
                                                        planner="profile")), key
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
         return self.cache.get_or_plan(key, lambda: self._make(chain, dev)), None
+
+    def _remember(self, key: Hashable, chain: Chain) -> None:
+        """Keep a measured chain for its shape (the plan key less the budget)."""
+        if len(self._measured) >= 4 * self.cache.capacity:
+            self._measured.clear()
+        self._measured[_shape_of(key)] = chain
 
     def _plan_mimose(self, args: Sequence[Any]) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
         size = self.input_size(args)
@@ -472,6 +492,7 @@ class ChainRunner:
             if step.collector is not None:  # FSDP: measured forward-only (``_begin``)
                 chain = self._check_chain(_with_outside(chain_from_estimate(
                     _collected(step), name="forward-measured"), step), agree_on=key)
+                self._remember(key, chain)
                 self.cache.get_or_plan(key, lambda: self._make(chain, dev))
                 return
             chain, agree_on = self._measure_step(step)
