@@ -31,6 +31,7 @@ from torch import nn
 
 import scheduler
 from scheduler.planners import mimose as M
+from scheduler.runtime.checkpoint import checkpointed
 from scheduler.runtime.distributed import shutdown
 
 STEPS = 2
@@ -114,6 +115,11 @@ HF_RUNTIMES = ("plain", "checkpoint-rotor", "checkpoint-pofo", "checkpoint-perio
                "checkpoint-mimose")
 
 
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    """The loss every case trains on (the models' outputs squared, averaged)."""
+    return out.float().pow(2).mean()
+
+
 def build(model: str) -> nn.Module:
     torch.manual_seed(0)  # the same weights on every rank
     if model == "cnn":  # skips and BatchNorm
@@ -141,11 +147,10 @@ def budget_for(model: str) -> int:
     net = build(model)
     x = batch(model, 0, SEQ_LENS.index(max(SEQ_LENS)))
     if model in HF_MODELS:  # its blocks take the model's masks and rotary tables: profiled
-        from scheduler.runtime.checkpoint import checkpointed
         scheduler.checkpoint(net, 1 << 40, blocks=HFLlama.block_path,
                              measure_options={"repeat": 1})
         for _ in range(2):  # the profiling step, then a plan with the measured chain
-            net(x).float().pow(2).mean().backward()
+            loss_of(net(x)).backward()
         chain = checkpointed(net).runners[0].last_plan.chain
     else:
         chain = scheduler.profile.measure_chain(list(net.blocks), x, loss="sum", repeat=1,
@@ -263,7 +268,7 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
             sync = wrapped.no_sync() if k < micro - 1 else nullcontext()
             with sync, rt.context():
                 out = wrapped(batch(model, rank, step, k))
-                loss = out.float().pow(2).mean()
+                loss = loss_of(out)
                 loss.backward()
             losses.append(loss.item())
         steps.append({"losses": losses, **grad_digest(wrapped)})
@@ -277,7 +282,6 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
     if CHAINS:   # what the step held beside the chain, as the last planned-on chain counts it
         rec["outside"] = CHAINS[-1].meta.get("outside")
-    from scheduler.runtime.checkpoint import checkpointed
     done = checkpointed(inner)
     if done is not None:
         # scheduler.checkpoint: what a planned step does (the recorded steps may all be
@@ -285,7 +289,7 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(rank)
         with rt.context():
-            wrapped(batch(model, rank, 0)).float().pow(2).mean().backward()
+            loss_of(wrapped(batch(model, rank, 0))).backward()
         rec["recomputed"] = sum(r.last_stats.recomputed_forwards for r in done.runners)
         rec["offloaded"] = sum(r.last_stats.offloaded for r in done.runners)
     return rec

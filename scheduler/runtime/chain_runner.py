@@ -41,6 +41,7 @@ MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tai
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 
 PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
+ChainArg = Union[None, Chain, Callable[..., Chain]]
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -48,7 +49,6 @@ def _shape_of(key: Hashable) -> Hashable:
     its budget: what a measured chain depends on."""
     signature_, _budget, training, autocast = key  # type: ignore[misc]
     return signature_, training, autocast
-ChainArg = Union[None, Chain, Callable[..., Chain]]
 
 
 # ------------------------------------------------------------------------------ planning
@@ -251,10 +251,9 @@ class ChainRunner:
         self.last_plan: Optional[Plan] = None
         self.collections = 0
         self.profiling_steps = 0
-        self.measurements = 0  # chains measured (measure_chain), one per new plan key
-        self._shapes_measured: set = set()  # ... and the input signatures among them
-        self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
+        self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
+        self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -316,18 +315,6 @@ class ChainRunner:
             raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
                                "measure_chain is not available in this build") from e
         self.measurements += 1
-        if not self._said_shapes:  # (then nothing more to count: the set stays small)
-            self._shapes_measured.add(signature(x0, {}))
-        if len(self._shapes_measured) >= MEASUREMENTS_SAID and not self._said_shapes:
-            self._said_shapes = True
-            self._shapes_measured.clear()
-            warnings.warn(
-                f"{self.name}: chains measured for {MEASUREMENTS_SAID} input shapes so far, "
-                "each an extra forward and backward of every block. For inputs whose shape "
-                "changes from step to step "
-                "(dynamic padding), use planner='mimose' or chain=scheduler.runtime."
-                "input_aware.InputAwareChain(blocks), which predict new shapes from a few "
-                "measured ones, or pad to a few fixed lengths", stacklevel=2)
         keep = _PreservedState(self.blocks, x0)
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
         was, self.passthrough = self.passthrough, True
@@ -412,10 +399,21 @@ class ChainRunner:
         return self.cache.get_or_plan(key, lambda: self._make(chain, dev)), None
 
     def _remember(self, key: Hashable, chain: Chain) -> None:
-        """Keep a measured chain for its shape (the plan key less the budget)."""
+        """Keep a measured chain for its shape (the plan key less the budget); at the
+        MEASUREMENTS_SAID-th input signature, say how to avoid a measurement per shape."""
         if len(self._measured) >= 4 * self.cache.capacity:
             self._measured.clear()
         self._measured[_shape_of(key)] = chain
+        if not self._said_shapes and \
+                len({shape[0] for shape in self._measured}) >= MEASUREMENTS_SAID:
+            self._said_shapes = True
+            warnings.warn(
+                f"{self.name}: chains measured for {MEASUREMENTS_SAID} input shapes so far, "
+                "each an extra forward and backward of every block. For inputs whose shape "
+                "changes from step to step (dynamic padding), use planner='mimose' or "
+                "chain=scheduler.runtime.input_aware.InputAwareChain(blocks), which predict "
+                "new shapes from a few measured ones, or pad to a few fixed lengths",
+                stacklevel=2)
 
     def _plan_mimose(self, args: Sequence[Any]) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
         size = self.input_size(args)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
-from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, hf_checkpointing, layerdrop,
-                        model_cache_off)
+from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
+                        refuse_hf_checkpointing)
 from .tail import TailProbe
 
 NAME = "scheduler.checkpoint"
@@ -197,11 +197,7 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     check_planner(planner, NAME)
     total = parse_budget(budget, NAME)
     parse_rate(bandwidth, NAME)
-    off = hf_checkpointing(model)
-    if off:
-        raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
-                         f"call model.{off}() first, and leave gradient_checkpointing out of "
-                         "the Trainer's TrainingArguments (the plan decides what is recomputed)")
+    refuse_hf_checkpointing(model)
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
     lists = find_blocks(model, blocks)

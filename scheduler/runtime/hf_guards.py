@@ -6,8 +6,8 @@ follows, across transformers 4.4x to 5.x):
   no cache at all (``model_cache_off``: a forward pre-hook), and each block's call loses any
   cache argument left (``KVCacheGuard.clean``); a cache that already holds positions (a prefix
   passed in) is refused, since dropping it would train on something else;
-- HF's own checkpointing, on at the call or turned on afterwards (``hf_checkpointing``): every
-  block would be checkpointed twice;
+- HF's own checkpointing, on at the call (``refuse_hf_checkpointing``) or turned on afterwards
+  (``check_not_hf_checkpointed``): every block would be checkpointed twice;
 - LayerDrop (``layerdrop``): blocks skipped at random, which no plan over every block follows.
 
 Nothing here imports transformers: a model that is not HF's passes through untouched."""
@@ -147,14 +147,20 @@ def model_cache_off(model: nn.Module) -> Optional[Any]:
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def hf_checkpointing(model: nn.Module) -> Optional[str]:
-    """The call that turns HF's own checkpointing off if it is on for ``model``, else None
-    (transformers 5.2x names it activation checkpointing; the gradient_* names: deprecated)."""
+def _turn_hf_checkpointing_off(call: str) -> str:
+    return (f"call {call}, and leave gradient_checkpointing out of the Trainer's "
+            "TrainingArguments: the plan decides what is recomputed")
+
+
+def refuse_hf_checkpointing(model: nn.Module) -> None:
+    """Refuse a model whose HF checkpointing is on at the call (transformers 5.2x names it
+    activation checkpointing; the gradient_* names: deprecated)."""
     new_names = hasattr(model, "is_activation_checkpointing")  # a PeftModel forwards it
     if getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing",
                False):
-        return "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
-    return None
+        off = "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable"
+        raise ValueError(f"{NAME}: Hugging Face gradient checkpointing is on for this model; "
+                         + _turn_hf_checkpointing_off(f"model.{off}()"))
 
 
 def check_not_hf_checkpointed(block: nn.Module, owner: Optional[nn.Module], s: int) -> None:
@@ -164,10 +170,9 @@ def check_not_hf_checkpointed(block: nn.Module, owner: Optional[nn.Module], s: i
             getattr(owner, "gradient_checkpointing", False) is True:
         raise RuntimeError(
             f"{NAME}: Hugging Face gradient checkpointing was turned on for block {s} "
-            f"({type(block).__name__}) after scheduler.checkpoint; call "
-            "model.activation_checkpointing_disable() (transformers < 5.2x: "
-            "gradient_checkpointing_disable()), and leave gradient_checkpointing out of the "
-            "Trainer's TrainingArguments: the plan decides what is recomputed")
+            f"({type(block).__name__}) after scheduler.checkpoint; " + _turn_hf_checkpointing_off(
+                "model.activation_checkpointing_disable() (transformers < 5.2x: "
+                "gradient_checkpointing_disable())"))
 
 
 def _positive(value: Any) -> bool:
