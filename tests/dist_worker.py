@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -112,7 +113,7 @@ class HFLlama(nn.Module):
 
 HF_MODELS = ("llama",)
 HF_RUNTIMES = ("plain", "checkpoint-rotor", "checkpoint-pofo", "checkpoint-periodic",
-               "checkpoint-mimose")
+               "checkpoint-mimose", "checkpoint-rotor-on-wrapper")
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -162,11 +163,13 @@ def budget_for(model: str) -> int:
 
 # ------------------------------------------------------------------------------ runtimes
 class Runtime:
-    """How a runtime changes the model (``prepare``) and wraps a step (``context``)."""
+    """How a runtime changes the model (``prepare``; ``after``: once the parallel wrapper
+    wrapped it, given the wrapper, the model and the budget) and wraps a step (``context``)."""
 
     def __init__(self, prepare: Callable[[Net, int], nn.Module],
-                 context: Callable[[], Any] = nullcontext):
-        self.prepare, self.context = prepare, context
+                 context: Callable[[], Any] = nullcontext,
+                 after: Optional[Callable[[nn.Module, Net, int], None]] = None):
+        self.prepare, self.context, self.after = prepare, context, after
 
 
 def _wrap(planner: str) -> Callable[[Net, int], nn.Module]:
@@ -195,6 +198,15 @@ def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     return prepare
 
 
+def _checkpoint_wrapped(wrapped: nn.Module, net: Net, budget: int) -> None:
+    """scheduler.checkpoint called on the parallel wrapper (DDP, the FSDP1 root), after it
+    wrapped the model: HF's blocks found through the wrapper (FSDP1 units in their list or
+    not), the others' list given as the object."""
+    blocks = None if isinstance(net, HFLlama) else [net.blocks]
+    scheduler.checkpoint(wrapped, budget, planner="rotor", bandwidth=BANDWIDTH, blocks=blocks,
+                         on_chain=lambda c: CHAINS.append(c) or c)
+
+
 RUNTIMES: Dict[str, Runtime] = {
     "plain": Runtime(lambda net, budget: net),
     # the global byte window (VMALLOC_WINDOW) is "plain" run in a launch with the variable set
@@ -205,6 +217,7 @@ RUNTIMES: Dict[str, Runtime] = {
     "wrap-rotor-input-aware": Runtime(_input_aware),
     **{f"checkpoint-{p}": Runtime(_checkpoint(p))
        for p in ("rotor", "pofo", "periodic", "mimose")},
+    "checkpoint-rotor-on-wrapper": Runtime(lambda net, budget: net, after=_checkpoint_wrapped),
 }
 
 
@@ -226,6 +239,21 @@ def _fsdp(per_block: bool) -> Callable[[nn.Module], nn.Module]:
     return apply
 
 
+def _fsdp1(per_block: bool, use_orig_params: bool) -> Callable[[nn.Module], nn.Module]:
+    """FSDP1 (the ``FullyShardedDataParallel`` wrapper; accelerate's and the HF Trainer's
+    default FSDP): each block its own unit (the Trainer's transformer-layer policy) or the
+    whole model one unit; flat parameters (``use_orig_params=False``) or the original ones."""
+    def apply(m: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+        blocks = {id(b) for b in m.blocks}
+        policy = functools.partial(lambda_auto_wrap_policy,
+                                   lambda_fn=lambda mod: id(mod) in blocks) if per_block else None
+        return FSDP(m, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                    use_orig_params=use_orig_params)
+    return apply
+
+
 PARALLEL: Dict[str, Callable[[nn.Module], nn.Module]] = {
     "ddp": _ddp(),
     "ddp-unused": _ddp(find_unused_parameters=True),
@@ -234,6 +262,10 @@ PARALLEL: Dict[str, Callable[[nn.Module], nn.Module]] = {
     "ddp-no-sync": _ddp(),              # two micro-batches, the first under no_sync()
     "fsdp-block": _fsdp(per_block=True),
     "fsdp-whole": _fsdp(per_block=False),
+    "fsdp1-block": _fsdp1(per_block=True, use_orig_params=False),
+    "fsdp1-block-orig": _fsdp1(per_block=True, use_orig_params=True),
+    "fsdp1-whole": _fsdp1(per_block=False, use_orig_params=False),
+    "fsdp1-whole-orig": _fsdp1(per_block=False, use_orig_params=True),
 }
 
 
@@ -242,6 +274,8 @@ def grad_digest(model: nn.Module) -> Dict[str, Any]:
     missing = []
     for name, p in model.named_parameters():
         g = p.grad
+        if g is None and p.numel() == 0:  # FSDP1 use_orig_params: no shard on this rank
+            continue
         if g is None:
             missing.append(name)
             h.update(b"None")
@@ -257,6 +291,8 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
     CHAINS.clear()
     net = build(model)
     wrapped = PARALLEL[parallel](rt.prepare(net, budget))
+    if rt.after is not None:
+        rt.after(wrapped, net, budget)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     steps = []
     micro = 2 if parallel == "ddp-no-sync" else 1
@@ -275,6 +311,15 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         opt.step()
     rec: Dict[str, Any] = {"status": "ok", "steps": steps}
     inner = getattr(wrapped, "module", wrapped)
+    done = checkpointed(inner) or checkpointed(wrapped)
+    if done is not None or hasattr(inner, "last_plan"):
+        # what a planned step does (the recorded steps may all be profiling steps: a new
+        # sequence length each, measured forward-only under FSDP1): step 0's shape again,
+        # unrecorded
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(rank)
+        with rt.context():
+            loss_of(wrapped(batch(model, rank, 0))).backward()
     plan = getattr(inner, "last_plan", None)
     if plan is not None:
         rec["plan"] = hashlib.sha256(repr(plan.ops).encode()).hexdigest()
@@ -282,14 +327,7 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
     if CHAINS:   # what the step held beside the chain, as the last planned-on chain counts it
         rec["outside"] = CHAINS[-1].meta.get("outside")
-    done = checkpointed(inner)
     if done is not None:
-        # scheduler.checkpoint: what a planned step does (the recorded steps may all be
-        # profiling steps: a new sequence length each): step 0's shape again, unrecorded
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(rank)
-        with rt.context():
-            loss_of(wrapped(batch(model, rank, 0))).backward()
         rec["recomputed"] = sum(r.last_stats.recomputed_forwards for r in done.runners)
         rec["offloaded"] = sum(r.last_stats.offloaded for r in done.runners)
     return rec

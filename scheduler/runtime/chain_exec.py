@@ -361,7 +361,7 @@ class ChainStep:
                  run_again: Callable[[int, Tuple[Any, ...], Dict[str, Any]], Any], *,
                  track_memory: bool = False, transfers: Optional[Transfers] = None,
                  collector: Optional[Collector] = None,
-                 param_storages: Optional[Set[int]] = None, name: str = "scheduler.wrap"):
+                 state_tensors: Sequence[torch.Tensor] = (), name: str = "scheduler.wrap"):
         self.blocks = blocks
         self.cplan = cplan
         self.L = cplan.L
@@ -369,7 +369,10 @@ class ChainStep:
         self.track = track_memory
         self.transfers = transfers
         self.collector = collector
-        self.param_storages = param_storages or set()
+        # what the blocks held as the step began (weights, buffers): never activations. The
+        # tensors are kept so that their storages' keys (addresses) stay theirs all step
+        self.state_tensors = list(state_tensors)
+        self.param_storages = {accounting.storage_key(t) for t in self.state_tensors}
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
@@ -506,7 +509,7 @@ class ChainStep:
         if self.collector is not None and kind == "F_ck":
             with outputs_not_captured():  # Mimose's measurement: not the model's outputs
                 self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
-                                       call.rg, frame.state, self.param_storages,
+                                       call.rg, frame.state, self._not_activations(s),
                                        call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
@@ -688,6 +691,14 @@ class ChainStep:
         else:
             self._prefetch(index, s)
 
+    def _not_activations(self, *stages: int) -> Set[int]:
+        """Storages that are never activations: what the blocks held as the step began and
+        what blocks ``stages`` hold now (FSDP1 gives a block new views of its unit's
+        gathered flat parameter at each of the unit's forwards)."""
+        return self.param_storages | {accounting.storage_key(t) for s in stages
+                                      if 0 <= s < self.L
+                                      for t in accounting.module_tensors(self.blocks[s])}
+
     def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:
         """The storages of ``mine`` (one stored item) that may move to the host: not in
@@ -741,7 +752,7 @@ class ChainStep:
             self.host[0] = Offloaded(comps, [], released=True)
             self.stats.input_offloads_skipped += 1
             return
-        storages = self._movable(comps, self.xbars.get(s), set(self.param_storages))
+        storages = self._movable(comps, self.xbars.get(s), self._not_activations(s - 1, s))
         self.host[s] = Offloaded(comps, [self.transfers.offload_storage(st) for st in storages])
         self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
                                       if sc.host.event is not None]
@@ -762,7 +773,7 @@ class ChainStep:
         f = self.xbars[t]
         inp = self.xs.get(t) or self.anchors.get(t) or \
             (self.xbars[t - 1].out if t - 1 in self.xbars else ())
-        skip = set(self.param_storages) | {accounting.storage_key(c) for c in
+        skip = self._not_activations(t) | {accounting.storage_key(c) for c in
                                            accounting.tensors_of(inp)}
         storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
         f.host = [self.transfers.offload_storage(st) for st in storages]

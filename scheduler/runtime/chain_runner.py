@@ -28,11 +28,12 @@ from ..plan_cache import PlanCache
 from ..simulate import simulate
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate, plan_from_checkpoints)
-from . import accounting, buffers, distributed, rng
+from . import accounting, buffers, distributed, fsdp, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, block_list, signature, tensor_leaves
 from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
 from .hf_outputs import outputs_not_captured
+from .input_aware import InputAwareChain
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
 
@@ -216,10 +217,15 @@ class ChainRunner:
                  mimose: Optional[Mimose] = None, loss: Any = "sum",
                  measure_options: Optional[Dict[str, Any]] = None,
                  on_chain: Optional[Callable[[Chain], Chain]] = None,
-                 sequential: bool = False, name: str = "scheduler.wrap"):
+                 sequential: bool = False, entries: Optional[Sequence[nn.Module]] = None,
+                 name: str = "scheduler.wrap"):
         self.name = name
         check_planner(planner, name)
         self.blocks = list(blocks)
+        # the list the model's loop calls the blocks through: an FSDP1 unit that replaces a
+        # block there later is what runs it again (``fsdp.unit_of``)
+        self.entries = entries
+        fsdp.refuse_checkpoint_wrapper(self.blocks, entries, name)
         self.L = len(self.blocks)
         self.planner = planner
         self.bandwidth = parse_rate(bandwidth, name)
@@ -282,8 +288,17 @@ class ChainRunner:
         if isinstance(src, Chain):
             chain = src
         elif callable(src):
+            if isinstance(src, InputAwareChain) and src.collecting and \
+                    fsdp.units(self.blocks, self.entries):
+                raise RuntimeError(
+                    f"{self.name}: InputAwareChain measures the blocks by running each forward "
+                    "and backward outside the model's step, which FSDP1 units do not allow (a "
+                    "unit gathers its block's parameters only inside its own forward, and a "
+                    "backward there would fire its gradient reduction); use planner='mimose', "
+                    "which measures inside the step, or FSDP2 (fully_shard)")
             chain = src(*args, **kwargs)
-        elif self.sequential:
+        elif self.sequential and not fsdp.fsdp1(self.blocks, self.entries):
+            # (under FSDP1 measured forward-only on the step, see fsdp)
             return self._check_chain(self._measure(list(self.blocks), tuple(args)),
                                      agree_on=signature(args, {}))
         else:
@@ -445,7 +460,7 @@ class ChainRunner:
     def _needs_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for p in self._params()):
+        if fsdp.trains(self.blocks):
             return True
         return any(isinstance(v, torch.Tensor) and v.requires_grad
                    for v in tensor_leaves((tuple(args), kwargs)))
@@ -464,14 +479,13 @@ class ChainRunner:
             cplan, profile_key = self._plan(args, kwargs)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
                               cplan.forward_ops + cplan.backward_ops)
-        storages: set = set()
+        held: List[torch.Tensor] = []
         if self.track_memory or collector is not None or needs_transfers:
-            for b in self.blocks:
-                storages |= accounting.parameter_storages(b)
+            held = [t for b in self.blocks for t in accounting.module_tensors(b)]
         step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
                          transfers=self._transfers_for(_device_of(args, kwargs))
                          if needs_transfers else None,
-                         collector=collector, param_storages=storages, name=self.name)
+                         collector=collector, state_tensors=held, name=self.name)
         if profile_key is not None and self._sharded():
             # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
             # measure forward-only during this step instead (as Mimose's collector does)
@@ -550,15 +564,15 @@ class ChainRunner:
         return (self.L + 1) * torch.get_rng_state().numel()
 
     def _sharded(self) -> bool:
-        """Whether FSDP2 manages the blocks' parameters (DTensors outside their forward)."""
-        return any(type(p).__name__ == "DTensor" for p in self._params()) or \
-            any("FSDP" in type(b).__name__ for b in self.blocks)
+        """Whether FSDP (1 or 2) manages the blocks' parameters."""
+        return fsdp.sharded(self.blocks, self.entries)
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True
         try:
             with outputs_not_captured():
-                return self.blocks[s](*args, **kwargs)
+                return (fsdp.unit_of(self.entries, s, self.blocks[s]) or self.blocks[s])(
+                    *args, **kwargs)
         finally:
             self.passthrough = was
 
@@ -588,6 +602,7 @@ class ChainRunner:
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)
         try:
+            fsdp.refuse_checkpoint_wrapper(self.blocks, self.entries, self.name, only=s)
             out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
         except BaseException:
             # the forward is over (an OOM, an interrupt): what the step holds (checkpoints)
@@ -639,7 +654,7 @@ class CheckpointedChain(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.L = len(blocks)
         self.runner = ChainRunner(list(blocks), budget, planner, bandwidth, sequential=True,
-                                  name="scheduler.wrap", **options)
+                                  entries=self.blocks, name="scheduler.wrap", **options)
 
     # the runner's knobs and reports, as attributes of the module
     budget = property(lambda self: self.runner.budget,

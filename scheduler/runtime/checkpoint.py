@@ -212,7 +212,8 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     runners = []
     for (name, lst), (_, owner) in zip(lists, owners):
         share = None if total is None else max(1, total * len(lst) // n_all)
-        runner = ChainRunner(list(lst), share, planner, bandwidth, name=NAME, **options)
+        runner = ChainRunner(list(lst), share, planner, bandwidth, entries=lst, name=NAME,
+                             **options)
         runners.append(runner)
         for s, block in enumerate(lst):
             own = block.__dict__.get("forward")

@@ -1,0 +1,120 @@
+"""Modules that replace a block in the list the model loops over (``scheduler/runtime/fsdp.py``):
+an FSDP1 unit (a stand-in of its shape here; real FSDP1 with 2 ranks in
+``tests/test_distributed.py``) is what runs the block again, since only the unit's forward
+gathers the block's parameters; torch's activation-checkpoint wrapper is refused, at the call
+and at a step."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+import scheduler
+from scheduler.planners.mimose import plan_from_checkpoints
+from scheduler.runtime import fsdp
+from wrap_models import loss_of, mlp_blocks
+
+
+class Unit(nn.Module):
+    """FSDP1's shape: the wrapped module as ``_fsdp_wrapped_module``, called by ``forward``
+    (where the real unit gathers the parameters first)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._fsdp_wrapped_module = inner
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+
+class Net(nn.Module):
+    def __init__(self, L: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList(mlp_blocks(L))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _step(model: nn.Module, seed: int = 3):
+    torch.manual_seed(seed)  # the blocks' dropout
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    loss = loss_of(model(x))
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _units(net: Net) -> list:
+    units = [Unit(b) for b in net.blocks]
+    for s, u in enumerate(units):
+        net.blocks[s] = u  # as FSDP1's auto-wrap policy does, after scheduler.checkpoint
+    return units
+
+
+def test_recomputations_run_through_the_unit_that_replaced_the_block():
+    net = Net()
+    ref = copy.deepcopy(net)
+    want = _step(ref)
+    # every block recomputed in its own backward: each unit runs twice
+    scheduler.checkpoint(net, None, planner=plan_from_checkpoints(5, range(5)), blocks="blocks")
+    units = _units(net)
+    got = _step(net)
+    assert [u.calls for u in units] == [2] * 5
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_units_are_found_and_make_the_chain_measured_forward_only():
+    net = Net()
+    blocks = list(net.blocks)
+    assert not fsdp.sharded(blocks, net.blocks) and fsdp.unit_of(net.blocks, 1, blocks[1]) is None
+    units = _units(net)
+    assert fsdp.wrappers(net.blocks, 1, blocks[1]) == [units[1]]
+    assert fsdp.unit_of(net.blocks, 1, blocks[1]) is units[1]
+    assert fsdp.unit_of(net.blocks, 1, blocks[2]) is None  # another block's unit
+    assert fsdp.sharded(blocks, net.blocks) and fsdp.fsdp1(blocks, net.blocks)
+
+
+def _checkpoint_wrap(net: Net) -> None:
+    blocks = list(net.blocks)
+    apply_activation_checkpointing(
+        net, checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: any(m is b for b in blocks))
+
+
+def test_torch_activation_checkpointing_is_refused_at_the_call():
+    net = Net()
+    _checkpoint_wrap(net)
+    with pytest.raises(ValueError, match="block 0 is wrapped by CheckpointWrapper"):
+        scheduler.checkpoint(net, "1MiB", blocks="blocks")
+    with pytest.raises(ValueError, match="checkpointed twice"):
+        scheduler.wrap(list(net.blocks), "1MiB")
+
+
+@pytest.mark.parametrize("inside_unit", [False, True])
+def test_torch_activation_checkpointing_added_afterwards_is_refused_at_the_step(inside_unit):
+    """Applied after the call (as accelerate's FSDP activation_checkpointing does, inside
+    the FSDP1 unit it made), the step raises before the block runs twice."""
+    net = Net()
+    scheduler.checkpoint(net, None, planner=plan_from_checkpoints(5, range(5)), blocks="blocks")
+    if inside_unit:
+        _units(net)
+        for u in net.blocks:
+            inner = u._fsdp_wrapped_module
+            u._fsdp_wrapped_module = checkpoint_wrapper(inner)
+    else:
+        _checkpoint_wrap(net)
+    with pytest.raises(RuntimeError, match="block 0 is wrapped by CheckpointWrapper"):
+        _step(net)
+    with torch.no_grad():  # no step, nothing refused: the blocks run plainly
+        net(torch.randn(2, 16))
