@@ -82,6 +82,26 @@ def test_units_are_found_and_make_the_chain_measured_forward_only():
     assert fsdp.unit_of(net.blocks, 1, blocks[1]) is units[1]
     assert fsdp.unit_of(net.blocks, 1, blocks[2]) is None  # another block's unit
     assert fsdp.sharded(blocks, net.blocks) and fsdp.fsdp1(blocks, net.blocks)
+    # the call after the wrapping: the blocks are the units
+    assert fsdp.units(units, net.blocks) and fsdp.unit_of(net.blocks, 1, units[1]) is None
+
+
+def test_what_a_block_holds_is_its_weights_and_fsdp1_views_not_any_tensor_attribute():
+    """A block may keep an activation as an attribute (router logits, a cached output): not
+    a weight, so it is counted and may move. FSDP1's views of its flat parameter are."""
+    block = mlp_blocks(1)[0]
+    flat = torch.zeros(16 * 16 + 16, requires_grad=True)
+    flat._is_flat_param = True  # FSDP1's mark on a FlatParameter
+    block.kept = torch.ones(3)                # an activation the block kept
+    block.lin.view_of_flat = flat[:16]        # what FSDP1 sets with use_orig_params=False
+    held = list(fsdp.block_tensors(block))
+    assert any(t is block.lin.view_of_flat for t in held)
+    assert not any(t is block.kept for t in held)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    assert fsdp.trains([block])  # the view requires a gradient: not a frozen block
+    del block.lin.view_of_flat
+    assert not fsdp.trains([block])
 
 
 def _checkpoint_wrap(net: Net) -> None:
@@ -97,8 +117,18 @@ def test_torch_activation_checkpointing_is_refused_at_the_call():
     _checkpoint_wrap(net)
     with pytest.raises(ValueError, match="block 0 is wrapped by CheckpointWrapper"):
         scheduler.checkpoint(net, "1MiB", blocks="blocks")
-    with pytest.raises(ValueError, match="checkpointed twice"):
+    with pytest.raises(ValueError, match="recomputed or moved twice"):
         scheduler.wrap(list(net.blocks), "1MiB")
+
+
+def test_a_checkpoint_wrapper_inside_a_unit_is_refused_when_the_units_are_the_blocks():
+    """checkpoint called after accelerate's FSDP wrapped the model with activation
+    checkpointing: the list holds Unit(CheckpointWrapper(block))."""
+    net = Net()
+    for s, b in enumerate(list(net.blocks)):
+        net.blocks[s] = Unit(checkpoint_wrapper(b))
+    with pytest.raises(ValueError, match="block 0 is wrapped by CheckpointWrapper"):
+        scheduler.checkpoint(net, "1MiB", blocks="blocks")
 
 
 @pytest.mark.parametrize("inside_unit", [False, True])

@@ -4,12 +4,11 @@ definitions (``scheduler.profile._trace``: storage keys, saved-tensor recording,
 Two uses: the Mimose collector measures what a block's forward keeps for its backward, and
 the chain runner reports the peak of activation memory it held while following a plan, to
 compare with the plan's predicted peak on machines without a device allocator to ask (CPU).
-Parameters, buffers and a module's other tensors are not activations: their storages are left
-out. Views count once.
+Parameters and buffers are not activations: their storages are left out. Views count once.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Sequence, Set
+from typing import Iterable, List, Sequence, Set
 
 import torch
 
@@ -33,20 +32,3 @@ def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Sequence[object],
     """What a block's forward keeps for backward, output included (DESIGN.md ``xbar``)."""
     return _trace.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
                              state_keys)
-
-
-def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The tensors a module holds: parameters, buffers, then the plain tensor attributes of
-    its modules (where FSDP1 with ``use_orig_params=False`` puts its views of the flat
-    parameter, which are then not registered as parameters)."""
-    yield from module.parameters()
-    yield from (b for b in module.buffers() if b is not None)
-    for m in module.modules():
-        for v in vars(m).values():
-            if isinstance(v, torch.Tensor):
-                yield v
-
-
-def parameter_storages(module: torch.nn.Module) -> Set[int]:
-    """The storages of what ``module`` holds (``module_tensors``): never an activation."""
-    return {storage_key(t) for t in module_tensors(module)}

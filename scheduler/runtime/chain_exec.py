@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
 from ..profile import _trace
-from . import accounting, buffers, rng
+from . import accounting, buffers, fsdp, rng
 from .block_calls import BlockCall, tensor_leaves
 from .hf_outputs import outputs_not_captured
 from .offload import StorageCopy, Transfers
@@ -372,7 +372,7 @@ class ChainStep:
         # what the blocks held as the step began (weights, buffers): never activations. The
         # tensors are kept so that their storages' keys (addresses) stay theirs all step
         self.state_tensors = list(state_tensors)
-        self.param_storages = {accounting.storage_key(t) for t in self.state_tensors}
+        self.state_storages = {accounting.storage_key(t) for t in self.state_tensors}
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
@@ -476,7 +476,7 @@ class ChainStep:
     def _live(self) -> None:
         if not self.track:
             return
-        b = accounting.tensors_bytes(self._held_tensors(), self.param_storages)
+        b = accounting.tensors_bytes(self._held_tensors(), self.state_storages)
         if b > self.stats.peak_bytes:
             self.stats.peak_bytes = b
 
@@ -695,9 +695,9 @@ class ChainStep:
         """Storages that are never activations: what the blocks held as the step began and
         what blocks ``stages`` hold now (FSDP1 gives a block new views of its unit's
         gathered flat parameter at each of the unit's forwards)."""
-        return self.param_storages | {accounting.storage_key(t) for s in stages
+        return self.state_storages | {accounting.storage_key(t) for s in stages
                                       if 0 <= s < self.L
-                                      for t in accounting.module_tensors(self.blocks[s])}
+                                      for t in fsdp.block_tensors(self.blocks[s])}
 
     def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:

@@ -225,7 +225,7 @@ class ChainRunner:
         # the list the model's loop calls the blocks through: an FSDP1 unit that replaces a
         # block there later is what runs it again (``fsdp.unit_of``)
         self.entries = entries
-        fsdp.refuse_checkpoint_wrapper(self.blocks, entries, name)
+        fsdp.refuse_wrapped(self.blocks, entries, name)
         self.L = len(self.blocks)
         self.planner = planner
         self.bandwidth = parse_rate(bandwidth, name)
@@ -481,7 +481,7 @@ class ChainRunner:
                               cplan.forward_ops + cplan.backward_ops)
         held: List[torch.Tensor] = []
         if self.track_memory or collector is not None or needs_transfers:
-            held = [t for b in self.blocks for t in accounting.module_tensors(b)]
+            held = [t for b in self.blocks for t in fsdp.block_tensors(b)]
         step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
                          transfers=self._transfers_for(_device_of(args, kwargs))
                          if needs_transfers else None,
@@ -588,7 +588,10 @@ class ChainRunner:
             if self.current is not None:  # the last forward stopped between blocks (raised)
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
-            self.current = self._begin(args, kwargs) if self._needs_grad(args, kwargs) else None
+            step_now = self._needs_grad(args, kwargs)
+            if step_now:  # a checkpoint/offload wrapper put on the blocks since the call
+                fsdp.refuse_wrapped(self.blocks, self.entries, self.name, at_step=True)
+            self.current = self._begin(args, kwargs) if step_now else None
             if self.current is not None and self.tail is not None and \
                     (getattr(self.current, "profile_key", None) is not None or
                      self.current.collector is not None):  # profiling / Mimose collection
@@ -602,7 +605,6 @@ class ChainRunner:
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             return run_first(args, kwargs)
         try:
-            fsdp.refuse_checkpoint_wrapper(self.blocks, self.entries, self.name, only=s)
             out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
         except BaseException:
             # the forward is over (an OOM, an interrupt): what the step holds (checkpoints)

@@ -1,4 +1,5 @@
-"""What FSDP does to a block list, as far as the runner must know it.
+"""What FSDP, and the wrappers FSDP setups put around blocks, do to a block list, as far as
+the runner must know it.
 
 - FSDP2 (``fully_shard``) hooks the blocks themselves: calling a block gathers its
   parameters, which are DTensors outside its forward.
@@ -14,76 +15,92 @@ So a block is run again through its unit when one replaced it (``unit_of``); the
 measured forward-only during a step under either (``sharded``: a measurement's own backward
 would fire FSDP's backward hooks, a reduce-scatter outside the step), and a bare chain under
 FSDP1 is never measured before its step (``fsdp1``: outside a unit's forward its blocks have
-no gathered parameters); whether the blocks train is read from every tensor they hold,
-flattened views included (``trains``). Torch's activation-checkpoint wrapper, which FSDP
-setups put around blocks, is refused (``refuse_checkpoint_wrapper``).
+no gathered parameters); what a block holds (``block_tensors``: never an activation) and
+whether the blocks train (``trains``) include the flat parameter's views. Torch's
+checkpoint/offload wrapper (``checkpoint_wrapper``, which accelerate's FSDP
+``activation_checkpointing`` puts inside each unit) is refused: the block would be handled
+twice (``refuse_wrapped``).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .accounting import module_tensors
+# what FSDP1 units, torch's checkpoint/offload wrappers and torch.compile call the module
+# they wrap
+_INNER = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
-# what FSDP1 units and torch's activation-checkpoint wrapper call their wrapped module
-_INNER = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+def _inner(m: nn.Module) -> Optional[nn.Module]:
+    """The module ``m`` wraps, or None (its submodules are looked up: ``getattr`` on a module
+    that has none is slow, and this runs for every block at every step)."""
+    mods = m._modules
+    return next((mods[a] for a in _INNER if mods.get(a) is not None), None)
+
+
+def _is_unit(m: nn.Module) -> bool:
+    return m._modules.get("_fsdp_wrapped_module") is not None
 
 
 def wrappers(entries: Optional[Sequence[nn.Module]], s: int, block: nn.Module
              ) -> List[nn.Module]:
     """The modules that replaced ``block`` at position ``s`` of ``entries`` (the list the
-    model's loop calls the blocks through), outermost first: FSDP1 units and torch's
-    ``checkpoint_wrapper``s; empty when the entry is the block."""
+    model's loop calls the blocks through), outermost first: FSDP1 units, torch's
+    checkpoint/offload wrappers, ``torch.compile``'s; empty when the entry is the block."""
     if entries is None or s >= len(entries):
         return []
     held: Optional[nn.Module] = entries[s]
     out: List[nn.Module] = []
-    while held is not block:
-        if held is None or len(out) > 8:
-            return []  # not a wrapper of this block
+    while held is not None and held is not block and all(held is not m for m in out):
         out.append(held)
-        held = next((getattr(held, a) for a in _INNER
-                     if isinstance(getattr(held, a, None), nn.Module)), None)
-    return out
+        held = _inner(held)
+    return out if held is block else []
 
 
 def unit_of(entries: Optional[Sequence[nn.Module]], s: int, block: nn.Module
             ) -> Optional[nn.Module]:
     """The FSDP1 unit that replaced ``block`` in ``entries`` (what to call to run it with
-    its parameters gathered), or None."""
+    its parameters gathered; a compiled unit included), or None."""
     found = wrappers(entries, s, block)
-    return found[0] if found and _is_unit(found[0]) else None
+    return found[0] if any(_is_unit(w) for w in found) else None
 
 
-def _is_unit(m: nn.Module) -> bool:
-    return isinstance(getattr(m, "_fsdp_wrapped_module", None), nn.Module)
+def _wrapped_inside(block: nn.Module) -> Iterator[nn.Module]:
+    """The block and what it wraps, outermost first (a block that is itself a unit)."""
+    seen: List[nn.Module] = []
+    m: Optional[nn.Module] = block
+    while m is not None and all(m is not k for k in seen):
+        seen.append(m)
+        yield m
+        m = _inner(m)
 
 
-def refuse_checkpoint_wrapper(blocks: Sequence[nn.Module],
-                              entries: Optional[Sequence[nn.Module]], name: str,
-                              only: Optional[int] = None) -> None:
-    """Raise when torch's activation checkpointing wraps a block (``apply_activation_
-    checkpointing``; accelerate's FSDP ``activation_checkpointing``): the block would be
-    checkpointed twice, the wrapper's own recomputation inside the plan's. ``only``: check
-    that block alone (at a step: ``RuntimeError``), else every block (at the call:
-    ``ValueError``)."""
-    error = RuntimeError if only is not None else ValueError
-    for s in ([only] if only is not None else range(len(blocks))):
-        for m in [blocks[s], *wrappers(entries, s, blocks[s])]:
-            if isinstance(getattr(m, "_checkpoint_wrapped_module", None), nn.Module):
-                raise error(
+def refuse_wrapped(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]],
+                   name: str, at_step: bool = False) -> None:
+    """Raise when torch's checkpoint or offload wrapper wraps a block, around it in its list
+    or inside it (``apply_activation_checkpointing``; accelerate's FSDP
+    ``activation_checkpointing``): the block would be recomputed or moved twice, the
+    wrapper's own inside the plan's. At the call ``ValueError``, at a step (the wrapper put
+    on since) ``RuntimeError``."""
+    held = list(entries) if entries is not None else list(blocks)  # (a ModuleList, once)
+    for s, b in enumerate(blocks):
+        if (s >= len(held) or held[s] is b) and _inner(b) is None:
+            continue  # nothing around the block or inside it: the usual case, at every step
+        for m in [*wrappers(entries, s, b), *_wrapped_inside(b)]:
+            if m._modules.get("_checkpoint_wrapped_module") is not None:
+                raise (RuntimeError if at_step else ValueError)(
                     f"{name}: block {s} is wrapped by {type(m).__name__} (torch's activation "
-                    "checkpointing: apply_activation_checkpointing, or accelerate's FSDP "
-                    "activation_checkpointing), so it would be checkpointed twice; turn that "
-                    "off and let the plan decide what to recompute")
+                    "checkpointing or offloading: apply_activation_checkpointing, or "
+                    "accelerate's FSDP activation_checkpointing), so it would be recomputed "
+                    "or moved twice; turn that off and let the plan decide")
 
 
 def units(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
-    """Whether FSDP1 units replaced the blocks in the list the model loops over."""
-    return any(_is_unit(w) for s, b in enumerate(blocks) for w in wrappers(entries, s, b))
+    """Whether the blocks are FSDP1 units, or units replaced them in the list."""
+    return any(_is_unit(m) for s, b in enumerate(blocks)
+               for m in [*wrappers(entries, s, b), *_wrapped_inside(b)])
 
 
 def _flat(t: torch.Tensor) -> bool:
@@ -93,11 +110,27 @@ def _flat(t: torch.Tensor) -> bool:
                 getattr(getattr(t, "_base", None), "_is_flat_param", False))
 
 
+def _flat_views(block: nn.Module) -> Iterator[torch.Tensor]:
+    """FSDP1's views of a flat parameter that the block's modules hold as plain attributes
+    (``use_orig_params=False``); a tensor attribute of any other kind is not one (a block
+    may keep an activation there)."""
+    for m in block.modules():
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor) and _flat(v):
+                yield v
+
+
+def block_tensors(block: nn.Module) -> Iterator[torch.Tensor]:
+    """What a block holds that is never an activation: parameters, buffers, FSDP1's views."""
+    yield from block.parameters()
+    yield from (b for b in block.buffers() if b is not None)
+    yield from _flat_views(block)
+
+
 def fsdp1(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
     """Whether FSDP1 manages the blocks (in units of their own or inside a larger one)."""
     return units(blocks, entries) or \
-        any(type(b).__name__ == "FullyShardedDataParallel" for b in blocks) or \
-        any(_flat(t) for b in blocks for t in module_tensors(b))
+        any(_flat(t) for b in blocks for t in block_tensors(b))
 
 
 def sharded(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
@@ -110,6 +143,5 @@ def sharded(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]])
 def trains(blocks: Sequence[nn.Module]) -> bool:
     """Whether a tensor of the blocks requires a gradient: a parameter, or FSDP1's view of a
     flat parameter (while the unit holding the blocks runs its forward)."""
-    if any(p.requires_grad for b in blocks for p in b.parameters()):
-        return True
-    return any(t.requires_grad for b in blocks for t in module_tensors(b))
+    return any(p.requires_grad for b in blocks for p in b.parameters()) or \
+        any(t.requires_grad for b in blocks for t in _flat_views(b))
