@@ -15,9 +15,11 @@ Calling it again on the same model first undoes the previous call (never wraps t
 """
 from __future__ import annotations
 
+import copy
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -110,22 +112,53 @@ def _owner(model: nn.Module, name: str) -> Optional[nn.Module]:
 
 
 # ------------------------------------------------------------------------------ interception
-class _BlockForward:
-    """The instance ``forward`` of a checkpointed block: the call goes through the runner."""
+def _copied_ref(ref: Callable[[], Any], memo: Dict[int, Any]) -> Callable[[], Any]:
+    """A weak reference to the deep copy (in ``memo``'s copy) of what ``ref`` refers to."""
+    obj = ref()
+    if obj is None:
+        return ref
+    return weakref.ref(copy.deepcopy(obj, memo))
 
-    def __init__(self, runner: ChainRunner, s: int, block: nn.Module, original: Any,
-                 installed: bool, owner: Optional[nn.Module]):
-        self.runner = runner
+
+class _BlockForward:
+    """The instance ``forward`` of a checkpointed block: the call goes through the runner.
+
+    It refers to its block, the runner and the owner weakly: the block holds it, the model
+    holds the runner (``Checkpointed``) and the runner the blocks, so strong references
+    would make a cycle that keeps a model the user deleted, weights and all, until the
+    garbage collector runs (``del model`` would free no device memory)."""
+
+    def __init__(self, runner: ChainRunner, s: int, block: nn.Module, own: Any,
+                 owner: Optional[nn.Module]):
+        self._runner = weakref.ref(runner)
         self.s = s
-        self.owner = owner             # the module whose forward loops over the list
-        self.original = original       # the forward to call (bound)
-        self.installed = installed     # whether the block had its own instance forward
+        self._block = weakref.ref(block)
+        # the module whose forward loops over the list
+        self._owner = weakref.ref(owner) if owner is not None else lambda: None
+        self.own = own                 # the block's own instance forward, if it had one
+        self.function = type(block).forward  # else its class's, called on the block
         self.thread: Optional[int] = None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_BlockForward":
+        """A copied model's blocks go through the copied runner (a weak reference copies as
+        itself: the copy would run the original's blocks)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new._runner, new._block, new._owner = (_copied_ref(r, memo) for r in
+                                               (self._runner, self._block, self._owner))
+        new.own = copy.deepcopy(self.own, memo)
+        return new
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward as it was before the call."""
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        return self.function(self._block(), *args, **kwargs)
 
     @torch.compiler.disable  # as CheckpointedChain.forward: the runner runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        r = self.runner
-        if r.passthrough:  # a recomputation or a measurement: the block itself
+        r = self._runner()
+        if r is None or r.passthrough:  # a recomputation or a measurement: the block itself
             return self.original(*args, **kwargs)
         me = threading.get_ident()
         if self.s == 0:
@@ -139,7 +172,7 @@ class _BlockForward:
             step = r.current is not None
         if step:
             block = r.blocks[self.s]
-            check_not_hf_checkpointed(block, self.owner, self.s)
+            check_not_hf_checkpointed(block, self._owner(), self.s)
             args, kwargs = KVCacheGuard.clean(block, self.s, args, kwargs)
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
@@ -157,8 +190,8 @@ def undo(model: nn.Module) -> nn.Module:
         for block in lst:
             fwd = block.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
-                if fwd.installed:
-                    block.forward = fwd.original
+                if fwd.own is not None:
+                    block.forward = fwd.own
                 else:
                     del block.__dict__["forward"]
     return model
@@ -216,9 +249,8 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
                              **options)
         runners.append(runner)
         for s, block in enumerate(lst):
-            own = block.__dict__.get("forward")
-            block.forward = _BlockForward(runner, s, block, own or block.forward,
-                                          installed=own is not None, owner=owner)
+            block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
+                                          owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
     # profiling steps as the chain's loss stage, unless loss= says what that stage is
     tail = TailProbe(model, NAME) if "loss" not in options else None

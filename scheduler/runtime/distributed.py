@@ -140,11 +140,10 @@ def shutdown(timeout: float = 300.0) -> None:
     those threads before exit: caches keep the group alive).
 
     So: the global swap context is uninstalled (no more swapping; this is the end), garbage
-    is collected (a model in a reference cycle, a DDP wrapper that ``scheduler.checkpoint``
-    was called on, would otherwise keep its collectives' state until the interpreter
-    finalizes: torch 2.11 aborted there in 5 of 15 launches of the distributed test, 0 of 16
-    with the collection), a final barrier runs with a marker object in the thread-local
-    state, and we wait, the GIL
+    is collected (a model in a reference cycle keeps its collectives' state until the
+    interpreter finalizes: with a DDP wrapper in one, torch 2.11 aborted there in 5 of 15
+    launches of the distributed test, 0 of 16 with the collection), a final barrier runs
+    with a marker object in the thread-local state, and we wait, the GIL
     released, until the marker is freed: the barrier's copy of the state is then destroyed,
     and with it every earlier collective it still referenced (a gloo thread drops each
     collective under the lock the barrier takes to list the collectives in flight). Raises
@@ -159,7 +158,7 @@ def shutdown(timeout: float = 300.0) -> None:
         _check_no_python_state()  # refuse before changing anything
     uninstall_global()
     _check_no_python_state()      # what lay under the global swap context
-    # garbage in reference cycles (a DDP module whose hooks refer back to it) can hold work
+    # garbage in reference cycles (a model of the user's, a DDP module in one) can hold work
     # objects of earlier collectives, and with them copies of the thread-local state, until
     # the interpreter finalizes: free it now, while dropping them is safe
     gc.collect()

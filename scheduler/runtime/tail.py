@@ -39,10 +39,12 @@ computed *after* the model returns (no ``labels=``) is outside the tail measured
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -168,7 +170,9 @@ class TailProbe:
     """Measures the tail of ``model`` around the runners of its block lists (module doc)."""
 
     def __init__(self, model: nn.Module, name: str):
-        self.model = model
+        # weakly: the model holds this probe (its hooks), and a cycle would keep a model the
+        # user deleted, weights and all, until the garbage collector runs
+        self._model = weakref.ref(model)
         self.name = name
         self.depth = 0
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
@@ -177,6 +181,22 @@ class TailProbe:
         self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "TailProbe":
+        """The copy measures the copied model (a weak reference copies as itself)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
+                             if k != "_model"})
+        model = self._model()
+        new._model = weakref.ref(copy.deepcopy(model, memo)) if model is not None else self._model
+        return new
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        assert model is not None, "the hooks of a freed model do not run"
+        return model
 
     def remove(self) -> None:
         """Undo: drop a recording in progress (nothing is planned for it), unhook."""
