@@ -591,6 +591,9 @@ class ChainRunner:
             step_now = self._needs_grad(args, kwargs)
             if step_now:  # a checkpoint/offload wrapper put on the blocks since the call
                 fsdp.refuse_wrapped(self.blocks, self.entries, self.name, at_step=True)
+                if self.sequential:  # scheduler.wrap's loop calls FSDP1 units itself
+                    fsdp.refuse_units_in_mixed_precision(self.blocks, self.entries,
+                                                         self.name)
             self.current = self._begin(args, kwargs) if step_now else None
             if self.current is not None and self.tail is not None and \
                     (getattr(self.current, "profile_key", None) is not None or

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import fsdp
 from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
@@ -186,8 +187,8 @@ def undo(model: nn.Module) -> nn.Module:
         done.tail.remove()
     for hook in done.hooks:
         hook.remove()
-    for (_, lst), runner in zip(done.lists, done.runners):
-        for block in lst:
+    for runner in done.runners:
+        for block in runner.blocks:
             fwd = block.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
                 if fwd.own is not None:
@@ -245,10 +246,13 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     runners = []
     for (name, lst), (_, owner) in zip(lists, owners):
         share = None if total is None else max(1, total * len(lst) // n_all)
-        runner = ChainRunner(list(lst), share, planner, bandwidth, entries=lst, name=NAME,
+        # a block FSDP1 made a unit (the call after the wrapping): what the unit wraps, as
+        # when the call comes first (the unit's forward gathers, then the runner runs)
+        blocks = [fsdp.unwrapped(b) for b in lst]
+        runner = ChainRunner(blocks, share, planner, bandwidth, entries=lst, name=NAME,
                              **options)
         runners.append(runner)
-        for s, block in enumerate(lst):
+        for s, block in enumerate(blocks):
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
                                           owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on

@@ -67,6 +67,30 @@ def unit_of(entries: Optional[Sequence[nn.Module]], s: int, block: nn.Module
     return found[0] if any(_is_unit(w) for w in found) else None
 
 
+def unwrapped(block: nn.Module) -> nn.Module:
+    """What an FSDP1 unit wraps (through nested units), else the block: where the runner
+    intercepts a block's calls, so that its measuring and recomputing forwards run inside
+    the unit's forward or through it, never the unit's forward twice at once."""
+    while _is_unit(block):
+        block = block._modules["_fsdp_wrapped_module"]
+    return block
+
+
+def refuse_units_in_mixed_precision(blocks: Sequence[nn.Module],
+                                    entries: Optional[Sequence[nn.Module]], name: str) -> None:
+    """``scheduler.wrap``'s own loop calls the units, and a profiling or collection step
+    runs a unit's forward once more to measure it: with FSDP1's mixed precision the unit then
+    never reduces its gradient (the optimizer meets an unsharded one). Raise instead."""
+    for s, b in enumerate(blocks):
+        for m in [*wrappers(entries, s, b), *_wrapped_inside(b)]:
+            mp = getattr(m, "mixed_precision", None) if _is_unit(m) else None
+            if mp is not None and getattr(mp, "param_dtype", None) is not None:
+                raise RuntimeError(
+                    f"{name}: block {s} is an FSDP1 unit with mixed precision, which a chain "
+                    "measured on its step would run twice; use scheduler.checkpoint(model) "
+                    "on the model that loops over the blocks (before or after FSDP wraps it)")
+
+
 def _wrapped_inside(block: nn.Module) -> Iterator[nn.Module]:
     """The block and what it wraps, outermost first (a block that is itself a unit)."""
     seen: List[nn.Module] = []
