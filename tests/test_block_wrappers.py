@@ -148,3 +148,27 @@ def test_torch_activation_checkpointing_added_afterwards_is_refused_at_the_step(
         _step(net)
     with torch.no_grad():  # no step, nothing refused: the blocks run plainly
         net(torch.randn(2, 16))
+
+
+def test_units_in_the_list_at_the_call_are_looked_through_and_undo_finds_the_blocks():
+    """The call after FSDP1 wrapped the blocks intercepts what each unit wraps, as the call
+    before the wrapping does; undo() restores the forwards where they were installed, also
+    when units replaced the blocks in the list since."""
+    from scheduler.runtime.checkpoint import checkpointed, undo
+    net = Net()
+    inner = list(net.blocks)
+    _units(net)
+    scheduler.checkpoint(net, None, planner=plan_from_checkpoints(5, range(5)), blocks="blocks")
+    assert checkpointed(net).runners[0].blocks == inner
+    assert all("forward" in b.__dict__ for b in inner)
+    _step(net)
+    assert [u.calls for u in net.blocks] == [2] * 5  # recomputed through the unit
+    undo(net)
+    assert not any("forward" in b.__dict__ for b in [*inner, *net.blocks])
+
+    net = Net()
+    inner = list(net.blocks)
+    scheduler.checkpoint(net, None, planner=plan_from_checkpoints(5, range(5)), blocks="blocks")
+    _units(net)  # after the call
+    undo(net)
+    assert not any("forward" in b.__dict__ for b in inner)
