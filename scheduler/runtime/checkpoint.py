@@ -60,7 +60,7 @@ def _is_hf_layer(m: nn.Module) -> bool:
 def _same_class_list(m: nn.Module) -> bool:
     kids = list(m.children())
     return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and \
-        len({type(k) for k in kids}) == 1 and any(True for _ in m.parameters())
+        len({type(k) for k in kids}) == 1 and fsdp.has_weights(m)
 
 
 def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, nn.Module]]:

@@ -23,7 +23,7 @@ twice (``refuse_wrapped``).
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -81,14 +81,13 @@ def refuse_units_in_mixed_precision(blocks: Sequence[nn.Module],
     """``scheduler.wrap``'s own loop calls the units, and a profiling or collection step
     runs a unit's forward once more to measure it: with FSDP1's mixed precision the unit then
     never reduces its gradient (the optimizer meets an unsharded one). Raise instead."""
-    for s, b in enumerate(blocks):
-        for m in [*wrappers(entries, s, b), *_wrapped_inside(b)]:
-            mp = getattr(m, "mixed_precision", None) if _is_unit(m) else None
-            if mp is not None and getattr(mp, "param_dtype", None) is not None:
-                raise RuntimeError(
-                    f"{name}: block {s} is an FSDP1 unit with mixed precision, which a chain "
-                    "measured on its step would run twice; use scheduler.checkpoint(model) "
-                    "on the model that loops over the blocks (before or after FSDP wraps it)")
+    for s, m in _around(blocks, entries):
+        mp = getattr(m, "mixed_precision", None) if _is_unit(m) else None
+        if mp is not None and getattr(mp, "param_dtype", None) is not None:
+            raise RuntimeError(
+                f"{name}: block {s} is an FSDP1 unit with mixed precision, which a chain "
+                "measured on its step would run twice; use scheduler.checkpoint(model) "
+                "on the model that loops over the blocks (before or after FSDP wraps it)")
 
 
 def _wrapped_inside(block: nn.Module) -> Iterator[nn.Module]:
@@ -101,6 +100,19 @@ def _wrapped_inside(block: nn.Module) -> Iterator[nn.Module]:
         m = _inner(m)
 
 
+def _around(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]
+            ) -> Iterator[Tuple[int, nn.Module]]:
+    """``(s, module)`` for every module around block ``s`` in its list and every module it
+    is or wraps; nothing for a block that is its entry and wraps nothing (the usual case,
+    checked at every step: no walk)."""
+    held = list(entries) if entries is not None else list(blocks)  # (a ModuleList, once)
+    for s, b in enumerate(blocks):
+        if (s >= len(held) or held[s] is b) and _inner(b) is None:
+            continue
+        for m in [*wrappers(entries, s, b), *_wrapped_inside(b)]:
+            yield s, m
+
+
 def refuse_wrapped(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]],
                    name: str, at_step: bool = False) -> None:
     """Raise when torch's checkpoint or offload wrapper wraps a block, around it in its list
@@ -108,23 +120,18 @@ def refuse_wrapped(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Mo
     ``activation_checkpointing``): the block would be recomputed or moved twice, the
     wrapper's own inside the plan's. At the call ``ValueError``, at a step (the wrapper put
     on since) ``RuntimeError``."""
-    held = list(entries) if entries is not None else list(blocks)  # (a ModuleList, once)
-    for s, b in enumerate(blocks):
-        if (s >= len(held) or held[s] is b) and _inner(b) is None:
-            continue  # nothing around the block or inside it: the usual case, at every step
-        for m in [*wrappers(entries, s, b), *_wrapped_inside(b)]:
-            if m._modules.get("_checkpoint_wrapped_module") is not None:
-                raise (RuntimeError if at_step else ValueError)(
-                    f"{name}: block {s} is wrapped by {type(m).__name__} (torch's activation "
-                    "checkpointing or offloading: apply_activation_checkpointing, or "
-                    "accelerate's FSDP activation_checkpointing), so it would be recomputed "
-                    "or moved twice; turn that off and let the plan decide")
+    for s, m in _around(blocks, entries):
+        if m._modules.get("_checkpoint_wrapped_module") is not None:
+            raise (RuntimeError if at_step else ValueError)(
+                f"{name}: block {s} is wrapped by {type(m).__name__} (torch's activation "
+                "checkpointing or offloading: apply_activation_checkpointing, or "
+                "accelerate's FSDP activation_checkpointing), so it would be recomputed "
+                "or moved twice; turn that off and let the plan decide")
 
 
 def units(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
     """Whether the blocks are FSDP1 units, or units replaced them in the list."""
-    return any(_is_unit(m) for s, b in enumerate(blocks)
-               for m in [*wrappers(entries, s, b), *_wrapped_inside(b)])
+    return any(_is_unit(m) for _, m in _around(blocks, entries))
 
 
 def _flat(t: torch.Tensor) -> bool:
@@ -142,6 +149,11 @@ def _flat_views(block: nn.Module) -> Iterator[torch.Tensor]:
         for v in vars(m).values():
             if isinstance(v, torch.Tensor) and _flat(v):
                 yield v
+
+
+def has_weights(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter, or FSDP1's view of one (it then has none)."""
+    return any(True for _ in module.parameters()) or any(True for _ in _flat_views(module))
 
 
 def block_tensors(block: nn.Module) -> Iterator[torch.Tensor]:

@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import fsdp
+
 NAME = "scheduler.checkpoint"
 # config fields a module reads in its forward to skip blocks (the encoder_/decoder_ ones are
 # copied into the module's own ``layerdrop`` when it is built)
@@ -113,7 +115,8 @@ def _positions(cache: Any) -> int:
 def model_cache_off(model: nn.Module) -> Optional[Any]:
     """A forward pre-hook on ``model`` (a transformers module looping over checkpointed
     blocks) that passes ``use_cache=False`` whenever the runner may step (gradients enabled
-    and a parameter that wants one, train or eval mode alike); the handle, or ``None`` if the
+    and a weight that wants one, FSDP1's flat-parameter views included, as the runner reads
+    it: ``fsdp.trains``; train or eval mode alike); the handle, or ``None`` if the
     module is not HF's or its forward takes no ``use_cache``. As HF's checkpointing does at the
     model level: transformers 4 reads its blocks' outputs by position, which a block asked
     alone for no cache shortens."""
@@ -129,8 +132,7 @@ def model_cache_off(model: nn.Module) -> Optional[Any]:
 
     def hook(module: nn.Module, args: Tuple[Any, ...],
              kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-        if not torch.is_grad_enabled() or \
-                not any(p.requires_grad for p in module.parameters()):
+        if not torch.is_grad_enabled() or not fsdp.trains([module]):  # (FSDP1's views too)
             return None
         if len(args) > position:  # passed by position
             wanted = args[position]
