@@ -24,7 +24,7 @@ import os
 import sys
 import traceback
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -228,13 +228,18 @@ def _ddp(**options: Any) -> Callable[[nn.Module], nn.Module]:
     return apply
 
 
-def _fsdp(per_block: bool) -> Callable[[nn.Module], nn.Module]:
+def _fsdp(per_block: bool, bf16: bool = False) -> Callable[[nn.Module], nn.Module]:
+    """FSDP2 (``fully_shard``): each block and the root, or the root alone; ``bf16``: its
+    mixed-precision policy (bfloat16 weights and inputs in the forward and backward, float32
+    gradient reduction), as accelerate's FSDP2 sets it for ``mixed_precision="bf16"``."""
     def apply(m: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
         if per_block:
             for b in m.blocks:
-                fully_shard(b)
-        fully_shard(m)
+                fully_shard(b, mp_policy=mp)
+        fully_shard(m, mp_policy=mp)
         return m
     return apply
 
@@ -267,14 +272,20 @@ PARALLEL: Dict[str, Callable[[nn.Module], nn.Module]] = {
     "ddp-no-sync": _ddp(),              # two micro-batches, the first under no_sync()
     "fsdp-block": _fsdp(per_block=True),
     "fsdp-whole": _fsdp(per_block=False),
+    "fsdp-block-bf16": _fsdp(per_block=True, bf16=True),
     "fsdp1-block": _fsdp1(per_block=True, use_orig_params=False),
     "fsdp1-block-orig": _fsdp1(per_block=True, use_orig_params=True),
     "fsdp1-whole": _fsdp1(per_block=False, use_orig_params=False),
     "fsdp1-whole-orig": _fsdp1(per_block=False, use_orig_params=True),
     "fsdp1-block-bf16": _fsdp1(per_block=True, use_orig_params=False, bf16=True),
 }
+# setups a model does not run in, even in plain training: FSDP2's mixed precision casts the
+# BatchNorm weights to bfloat16 beside float32 running statistics, which batch_norm refuses
+# (FSDP1 keeps BatchNorm in float32 by default)
+NOT_RUN: Dict[Tuple[str, str], str] = {
+    ("cnn", "fsdp-block-bf16"): "BatchNorm under FSDP2's bfloat16 policy fails without vmalloc"}
 # budget_for's budget is for float32 activations: bfloat16 ones need less to recompute
-BUDGET_SCALE: Dict[str, float] = {"fsdp1-block-bf16": 0.65}
+BUDGET_SCALE: Dict[str, float] = {"fsdp1-block-bf16": 0.65, "fsdp-block-bf16": 0.65}
 
 
 def grad_digest(model: nn.Module) -> Dict[str, Any]:
@@ -389,6 +400,8 @@ def main() -> None:
                 if model in HF_MODELS and runtime not in HF_RUNTIMES:
                     continue
                 for parallel in args.parallel.split(","):
+                    if (model, parallel) in NOT_RUN:
+                        continue
                     try:
                         rec = run_case(model, runtime, parallel,
                                        int(budget * BUDGET_SCALE.get(parallel, 1.0)), rank)
