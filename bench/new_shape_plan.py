@@ -35,7 +35,7 @@ from torch import nn
 import scheduler
 from scheduler.planners import mimose as M
 from scheduler.planners import rotor as R
-from scheduler.runtime.chain_runner import make_plan
+from scheduler.runtime.planning import make_plan
 from scheduler.runtime.input_aware import InputAwareChain
 
 GOAL_MS = 1.0

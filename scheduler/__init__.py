@@ -16,7 +16,7 @@ __all__ = ["Chain", "InfeasibleError", "InvalidPlanError", "Op", "Plan", "SimRes
            "simulate", "swap", "wrap", "checkpoint", "planners", "profile", "runtime"]
 
 _LAZY = {"swap": ("scheduler.runtime.swap", "swap"),
-         "wrap": ("scheduler.runtime.chain_runner", "wrap"),
+         "wrap": ("scheduler.runtime.wrap", "wrap"),
          "checkpoint": ("scheduler.runtime.checkpoint", "checkpoint")}
 
 

@@ -15,7 +15,7 @@ from scheduler import Chain, simulate
 from scheduler.chain import FIELDS
 from scheduler.planners.mimose import ChainEstimator, plan_from_checkpoints
 from scheduler.profile import measure_chain
-from scheduler.runtime import input_aware
+from scheduler.runtime import options
 from scheduler.runtime.input_aware import InputAwareChain
 
 from wrap_models import one_thread  # noqa: F401  (autouse fixture)
@@ -136,22 +136,22 @@ def test_predicted_chain_plans_like_the_measured_one(transformer_chains):
 def test_bad_blocks_are_named():
     with pytest.raises(TypeError, match="InputAwareChain"):
         InputAwareChain("not blocks")
-    assert input_aware.default_input_size((3, torch.zeros(2, 5))) == 10
+    assert options.default_input_size((3, torch.zeros(2, 5))) == 10
 
 
 def test_a_new_shape_is_planned_without_simulating_it_again(monkeypatch):
     # rotor's prediction is the simulator's (tests/test_plan_promise.py): the runner records it
     # instead of running the simulator on every new shape
-    from scheduler.runtime import chain_runner
+    from scheduler.runtime import planning
     calls = []
-    monkeypatch.setattr(chain_runner, "simulate", lambda *a, **k: calls.append(a) or simulate(*a, **k))
+    monkeypatch.setattr(planning, "simulate", lambda *a, **k: calls.append(a) or simulate(*a, **k))
     c = Chain.random(12, seed=3)
     c = c.replace(**{f: [v << 20 for v in getattr(c, f)] for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")})
     full = simulate(c, plan_from_checkpoints(c.L, [])).peak_memory
-    plan = chain_runner.make_plan(c, int(full * 0.6), "rotor")
+    plan = planning.make_plan(c, int(full * 0.6), "rotor")
     assert calls == []
     r = simulate(c, plan)
     assert (plan.meta["simulated_peak"], plan.meta["simulated_time"]) == (r.peak_memory, r.makespan)
     assert r.peak_memory <= int(full * 0.6)
-    chain_runner.make_plan(c, None, "rotor")          # no limit: plain, simulated for its numbers
+    planning.make_plan(c, None, "rotor")          # no limit: plain, simulated for its numbers
     assert len(calls) == 1

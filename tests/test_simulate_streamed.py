@@ -143,7 +143,7 @@ def test_dynprog_streamed_reaches_its_relaxation_on_resnet18():
 
 
 def test_chain_runtime_refuses_streamed_transfers():
-    from scheduler.runtime.chain_exec import CompiledPlan
+    from scheduler.runtime.compiled_plan import CompiledPlan
     ops = [("F_all", 0), ("offload", 1), ("F_all", 1), ("prefetch", 1), ("B", 1), ("B", 0)]
     with pytest.raises(InvalidPlanError, match="transfer_chunk=None"):
         CompiledPlan.of(Plan(ops, transfer_chunk=1 << 20), 1)

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from ..errors import InvalidPlanError
-from ..plan import FORWARD_KINDS, Plan
-from ..profile import _trace
+from ..plan import FORWARD_KINDS
 from . import accounting, buffers, fsdp, rng
 from .block_calls import BlockCall, tensor_leaves
+from .compiled_plan import CompiledPlan
+from .frames import Frame, Tensors
 from .hf_outputs import outputs_not_captured
 from .offload import StorageCopy, Transfers
 
@@ -63,125 +64,9 @@ def as_components(value: Any, stage: int) -> Tuple[Comps, bool]:
         "positional arguments")
 
 
-# ------------------------------------------------------------------------------------ plan
-@dataclass
-class CompiledPlan:
-    """A Plan checked for the runtime and split into its forward and backward phases."""
-
-    plan: Plan
-    L: int
-    forward_ops: List[Tuple[int, str, int]]   # (index in plan.ops, kind, stage)
-    backward_ops: List[Tuple[int, str, int]]
-    recomputed: Set[int]                      # stages run more than once
-    # offload op index -> the last op that still reads the offloaded value before it is
-    # prefetched (the simulator lets forwards read an item while its offload is in flight)
-    release: Dict[int, int] = field(default_factory=dict)
-    # compute op index -> offload ops whose copy must be complete before it starts (host wait)
-    sync_before: Dict[int, List[int]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, plan: Plan, L: int) -> "CompiledPlan":
-        ops = [(i, op.kind, op.stage) for i, op in enumerate(plan.ops)]
-        if plan.transfer_chunk is not None and any(op.kind in ("offload", "prefetch")
-                                                   for op in plan.ops):
-            # its peak assumes an offload frees its item chunk by chunk; whole tensors here
-            # are freed when their copy ends, so running it would break the plan's limit
-            raise InvalidPlanError(
-                f"plan streams its transfers in chunks of {plan.transfer_chunk:g} bytes "
-                "(Plan.transfer_chunk); the chain runtime moves whole tensors: plan with "
-                "transfer_chunk=None", None)
-        timing = plan.meta.get("transfer_timing") or {}
-        issue_after = {int(i): int(j) for i, j in timing.get("issue_after", [])}
-        if issue_after:  # prefetches the simulator starts later (waiting for memory) move there
-            moved = [op for op in ops if op[0] not in issue_after]
-            for i, j in sorted(issue_after.items(), key=lambda p: (p[1], p[0])):
-                k = next(n for n, op in enumerate(moved) if op[0] == j)
-                while k + 1 < len(moved) and moved[k + 1][0] in issue_after and \
-                        issue_after[moved[k + 1][0]] == j:
-                    k += 1
-                moved.insert(k + 1, next(op for op in ops if op[0] == i))
-            ops = moved
-        sync_before = {int(c): [int(o) for o in offs] for c, offs in timing.get("sync_before", [])}
-        for i, kind, s in ops:
-            if s > L:
-                raise InvalidPlanError(f"op {i} ({kind} {s}): stage out of range for a chain of "
-                                       f"{L} blocks plus the loss", i)
-        first_b = next((k for k, (_, kind, _) in enumerate(ops) if kind == "B"), None)
-        if first_b is None:
-            raise InvalidPlanError("plan has no backward op", None)
-        i_b, _, s_b = ops[first_b]
-        if s_b != L:
-            raise InvalidPlanError(f"op {i_b}: the first backward must be B {L} (the loss), "
-                                   f"got B {s_b}", i_b)
-        fwd, bwd = ops[:first_b], ops[first_b:]
-        expect = 0
-        for i, kind, s in fwd:
-            if kind in FORWARD_KINDS:
-                if s != expect:
-                    raise InvalidPlanError(
-                        f"op {i} ({kind} {s}): before the loss's backward each stage must run "
-                        f"once, in order; expected a forward of stage {expect}", i)
-                expect += 1
-        if expect != L + 1:
-            raise InvalidPlanError(f"the forward phase runs stages 0..{expect - 1}, "
-                                   f"not 0..{L}", first_b)
-        counts: Dict[int, int] = {}
-        for _, kind, s in ops:
-            if kind in FORWARD_KINDS:
-                counts[s] = counts.get(s, 0) + 1
-        recomputed = {s for s, c in counts.items() if c > 1 and s < L}
-        release: Dict[int, int] = {}
-        for k, (i, kind, s) in enumerate(ops):
-            if kind != "offload":
-                continue
-            last = i
-            for j, kind2, s2 in ops[k + 1:]:
-                if s2 == s and kind2 in ("prefetch", "offload", "B"):
-                    break
-                if s2 == s and kind2 in FORWARD_KINDS:
-                    last = j
-            release[i] = last
-        return cls(plan, L, fwd, bwd, recomputed, release, sync_before)
-
-
-def transfer_timing(sim: Any) -> Dict[str, List[Any]]:
-    """What the runtime must add to follow a memory-limited simulation of a plan with
-    transfers (``simulate(..., memory=budget)``, how pofo predicts its peak): prefetches the
-    simulator starts only after a later compute op ended (it waited for memory) are issued
-    after that op, and a compute op the simulator starts after an offload completed waits
-    for that copy (so the memory it frees can really be reused)."""
-    steps = sim.steps
-    compute = [st for st in steps if st.kind not in ("offload", "prefetch")]
-    issue_after, sync_before = [], []
-    for st in steps:
-        if st.kind != "prefetch":
-            continue
-        done = [c.index for c in compute if c.end <= st.start * (1 + 1e-12) + 1e-15]
-        if done and max(done) > st.index:
-            issue_after.append([st.index, max(done)])
-    offloads = [st for st in steps if st.kind == "offload"]
-    for c in compute:
-        offs = [o.index for o in offloads if o.index < c.index and
-                o.end <= c.start * (1 + 1e-12) + 1e-15]
-        if offs:
-            sync_before.append([c.index, offs])
-    return {"issue_after": issue_after, "sync_before": sync_before}
-
-
 # ------------------------------------------------------------------------------------ state
-Tensors = Tuple[torch.Tensor, ...]
-
-
 def _detached(ts: Sequence[torch.Tensor]) -> Tensors:
     return tuple(t.detach() for t in ts)
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass
@@ -222,132 +107,6 @@ def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
     finally:
         for m, t in zip(mods, now):
             m.training = t
-
-
-_unlinked = _trace.unlinked  # a pack hook keeps saved tensors without history
-
-
-class Holder:
-    """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
-    until the recomputation of the block fills it (``F_ck``/``F_none``)."""
-    __slots__ = ("frame", "value", "meta", "__weakref__")
-
-    def __init__(self, frame: "Frame", value: Optional[torch.Tensor], meta: Any = None):
-        self.frame = frame
-        self.value = value
-        self.meta = meta  # (shape, dtype, device) of what the recomputation must give back
-
-
-def _meta(t: torch.Tensor) -> Tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.device)
-
-
-class Frame:
-    """One block's run in a step: the loop's call, the holders of what its graph saved, the
-    random state of its first run, and (while it is xbar) its output."""
-
-    def __init__(self, step: "ChainStep", s: int, call: BlockCall):
-        self.step = step
-        self.s = s
-        self.call = call
-        self.holders: List[weakref.ReferenceType] = []
-        self.state: Optional[rng.RngState] = None
-        self.triggered = False
-        self.out: Tensors = ()
-        self.out_version: Tuple[int, ...] = ()
-        self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
-        self.released = False
-        self.modes: Optional[List[bool]] = None  # train/eval flags of its modules at the first run
-
-    # hooks of the first run ----------------------------------------------------------
-    def pack_keep(self, t: torch.Tensor) -> Holder:
-        h = Holder(self, _unlinked(t))
-        self.holders.append(weakref.ref(h))
-        return h
-
-    def pack_drop(self, t: torch.Tensor) -> Holder:
-        h = Holder(self, None, _meta(t))
-        self.holders.append(weakref.ref(h))
-        return h
-
-    # > 0 while ``runtime.outside`` reads what a graph saved: an unpack then must not run
-    # the plan (recomputations, transfers); it raises, and the reader skips the tensor
-    inspecting = 0
-
-    @staticmethod
-    def unpack(h: Holder) -> torch.Tensor:
-        if Frame.inspecting:
-            raise LookupError("a chain's saved tensor: not read while inspecting a graph")
-        f = h.frame
-        if f.step.replaying:  # runtime.tail replays the tail's backward: it must stop above us
-            raise RuntimeError(f"{f.step.name}: the replay of the model's tail reached block "
-                               f"{f.s}'s backward")
-        if not f.triggered:
-            f.triggered = True
-            f.step.backward_reaches(f.s)
-        if h.value is None:
-            raise RuntimeError(f"{f.step.name}: block {f.s}: a saved tensor was not "
-                               "recomputed (the plan has no F_all of this block before its B)")
-        return h.value
-
-    # hooks of the recomputation ------------------------------------------------------
-    def refill(self) -> "_Refill":
-        return _Refill(self)
-
-    def saved(self) -> List[torch.Tensor]:
-        out = []
-        for r in self.holders:
-            h = r()
-            if h is not None and h.value is not None:
-                out.append(h.value)
-        return out
-
-
-class _Refill:
-    """Pack hooks of ``F_all s`` in the backward phase: the i-th tensor the recomputation
-    saves fills the i-th holder of the first run (as ``torch.utils.checkpoint`` matches them)."""
-
-    def __init__(self, frame: Frame):
-        self.frame = frame
-        self.n = 0
-        self.mismatch: Optional[Tuple[int, Any, Any]] = None
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        i = self.n
-        self.n += 1
-        v = _unlinked(t)
-        if i < len(self.frame.holders):
-            h = self.frame.holders[i]()
-            if h is not None:  # None: autograd already freed that node
-                if h.meta is not None and _meta(t) != h.meta:
-                    # handing it to the first run's backward would read out of bounds
-                    if self.mismatch is None:
-                        self.mismatch = (i, h.meta, _meta(t))
-                    return v
-                h.value = v
-        # not ``t``: this graph is never run backward, so nothing would break the cycle
-        # node -> saved ``t`` -> t.grad_fn (the node) and the step it reaches would leak
-        return v
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def check(self) -> None:
-        f = self.frame
-        if self.mismatch is not None:
-            i, first, again = self.mismatch
-            raise RuntimeError(
-                f"{f.step.name}: block {f.s}: saved tensor {i} had shape/dtype/device {first} "
-                f"on its first run but {again} when recomputed: its forward must do the same "
-                "work when run again (same train/eval mode, inputs, random state and autocast; "
-                "do not call model.eval() between the forward and the backward)")
-        if self.n != len(f.holders):
-            raise RuntimeError(
-                f"{f.step.name}: block {f.s} saved {len(f.holders)} tensors for backward on its "
-                f"first run but {self.n} when recomputed: its forward must do the same work when "
-                "run again with the same inputs, random state and autocast (it cannot depend on "
-                "global state that changed in between)")
 
 
 # ------------------------------------------------------------------------------------ step
@@ -648,7 +407,7 @@ class ChainStep:
         args, kwargs = call.bind(leaves)
         block = self.blocks[s]
         self.stats.recomputed_forwards += 1
-        ctx = rng.replay(frame.state) if frame.state is not None else _Null()
+        ctx = rng.replay(frame.state) if frame.state is not None else contextlib.nullcontext()
         with ctx, buffers.frozen_buffers(block), _modes_as(block, frame.modes):
             if kind == "F_all":
                 refill = frame.refill()

@@ -2,47 +2,45 @@
 
 One runner serves both entry points: ``scheduler.checkpoint(model, ...)`` (the model's own
 loop calls the blocks, see ``checkpoint``) and ``scheduler.wrap(blocks, ...)`` (a bare chain:
-``CheckpointedChain``'s loop calls them). For each input signature (shapes, dtypes, devices,
-grad flags of block 0's arguments), budget and train/eval mode the runner gets a chain
-(``_chain_for``: given, measured, or measured at the end of a first forward that
-checkpoints every block), asks the planner for a Plan (its predicted peak and time are the
-simulator's own; plans with transfers are simulated for their timing) and caches it
-(``PlanCache``); a new shape or a new budget plans again. With
-``planner="mimose"`` the Mimose collector learns per-block memory online and plans per input
-size. Each forward + backward is a ``chain_exec.ChainStep`` (non-reentrant).
+``wrap.CheckpointedChain``'s loop calls them). For each input signature (shapes, dtypes,
+devices, grad flags of block 0's arguments), budget and train/eval mode the runner gets a
+chain (``_chain_for``: given, measured, or measured at the end of a first forward that
+checkpoints every block), asks the planner for a Plan (``planning.make_plan``: its predicted
+peak and time are the simulator's own) and caches it (``PlanCache``); a new shape or a new
+budget plans again. With ``planner="mimose"`` the Mimose collector learns per-block memory
+online and plans per input size. Each forward + backward is a ``chain_exec.ChainStep``
+(non-reentrant), following the plan as ``compiled_plan.CompiledPlan`` splits it.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from vmalloc.sizes import parse_size
-
 from ..chain import Chain, add_outside
 from ..plan import Plan
 from ..plan_cache import PlanCache
-from ..simulate import simulate
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate, plan_from_checkpoints)
-from . import accounting, buffers, distributed, fsdp, rng
+from . import accounting, distributed, fsdp, rng
 from .bandwidth import default_bandwidth
-from .block_calls import BlockCall, block_list, signature, tensor_leaves
-from .chain_exec import ChainStep, CompiledPlan, RunStats, as_components
+from .block_calls import BlockCall, signature, tensor_leaves
+from .chain_exec import ChainStep, RunStats
+from .compiled_plan import CompiledPlan
 from .hf_outputs import outputs_not_captured
 from .input_aware import InputAwareChain
+from .planning import make_plan
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
+from .preserved import PreservedState
+from .options import (ChainArg, PlannerArg, check_planner, default_input_size, parse_budget,
+                      parse_rate)
 
-PLANNERS = ("rotor", "pofo", "periodic", "mimose", "none")
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
-
-PlannerArg = Union[str, Plan, Callable[[Chain, Optional[int]], Plan]]
-ChainArg = Union[None, Chain, Callable[..., Chain]]
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -50,117 +48,6 @@ def _shape_of(key: Hashable) -> Hashable:
     its budget: what a measured chain depends on."""
     signature_, _budget, training, autocast = key  # type: ignore[misc]
     return signature_, training, autocast
-
-
-# ------------------------------------------------------------------------------ planning
-def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor",
-              bandwidth: Optional[float] = None) -> Plan:
-    """The Plan the named planner makes for ``chain`` under ``budget`` bytes (``None``: no
-    limit, everything saved). ``bandwidth`` (bytes/s) for plans with transfers: default
-    ``bandwidth.default_bandwidth()`` (measured on a GPU, 12e9 on the CPU)."""
-    if isinstance(planner, Plan):
-        return planner
-    if callable(planner):
-        return planner(chain, budget)
-    if budget is None or planner == "none":
-        plan = plan_from_checkpoints(chain.L, [], planner="none")
-    elif planner == "rotor":
-        from ..planners import rotor
-        plan = rotor.solve(chain, budget)
-    elif planner == "pofo":
-        if bandwidth is None:
-            bandwidth = default_bandwidth()
-        from ..planners import pofo
-        plan = pofo.solve(chain, budget, bandwidth)
-    elif planner == "periodic":
-        from ..planners import periodic
-        plan = periodic.best(chain, budget)
-    else:
-        raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, a Plan "
-                         f"or a callable (chain, budget) -> Plan; got {planner!r}")
-    transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    if transfers and bandwidth is None:
-        bandwidth = default_bandwidth()
-    if not transfers and plan.predicted_peak is not None and plan.predicted_time is not None:
-        # the planners predict with the simulator's own rules (equal to ``simulate``:
-        # tests/test_plan_promise.py, test_rotor.py): running it again would only cost a new
-        # shape's planning time (1-3 ms at 48 blocks, more than rotor's solve)
-        plan.meta["simulated_peak"] = plan.predicted_peak
-        plan.meta["simulated_time"] = plan.predicted_time
-    else:
-        res = simulate(chain, plan, bandwidth=bandwidth)
-        if transfers and budget is not None:
-            # pofo predicts with the simulator enforcing the budget (prefetches wait for
-            # memory): the runtime follows that timing
-            from .chain_exec import transfer_timing
-            plan.meta["transfer_timing"] = transfer_timing(
-                simulate(chain, plan, bandwidth=bandwidth, memory=budget))
-        plan.meta["simulated_peak"] = res.peak_memory
-        plan.meta["simulated_time"] = res.makespan
-    if plan.predicted_peak is None:
-        plan.predicted_peak = res.peak_memory
-    if plan.predicted_time is None:
-        plan.predicted_time = res.makespan
-    if plan.chain is None:
-        plan.chain = chain
-    return plan
-
-
-# ------------------------------------------------------------------------------ inputs
-def default_input_size(args: Sequence[Any]) -> int:
-    """Mimose's input size: elements of the first input tensor (seed 004, section 3.1)."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.numel()
-    raise ValueError("planner='mimose': block 0's arguments have no tensor to size")
-
-
-def parse_budget(budget: Any, where: str) -> Optional[int]:
-    """``None`` (no limit) or a positive byte count (an int or a size string: "6GiB")."""
-    if budget is None:
-        return None
-    value = parse_size(budget, "budget")
-    if value <= 0:
-        raise ValueError(f"{where}: budget must be a positive size (e.g. '6GiB') or None for "
-                         f"no limit, got {budget!r}")
-    return value
-
-
-def parse_rate(bandwidth: Any, where: str) -> Optional[float]:
-    if bandwidth is None:
-        return None
-    if isinstance(bandwidth, str):
-        return float(parse_size(bandwidth.removesuffix("/s"), "bandwidth"))
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or \
-            not bandwidth > 0:
-        raise ValueError(f"{where}: bandwidth must be positive bytes/s (e.g. 12e9 or "
-                         f"'12GB/s'), got {bandwidth!r}")
-    return float(bandwidth)
-
-
-def check_planner(planner: Any, where: str) -> None:
-    if isinstance(planner, Plan) or (callable(planner) and not isinstance(planner, type)):
-        return
-    if not isinstance(planner, str) or planner not in PLANNERS:
-        raise ValueError(f"{where}: planner must be one of {', '.join(PLANNERS)}, a Plan or a "
-                         f"callable (chain, budget) -> Plan; got {planner!r}")
-
-
-class _PreservedState:
-    """Random state, buffers and gradients of the blocks, put back after measuring a chain
-    so that measuring does not change training."""
-
-    def __init__(self, blocks: Sequence[nn.Module], args: Sequence[Any]):
-        self.rng = rng.capture(rng.cuda_devices_of(args))
-        self.bufs = [buffers.snapshot(b) for b in blocks]
-        self.grads = [(p, p.grad) for b in blocks for p in b.parameters()]
-
-    def restore(self) -> None:
-        rng.restore(self.rng)
-        for saved in self.bufs:
-            buffers.restore(saved)
-        for p, g in self.grads:
-            p.grad = g
 
 
 def _collected(step: ChainStep) -> Estimate:
@@ -330,7 +217,7 @@ class ChainRunner:
             raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
                                "measure_chain is not available in this build") from e
         self.measurements += 1
-        keep = _PreservedState(self.blocks, x0)
+        keep = PreservedState(self.blocks, x0)
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
         was, self.passthrough = self.passthrough, True
         try:
@@ -648,92 +535,3 @@ def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.de
     return next((t.device for t in tensor_leaves((tuple(args), kwargs))), None)
 
 
-# ------------------------------------------------------------------------------ wrap
-class CheckpointedChain(nn.Module):
-    """The blocks of a bare chain, run under a plan. See ``wrap``."""
-
-    def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
-                 bandwidth: Any = None, **options: Any):
-        super().__init__()
-        blocks = block_list(blocks, "scheduler.wrap")
-        self.blocks = nn.ModuleList(blocks)
-        self.L = len(blocks)
-        self.runner = ChainRunner(list(blocks), budget, planner, bandwidth, sequential=True,
-                                  entries=self.blocks, name="scheduler.wrap", **options)
-
-    # the runner's knobs and reports, as attributes of the module
-    budget = property(lambda self: self.runner.budget,
-                      lambda self, v: setattr(self.runner, "budget", v))
-    planner = property(lambda self: self.runner.planner)
-    cache = property(lambda self: self.runner.cache)
-    mimose = property(lambda self: self.runner.mimose)
-    chain_source = property(lambda self: self.runner.chain_source)  # chain= as given
-    last_stats = property(lambda self: self.runner.last_stats)
-    last_plan = property(lambda self: self.runner.last_plan)
-    collections = property(lambda self: self.runner.collections)
-
-    def plan_for(self, *args: Any) -> Plan:
-        """The plan the next forward on ``args`` will run (planned and cached if new)."""
-        return self.runner.plan_for(args)
-
-    def stats(self) -> Dict[str, Any]:
-        return self.runner.stats()
-
-    # torch.compile leaves the runner to run eagerly (it pushes autograd hooks, reads the
-    # graph, moves storages): a graph break around the chain, compiled code around it
-    @torch.compiler.disable
-    def forward(self, *args: Any) -> Any:
-        if not args:
-            raise TypeError("scheduler.wrap: the wrapped chain needs at least one input")
-        value: Tuple[Any, ...] = args
-        out: Any = None
-        for s, block in enumerate(self.blocks):
-            out = self.runner.call(s, value, {}, lambda a, k, b=block: b(*a, **k),
-                                   all_inputs=True)
-            comps, is_tuple = as_components(out, s)
-            value = comps if is_tuple else (out,)
-        return out
-
-
-def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: PlannerArg = "rotor",
-         bandwidth: Any = None, sample_input: Any = None, **options: Any) -> CheckpointedChain:
-    """Run ``blocks`` (an ``nn.Sequential``, ``nn.ModuleList`` or list of modules: a chain)
-    under an activation-memory ``budget`` (bytes or a size string such as ``"6GiB"``; ``None``:
-    no limit) with the plans of ``planner``:
-
-    - ``"rotor"`` (default): optimal checkpointing (seed 002);
-    - ``"pofo"``: checkpointing + offloading (seed 001); ``bandwidth`` (bytes/s) defaults to
-      ``scheduler.runtime.bandwidth.default_bandwidth()`` (measured once on a GPU, 12e9 on CPU);
-    - ``"periodic"``: ``checkpoint_sequential`` with the fastest segment count that fits;
-    - ``"mimose"``: input-aware checkpointing learnt online (seed 004), for dynamic shapes;
-    - ``"none"``: plain training (everything saved);
-    - a ``Plan`` (run as is) or a callable ``(chain, budget) -> Plan``.
-
-    Each block's output is passed to the next as its positional arguments (a tuple is
-    unpacked). The same runner as ``scheduler.checkpoint`` (non-reentrant: see README).
-    ``sample_input`` (a tensor or a tuple of the block-0 arguments) plans right away, so an
-    infeasible budget raises ``InfeasibleError`` here rather than on the first step.
-
-    Options: ``chain`` (a ``Chain``, or a callable taking the inputs and returning one,
-    instead of measuring), ``track_memory`` (count activation bytes held, see ``stats()``;
-    default False), ``cache_size`` (plans kept, default 64), ``samples`` (Mimose: distinct
-    input sizes collected before fitting, default 10), ``input_size`` (Mimose: callable from
-    the inputs to the size the estimator uses; default the first tensor's element count),
-    ``mimose`` (a ``scheduler.planners.mimose.Mimose`` to use, e.g. one shared with another
-    runtime; default a new one), ``loss`` (the loss stage ``measure_chain`` profiles: "sum"
-    (default), "mse", "cross_entropy" or a callable on the chain's output),
-    ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``),
-    ``on_chain`` (a callable ``Chain -> Chain`` every chain passes through before planning,
-    e.g. so that all ranks plan on one agreed chain).
-    """
-    unknown = set(options) - set(ChainRunner.OPTIONS)
-    if unknown:
-        raise TypeError(f"scheduler.wrap: unknown option(s) {sorted(unknown)}")
-    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
-        raise TypeError("scheduler.wrap: pass the model as an nn.Sequential or a list of blocks "
-                        f"(got a single {type(blocks).__name__})")
-    model = CheckpointedChain(list(blocks), budget, planner, bandwidth, **options)
-    if sample_input is not None and planner != "mimose":
-        args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-        model.plan_for(*args)
-    return model

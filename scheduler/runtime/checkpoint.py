@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from . import fsdp
-from .chain_runner import ChainRunner, PlannerArg, check_planner, parse_budget, parse_rate
+from .chain_runner import ChainRunner
+from .options import PlannerArg, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
 from .tail import TailProbe

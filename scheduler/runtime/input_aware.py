@@ -29,14 +29,8 @@ from ..chain import Chain
 from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
 from . import distributed
 from .block_calls import block_list
-
-
-def default_input_size(args: Sequence[Any]) -> int:
-    """Elements of the first input tensor (Mimose's input size, seed 004 section 3.1)."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.numel()
-    raise ValueError("InputAwareChain: the input has no tensor to size")
+from .options import default_input_size
+from .preserved import PreservedState
 
 
 class InputAwareChain:
@@ -76,8 +70,7 @@ class InputAwareChain:
 
     def _measure(self, args: Sequence[Any]) -> Chain:
         from ..profile import measure_chain
-        from .chain_runner import _PreservedState  # the runner's own way of measuring safely
-        keep = _PreservedState(self.blocks, args)
+        keep = PreservedState(self.blocks, args)
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         try:
             return measure_chain(self.blocks, args[0] if len(args) == 1 else args,

@@ -17,7 +17,7 @@ import torch
 
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
-from .chain_exec import Frame
+from .frames import Frame
 
 
 class Outside:
