@@ -346,6 +346,23 @@ def test_parameters_and_small_tensors_are_left_alone():
     assert sorted(seq.sizes) == [4096, 4096]
 
 
+def test_frozen_weights_are_left_alone_too():
+    # F.linear saves weight.t(): a view of the Parameter, which the module holds whether or not
+    # it trains; a frozen one must not be moved (it would free nothing and come back as a
+    # second copy), as a training one is not
+    seen = {}
+    for frozen in (False, True):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+        model[0].requires_grad_(not frozen)
+        ctx = scheduler.swap(window="1MiB", device="cpu")
+        with ctx:
+            x = torch.randn(4, 256, requires_grad=True)
+            model(x).square().sum().backward()
+        seen[frozen] = sorted(ctx.last_recorded.sizes)
+    assert seen[True] == seen[False]
+    assert 256 * 256 * 4 not in seen[True]
+
+
 # ------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_one_byte_window_warns_once_and_trains_bit_identically(name):

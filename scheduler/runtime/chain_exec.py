@@ -118,7 +118,8 @@ class ChainStep:
 
     def __init__(self, blocks: Sequence[nn.Module], cplan: CompiledPlan,
                  run_again: Callable[[int, Tuple[Any, ...], Dict[str, Any]], Any], *,
-                 track_memory: bool = False, transfers: Optional[Transfers] = None,
+                 track_memory: bool = False,
+                 transfers: Optional[Callable[[torch.device], Transfers]] = None,
                  collector: Optional[Collector] = None,
                  state_tensors: Sequence[torch.Tensor] = (), name: str = "scheduler.wrap"):
         self.blocks = blocks
@@ -126,7 +127,7 @@ class ChainStep:
         self.L = cplan.L
         self.run_again = run_again
         self.track = track_memory
-        self.transfers = transfers
+        self.transfers = transfers  # the transfer engine of a storage's device
         self.collector = collector
         # what the blocks held as the step began (weights, buffers): never activations. The
         # tensors are kept so that their storages' keys (addresses) stay theirs all step
@@ -205,19 +206,35 @@ class ChainStep:
         raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
                                f"memory{where}", index)
 
+    # On a GPU a prefetch's bytes arrive on a side stream: whatever reads them (a block's
+    # forward, a recomputation, autograd's backward of a block) must first make the compute
+    # stream wait for the copy. Every read of a value that may have been prefetched goes
+    # through one of these (tests/test_transfer_waits.py checks it on the CPU).
     def _ready_x(self, s: int) -> None:
         """Wait for the prefetch of x[s], if one is in flight."""
         for sc in self.pending.pop(s, ()):
             Transfers.wait(sc)
+
+    def _wait_xbar(self, f: Frame) -> None:
+        """Wait for the prefetch of what F_all ``f.s`` kept, if one is in flight."""
+        if f.host is not None and not f.released and f.s not in self.leaving_xbar:
+            for sc in f.host:
+                Transfers.wait(sc)
+
+    def _ready_input(self, s: int) -> None:
+        """Wait for block ``s``'s input, wherever it was prefetched: as x[s], or with what
+        F_all s-1 kept (its output; block s's graph may have saved it)."""
+        self._ready_x(s)
+        f = self.xbars.get(s - 1)
+        if f is not None:
+            self._wait_xbar(f)
 
     def _ready_xbar(self, t: int, index: int, kind: str) -> Frame:
         f = self.xbars[t]
         if f.released:
             raise InvalidPlanError(f"op {index} ({kind}): xbar[{t}] is offloaded; prefetch "
                                    f"{t + 1} first", index)
-        if f.host is not None and t not in self.leaving_xbar:
-            for sc in f.host:
-                Transfers.wait(sc)
+        self._wait_xbar(f)
         return f
 
     def _held_tensors(self) -> List[torch.Tensor]:
@@ -259,6 +276,7 @@ class ChainStep:
             self.anchors[s] = _detached(call.x)
             self.anchor_versions[s] = tuple(t._version for t in self.anchors[s])
         index, kind = self._forward_ops_until(s)
+        self._ready_input(s)  # the loop's arguments may share a storage just prefetched
         frame = Frame(self, s, call)
         self.frames[s] = frame
         block = self.blocks[s]
@@ -370,7 +388,7 @@ class ChainStep:
             raise InvalidPlanError(f"op {index} (B {s}): needs xbar[{s}]; run F_all {s} first",
                                    index)
         self._ready_xbar(s, index, "B")
-        self._ready_x(s)  # the graph may have saved the input
+        self._ready_input(s)  # the graph may have saved the input
         self._live()
         self._drop_b(s)
 
@@ -496,7 +514,10 @@ class ChainStep:
     def _offload(self, index: int, s: int) -> None:
         if self.transfers is None:
             raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
-        if s not in self.xs and s - 1 in self.xbars and self.xbars[s - 1].host is None:
+        prev = self.xbars.get(s - 1)
+        if s not in self.xs and prev is not None and not prev.released and \
+                s - 1 not in self.leaving_xbar:  # on the device: never moved, or back
+            self._wait_xbar(prev)  # a prefetch still in flight lands before it is copied out
             self._offload_xbar(index, s - 1)
             return
         if s not in self.xs:
@@ -512,7 +533,8 @@ class ChainStep:
             self.stats.input_offloads_skipped += 1
             return
         storages = self._movable(comps, self.xbars.get(s), self._not_activations(s - 1, s))
-        self.host[s] = Offloaded(comps, [self.transfers.offload_storage(st) for st in storages])
+        self.host[s] = Offloaded(comps, [self.transfers(st.device).offload_storage(st)
+                                         for st in storages])
         self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
                                       if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
@@ -535,7 +557,7 @@ class ChainStep:
         skip = self._not_activations(t) | {accounting.storage_key(c) for c in
                                            accounting.tensors_of(inp)}
         storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
-        f.host = [self.transfers.offload_storage(st) for st in storages]
+        f.host = [self.transfers(st.device).offload_storage(st) for st in storages]
         self.offload_events[index] = [sc.host.event for sc in f.host if sc.host.event is not None]
         release = self.cplan.release.get(index, index)
         if release > index:
@@ -552,24 +574,26 @@ class ChainStep:
         f.released = True
 
     def _prefetch(self, index: int, s: int) -> None:
-        if s not in self.host and s - 1 in self.xbars and self.xbars[s - 1].released:
-            f = self.xbars[s - 1]
+        # a value still leaving (its copy out may run yet) never lost its memory: it stays,
+        # and prefetch_storage copies only what was released (it hands the buffers back)
+        f = self.xbars.get(s - 1)
+        if s not in self.host and f is not None and f.host is not None and \
+                (f.released or s - 1 in self.leaving_xbar):
+            self.leaving_xbar.pop(s - 1, None)
             for sc in f.host:
-                self.transfers.prefetch_storage(sc)
+                self.transfers(sc.storage.device).prefetch_storage(sc)
             f.released = False
-            self.stats.prefetched += 1
-            self._live()
-            return
-        if s not in self.host:
+        elif s in self.host:
+            off = self.host.pop(s)
+            self.leaving.pop(s, None)
+            for sc in off.copies:
+                self.transfers(sc.storage.device).prefetch_storage(sc)
+            if off.released:
+                self.pending[s] = off.copies
+            self._hold(s, off.comps)
+        else:
             raise InvalidPlanError(f"op {index} (prefetch {s}): x[{s}] was never offloaded",
                                    index)
-        off = self.host.pop(s)
-        self.leaving.pop(s, None)
-        if off.copies and off.released:
-            for sc in off.copies:
-                self.transfers.prefetch_storage(sc)
-            self.pending[s] = off.copies
-        self._hold(s, off.comps)
         self.stats.prefetched += 1
         self._live()
 

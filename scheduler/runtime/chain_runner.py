@@ -341,9 +341,6 @@ class ChainRunner:
         return self._plan(args, kwargs)[0].plan
 
     # -------------------------------------------------------------------------- steps
-    def _params(self) -> List[nn.Parameter]:
-        return [p for b in self.blocks for p in b.parameters()]
-
     def _needs_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
         if not torch.is_grad_enabled():
             return False
@@ -352,8 +349,9 @@ class ChainRunner:
         return any(isinstance(v, torch.Tensor) and v.requires_grad
                    for v in tensor_leaves((tuple(args), kwargs)))
 
-    def _transfers_for(self, dev: Optional[torch.device]) -> Transfers:
-        dev = dev or next((p.device for p in self._params()), torch.device("cpu"))
+    def _transfers_for(self, dev: torch.device) -> Transfers:
+        """The copy streams and pinned pool of ``dev``: one per device a moved storage lives
+        on (blocks spread over GPUs, a ``device_map``, copy on their own device's streams)."""
         if str(dev) not in self._transfers:
             self._transfers[str(dev)] = Transfers(dev)
         return self._transfers[str(dev)]
@@ -370,8 +368,7 @@ class ChainRunner:
         if self.track_memory or collector is not None or needs_transfers:
             held = [t for b in self.blocks for t in fsdp.block_tensors(b)]
         step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
-                         transfers=self._transfers_for(_device_of(args, kwargs))
-                         if needs_transfers else None,
+                         transfers=self._transfers_for if needs_transfers else None,
                          collector=collector, state_tensors=held, name=self.name)
         if profile_key is not None and self._sharded():
             # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;

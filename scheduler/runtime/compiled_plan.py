@@ -19,8 +19,9 @@ class CompiledPlan:
     forward_ops: List[Tuple[int, str, int]]   # (index in plan.ops, kind, stage)
     backward_ops: List[Tuple[int, str, int]]
     recomputed: Set[int]                      # stages run more than once
-    # offload op index -> the last op that still reads the offloaded value before it is
-    # prefetched (the simulator lets forwards read an item while its offload is in flight)
+    # offload op index -> the op after which the offloaded value's device memory goes: the
+    # last that still reads it before it is prefetched (the simulator lets an op read an
+    # item while its offload is in flight)
     release: Dict[int, int] = field(default_factory=dict)
     # compute op index -> offload ops whose copy must be complete before it starts (host wait)
     sync_before: Dict[int, List[int]] = field(default_factory=dict)
@@ -81,11 +82,19 @@ class CompiledPlan:
             if kind != "offload":
                 continue
             last = i
-            for j, kind2, s2 in ops[k + 1:]:
-                if s2 == s and kind2 in ("prefetch", "offload", "B"):
-                    break
-                if s2 == s and kind2 in FORWARD_KINDS:
+            for n in range(k + 1, len(ops)):
+                j, kind2, s2 = ops[n]
+                if s2 != s:
+                    continue
+                if kind2 == "B":
+                    # B s reads its input too; it runs inside autograd once its op is
+                    # reached, so the value goes after the next compute op
+                    last = next((j3 for j3, kind3, _ in ops[n + 1:]
+                                 if kind3 not in ("offload", "prefetch")), j)
+                if kind2 in FORWARD_KINDS:
                     last = j
+                elif kind2 in ("prefetch", "offload", "B"):
+                    break
             release[i] = last
         return cls(plan, L, fwd, bwd, recomputed, release, sync_before)
 

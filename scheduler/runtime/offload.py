@@ -67,10 +67,12 @@ def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 @dataclass
 class StorageCopy:
-    """A device storage whose bytes are on the host (its device memory released)."""
+    """A device storage whose bytes are on the host (its device memory released, unless a
+    value that must stay kept it: then ``released`` is False and a prefetch copies nothing)."""
     storage: torch.UntypedStorage
     host: HostCopy
     event: Optional[object] = None      # of the prefetch, once issued
+    released: bool = False              # its device memory was freed (``Transfers.release``)
 
 
 class Transfers:
@@ -117,10 +119,16 @@ class Transfers:
         # offload() recorded the copy stream on this memory: the caching allocator reuses it
         # only once the copy has read it
         sc.storage.resize_(0)
+        sc.released = True
 
     def prefetch_storage(self, sc: StorageCopy) -> None:
         """Give ``storage`` its memory back and copy the bytes in (on the copy stream)."""
         h = sc.host
+        if not sc.released:
+            # it never left (a value later blocks still read): resizing a live CUDA storage
+            # would reallocate it on the copy stream under its readers' feet
+            self.pool.give(h.buf, h.event)
+            return
         n = h.buf.numel()
         if self.cuda:
             with torch.cuda.stream(self.h2d):
@@ -133,6 +141,7 @@ class Transfers:
         else:
             sc.storage.resize_(n)
             storage_bytes_view(sc.storage).copy_(h.view())
+        sc.released = False
         self.pool.give(h.buf, sc.event)
         self.prefetched_bytes += n
 

@@ -205,6 +205,10 @@ class SwapContext:
         if t.requires_grad and t.is_leaf:  # held by the user anyway
             return False
         base = t._base
+        if isinstance(base, torch.nn.Parameter):
+            # a view of a weight (``F.linear`` saves ``weight.t()``), frozen ones too: the
+            # module holds it, so moving it frees nothing and brings a second copy back
+            return False
         return not (base is not None and base.requires_grad and base.is_leaf)
 
     def _pack(self, t: torch.Tensor) -> Any:

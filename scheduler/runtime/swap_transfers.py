@@ -129,7 +129,8 @@ class Transfers:
             self.pending.pop(var, None)
             self.deferred.pop(var, None)
             var.inflight = None
-            var.state = DEVICE
+            # (if it came from a swap-in still copying, its use must still wait for that)
+            var.state = IN if var.in_tensor is not None else DEVICE
             return
         if var.state != HOST:
             return
