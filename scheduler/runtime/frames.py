@@ -25,12 +25,16 @@ _unlinked = _trace.unlinked  # a pack hook keeps saved tensors without history
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
-    __slots__ = ("frame", "value", "meta", "__weakref__")
+    __slots__ = ("frame", "value", "meta", "version", "__weakref__")
 
     def __init__(self, frame: "Frame", value: Optional[torch.Tensor], meta: Any = None):
         self.frame = frame
         self.value = value
         self.meta = meta  # (shape, dtype, device) of what the recomputation must give back
+        # autograd skips its check that a saved tensor was not modified in place when saved
+        # tensor hooks pack it: ``unpack`` makes the same check (the value shares the
+        # tensor's version counter)
+        self.version = value._version if value is not None else 0
 
 
 def _meta(t: torch.Tensor) -> Tuple[Any, ...]:
@@ -83,6 +87,13 @@ class Frame:
         if h.value is None:
             raise RuntimeError(f"{f.step.name}: block {f.s}: a saved tensor was not "
                                "recomputed (the plan has no F_all of this block before its B)")
+        if h.value._version != h.version:
+            raise RuntimeError(
+                f"{f.step.name}: block {f.s}: one of the variables needed for gradient "
+                f"computation has been modified by an inplace operation: a tensor of shape "
+                f"{tuple(h.value.shape)} its graph saved is at version {h.value._version}; "
+                f"expected version {h.version} (plain autograd raises here too; without this "
+                "check the gradient would silently use the modified values)")
         return h.value
 
     # hooks of the recomputation ------------------------------------------------------
@@ -119,7 +130,7 @@ class _Refill:
                     if self.mismatch is None:
                         self.mismatch = (i, h.meta, _meta(t))
                     return v
-                h.value = v
+                h.value, h.version = v, v._version
         # not ``t``: this graph is never run backward, so nothing would break the cycle
         # node -> saved ``t`` -> t.grad_fn (the node) and the step it reaches would leak
         return v

@@ -63,7 +63,7 @@ from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import Transfers
-from .swap_vars import DeathQueue, Handle, Var
+from .swap_vars import DeathQueue, Handle, Kept, Var, check_version
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
            "PLANNERS"]
@@ -213,11 +213,11 @@ class SwapContext:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._manageable(t):
-            return t.detach()
+            return Kept(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes or nbytes == 0:
-            return t.detach()
+            return Kept(t)
         with self._lock:
             self._drain()
             self._depth += 1
@@ -275,7 +275,8 @@ class SwapContext:
 
     def _unpack(self, handle: Any) -> torch.Tensor:
         if handle.__class__ is not Handle:
-            return handle
+            check_version(handle.t, handle.version)
+            return handle.t
         with self._lock:
             self._drain()
             self._depth += 1
@@ -294,7 +295,10 @@ class SwapContext:
                     dtype, shape, stride, offset = handle.meta
                     view = torch.empty((0,), dtype=dtype, device=var.device).set_(
                         var.storage, offset, shape, stride)
-                    handle.view = view
+                    check_version(view, view._version, handle.modified)
+                    handle.view, handle.version = view, view._version
+                else:
+                    check_version(view, handle.version)
                 if current:
                     seq.step_end()
                 return view

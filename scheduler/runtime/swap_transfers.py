@@ -118,6 +118,7 @@ class Transfers:
         for h in var.live_handles():
             if h.view is not None:
                 v = h.view
+                h.modified = h.modified or v._version != h.version
                 h.meta = (v.dtype, v.shape, v.stride(), v.storage_offset())
                 h.view = None
         self.residency.drop(var)

@@ -39,13 +39,40 @@ class Keeper:
 class Handle:
     """What autograd keeps instead of a saved tensor: a view of a variable."""
 
-    __slots__ = ("var", "view", "meta", "keeper", "__weakref__")
+    __slots__ = ("var", "view", "meta", "keeper", "version", "modified", "__weakref__")
 
     def __init__(self, var: "Var", t: torch.Tensor, keeper: Keeper):
         self.var = var
         self.view: Optional[torch.Tensor] = t.detach()  # detached: no grad_fn reference cycle
         self.meta: Any = None  # (dtype, shape, stride, offset), taken when the view is dropped
         self.keeper = keeper
+        # autograd does not check a hook-packed tensor for in-place changes: the runtime does
+        # (``check_version``), on the view (which shares the tensor's version counter) while
+        # it lives, and remembers a change seen when the view is dropped for a swap-out
+        self.version = t._version
+        self.modified = False
+
+
+class Kept:
+    """What autograd keeps of a saved tensor the runtime leaves where it is (parameters,
+    small tensors): the tensor, and its version when saved (``check_version``)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t.detach()
+        self.version = t._version
+
+
+def check_version(t: torch.Tensor, saved_version: int, modified: bool = False) -> None:
+    """Plain autograd's check that a saved tensor was not modified in place since it was
+    saved, which it skips for tensors packed by saved-tensor hooks."""
+    if modified or t._version != saved_version:
+        raise RuntimeError(
+            "swap runtime: one of the variables needed for gradient computation has been "
+            f"modified by an inplace operation: a saved tensor of shape {tuple(t.shape)} "
+            f"changed since it was saved (version {saved_version}); plain autograd raises "
+            "here too (without this check the gradient would silently use other values)")
 
 
 class HandleRef(weakref.ref):

@@ -1,0 +1,98 @@
+"""A tensor autograd saved and then modified in place before the backward: plain autograd
+raises ("modified by an inplace operation"), but it skips that check for tensors packed by
+saved-tensor hooks, which both runtimes use. Without their own check the backward would
+silently use the modified values; with it, they raise as plain training does, and a step
+that modifies nothing saved still trains."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import scheduler
+
+INPLACE = "modified by an inplace operation"
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 64), nn.Tanh())
+
+
+def _plain_raises(change) -> None:
+    model = _mlp()
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out = model(torch.randn(16, 64, requires_grad=True))
+        change(model, out)
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------------- swap runtime
+@pytest.mark.parametrize("window", ["1KiB", "1MiB"])  # swapped out by the backward, or not
+def test_swap_raises_on_a_saved_activation_changed_in_place(window):
+    def keep(model, out):
+        out.mul_(1)  # (the graph's last tanh saved ``out``: plain raises)
+
+    _plain_raises(keep)
+    model = _mlp()
+    for step in range(3):  # a recorded step, then scheduled ones (which swap)
+        with scheduler.swap(window=window, device="cpu", min_bytes=0):
+            out = model(torch.randn(16, 64, requires_grad=True))
+            if step < 2:
+                out.sum().backward()
+                continue
+            out.mul_(1)
+            with pytest.raises(RuntimeError, match=INPLACE):
+                out.sum().backward()
+
+
+def test_swap_raises_on_a_weight_changed_between_forward_and_backward():
+    # the weight is left in place (a parameter), autograd's check skipped all the same
+    def step_weights(model, out):
+        with torch.no_grad():
+            model[2].weight.add_(1)
+
+    _plain_raises(step_weights)
+    model = _mlp()
+    with scheduler.swap(window="1MiB", device="cpu", min_bytes=0):
+        out = model(torch.randn(16, 64, requires_grad=True))
+        step_weights(model, out)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            out.sum().backward()
+
+
+def test_swap_unchanged_steps_train():
+    model = _mlp()
+    for _ in range(3):
+        with scheduler.swap(window="1KiB", device="cpu", min_bytes=0):
+            model(torch.randn(16, 64, requires_grad=True)).sum().backward()
+
+
+# ---------------------------------------------------------------------- chain runtime
+class _Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))  # saves its output
+
+
+@pytest.mark.parametrize("planner", ["none", "rotor"])
+def test_chain_raises_on_a_kept_block_output_changed_in_place(planner):
+    torch.manual_seed(0)
+    blocks = [_Tanh() for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=INPLACE):  # plain
+        out = nn.Sequential(*blocks)(x)
+        out.mul_(2)
+        out.sum().backward()
+    # the last block's F_all (every plan keeps what the loss's block saved) holds ``out``
+    model = scheduler.wrap(blocks, None if planner == "none" else "1MiB", planner=planner)
+    for _ in range(2):  # (rotor: a profiling step first)
+        model(x).sum().backward()
+    out = model(x)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.sum().backward()
