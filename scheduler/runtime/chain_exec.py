@@ -133,6 +133,7 @@ class ChainStep:
         # tensors are kept so that their storages' keys (addresses) stay theirs all step
         self.state_tensors = list(state_tensors)
         self.state_storages = {accounting.storage_key(t) for t in self.state_tensors}
+        self.seen_tensors: Dict[int, torch.Tensor] = {}  # (``_not_activations``)
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
@@ -171,7 +172,8 @@ class ChainStep:
                 f.call.kept = []
                 f.out = ()
         self.frames = [None] * self.L
-        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving):
+        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving,
+                  self.seen_tensors):
             d.clear()
 
     # -------------------------------------------------------------------------- values
@@ -472,9 +474,12 @@ class ChainStep:
         """Storages that are never activations: what the blocks held as the step began and
         what blocks ``stages`` hold now (FSDP1 gives a block new views of its unit's
         gathered flat parameter at each of the unit's forwards)."""
-        return self.state_storages | {accounting.storage_key(t) for s in stages
-                                      if 0 <= s < self.L
-                                      for t in fsdp.block_tensors(self.blocks[s])}
+        now = [t for s in stages if 0 <= s < self.L for t in fsdp.block_tensors(self.blocks[s])]
+        # kept for the step, as the start's: a key is a storage's address, and a view FSDP1
+        # replaces during the measuring run (a nested unit's) would free a storage whose
+        # address an activation could then take, and be left out of xbar with it
+        self.seen_tensors.update((id(t), t) for t in now)
+        return self.state_storages | {accounting.storage_key(t) for t in now}
 
     def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:
