@@ -299,3 +299,32 @@ def test_measuring_leaves_no_tracer_or_graph_behind():
     measure_chain(tiny(), torch.randn(2, 4), loss="sum", repeat=1, warmup=0)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, _trace.OpTracer)]
+
+
+def test_cuda_transients_do_not_run_an_optimizer_stepping_in_the_backward(monkeypatch):
+    # the CUDA measurement of a stage's backward (``_cuda_tmp``, run here on the CPU with the
+    # allocator statistics stubbed) must not fire post-accumulate-grad hooks: an optimizer
+    # stepping in the backward would step the weights on the measurement's random gradient
+    from scheduler.profile import _trace as T
+    from scheduler.profile import measure as M
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    fired = []
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    for p in block.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.shape))
+    x = torch.randn(4, 8, requires_grad=True)
+    params = list(block.parameters())
+    before = [p.detach().clone() for p in params]
+    keys = {T.storage_key(p) for p in params}
+    outs, got = M._cuda_stage(lambda xs: (block(*xs),), (x,), params, keys, torch.device("cpu"))
+    assert fired == []
+    assert all(p.grad is None for p in params) and x.grad is None
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    # the sizes are the op tracer's (the CPU path's); the transients come from the stubs
+    _, traced = T.trace_stage(lambda xs: (block(*xs),), (x,), params, keys, cuda_dropout=False,
+                              flops=False)
+    assert (got["xbar"], got["dead_output"]) == (traced["xbar"], traced["dead_output"])
+    assert torch.equal(outs[0], block(x)) and not outs[0].requires_grad
+    assert min(got[k] for k in ("fw_tmp", "fck_tmp", "bw_tmp")) >= 0

@@ -137,6 +137,24 @@ def test_batchnorm_statistics_updated_once():
         assert b.bn.num_batches_tracked.item() == 1
 
 
+def test_backward_called_inside_autocast_recomputes_as_the_forward_ran():
+    # autocast is thread-local and the backward inherits it (its own ops autocast, as in plain
+    # training); a recomputation must run as the forward ran (without autocast here), not in
+    # the caller's low precision
+    blocks, ref = twins(lambda: mlp_blocks(4, D))
+    x = torch.randn(8, D)
+    model = scheduler.wrap(blocks, None, planner=plan_from_checkpoints(4, range(4)))
+    grads = []
+    for run in (model, nn.Sequential(*ref)):
+        torch.manual_seed(1)
+        loss = loss_of(run(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
+        grads.append([p.grad for p in run.parameters()])
+    assert model.last_stats.recomputed_forwards == 4
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_several_steps_with_optimizer_match():
     blocks, ref = twins(lambda: mlp_blocks(5, D))
     model = scheduler.wrap(blocks, None, planner=plan_from_checkpoints(5, [1, 3]))
@@ -344,3 +362,15 @@ def test_torch_compile_of_the_wrapped_chain():
         assert same(*results), f"step {seed}"
         assert chain.last_stats.recomputed_forwards == L
     torch._dynamo.reset()
+
+
+def test_track_memory_can_be_turned_on_and_off_on_the_module():
+    # a knob of the runner, as budget: set on the module, it reaches the runner's next step
+    model = scheduler.wrap(mlp_blocks(4, D), None, planner="none")
+    x = torch.randn(8, D, requires_grad=True)
+    model.track_memory = True
+    loss_of(model(x)).backward()
+    assert model.runner.track_memory and model.stats()["last_peak_bytes"] > 0
+    model.track_memory = False
+    loss_of(model(x)).backward()
+    assert not model.runner.track_memory and model.stats()["last_peak_bytes"] == 0

@@ -303,6 +303,17 @@ def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Tensors, inputs: Tensors,
     return storage_bytes(list(saved) + list(outputs), exclude)
 
 
+def saved_sizes(saved: "SavedTensors", outputs: Tensors, inputs: Tensors,
+                state_keys: Set[int]) -> Tuple[int, int]:
+    """A stage's ``xbar`` (``xbar_bytes``) and ``dead_output`` from what its saving forward
+    saved: the bytes of its outputs its own graph did not save. ``xbar[s]`` counts them, but
+    in ``B s`` nothing holds them (the next stage's backward already ran and freed what it
+    saved of them; the runtime keeps no reference): they are not in memory during ``B s``."""
+    in_keys = {storage_key(t) for t in inputs}
+    return (xbar_bytes(saved.tensors, outputs, inputs, state_keys),
+            storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys))
+
+
 def requires_grad_leaves(inputs: Tensors, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
 
@@ -379,7 +390,7 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
                 dropout.__exit__(None, None, None)
     in_keys = {storage_key(t) for t in inputs}
     out_keys = {storage_key(t) for t in outputs}
-    xbar = xbar_bytes(saved.tensors, outputs, inputs, state_keys)
+    xbar, dead = saved_sizes(saved, outputs, inputs, state_keys)
     tmp_none = f_trace.peak_live(skip=in_keys | state_keys | out_keys)
     peak_all = f_trace.peak_live(skip=in_keys | state_keys, keep=saved.keys() | out_keys)
     fw_tmp = max(peak_all - xbar, 0)  # F_all: its intermediates are in xbar
@@ -410,11 +421,7 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     held = in_keys | out_keys | state_keys | made
     peak_b = b_trace.peak_live(skip=set(), keep=made, by_node=True, release=(
         saved.keys() | {storage_key(g) for g in grads_out}) - held)
-    # xbar[s] counts the stage's output, but in B s nothing holds an output the stage's own
-    # graph did not save (the next stage's backward already ran and freed what it saved of
-    # it; the runtime keeps no reference): it is not in memory during B s
-    dead = storage_bytes(outputs, exclude=saved.keys() | in_keys | state_keys)
-    bw_tmp = max(peak_b - made_bytes - dead, 0)
+    bw_tmp = max(peak_b - made_bytes - dead, 0)  # (the output B s does not hold: saved_sizes)
     out = dict(xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
                fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)
     if flops:

@@ -96,11 +96,15 @@ def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: tor
     return statistics.median(times)
 
 
-def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: List[torch.Tensor],
-              xbar: int, dead_output: int, device: torch.device) -> Dict[str, int]:
-    """Transient peaks from the CUDA caching allocator's statistics. ``dead_output``: the
-    bytes of the stage's output its own graph does not save, held here through the backward
-    but not in a real step's ``B s`` (``_trace.trace_stage``)."""
+def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
+                params: List[torch.Tensor], state_keys: Set[int], device: torch.device
+                ) -> Tuple[T.Tensors, Dict[str, int]]:
+    """``stage_memory`` on CUDA: the sizes from what the saving forward saved, the transient
+    peaks from the CUDA allocator's statistics (no op tracer: it would keep every
+    intermediate of the stage alive at once, two or three times the stage's own peak, on a
+    device that may have no room for it). ``dead_output``: the bytes of the stage's output its
+    own graph does not save, held here through the backward but not in a real step's ``B s``
+    (``_trace.saved_sizes``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -109,9 +113,14 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
         _sync(device)
         return out, torch.cuda.max_memory_allocated(device) - m0
 
-    with torch.enable_grad():
+    with torch.no_grad():  # first use of the stage's kernels: cuBLAS's workspace (kept) is
+        fn(inputs)          # made here, not counted as the first stage's transient
+    saved = T.SavedTensors()
+    with torch.enable_grad(), saved:
         outs, peak_all = peak_of(lambda: fn(inputs))
-    del outs
+    xbar, dead_output = T.saved_sizes(saved, outs, inputs, state_keys)
+    outputs = tuple(o.detach() for o in outs)
+    del outs, saved
     with torch.no_grad():
         outs, peak_none = peak_of(lambda: fn(inputs))
         out_bytes = T.storage_bytes(outs)
@@ -126,10 +135,18 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
     leaves = T.requires_grad_leaves(inputs, params)
     old = [(p, p.grad) for p in params]
     peak_b = made = 0
+    # a parameter with a post-accumulate-grad hook (an optimizer stepping in the backward,
+    # as torchtune's): accumulating into its .grad would run that hook on this measurement's
+    # random gradient; autograd.grad runs none (and holds the gradients at once: more)
+    hooked = any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        if pairs and leaves:
+        if pairs and leaves and hooked:
+            _, peak_b = peak_of(lambda: torch.autograd.grad(
+                [o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True))
+            made = T.storage_bytes(ins)  # the inputs' gradients, alike in size
+        elif pairs and leaves:
             _, peak_b = peak_of(lambda: torch.autograd.backward(
                 [o for o, _ in pairs], [g for _, g in pairs], inputs=leaves))
             made = T.storage_bytes([t.grad for t in ins if t.grad is not None])
@@ -138,28 +155,28 @@ def _cuda_tmp(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors, params: L
             p.grad = g
         for t in ins:
             t.grad = None
-    return {"fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
-            "bw_tmp": max(peak_b - made - dead_output, 0)}
+    return outputs, {"xbar": xbar, "dead_output": dead_output,
+                     "fw_tmp": max(peak_all - xbar, 0), "fck_tmp": max(peak_none - out_bytes, 0),
+                     "bw_tmp": max(peak_b - made - dead_output, 0)}
 
 
 def stage_memory(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
                  params: List[torch.Tensor], state_keys: Set[int], device: torch.device
                  ) -> Tuple[T.Tensors, Dict[str, int]]:
     """One stage's sizes and transients as ``measure_chain`` measures them: ``xbar``,
-    ``fw_tmp``, ``bw_tmp``, ``fck_tmp`` (and ``dead_output``) from one traced saving forward
-    and its backward (``_trace.trace_stage``), the transients from the CUDA allocator's
-    statistics on CUDA (``_cuda_tmp``: three more forwards and a backward). ``fn`` runs the
+    ``fw_tmp``, ``bw_tmp``, ``fck_tmp`` (and ``dead_output``): on the CPU from one traced
+    saving forward and its backward (``_trace.trace_stage``), on CUDA from the allocator's
+    statistics (``_cuda_stage``: four forwards and a backward). ``fn`` runs the
     stage on ``inputs``; ``params``: its weights that want a gradient; ``state_keys``:
     storages that are not its activations (weights, buffers, what is held outside the
     chain). Nothing accumulates into ``.grad``; the caller puts back the random state and the
     buffers. Returns the stage's outputs (detached) and the numbers. Also the one
     measurement of the blocks' transients on Mimose's collection steps
     (``runtime.mimose_collector``)."""
-    outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False, flops=False)
-    outputs = tuple(o.detach() for o in outputs)
     if device.type == "cuda":
-        r.update(_cuda_tmp(fn, inputs, params, r["xbar"], r["dead_output"], device))
-    return outputs, r
+        return _cuda_stage(fn, inputs, params, state_keys, device)
+    outputs, r = T.trace_stage(fn, inputs, params, state_keys, cuda_dropout=False, flops=False)
+    return tuple(o.detach() for o in outputs), r
 
 
 def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.Tensor, Sequence[torch.Tensor]],

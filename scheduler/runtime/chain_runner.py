@@ -393,7 +393,7 @@ class ChainRunner:
                 return
             chain, agree_on = self._measure_step(step)
             if self.tail is not None and \
-                    self.tail.begin(self, key, chain, agree_on, dev, tensor_leaves(out), step):
+                    self.tail.begin(self, key, chain, agree_on, tensor_leaves(out), step):
                 return  # planned when the model's forward returns, with its tail as stage L
             self._plan_measured(key, chain, agree_on, dev)
         elif step.collector is not None:
@@ -406,8 +406,7 @@ class ChainRunner:
                 # (the tail adds the tied gradients it finds)
                 chain = _with_outside(chain_from_estimate(est, "mimose-sample"), step)
                 if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
-                                   _device_of(step.frames[0].call.x, {}), tensor_leaves(out),
-                                   step):
+                                   tensor_leaves(out), step):
                     return
             self._observe_sample(sample, None, None)
 

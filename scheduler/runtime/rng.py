@@ -61,9 +61,11 @@ def replay(state: RngState) -> Iterator[None]:
     _set(state)
     try:
         with contextlib.ExitStack() as stack:
+            # every device's setting, off ones too: a backward called inside autocast (it is
+            # thread-local: autograd's threads inherit it) must not recompute in low precision
             for dev, enabled, dtype in state.autocast:
-                if enabled:
-                    stack.enter_context(torch.autocast(device_type=dev, dtype=dtype))
+                stack.enter_context(torch.autocast(device_type=dev, dtype=dtype,
+                                                   enabled=enabled))
             yield
     finally:
         _set(mine)

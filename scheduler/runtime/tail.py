@@ -261,8 +261,7 @@ class TailProbe:
             self._abort(None)
 
     def begin(self, runner: Any, key: Hashable, chain: Chain, agree_on: Hashable,
-              device: Optional[torch.device], last_outs: Sequence[torch.Tensor],
-              step: Any) -> bool:
+              last_outs: Sequence[torch.Tensor], step: Any) -> bool:
         """Start measuring the tail after the last block of a profiling ``step`` returned;
         False if it cannot be (the runner then plans at once on ``chain``, as before). The
         replay's gradients are taken at the last block's own outputs (what it passed through
@@ -285,7 +284,9 @@ class TailProbe:
             _warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
                        "the model's tail (stage L) is not measured")
             return False
-        dev = device or lasts[0].device
+        # the tail's own device (where its memory is read and its time synchronised), not
+        # block 0's: blocks spread over GPUs (a device_map) end on another one
+        dev = lasts[0].device
         rec = _Recording(runner, key, chain, agree_on, dev, lasts, self.depth, step)
         if dev.type == "cuda":
             _sync(dev)

@@ -30,6 +30,8 @@ class CheckpointedChain(nn.Module):
     # the runner's knobs and reports, as attributes of the module
     budget = property(lambda self: self.runner.budget,
                       lambda self, v: setattr(self.runner, "budget", v))
+    track_memory = property(lambda self: self.runner.track_memory,  # from the next step on
+                            lambda self, v: setattr(self.runner, "track_memory", bool(v)))
     planner = property(lambda self: self.runner.planner)
     cache = property(lambda self: self.runner.cache)
     mimose = property(lambda self: self.runner.mimose)
