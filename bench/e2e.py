@@ -30,6 +30,12 @@ marks the row ``error`` and the run exits non-zero. GPU workers run cuDNN's dete
 algorithms (``torch.backends.cudnn.deterministic``, every method alike), without which
 run-to-run noise would fail those checks.
 
+On a GPU the budget caps the whole process (``vmalloc.enable(budget=)`` or
+``set_per_process_memory_fraction``); the swap runtime and the chain runtime get the part of
+it left for activations (``activation_budget``: less weights, gradients and momentum, less
+15%), as ``bench/swap.py`` does. Each row's peak is training's, from after the method's own
+set-up (the chain runtime's measurement of the blocks at ``wrap``).
+
 On a GPU a job whose largest operator cannot fit the budget (``scheduler.profile.op_floor``:
 its tensors plus weights, gradients and momentum; e.g. ResNet-50 at batch 2048 needs 18.4 GiB
 for the first BatchNorm's backward alone, GPT-2 at 32 x 1024 tokens 18.4 GiB for the loss's
@@ -257,8 +263,10 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
         import scheduler
         bw = 12e9 if method.planner == "pofo" else None
         sample = None if method.planner == "mimose" else wl.input(0)   # Mimose learns online
+        # the chain's loss stage is the loss trained on (a vocabulary's logits are large)
         model = scheduler.wrap(wl.blocks, budget, planner=method.planner, bandwidth=bw,
-                               sample_input=sample, track_memory=device.type != "cuda")
+                               sample_input=sample, track_memory=device.type != "cuda",
+                               loss=lambda out: loss_of(out, wl))
         yield model, model.stats
     else:  # pragma: no cover - METHODS is closed
         raise AssertionError(method.kind)
@@ -294,6 +302,28 @@ def _peak(device: torch.device, stats: Dict[str, Any]) -> Optional[int]:
     return None
 
 
+def activation_budget(budget: int, static: int) -> int:
+    """The runtimes' budget (bytes of activations they keep on the device) inside a physical
+    ``budget``: less the static state (weights, gradients, momentum: ``static``), less 15%
+    for the transients and the loss, as ``bench/swap.py`` does; at least 1 MiB."""
+    return max(int((budget - static) * 0.85), 1 << 20)
+
+
+def _static_bytes(params: List[torch.Tensor], opt: torch.optim.Optimizer,
+                  device: torch.device) -> int:
+    """The device bytes of the weights, their gradients and the optimizer's state: the
+    state made by one step on zero gradients (SGD's momentum then starts at 0, which its
+    first real step turns into exactly that step's gradient, as without it: losses stay
+    bit-identical), plus the gradients the backward makes (freed again here)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return torch.cuda.memory_allocated(device) + sum(p.numel() * p.element_size()
+                                                     for p in params)
+
+
 def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional[int],
             device: torch.device, steps: int, warmup: int, seed: int,
             segments: Optional[int] = None) -> JobResult:
@@ -305,9 +335,17 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         # dict: tied weights (GPT-2's embedding and head) are one parameter
         params = list({id(p): p for b in wl.blocks for p in b.parameters()}.values())
         opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-        losses: List[float] = []
+        # on a GPU ``budget`` caps the whole process: the runtimes get what is left for
+        # activations (on the CPU the smoke's budgets are activation budgets already)
+        runtime_budget = budget
+        if device.type == "cuda" and budget is not None:
+            runtime_budget = activation_budget(budget, _static_bytes(params, opt, device))
+        losses: List[torch.Tensor] = []
         torch.manual_seed(seed)  # dropout draws the same numbers for every method
-        with method_context(method, wl, budget, device, segments) as (forward, stats):
+        with method_context(method, wl, runtime_budget, device, segments) as (forward, stats):
+            # the peak is training's: not what planning measured on entering (wrap's chain)
+            _sync(device)
+            _reset_peak(device)
             t0, items = 0.0, 0
             for step in range(warmup + steps):
                 if step == warmup:
@@ -319,13 +357,16 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
                 loss = loss_of(forward(wl.input(step)), wl)
                 loss.backward()
                 opt.step()
-                losses.append(loss.item())
+                losses.append(loss.detach())  # (.item() here would sync every step)
             _sync(device)
             elapsed = time.perf_counter() - t0
             st = stats()
         detail = {k: st[k] for k in DETAIL_KEYS if st.get(k) is not None}
+        if runtime_budget != budget:
+            detail["activation_budget"] = runtime_budget
         return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,
-                         _peak(device, st), budget, "ok", detail=detail, losses=losses)
+                         _peak(device, st), budget, "ok", detail=detail,
+                         losses=[float(v) for v in losses])
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
         model = wl.model if wl else "?"
         status = "oom" if _is_oom(exc) else "error"

@@ -428,3 +428,10 @@ def test_coexist_workers_get_their_own_grid_not_the_resume_list(monkeypatch):
     assert [r.status for r in rows] == ["ok", "ok"] and len(specs) == 2
     for spec in specs:
         assert spec["done"] == [] and spec["references"] == [] and spec["stop_at"] is None
+
+
+def test_on_a_gpu_the_runtimes_get_the_budget_left_for_activations():
+    # the physical budget caps the whole process: weights, gradients and momentum come off,
+    # and 15% for transients and the loss (a vocabulary's logits); never below 1 MiB
+    assert e2e.activation_budget(16 << 30, 4 << 30) == int((12 << 30) * 0.85)
+    assert e2e.activation_budget(1 << 30, 2 << 30) == 1 << 20

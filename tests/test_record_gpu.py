@@ -68,3 +68,28 @@ def test_step_starts_count_recorded_allocations_after_the_pre_existing_blocks(tm
     # counts the trace cannot hold (the history ring dropped entries): no cut, not a wrong one
     assert record_gpu.step_starts(t, [0, 2, 9]) is None
     assert record_gpu.step_starts(t, None) is None
+
+
+def test_the_trace_counts_what_pytorch_reserved_and_says_when_the_model_cannot_compare():
+    # torch 2.11's own entries: segments mapped and freed during the recording, on top of a
+    # segment reserved before it began (in ``segments`` at snapshot time), an oom entry (its
+    # free bytes where an address would be)
+    seg = lambda a, size: {"action": a, "addr": 0x100000, "size": size, "stream": 0,
+                           "time_us": 0, "frames": []}
+    snap = {"segments": [{"device": 0, "total_size": 2 * MiB, "blocks": []},
+                         {"device": 0, "total_size": 20 * MiB, "blocks": []}],
+            "device_traces": [[seg("segment_alloc", 20 * MiB), seg("alloc", MiB),
+                               seg("segment_alloc", 40 * MiB), seg("segment_free", 40 * MiB)]],
+            "allocator_settings": {"expandable_segments": False}}
+    got = record_gpu.segment_figures(snap, 0, max_entries=100)
+    assert got["trace_reserved_peak"] == 2 * MiB + 60 * MiB
+    assert got["trace_actions"]["segment_free"] == 1
+    unfair = " ".join(got["model_comparison_unfair"])
+    assert "released" in unfair and "began with memory reserved" in unfair
+    assert "ring" not in unfair and "expandable" not in unfair
+    clean = {"segments": [{"device": 0, "total_size": 20 * MiB}],
+             "device_traces": [[seg("segment_alloc", 20 * MiB), seg("alloc", MiB)]]}
+    assert record_gpu.segment_figures(clean, 0, 100)["model_comparison_unfair"] == []
+    clean["allocator_settings"] = {"expandable_segments": True}
+    assert record_gpu.segment_figures(clean, 0, 2)["model_comparison_unfair"] == [
+        "the history ring was full: early events lost", "expandable segments"]

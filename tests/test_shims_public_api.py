@@ -34,6 +34,10 @@ assert torch.cuda.memory_allocated() == (3 << 20) + 1000, why
 assert torch.cuda.memory_reserved() == s["physical_current"] >= 3 << 20, why
 assert torch.cuda.max_memory_allocated() == (3 << 20) + 1000, why
 assert torch.cuda.memory_stats()["num_device_alloc"] == s["num_map"], why
+# every value is a number, as torch documents (loggers pass the dict on as metrics)
+assert all(isinstance(v, int) for v in torch.cuda.memory_stats().values()), why
+from vmalloc.pluggable.registry import device_index
+assert device_index("cuda:0") == device_index(torch.device("cuda", 0)) == device_index(0) == 0
 a.free(p)
 torch.cuda.reset_peak_memory_stats()
 assert torch.cuda.max_memory_allocated() == 1000, dict(torch.cuda.memory_stats())

@@ -14,7 +14,13 @@ synchronized, under recording) and first event (``step_starts``: the child count
 allocations at each step's start; ``bench/cache_slack.py`` cuts the trace there). It then
 replays the trace through the model of the caching allocator (``vmalloc.replay.caching_model``)
 and reports the model's error: its predicted peak reserved bytes against what PyTorch really
-reserved, in percent.
+reserved, in percent. Beside PyTorch's counter, the trace's own count of what it reserved
+(``trace_reserved_peak``: segments mapped less segments freed) and what would make the
+comparison unfair (``model_comparison_unfair``: cached segments released on an allocation
+failure, a full history ring, memory reserved before recording, expandable segments) are
+recorded; the children run with PyTorch's allocator settings and vmalloc's variables
+unset, so the caching allocator follows the default rules the model knows. Each job has
+``CHILD_TIMEOUT_S``; ``traces-gpu.json`` is rewritten after every job.
 
 Results: the traces in ``--out`` (``<model>-b<batch>-<method>-gpu.json.gz``) and
 ``bench/results/traces-gpu.json`` (per trace: events, peaks, model error). Without CUDA it
@@ -23,7 +29,6 @@ says so and exits 0 (``scripts/gpu-check`` runs it on every machine).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pickle
@@ -59,6 +64,7 @@ JOBS: Sequence[Job] = (
 )
 QUICK_JOBS: Sequence[Job] = (Job("resnet50", 64, "native"), Job("resnet50", 64, "window", "2GiB"))
 MAX_ENTRIES = 2_000_000   # history ring: far more than a few steps allocate
+CHILD_TIMEOUT_S = 240     # one job (gpu-check gives the whole step 420 s)
 
 
 def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
@@ -104,7 +110,49 @@ def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
     return {"reserved_peak": int(torch.cuda.max_memory_reserved()),
             "allocated_peak": int(torch.cuda.max_memory_allocated()),
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "step_seconds": step_seconds, "step_allocs": step_allocs}
+            "cuda": torch.version.cuda, "step_seconds": step_seconds, "step_allocs": step_allocs,
+            "allocator_settings": _plain(snap.get("allocator_settings", {})),
+            **segment_figures(snap, device.index or 0, MAX_ENTRIES)}
+
+
+def _plain(v: Any) -> Any:
+    """JSON-able copy of the snapshot's allocator settings."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if isinstance(v, (bool, int, float, str)) or v is None else str(v)
+
+
+def segment_figures(snap: Dict[str, Any], device: int, max_entries: int) -> Dict[str, Any]:
+    """What the trace itself says PyTorch reserved: the segments it mapped and freed during
+    the recording (``segment_alloc``/``segment_map`` minus ``segment_free``/``segment_unmap``,
+    on top of what was reserved when recording began), and what makes the comparison with the
+    model unfair, counted: releases of cached segments and out-of-memory retries (the model
+    never runs out), a full history ring (events lost), expandable segments (other rules)."""
+    entries = (snap.get("device_traces") or [[]])[device] if snap.get("device_traces") else []
+    net = peak = 0
+    counts: Dict[str, int] = {}
+    for e in entries:
+        action = e.get("action")
+        counts[action] = counts.get(action, 0) + 1
+        if action in ("segment_alloc", "segment_map"):
+            net += int(e.get("size", 0))
+            peak = max(peak, net)
+        elif action in ("segment_free", "segment_unmap"):
+            net -= int(e.get("size", 0))
+    at_end = sum(int(s.get("total_size", 0)) for s in snap.get("segments", ())
+                 if s.get("device", device) == device)
+    start = at_end - net
+    settings = snap.get("allocator_settings") or {}
+    unfair = [why for why, bad in (
+        ("cached segments released (an allocation failed and was retried)",
+         counts.get("segment_free", 0) + counts.get("oom", 0) > 0),
+        ("the history ring was full: early events lost", len(entries) >= max_entries),
+        ("recording began with memory reserved", start != 0),
+        ("expandable segments", bool(settings.get("expandable_segments")))) if bad]
+    return {"trace_reserved_peak": start + peak, "trace_actions": counts,
+            "model_comparison_unfair": unfair}
 
 
 def _parse(size: str) -> int:
@@ -188,38 +236,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("record_gpu: no CUDA device; nothing recorded (run it on a GPU machine)")
         return 0
-    rows: List[Dict[str, Any]] = []
-    failed = 0
-    jobs = QUICK_JOBS if args.quick else JOBS
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, job in enumerate(jobs, 1):
-            print(f"[{i}/{len(jobs)}] recording {job.stem} ...", flush=True)
-            snap = os.path.join(tmp, f"{job.stem}.pickle")
-            spec = json.dumps(job.__dict__)
-            proc = subprocess.run([sys.executable, __file__, "--one", spec, "--snapshot", snap,
-                                   "--steps", str(args.steps)], capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIGURES ")]
-            if proc.returncode != 0 or not lines:
-                failed += 1
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-                print(f"  FAILED (exit {proc.returncode}):\n    " + "\n    ".join(tail))
-                rows.append({"trace": job.stem, "status": "error", "note": tail[-1:]})
-                continue
-            row = convert(snap, job, json.loads(lines[-1][len("FIGURES "):]), args.steps,
-                          Path(args.out))
-            row["status"] = "ok"
-            rows.append(row)
-            print(f"  {row['events']} events, {row['bytes_on_disk'] / 1e6:.2f} MB; reserved "
-                  f"{row['reserved_peak'] / 2**30:.2f} GiB, model "
-                  f"{row['model_reserved_peak'] / 2**30:.2f} GiB "
-                  f"({row['model_error_percent']:+.1f}%)")
     from bench.common import write_json
     from bench.e2e import meta   # machine, GPU, driver, torch, CUDA, date
     command = " ".join(["python", "bench/traces/record_gpu.py", *(argv or sys.argv[1:])])
-    path = write_json("traces-gpu", {"meta": meta(torch.device("cuda"), command) |
-                                     {"steps": args.steps}, "rows": rows}, args.results)
+    head = meta(torch.device("cuda"), command) | {"steps": args.steps}
+    rows: List[Dict[str, Any]] = []
+    failed = 0
+    jobs = QUICK_JOBS if args.quick else JOBS
+    # the native caching allocator with its default rules, which the model follows: none of
+    # the settings that change them, and not vmalloc
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VMALLOC") and k not in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                       "PYTORCH_ALLOC_CONF")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, job in enumerate(jobs, 1):
+            print(f"[{i}/{len(jobs)}] recording {job.stem} ...", flush=True)
+            rows.append(_record(job, args, tmp, env))
+            failed += rows[-1]["status"] != "ok"
+            # written after every job: a step killed for time keeps what it recorded
+            path = write_json("traces-gpu", {"meta": head | {"jobs": len(jobs)}, "rows": rows},
+                              args.results)
     print(f"wrote {path}")
     return 1 if failed else 0
+
+
+def _record(job: Job, args: argparse.Namespace, tmp: str, env: Dict[str, str]) -> Dict[str, Any]:
+    """One job in a child process, converted: its row (``status`` "ok" or "error")."""
+    snap = os.path.join(tmp, f"{job.stem}.pickle")
+    cmd = [sys.executable, __file__, "--one", json.dumps(job.__dict__), "--snapshot", snap,
+           "--steps", str(args.steps)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"  FAILED: no result in {CHILD_TIMEOUT_S} s")
+        return {"trace": job.stem, "status": "error", "note": f"timeout {CHILD_TIMEOUT_S} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIGURES ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        print(f"  FAILED (exit {proc.returncode}):\n    " + "\n    ".join(tail))
+        return {"trace": job.stem, "status": "error", "note": tail[-1:]}
+    try:
+        row = convert(snap, job, json.loads(lines[-1][len("FIGURES "):]), args.steps,
+                      Path(args.out))
+    except Exception as exc:  # noqa: BLE001 - one bad snapshot must not lose the others
+        print(f"  FAILED converting: {exc!r}")
+        return {"trace": job.stem, "status": "error", "note": f"convert: {exc!r}"[:300]}
+    row["status"] = "ok"
+    print(f"  {row['events']} events, {row['bytes_on_disk'] / 1e6:.2f} MB; reserved "
+          f"{row['reserved_peak'] / 2**30:.2f} GiB (the trace's own count "
+          f"{row['trace_reserved_peak'] / 2**30:.2f}), model "
+          f"{row['model_reserved_peak'] / 2**30:.2f} GiB ({row['model_error_percent']:+.1f}%)"
+          + (f"; not comparable: {'; '.join(row['model_comparison_unfair'])}"
+             if row["model_comparison_unfair"] else ""))
+    return row
 
 
 if __name__ == "__main__":

@@ -87,10 +87,14 @@ def entry_point(native: Any, name: str) -> int:
 
 
 def device_index(device: Any) -> int:
-    """``device`` (int, torch.device or None = the current CUDA device) as an index."""
+    """``device`` (int, torch.device, "cuda:1" or None = the current CUDA device) as an
+    index ("cuda" and a torch.device without one: the current device)."""
+    if isinstance(device, str):
+        import torch
+        device = torch.device(device)
     if device is not None:
-        if hasattr(device, "index"):   # torch.device
-            device = device.index if device.index is not None else None
+        if hasattr(device, "type"):   # torch.device (a str has a method named index)
+            device = device.index
         if device is not None:
             return int(device)
     try:

@@ -74,7 +74,6 @@ def torch_memory_stats(s: Mapping[str, Any]) -> Dict[str, Any]:
         "max_split_size": -1,
         "oversize_allocations": stat(0, 0),
         "oversize_segments": stat(0, 0),
-        "requested_bytes_backend": "vmalloc",
     }
 
 
@@ -118,9 +117,6 @@ def install_shims(torch: Any) -> None:
     def memory_fraction(device: Any = None) -> float:
         return budget_fraction(stats(device_index(device)), _total_memory(torch, device_index(device)))
 
-    def accelerator_stats(device: Any = None) -> Dict[str, Any]:
-        return {k: v for k, v in memory_stats(device).items() if not isinstance(v, str)}
-
     def empty_cache() -> None:
         core()._torch_trim()
 
@@ -133,7 +129,7 @@ def install_shims(torch: Any) -> None:
         "_cuda_record_memory_history_legacy": lambda enabled, *a, **k: record_history(
             "all" if enabled else None),
         "_cuda_getMemoryFraction": memory_fraction,
-        "_accelerator_getDeviceStats": accelerator_stats,
+        "_accelerator_getDeviceStats": memory_stats,
         "_accelerator_resetPeakStats": reset_peak,
         "_accelerator_resetAccumulatedStats": reset_accumulated,
         "_accelerator_emptyCache": empty_cache,
