@@ -180,7 +180,7 @@ def _flat_view(n: int) -> torch.Tensor:
     return flat[:n]
 
 
-def test_storages_left_out_of_the_activations_keep_their_addresses_for_the_step():
+def test_storages_left_out_of_the_activations_keep_their_addresses_while_in_use():
     # a storage's key is its address; FSDP1 gives a block new views at each unshard, so a view
     # that was current when a block was measured (or offloaded) may die during its run, and a
     # new activation could take its address and be left out of xbar with it (seen: the CNN's
@@ -195,8 +195,8 @@ def test_storages_left_out_of_the_activations_keep_their_addresses_for_the_step(
                      lambda *a: None)
     taken = 0
     for _ in range(50):
-        skip = step._not_activations(0)
-        blocks[0].w = _flat_view(64)   # the next unshard: a new view, the old one dropped
-        activations = [torch.empty(16) for _ in range(8)]
-        taken += sum(accounting.storage_key(a) in skip for a in activations)
+        with step._not_activations(0) as skip:   # e.g. around a block's measuring run
+            blocks[0].w = _flat_view(64)   # the next unshard: a new view, the old one dropped
+            activations = [torch.empty(16) for _ in range(8)]
+            taken += sum(accounting.storage_key(a) in skip for a in activations)
     assert taken == 0

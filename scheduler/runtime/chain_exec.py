@@ -133,7 +133,7 @@ class ChainStep:
         # tensors are kept so that their storages' keys (addresses) stay theirs all step
         self.state_tensors = list(state_tensors)
         self.state_storages = {accounting.storage_key(t) for t in self.state_tensors}
-        self.seen_tensors: Dict[int, torch.Tensor] = {}  # (``_not_activations``)
+        self.b_reached: Optional[int] = None  # the op of the B autograd was left to run
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
         self.xs: Dict[int, Tensors] = {}              # values held as x[s]
@@ -172,8 +172,7 @@ class ChainStep:
                 f.call.kept = []
                 f.out = ()
         self.frames = [None] * self.L
-        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving,
-                  self.seen_tensors):
+        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving):
             d.clear()
 
     # -------------------------------------------------------------------------- values
@@ -286,10 +285,10 @@ class ChainStep:
             frame.state = rng.capture(self.devices)
             frame.modes = [m.training for m in block.modules()]
         if self.collector is not None and kind == "F_ck":
-            with outputs_not_captured():  # Mimose's measurement: not the model's outputs
+            # (Mimose's measurement: not the model's outputs)
+            with self._not_activations(s) as weights, outputs_not_captured():
                 self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
-                                       call.rg, frame.state, self._not_activations(s),
-                                       call.shared_tensors())
+                                       call.rg, frame.state, weights, call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)
@@ -359,6 +358,9 @@ class ChainStep:
                 f"{self.name}: backward reached block {target} but the forward called only "
                 f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
                 "(a model that skips blocks at random, LayerDrop, needs its layerdrop set to 0)")
+        if self.b_reached is not None:  # autograd ran that B since: what it read may go
+            self._after(self.b_reached)
+            self.b_reached = None
         ops = self.cplan.backward_ops
         while self.bptr < len(ops):
             index, kind, st = ops[self.bptr]
@@ -369,7 +371,9 @@ class ChainStep:
                     self.xs.pop(self.L, None)
                 elif st == target:
                     self._ready_for_b(index, st)
-                    self._after(index)
+                    # B target runs once this returns: what it reads goes at the next call
+                    self._after(index - 1)
+                    self.b_reached = index
                     return
                 elif st > target:
                     self._drop_b(st)  # a block whose graph saved nothing: autograd ran it
@@ -470,16 +474,18 @@ class ChainStep:
         else:
             self._prefetch(index, s)
 
-    def _not_activations(self, *stages: int) -> Set[int]:
-        """Storages that are never activations: what the blocks held as the step began and
-        what blocks ``stages`` hold now (FSDP1 gives a block new views of its unit's
-        gathered flat parameter at each of the unit's forwards)."""
+    @contextlib.contextmanager
+    def _not_activations(self, *stages: int) -> Iterator[Set[int]]:
+        """Storages that are never activations, for the body: what the blocks held as the
+        step began and what blocks ``stages`` hold now (FSDP1 gives a block new views of its
+        unit's gathered flat parameter at each of the unit's forwards)."""
         now = [t for s in stages if 0 <= s < self.L for t in fsdp.block_tensors(self.blocks[s])]
-        # kept for the step, as the start's: a key is a storage's address, and a view FSDP1
-        # replaces during the measuring run (a nested unit's) would free a storage whose
-        # address an activation could then take, and be left out of xbar with it
-        self.seen_tensors.update((id(t), t) for t in now)
-        return self.state_storages | {accounting.storage_key(t) for t in now}
+        # held until the body is done, as the step's start: a key is a storage's address,
+        # and a view FSDP1 replaces during a measuring run (a nested unit's) would free a
+        # storage whose address an activation could then take, and be left out of xbar with
+        # it (not for longer: FSDP2 frees some shards by dropping them)
+        yield self.state_storages | {accounting.storage_key(t) for t in now}
+        del now
 
     def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:
@@ -537,7 +543,8 @@ class ChainStep:
             self.host[0] = Offloaded(comps, [], released=True)
             self.stats.input_offloads_skipped += 1
             return
-        storages = self._movable(comps, self.xbars.get(s), self._not_activations(s - 1, s))
+        with self._not_activations(s - 1, s) as weights:
+            storages = self._movable(comps, self.xbars.get(s), weights)
         self.host[s] = Offloaded(comps, [self.transfers(st.device).offload_storage(st)
                                          for st in storages])
         self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
@@ -559,9 +566,9 @@ class ChainStep:
         f = self.xbars[t]
         inp = self.xs.get(t) or self.anchors.get(t) or \
             (self.xbars[t - 1].out if t - 1 in self.xbars else ())
-        skip = self._not_activations(t) | {accounting.storage_key(c) for c in
-                                           accounting.tensors_of(inp)}
-        storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
+        with self._not_activations(t) as weights:
+            skip = weights | {accounting.storage_key(c) for c in accounting.tensors_of(inp)}
+            storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
         f.host = [self.transfers(st.device).offload_storage(st) for st in storages]
         self.offload_events[index] = [sc.host.event for sc in f.host if sc.host.event is not None]
         release = self.cplan.release.get(index, index)

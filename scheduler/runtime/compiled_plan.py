@@ -19,9 +19,10 @@ class CompiledPlan:
     forward_ops: List[Tuple[int, str, int]]   # (index in plan.ops, kind, stage)
     backward_ops: List[Tuple[int, str, int]]
     recomputed: Set[int]                      # stages run more than once
-    # offload op index -> the op after which the offloaded value's device memory goes: the
-    # last that still reads it before it is prefetched (the simulator lets an op read an
-    # item while its offload is in flight)
+    # offload op index -> the last op that still reads the offloaded value before it is
+    # prefetched, after which its device memory goes (the simulator lets an op read an item
+    # while its offload is in flight): a forward of its stage, or B of it, which autograd
+    # runs after the op is reached (ChainStep releases at the next backward_reaches)
     release: Dict[int, int] = field(default_factory=dict)
     # compute op index -> offload ops whose copy must be complete before it starts (host wait)
     sync_before: Dict[int, List[int]] = field(default_factory=dict)
@@ -86,14 +87,9 @@ class CompiledPlan:
                 j, kind2, s2 = ops[n]
                 if s2 != s:
                     continue
-                if kind2 == "B":
-                    # B s reads its input too; it runs inside autograd once its op is
-                    # reached, so the value goes after the next compute op
-                    last = next((j3 for j3, kind3, _ in ops[n + 1:]
-                                 if kind3 not in ("offload", "prefetch")), j)
-                if kind2 in FORWARD_KINDS:
+                if kind2 in FORWARD_KINDS or kind2 == "B":  # (B s reads its input too)
                     last = j
-                elif kind2 in ("prefetch", "offload", "B"):
+                if kind2 in ("prefetch", "offload", "B"):
                     break
             release[i] = last
         return cls(plan, L, fwd, bwd, recomputed, release, sync_before)

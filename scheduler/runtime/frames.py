@@ -59,11 +59,15 @@ class Frame:
         self.modes: Optional[List[bool]] = None  # train/eval flags of its modules at the first run
 
     # hooks of the first run ----------------------------------------------------------
+    # (all the hooks run eagerly: a compiled block would otherwise trace them, and inside a
+    # compiled frame a saved parameter's version reads 0, which the unpack check refuses)
+    @torch.compiler.disable
     def pack_keep(self, t: torch.Tensor) -> Holder:
         h = Holder(self, _unlinked(t))
         self.holders.append(weakref.ref(h))
         return h
 
+    @torch.compiler.disable
     def pack_drop(self, t: torch.Tensor) -> Holder:
         h = Holder(self, None, _meta(t))
         self.holders.append(weakref.ref(h))
@@ -74,6 +78,7 @@ class Frame:
     inspecting = 0
 
     @staticmethod
+    @torch.compiler.disable
     def unpack(h: Holder) -> torch.Tensor:
         if Frame.inspecting:
             raise LookupError("a chain's saved tensor: not read while inspecting a graph")
@@ -118,6 +123,7 @@ class _Refill:
         self.n = 0
         self.mismatch: Optional[Tuple[int, Any, Any]] = None
 
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         i = self.n
         self.n += 1
@@ -136,6 +142,7 @@ class _Refill:
         return v
 
     @staticmethod
+    @torch.compiler.disable
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 

@@ -211,6 +211,8 @@ class SwapContext:
             return False
         return not (base is not None and base.requires_grad and base.is_leaf)
 
+    # the hooks run eagerly: a compiled forward would otherwise trace (and recompile) them
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._manageable(t):
             return Kept(t)
@@ -273,6 +275,7 @@ class SwapContext:
                 target.set_pressure_callback(self._on_pressure)
             self._pressure_targets[device] = target
 
+    @torch.compiler.disable
     def _unpack(self, handle: Any) -> torch.Tensor:
         if handle.__class__ is not Handle:
             check_version(handle.t, handle.version)
