@@ -111,17 +111,8 @@ def record_one(job: Job, steps: int, snapshot_path: str) -> Dict[str, Any]:
             "allocated_peak": int(torch.cuda.max_memory_allocated()),
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "cuda": torch.version.cuda, "step_seconds": step_seconds, "step_allocs": step_allocs,
-            "allocator_settings": _plain(snap.get("allocator_settings", {})),
+            "allocator_settings": snap.get("allocator_settings", {}),  # (JSON: default=str)
             **segment_figures(snap, device.index or 0, MAX_ENTRIES)}
-
-
-def _plain(v: Any) -> Any:
-    """JSON-able copy of the snapshot's allocator settings."""
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v if isinstance(v, (bool, int, float, str)) or v is None else str(v)
 
 
 def segment_figures(snap: Dict[str, Any], device: int, max_entries: int) -> Dict[str, Any]:
@@ -229,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.one:
         figures = record_one(Job(**json.loads(args.one)), args.steps, args.snapshot)
-        print("FIGURES " + json.dumps(figures), flush=True)
+        print("FIGURES " + json.dumps(figures, default=str), flush=True)
         return 0
 
     import torch

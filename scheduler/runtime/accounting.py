@@ -5,6 +5,8 @@ Two uses: the Mimose collector measures what a block's forward keeps for its bac
 the chain runner reports the peak of activation memory it held while following a plan, to
 compare with the plan's predicted peak on machines without a device allocator to ask (CPU).
 Parameters and buffers are not activations: their storages are left out. Views count once.
+And the one check, for both runtimes, that a saved tensor was not changed in place before
+its backward (``check_unchanged``).
 """
 from __future__ import annotations
 
@@ -32,3 +34,17 @@ def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Sequence[object],
     """What a block's forward keeps for backward, output included (DESIGN.md ``xbar``)."""
     return _trace.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
                              state_keys)
+
+
+def check_unchanged(t: torch.Tensor, saved_version: int, where: str,
+                    modified: bool = False) -> None:
+    """Plain autograd's check that a saved tensor was not modified in place since it was
+    saved (``saved_version``; ``modified``: a change seen earlier), which it skips for
+    tensors packed by saved-tensor hooks: both runtimes make it at every unpack."""
+    if modified or t._version != saved_version:
+        raise RuntimeError(
+            f"{where}: one of the variables needed for gradient computation has been "
+            f"modified by an inplace operation: a saved tensor of shape {tuple(t.shape)} "
+            f"changed since it was saved (version {saved_version}, now {t._version}); plain "
+            "autograd raises here too (without this check the gradient would silently use "
+            "the changed values)")

@@ -545,15 +545,25 @@ class ChainStep:
             return
         with self._not_activations(s - 1, s) as weights:
             storages = self._movable(comps, self.xbars.get(s), weights)
-        self.host[s] = Offloaded(comps, [self.transfers(st.device).offload_storage(st)
-                                         for st in storages])
-        self.offload_events[index] = [sc.host.event for sc in self.host[s].copies
-                                      if sc.host.event is not None]
+        self.host[s] = Offloaded(comps, self._copy_out(index, storages))
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving[s] = (comps, release)
         else:
             self._release_x(s)
+
+    def _copy_out(self, index: int, storages: Sequence[torch.UntypedStorage]
+                  ) -> List[StorageCopy]:
+        """Start copying ``storages`` to the host, each on its device's transfer engine;
+        offload op ``index`` keeps the copies' events (``_sync_before``)."""
+        copies = [self.transfers(st.device).offload_storage(st) for st in storages]
+        self.offload_events[index] = [sc.host.event for sc in copies if sc.host.event is not None]
+        return copies
+
+    def _copy_in(self, copies: Sequence[StorageCopy]) -> None:
+        """Prefetch ``copies`` (each copies back only if its memory was released)."""
+        for sc in copies:
+            self.transfers(sc.storage.device).prefetch_storage(sc)
 
     def _release_x(self, s: int) -> None:
         off = self.host.get(s)
@@ -569,8 +579,7 @@ class ChainStep:
         with self._not_activations(t) as weights:
             skip = weights | {accounting.storage_key(c) for c in accounting.tensors_of(inp)}
             storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
-        f.host = [self.transfers(st.device).offload_storage(st) for st in storages]
-        self.offload_events[index] = [sc.host.event for sc in f.host if sc.host.event is not None]
+        f.host = self._copy_out(index, storages)
         release = self.cplan.release.get(index, index)
         if release > index:
             self.leaving_xbar[t] = release
@@ -592,14 +601,12 @@ class ChainStep:
         if s not in self.host and f is not None and f.host is not None and \
                 (f.released or s - 1 in self.leaving_xbar):
             self.leaving_xbar.pop(s - 1, None)
-            for sc in f.host:
-                self.transfers(sc.storage.device).prefetch_storage(sc)
+            self._copy_in(f.host)
             f.released = False
         elif s in self.host:
             off = self.host.pop(s)
             self.leaving.pop(s, None)
-            for sc in off.copies:
-                self.transfers(sc.storage.device).prefetch_storage(sc)
+            self._copy_in(off.copies)
             if off.released:
                 self.pending[s] = off.copies
             self._hold(s, off.comps)

@@ -19,7 +19,7 @@ import copy
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from .options import PlannerArg, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
 from .tail import TailProbe
+from .weak import copied_ref
 
 NAME = "scheduler.checkpoint"
 _ATTR = "_vmalloc_checkpoint"
@@ -114,14 +115,6 @@ def _owner(model: nn.Module, name: str) -> Optional[nn.Module]:
 
 
 # ------------------------------------------------------------------------------ interception
-def _copied_ref(ref: Callable[[], Any], memo: Dict[int, Any]) -> Callable[[], Any]:
-    """A weak reference to the deep copy (in ``memo``'s copy) of what ``ref`` refers to."""
-    obj = ref()
-    if obj is None:
-        return ref
-    return weakref.ref(copy.deepcopy(obj, memo))
-
-
 class _BlockForward:
     """The instance ``forward`` of a checkpointed block: the call goes through the runner.
 
@@ -146,7 +139,7 @@ class _BlockForward:
         itself: the copy would run the original's blocks)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        new._runner, new._block, new._owner = (_copied_ref(r, memo) for r in
+        new._runner, new._block, new._owner = (copied_ref(r, memo) for r in
                                                (self._runner, self._block, self._owner))
         new.own = copy.deepcopy(self.own, memo)
         return new

@@ -11,6 +11,7 @@ import torch
 
 from ..profile import _trace
 from . import rng
+from .accounting import check_unchanged
 from .block_calls import BlockCall
 from .offload import StorageCopy
 
@@ -92,13 +93,7 @@ class Frame:
         if h.value is None:
             raise RuntimeError(f"{f.step.name}: block {f.s}: a saved tensor was not "
                                "recomputed (the plan has no F_all of this block before its B)")
-        if h.value._version != h.version:
-            raise RuntimeError(
-                f"{f.step.name}: block {f.s}: one of the variables needed for gradient "
-                f"computation has been modified by an inplace operation: a tensor of shape "
-                f"{tuple(h.value.shape)} its graph saved is at version {h.value._version}; "
-                f"expected version {h.version} (plain autograd raises here too; without this "
-                "check the gradient would silently use the modified values)")
+        check_unchanged(h.value, h.version, f"{f.step.name}: block {f.s}")
         return h.value
 
     # hooks of the recomputation ------------------------------------------------------

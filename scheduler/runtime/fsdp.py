@@ -51,12 +51,12 @@ def wrappers(entries: Optional[Sequence[nn.Module]], s: int, block: nn.Module
     checkpoint/offload wrappers, ``torch.compile``'s; empty when the entry is the block."""
     if entries is None or s >= len(entries):
         return []
-    held: Optional[nn.Module] = entries[s]
     out: List[nn.Module] = []
-    while held is not None and held is not block and all(held is not m for m in out):
-        out.append(held)
-        held = _inner(held)
-    return out if held is block else []
+    for m in _wrapped_inside(entries[s]):
+        if m is block:
+            return out
+        out.append(m)
+    return []
 
 
 def unit_of(entries: Optional[Sequence[nn.Module]], s: int, block: nn.Module

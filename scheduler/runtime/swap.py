@@ -63,7 +63,8 @@ from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import Transfers
-from .swap_vars import DeathQueue, Handle, Kept, Var, check_version
+from .accounting import check_unchanged
+from .swap_vars import DeathQueue, Handle, Kept, Var
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
            "PLANNERS"]
@@ -278,7 +279,7 @@ class SwapContext:
     @torch.compiler.disable
     def _unpack(self, handle: Any) -> torch.Tensor:
         if handle.__class__ is not Handle:
-            check_version(handle.t, handle.version)
+            check_unchanged(handle.t, handle.version, "swap runtime")
             return handle.t
         with self._lock:
             self._drain()
@@ -298,10 +299,10 @@ class SwapContext:
                     dtype, shape, stride, offset = handle.meta
                     view = torch.empty((0,), dtype=dtype, device=var.device).set_(
                         var.storage, offset, shape, stride)
-                    check_version(view, view._version, handle.modified)
+                    check_unchanged(view, view._version, "swap runtime", handle.modified)
                     handle.view, handle.version = view, view._version
                 else:
-                    check_version(view, handle.version)
+                    check_unchanged(view, handle.version, "swap runtime")
                 if current:
                     seq.step_end()
                 return view

@@ -47,32 +47,22 @@ class Handle:
         self.meta: Any = None  # (dtype, shape, stride, offset), taken when the view is dropped
         self.keeper = keeper
         # autograd does not check a hook-packed tensor for in-place changes: the runtime does
-        # (``check_version``), on the view (which shares the tensor's version counter) while
-        # it lives, and remembers a change seen when the view is dropped for a swap-out
+        # (``accounting.check_unchanged``), on the view (which shares the tensor's version
+        # counter) while it lives, and remembers a change seen when the view is dropped for
+        # a swap-out
         self.version = t._version
         self.modified = False
 
 
 class Kept:
     """What autograd keeps of a saved tensor the runtime leaves where it is (parameters,
-    small tensors): the tensor, and its version when saved (``check_version``)."""
+    small tensors): the tensor, and its version when saved (``accounting.check_unchanged``)."""
 
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor):
         self.t = t.detach()
         self.version = t._version
-
-
-def check_version(t: torch.Tensor, saved_version: int, modified: bool = False) -> None:
-    """Plain autograd's check that a saved tensor was not modified in place since it was
-    saved, which it skips for tensors packed by saved-tensor hooks."""
-    if modified or t._version != saved_version:
-        raise RuntimeError(
-            "swap runtime: one of the variables needed for gradient computation has been "
-            f"modified by an inplace operation: a saved tensor of shape {tuple(t.shape)} "
-            f"changed since it was saved (version {saved_version}); plain autograd raises "
-            "here too (without this check the gradient would silently use other values)")
 
 
 class HandleRef(weakref.ref):

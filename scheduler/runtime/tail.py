@@ -55,6 +55,7 @@ from ..chain import Chain, add_outside
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
 from .outside import Outside, head_census
+from .weak import copied_ref
 
 _warned: Set[str] = set()
 
@@ -188,8 +189,7 @@ class TailProbe:
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
                              if k != "_model"})
-        model = self._model()
-        new._model = weakref.ref(copy.deepcopy(model, memo)) if model is not None else self._model
+        new._model = copied_ref(self._model, memo)
         return new
 
     @property
