@@ -1,10 +1,13 @@
 """A checkpointed model's lifetime: ``del model`` frees it (weights, and so device memory)
 at once, without waiting for the garbage collector, and a deep copy (an EMA model, a copy
-for evaluation) is a model of its own that trains like plain training."""
+for evaluation) or a pickled one (``torch.save(model)``) is a model of its own that trains
+like plain training, checkpointed as the original was."""
 from __future__ import annotations
 
 import copy
 import gc
+import io
+import pickle
 import weakref
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 import scheduler
 from scheduler.runtime.checkpoint import checkpointed
 from test_block_wrappers import Net, _step
-from test_checkpoint_hf import FAST, make
+from test_checkpoint_hf import FAST, assert_same, make, step
 
 
 @pytest.fixture
@@ -54,12 +57,25 @@ def test_del_frees_a_checkpointed_hf_model_at_once(no_gc):
     assert weight() is None, "a reference cycle keeps the deleted model's weights"
 
 
-def test_a_deep_copy_is_a_model_of_its_own():
+def _torch_round_trip(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+          "torch.save": _torch_round_trip}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+@pytest.mark.parametrize("planner", ["rotor", "pofo", "mimose"])
+def test_a_copy_is_a_model_of_its_own(how, planner):
     net = Net()
     ref = copy.deepcopy(net)
-    scheduler.checkpoint(net, "64KiB", planner="rotor", blocks="blocks")
-    _trained(net, lambda m: _step(m), steps=2)
-    twin = copy.deepcopy(net)
+    scheduler.checkpoint(net, "64KiB", planner=planner, blocks="blocks", samples=3)
+    _trained(net, lambda m: _step(m), steps=3)
+    twin = COPIES[how](net)
     twin_ref = copy.deepcopy(ref)
     for seed in (5, 6):
         for m in (net, twin, ref, twin_ref):
@@ -72,7 +88,22 @@ def test_a_deep_copy_is_a_model_of_its_own():
     runner, copied = checkpointed(net).runners[0], checkpointed(twin).runners[0]
     assert copied is not runner and copied.blocks[0] is twin.blocks[0]
     assert twin.blocks[0].forward._runner() is copied
+    assert twin.blocks[0].forward._block() is twin.blocks[0]
     assert checkpointed(twin).tail.model is twin
+    # the copy ran under plans (the ones it carried: keyed by device, so no new profiling)
+    assert copied.last_stats is not None and copied.profiling_steps == runner.profiling_steps
+
+
+def test_a_pickled_hf_model_trains_as_plain_and_stays_checkpointed():
+    ref, batch = make("gpt2")
+    model = copy.deepcopy(ref)
+    scheduler.checkpoint(model, "200KiB", "rotor", measure_options=FAST)  # (175 KiB: least)
+    _trained(model, lambda m: m(**batch).loss.backward(), steps=2)
+    loaded, plain = _torch_round_trip(model), copy.deepcopy(ref)
+    assert_same(plain, loaded, step(plain, batch, 3), step(loaded, batch, 3), "torch.load")
+    runner = checkpointed(loaded).runners[0]
+    assert runner.blocks[0] is loaded.transformer.h[0]
+    assert runner.last_stats is not None and runner.last_stats.recomputed_forwards > 0
 
 
 def test_del_frees_a_wrapped_chain_at_once(no_gc):

@@ -69,6 +69,57 @@ def test_swap_unchanged_steps_train():
             model(torch.randn(16, 64, requires_grad=True)).sum().backward()
 
 
+# A tensor the program holds, saved, sent to the host by the budget (its device bytes are the
+# program's, still there), then saved again: its storage serves again (re-attach, no copy).
+N = 256
+EVICTING = dict(budget=N * 4, device="cpu", min_bytes=0)  # one saved tensor at a time
+
+
+def _evicted_then_saved_again(change, alias=False, used=True):
+    """Saves x, saves z (x goes to the host), maybe changes x in place, saves x again (as
+    ``x.data`` with ``alias``: the same storage under a version counter of its own), saves
+    z2 (x goes to the host again). ``used``: the first save of x reaches the loss."""
+    torch.manual_seed(0)
+    w = [torch.randn(N, requires_grad=True) for _ in range(4)]
+    x, z, z2 = torch.randn(N), torch.randn(N), torch.randn(N)
+    x.add_(1)  # (x's counter is at 1 when it is first saved)
+    a = x * w[0]
+    b = z * w[1]
+    if change:
+        x.mul_(2)
+    c = (x.data if alias else x) * w[2]
+    d = z2 * w[3]
+    loss = (b + c + d + (a if used else 0)).sum()
+    loss.backward()
+    return [p.grad for p in w]
+
+
+def test_swap_raises_on_an_evicted_tensor_changed_then_saved_again():
+    with pytest.raises(RuntimeError, match=INPLACE):
+        _evicted_then_saved_again(change=True)
+    with scheduler.swap(**EVICTING) as s, pytest.raises(RuntimeError, match=INPLACE):
+        _evicted_then_saved_again(change=True)
+    assert s.stats()["budget_evictions"] >= 2
+
+
+@pytest.mark.parametrize("change", [False, True])
+@pytest.mark.parametrize("alias", [False, True])
+def test_swap_saves_an_evicted_tensor_again_with_its_bytes_of_now(change, alias):
+    """The first save unused (plain autograd does not raise): the second save's backward
+    reads x as it is now, not the host copy made before the change (which a later swap-out
+    reused: wrong gradients without a word); unchanged, or the same bytes under another
+    counter, nothing raises."""
+    want = _evicted_then_saved_again(change, alias, used=False)
+    with scheduler.swap(**EVICTING) as s:
+        got = _evicted_then_saved_again(change, alias, used=False)
+    assert s.stats()["budget_evictions"] >= 2
+    for a, b in zip(want, got):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    if not change:
+        with scheduler.swap(**EVICTING):  # the first save used: still no error
+            _evicted_then_saved_again(change, alias)
+
+
 # ---------------------------------------------------------------------- chain runtime
 class _Tanh(nn.Module):
     def __init__(self):

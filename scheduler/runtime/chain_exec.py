@@ -21,9 +21,10 @@ backward, the first unpack in block s's graph runs the plan's ops up to ``B s``:
 recomputations (``F_ck``/``F_none`` without grad, from the checkpoints; ``F_all s`` with grad,
 whose saved tensors fill block s's holders in order), offloads and prefetches. Any forward
 after the first of its stage is a recomputation and runs with the random state and autocast
-settings recorded at the first run, and with the block's buffers (batch-norm statistics) put
-back afterwards: the values, dropout masks included, are those of plain training, so
-gradients are bit-identical. Recomputations call the block module again (its hooks fire:
+settings recorded at the first run, its modules' train/eval modes and parameter tensors
+(``first_run``: a ``functional_call``'s included), and with the block's buffers (batch-norm
+statistics) put back afterwards: the values, dropout masks included, are those of plain
+training, so gradients are bit-identical. Recomputations call the block module again (its hooks fire:
 FSDP2 gathers its parameters), with the arguments of the loop's call (``block_calls``).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import nn
 
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS
-from . import accounting, buffers, fsdp, rng
+from . import accounting, buffers, first_run, fsdp, rng
 from .block_calls import BlockCall, tensor_leaves
 from .compiled_plan import CompiledPlan
 from .frames import Frame, Tensors
@@ -86,27 +87,6 @@ class Collector:
                 state: Optional["rng.RngState"], exclude: Set[int],
                 shared: Sequence[torch.Tensor] = ()) -> None:
         raise NotImplementedError  # pragma: no cover - interface
-
-
-@contextlib.contextmanager
-def _modes_as(block: nn.Module, modes: Optional[List[bool]]) -> Iterator[None]:
-    """The block's modules in the train/eval modes of its first run (a model.eval() between
-    the forward and the backward must not change what the recomputation computes), then back."""
-    if modes is None:
-        yield
-        return
-    mods = list(block.modules())
-    now = [m.training for m in mods]
-    if now == modes or len(mods) != len(modes):
-        yield
-        return
-    for m, t in zip(mods, modes):
-        m.training = t
-    try:
-        yield
-    finally:
-        for m, t in zip(mods, now):
-            m.training = t
 
 
 # ------------------------------------------------------------------------------------ step
@@ -283,7 +263,7 @@ class ChainStep:
         block = self.blocks[s]
         if s in self.cplan.recomputed or self.collector is not None:
             frame.state = rng.capture(self.devices)
-            frame.modes = [m.training for m in block.modules()]
+            frame.first = first_run.capture(block)
         if self.collector is not None and kind == "F_ck":
             # (Mimose's measurement: not the model's outputs)
             with self._not_activations(s) as weights, outputs_not_captured():
@@ -432,7 +412,7 @@ class ChainStep:
         block = self.blocks[s]
         self.stats.recomputed_forwards += 1
         ctx = rng.replay(frame.state) if frame.state is not None else contextlib.nullcontext()
-        with ctx, buffers.frozen_buffers(block), _modes_as(block, frame.modes):
+        with ctx, first_run.as_first_run(block, frame.first), buffers.frozen_buffers(block):
             if kind == "F_all":
                 refill = frame.refill()
                 with torch.enable_grad(), \

@@ -153,6 +153,16 @@ class ChainRunner:
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
+    # ---------------------------------------------------------------- copies and pickles
+    def __getstate__(self) -> Dict[str, Any]:
+        """A copy or a pickle (``copy.deepcopy(model)``, ``torch.save(model)``) keeps the
+        options, the measured chains and the plans (keyed by the devices they were measured
+        on: another device measures again); not what lives on this process's devices or is
+        under way: the copy engines' streams, a step in flight, the plans compiled by id."""
+        state = self.__dict__.copy()
+        state.update(_compiled={}, _transfers={}, current=None, passthrough=False)
+        return state
+
     # -------------------------------------------------------------------------- knobs
     @property
     def budget(self) -> Optional[int]:

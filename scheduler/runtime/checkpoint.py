@@ -15,7 +15,6 @@ Calling it again on the same model first undoes the previous call (never wraps t
 """
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 import weakref
@@ -30,7 +29,7 @@ from .options import PlannerArg, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
 from .tail import TailProbe
-from .weak import copied_ref
+from .weak import WeakFields, gone
 
 NAME = "scheduler.checkpoint"
 _ATTR = "_vmalloc_checkpoint"
@@ -115,13 +114,16 @@ def _owner(model: nn.Module, name: str) -> Optional[nn.Module]:
 
 
 # ------------------------------------------------------------------------------ interception
-class _BlockForward:
+class _BlockForward(WeakFields):
     """The instance ``forward`` of a checkpointed block: the call goes through the runner.
 
     It refers to its block, the runner and the owner weakly: the block holds it, the model
     holds the runner (``Checkpointed``) and the runner the blocks, so strong references
     would make a cycle that keeps a model the user deleted, weights and all, until the
-    garbage collector runs (``del model`` would free no device memory)."""
+    garbage collector runs (``del model`` would free no device memory). A copied or pickled
+    model's blocks go through the copied runner (``WeakFields``)."""
+
+    WEAK = ("_runner", "_block", "_owner")
 
     def __init__(self, runner: ChainRunner, s: int, block: nn.Module, own: Any,
                  owner: Optional[nn.Module]):
@@ -129,20 +131,10 @@ class _BlockForward:
         self.s = s
         self._block = weakref.ref(block)
         # the module whose forward loops over the list
-        self._owner = weakref.ref(owner) if owner is not None else lambda: None
+        self._owner = weakref.ref(owner) if owner is not None else gone
         self.own = own                 # the block's own instance forward, if it had one
         self.function = type(block).forward  # else its class's, called on the block
         self.thread: Optional[int] = None
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_BlockForward":
-        """A copied model's blocks go through the copied runner (a weak reference copies as
-        itself: the copy would run the original's blocks)."""
-        new = copy.copy(self)
-        memo[id(self)] = new
-        new._runner, new._block, new._owner = (copied_ref(r, memo) for r in
-                                               (self._runner, self._block, self._owner))
-        new.own = copy.deepcopy(self.own, memo)
-        return new
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         """The block's forward as it was before the call."""

@@ -13,6 +13,7 @@ from ..profile import _trace
 from . import rng
 from .accounting import check_unchanged
 from .block_calls import BlockCall
+from .first_run import FirstRun
 from .offload import StorageCopy
 
 if TYPE_CHECKING:  # the step owns its frames; a frame calls back into it
@@ -57,7 +58,7 @@ class Frame:
         self.out_version: Tuple[int, ...] = ()
         self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
         self.released = False
-        self.modes: Optional[List[bool]] = None  # train/eval flags of its modules at the first run
+        self.first: Optional[FirstRun] = None  # its modules' modes and tensors at the first run
 
     # hooks of the first run ----------------------------------------------------------
     # (all the hooks run eagerly: a compiled block would otherwise trace them, and inside a

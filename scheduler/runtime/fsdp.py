@@ -23,7 +23,7 @@ twice (``refuse_wrapped``).
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -141,6 +141,11 @@ def _flat(t: torch.Tensor) -> bool:
                 getattr(getattr(t, "_base", None), "_is_flat_param", False))
 
 
+def managed(t: Any) -> bool:
+    """Whether FSDP owns tensor ``t``: FSDP2's DTensor, or FSDP1's marks (``_flat``)."""
+    return isinstance(t, torch.Tensor) and (type(t).__name__ == "DTensor" or _flat(t))
+
+
 def _flat_views(block: nn.Module) -> Iterator[torch.Tensor]:
     """FSDP1's views of a flat parameter that the block's modules hold as plain attributes
     (``use_orig_params=False``); a tensor attribute of any other kind is not one (a block
@@ -172,7 +177,7 @@ def fsdp1(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -
 def sharded(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
     """Whether FSDP (1 or 2) manages the blocks' parameters."""
     return any("FSDP" in type(b).__name__ or
-               any(type(p).__name__ == "DTensor" for p in b.parameters())
+               any(managed(p) for p in b.parameters())
                for b in blocks) or fsdp1(blocks, entries)
 
 

@@ -128,12 +128,21 @@ def model_cache_off(model: nn.Module) -> Optional[Any]:
         return None
     if "use_cache" not in params:
         return None
-    position = params.index("use_cache")
+    return model.register_forward_pre_hook(_CacheOff(params.index("use_cache")),
+                                           with_kwargs=True)
 
-    def hook(module: nn.Module, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+
+class _CacheOff:
+    """``model_cache_off``'s hook (a class, not a closure, so a model holding it pickles)."""
+
+    def __init__(self, position: int):
+        self.position = position  # of use_cache among the forward's parameters
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         if not torch.is_grad_enabled() or not fsdp.trains([module]):  # (FSDP1's views too)
             return None
+        position = self.position
         if len(args) > position:  # passed by position
             wanted = args[position]
             args = args[:position] + (False,) + args[position + 1:]
@@ -145,8 +154,6 @@ def model_cache_off(model: nn.Module) -> Optional[Any]:
         if wanted:
             KVCacheGuard.say()
         return args, kwargs
-
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _turn_hf_checkpointing_off(call: str) -> str:

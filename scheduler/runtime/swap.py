@@ -261,6 +261,7 @@ class SwapContext:
             seq.live_in_iter += 1
             self._residency.add(var)
         elif var.state == HOST:  # the forward hands the tensor back: re-attach, no copy
+            self._transfers.reattach(var, storage, t._version)
             var.state = DEVICE
             self._residency.add(var)
         handle = Handle(var, t, var.keeper(storage))

@@ -115,13 +115,35 @@ class Transfers:
         var.set_storage(None)
         var.inflight = None
         var.in_tensor = None
+        var.dropped_version = None
         for h in var.live_handles():
             if h.view is not None:
                 v = h.view
                 h.modified = h.modified or v._version != h.version
                 h.meta = (v.dtype, v.shape, v.stride(), v.storage_offset())
                 h.view = None
+                var.dropped_version = v._version
         self.residency.drop(var)
+
+    def reattach(self, var: Var, storage: Any, version: int) -> None:
+        """The forward saves again a tensor whose bytes went to the host (``version``: its
+        version counter now), and its storage, which the program kept, serves again: its
+        bytes are the var's from now on, and the host copy, which may predate a change, goes
+        (a later swap-out copies again). If the program changed the tensor in place since,
+        the earlier saves' handles raise at their use, as plain autograd does (their views,
+        which carried the counter, are gone). A counter that moved is checked on the bytes (a
+        tensor sharing the storage through ``.data`` has a counter of its own): a copy to the
+        host, on this path only."""
+        host = var.host
+        if host is None:  # (after the context exited the copy moved to the handles' keeper)
+            return
+        if var.dropped_version is None or version != var.dropped_version:
+            dev = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
+            if not torch.equal(dev.cpu(), host):
+                for h in var.live_handles():
+                    h.modified = True
+        self.pool.release(host, None)
+        var.host = var.out_event = None
 
     # ------------------------------------------------------------------------- swap-in
     def swap_in(self, var: Var) -> None:

@@ -79,7 +79,8 @@ class Var:
     """One saved storage: where its bytes are and who still needs them."""
 
     __slots__ = ("vid", "it", "nbytes", "state", "keeper_ref", "inflight", "storage_ref", "ptr",
-                 "device", "stream", "host", "out_event", "in_event", "in_tensor", "handles")
+                 "device", "stream", "host", "out_event", "in_event", "in_tensor", "handles",
+                 "dropped_version")
 
     def __init__(self, vid: int, it: int, storage: Any, nbytes: int, ptr: int, device: Any):
         self.vid = vid
@@ -97,6 +98,9 @@ class Var:
         self.in_event: Any = None         # completion of the host-to-device copy
         self.in_tensor: Optional[torch.Tensor] = None  # swapped-in memory until first use
         self.handles: List[HandleRef] = []
+        # the version counter of its saved tensors when the device copy was dropped (None:
+        # unknown), to tell whether bytes handed back by the program changed since (re-attach)
+        self.dropped_version: Optional[int] = None
 
     # the device storage, while the bytes are on the device and a handle is alive
     @property

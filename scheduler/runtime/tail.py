@@ -39,7 +39,6 @@ computed *after* the model returns (no ``labels=``) is outside the tail measured
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import threading
 import time
@@ -55,7 +54,7 @@ from ..chain import Chain, add_outside
 from ..profile import _trace as T
 from .block_calls import tensor_leaves
 from .outside import Outside, head_census
-from .weak import copied_ref
+from .weak import WeakFields
 
 _warned: Set[str] = set()
 
@@ -167,8 +166,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class TailProbe:
-    """Measures the tail of ``model`` around the runners of its block lists (module doc)."""
+class TailProbe(WeakFields):
+    """Measures the tail of ``model`` around the runners of its block lists (module doc); a
+    copied or pickled model's probe measures the copy (``WeakFields``)."""
+
+    WEAK = ("_model",)
 
     def __init__(self, model: nn.Module, name: str):
         # weakly: the model holds this probe (its hooks), and a cycle would keep a model the
@@ -182,15 +184,6 @@ class TailProbe:
         self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "TailProbe":
-        """The copy measures the copied model (a weak reference copies as itself)."""
-        new = copy.copy(self)
-        memo[id(self)] = new
-        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
-                             if k != "_model"})
-        new._model = copied_ref(self._model, memo)
-        return new
 
     @property
     def model(self) -> nn.Module:

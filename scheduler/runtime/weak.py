@@ -1,18 +1,36 @@
-"""Weak references that a deep copy follows: an object that refers weakly to what holds it
-(so that deleting the holder frees it at once, no reference cycle) must, when copied with
-it, refer to the holder's copy, not to the original (``copy`` copies a weak reference as
-itself)."""
+"""Attributes held weakly in memory and strongly in a copy or a pickle.
+
+An object that refers weakly to what holds it (so that deleting the holder frees it at once:
+no reference cycle for the garbage collector to find) must, copied or pickled with its holder,
+refer to the holder's copy: ``copy`` copies a weak reference as itself (the copy would refer to
+the original), and ``pickle`` refuses one. ``WeakFields`` gives its state the referents
+themselves (the copy's memo or the pickle's maps them to their copies) and weakens them again
+when the state is set.
+"""
 from __future__ import annotations
 
-import copy
 import weakref
-from typing import Any, Callable, Dict
+from typing import Any, Dict, Tuple
 
 
-def copied_ref(ref: Callable[[], Any], memo: Dict[int, Any]) -> Callable[[], Any]:
-    """A weak reference to the deep copy (in ``memo``'s copy) of what ``ref`` refers to;
-    ``ref`` itself when that is gone."""
-    obj = ref()
-    if obj is None:
-        return ref
-    return weakref.ref(copy.deepcopy(obj, memo))
+def gone() -> None:
+    """The stand-in for a weak reference to nothing (called like one, returns None)."""
+    return None
+
+
+class WeakFields:
+    """Mixin: the attributes named in ``WEAK`` hold a weak reference (or ``gone``)."""
+
+    WEAK: Tuple[str, ...] = ()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self.WEAK:
+            state[name] = state[name]()   # the referent, or None once it is gone
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        for name in self.WEAK:
+            state[name] = gone if state[name] is None else weakref.ref(state[name])
+        self.__dict__.update(state)
