@@ -115,3 +115,22 @@ def test_del_frees_a_wrapped_chain_at_once(no_gc):
     weight = weakref.ref(chain.blocks[0].lin.weight)
     del chain
     assert weight() is None
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copied_wrapped_chain_trains_as_the_original(how):
+    torch.manual_seed(0)
+    chain = scheduler.wrap(list(Net().blocks), "64KiB", planner="pofo")
+    x = torch.randn(4, 16)
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(4)
+        m(x).square().mean().backward()
+        return [p.grad for p in m.parameters()]
+    _trained(chain, step, steps=2)
+    twin = COPIES[how](chain)
+    assert all(torch.equal(a, b) for a, b in zip(step(chain), step(twin)))
+    assert twin.runner is not chain.runner and twin.runner.blocks[0] is twin.blocks[0]
+    assert twin.stats()["chains_measured"] == chain.stats()["chains_measured"]
