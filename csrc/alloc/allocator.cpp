@@ -363,11 +363,14 @@ struct Allocator::Impl {
     cache_retired(r);
   }
 
+  // True when f returned.
   template <class F>
-  static void quiet(F&& f) noexcept {
+  static bool quiet(F&& f) noexcept {
     try {
       f();
+      return true;
     } catch (...) {  // best effort (close, rollback): the driver may already be shutting down
+      return false;
     }
   }
 
@@ -537,6 +540,13 @@ struct Allocator::Impl {
         stuck->k = 1;
         stuck->chunks.assign(1, handles[i]);
         stuck->all_ready = true;
+        // mapped, but maybe before (or by) the set_access that failed: reusable only with access
+        // (on a GPU the first kernel touching it would fault); else only trim/close take it
+        try {
+          drv->set_access(at, chunk);
+        } catch (...) {
+          stuck->no_access = true;
+        }
         cache_insert(stuck);
       }
       if (mapped) st.num_map += mapped;
@@ -560,7 +570,7 @@ struct Allocator::Impl {
     if (std::vector<Range*>* bucket = cache.find(k)) {
       for (size_t i = bucket->size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
         Range* r = (*bucket)[i];
-        if (ready_for(r, stream)) {
+        if (!r->no_access && ready_for(r, stream)) {
           cache_remove(r);
           drop_events(r);
           ++st.num_cache_hits;
@@ -575,7 +585,7 @@ struct Allocator::Impl {
         std::vector<Range*>& bucket = *cache.find(kk);
         for (size_t i = bucket.size(); i-- > 0 && scanned < 16; ++scanned) {
           Range* r = bucket[i];
-          if (!ready_for(r, stream)) continue;
+          if (r->no_access || !ready_for(r, stream)) continue;
           cache_remove(r);
           Range* tail = new Range;
           tail->addr = r->addr + k * chunk;
@@ -771,26 +781,28 @@ struct Allocator::Impl {
     if (closed) return;
     closed = true;
     // cuMemUnmap / cuMemRelease do not wait for device work still using the memory (PyTorch's
-    // ExpandableSegment synchronizes before unmapping for the same reason): wait for the work
-    // queued on freed memory (deferred small blocks, slabs, cached ranges) before giving it back,
-    // as trim() does; live large ranges are the caller's and are not waited for. No-ops on the
-    // host backend.
+    // ExpandableSegment synchronizes before unmapping for the same reason): one device-wide
+    // synchronize first, so that no kernel still queued on live, deferred or cached memory runs
+    // on it unmapped (nor is a late event recorded on a user's stream, which may be destroyed by
+    // now). Only if that fails (a broken context), the events of freed memory are waited for one
+    // by one, as trim() does. No-ops on the host backend.
+    bool synced = quiet([&] { drv->synchronize(); });
     live.for_each([&](uintptr_t, uintptr_t v) {
       if (!is_block(v)) unmap_release(as_range(v));
     });
     live.clear();
     small.clear(
         [&](EventHandle e) {
-          quiet([&] { drv->event_wait(e); });
+          if (!synced) quiet([&] { drv->event_wait(e); });
           quiet([&] { drv->event_destroy(e); });
         },
         [&](Range* r) {
-          quiet([&] { wait_ready(r); });
+          if (!synced) quiet([&] { wait_ready(r); });
           unmap_release(r);
         });
     for (Range* r = lru_head; r;) {
       Range* next = r->lru_next;
-      quiet([&] { wait_ready(r); });
+      if (!synced) quiet([&] { wait_ready(r); });
       unmap_release(r);
       r = next;
     }
@@ -1106,13 +1118,20 @@ bool Allocator::add_peer(int device) {
   // What is mapped already gets it too: live ranges, slabs, cached ranges (each is k chunks
   // mapped back to back, so one call covers it).
   auto grant = [&](Range* r) {
-    if (r->k) m.timed([&] { m.drv->set_access(r->addr, r->k * m.chunk); });
+    if (r->k && !r->no_access) m.timed([&] { m.drv->set_access(r->addr, r->k * m.chunk); });
   };
-  m.live.for_each([&](uintptr_t, uintptr_t v) {
-    if (!is_block(v)) grant(as_range(v));
-  });
-  m.small.for_each_slab_range(grant);
-  for (Range* r = m.lru_head; r; r = r->lru_next) grant(r);
+  try {
+    m.live.for_each([&](uintptr_t, uintptr_t v) {
+      if (!is_block(v)) grant(as_range(v));
+    });
+    m.small.for_each_slab_range(grant);
+    for (Range* r = m.lru_head; r; r = r->lru_next) grant(r);
+  } catch (...) {
+    // not a peer then: later mappings must not carry a grant that fails (ranges granted
+    // before the failure keep it, which only allows more)
+    m.drv->remove_peer(device);
+    throw;
+  }
   return true;
 }
 

@@ -27,6 +27,7 @@ struct Range {
 
   // Cached state: events that must complete before another stream (or the chunk pool) may have it.
   bool all_ready = false;                // every use on every stream is known complete
+  bool no_access = false;                // mapped without access rights (a failed rollback): never reused
   bool has_owner_event = false;          // recorded on `stream` at free (several streams seen) or lazily
   driver::EventHandle owner_event = 0;
   std::vector<driver::EventHandle> extra_events;  // one per extra stream, recorded at free

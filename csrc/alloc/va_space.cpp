@@ -70,8 +70,9 @@ size_t VaSpace::release_unused() {
       ++i;
       continue;
     }
-    erase_run(runs_.find(s->base));  // an unused span is one free run
+    // unreserve first: if it throws, the span stays whole (one free run), as before the call
     drv_.unreserve(s->base, s->chunks * chunk_);
+    erase_run(runs_.find(s->base));  // an unused span is one free run
     released += s->chunks * chunk_;
     reserved_ -= s->chunks * chunk_;
     spans_.erase(spans_.begin() + static_cast<std::ptrdiff_t>(i));

@@ -44,7 +44,7 @@ namespace {
   X(cuCtxSetCurrent) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)    \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)   \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy) X(cuDeviceCanAccessPeer)  \
-  X(cuMemGetInfo)
+  X(cuMemGetInfo) X(cuCtxSynchronize)
 
 struct Api {
 #define VMALLOC_DECLARE(name) decltype(&::name) name = nullptr;
@@ -233,7 +233,25 @@ class CudaDriver final : public Driver {
     d.location.id = device;
     d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     access_.push_back(d);
+    // cuDeviceCanAccessPeer may say yes where the grant itself fails (some PCIe, vGPU or IOMMU
+    // setups): every later mapping would carry the peer and fail. Grant it once on a probe chunk
+    // of our own first; the peer stays only if that worked.
+    try {
+      probe_access();
+    } catch (...) {
+      access_.pop_back();
+      throw;
+    }
     return true;
+  }
+  void remove_peer(int device) override {
+    for (size_t i = 1; i < access_.size(); ++i)  // [0] is this device
+      if (access_[i].location.id == device) access_.erase(access_.begin() + static_cast<std::ptrdiff_t>(i--));
+  }
+  void synchronize() override {
+    Ctx g(*this);
+    g.check();
+    check(a_.cuCtxSynchronize(), "cuCtxSynchronize");
   }
   void unmap(uintptr_t va, size_t size) override {
     Ctx g(*this);
@@ -247,8 +265,13 @@ class CudaDriver final : public Driver {
     CUcontext sctx = ctx_;
     uintptr_t legacy = reinterpret_cast<uintptr_t>(CU_STREAM_LEGACY);
     uintptr_t per_thread = reinterpret_cast<uintptr_t>(CU_STREAM_PER_THREAD);
-    if (stream != 0 && stream != legacy && stream != per_thread && stream_get_ctx())
+    if (stream != 0 && stream != legacy && stream != per_thread && stream_get_ctx()) {
+      // (in our context: a free may come from a thread that never made one current, and
+      // CUDA_ERROR_INVALID_CONTEXT is among cuStreamGetCtx's documented results)
+      Ctx g(*this);
+      g.check();
       check(stream_get_ctx()(reinterpret_cast<CUstream>(stream), &sctx), "cuStreamGetCtx");
+    }
     if (sctx != ctx_) {
       Ctx g(*this, sctx);
       g.check();
@@ -306,6 +329,33 @@ class CudaDriver final : public Driver {
   }
 
  private:
+  // Maps one chunk of our own with the current access list, then undoes it all: a grant that
+  // fails throws here, before any allocation depends on it.
+  void probe_access() {
+    Ctx g(*this);
+    g.check();
+    CUdeviceptr va = 0;
+    check(a_.cuMemAddressReserve(&va, granularity_, 0, 0, 0), "cuMemAddressReserve");
+    CUmemGenericAllocationHandle h = 0;
+    bool created = false, mapped = false;
+    CUresult r = a_.cuMemCreate(&h, granularity_, &prop_, 0);
+    const char* what = "cuMemCreate";
+    if (r == CUDA_SUCCESS) {
+      created = true;
+      what = "cuMemMap";
+      r = a_.cuMemMap(va, granularity_, 0, h, 0);
+    }
+    if (r == CUDA_SUCCESS) {
+      mapped = true;
+      what = "cuMemSetAccess (granting the peer)";
+      r = a_.cuMemSetAccess(va, granularity_, access_.data(), access_.size());
+    }
+    if (mapped) a_.cuMemUnmap(va, granularity_);
+    if (created) a_.cuMemRelease(h);
+    a_.cuMemAddressFree(va, granularity_);
+    check(r, what);
+  }
+
   // Destroys the events and releases the primary context, once. Best effort and silent: at
   // interpreter exit the driver may already be shutting down (every call then fails with
   // CUDA_ERROR_DEINITIALIZED, and the driver takes the events and the context with it).

@@ -65,6 +65,10 @@ class Driver {
   // one GPU read another GPU's memory: mapped memory is accessible only to the devices named).
   // False when `device` has no peer-to-peer path to this one. The host backend has no devices.
   virtual bool add_peer(int /*device*/) { return false; }
+  // Undo add_peer (granting it to what is mapped failed): later set_access calls leave it out.
+  virtual void remove_peer(int /*device*/) {}
+  // Wait for all work queued on the device (close(): nothing is unmapped under a running kernel).
+  virtual void synchronize() {}
 
   // Events order host decisions after device work: record on a stream, then query or wait.
   virtual EventHandle record_event(uintptr_t stream) = 0;

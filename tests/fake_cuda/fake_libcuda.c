@@ -169,7 +169,7 @@ static size_t total_mem, gran;
 static Device devices[MAX_DEVICES];
 static Vec reservations, handles, mappings, events, streams, uses;
 static Vec cover; /* scratch of covering(), under mu */
-static long long n_violations, n_event_syncs, n_calls;
+static long long n_violations, n_event_syncs, n_ctx_syncs, n_calls;
 static unsigned long long n_born; /* serial of the last object created */
 static int deinitialized;         /* fakecuda_deinit: the driver is shutting down */
 
@@ -412,7 +412,18 @@ static CUresult do_set_current(CUcontext c) {
 }
 EXPORT CUresult cuCtxSetCurrent(CUcontext c) { LOCKED("cuCtxSetCurrent", 1, do_set_current(c)); }
 
-static CUresult do_ctx_sync(void) { return need_context("cuCtxSynchronize"); }
+/* The host waits until every stream of the current context got through its work (a held stream
+ * too: the kernel that held it ends, as a real synchronize would wait for it). */
+static CUresult do_ctx_sync(void) {
+  NEED(need_context("cuCtxSynchronize"));
+  for (size_t i = 0; i < streams.n; ++i) {
+    CUstream s = streams.p[i];
+    if (s->ctx == current) s->completed = s->submitted;
+  }
+  current->legacy.completed = current->legacy.submitted;
+  ++n_ctx_syncs;
+  return CUDA_SUCCESS;
+}
 EXPORT CUresult cuCtxSynchronize(void) { LOCKED("cuCtxSynchronize", 1, do_ctx_sync()); }
 
 /* ------------------------------------------------------------------------------ addresses */
@@ -1149,6 +1160,7 @@ EXPORT long long fakecuda_get(const char* what) {
     v = sum;
   } else if (!strcmp(what, "violations")) v = n_violations;
   else if (!strcmp(what, "event_syncs")) v = n_event_syncs;
+  else if (!strcmp(what, "ctx_syncs")) v = n_ctx_syncs;
   else if (!strcmp(what, "injected")) v = n_injected;
   else if (!strcmp(what, "calls")) v = n_calls;
   else if (!strncmp(what, "calls:", 6)) { /* calls of one entry point ("calls:cuMemMap") */
