@@ -318,7 +318,9 @@ def test_cuda_transients_do_not_run_an_optimizer_stepping_in_the_backward(monkey
     params = list(block.parameters())
     before = [p.detach().clone() for p in params]
     keys = {T.storage_key(p) for p in params}
-    outs, got = M._cuda_stage(lambda xs: (block(*xs),), (x,), params, keys, torch.device("cpu"))
+    with T.hooks_silenced(block):  # as its callers measure (measure_chain, Mimose's collector)
+        outs, got = M._cuda_stage(lambda xs: (block(*xs),), (x,), params, keys,
+                                  torch.device("cpu"))
     assert fired == []
     assert all(p.grad is None for p in params) and x.grad is None
     assert all(torch.equal(p, b) for p, b in zip(params, before))

@@ -254,6 +254,31 @@ class OpTracer(TorchDispatchMode):
         return peak
 
 
+@contextlib.contextmanager
+def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
+    """The gradient hooks of ``module``'s parameters (``register_hook``,
+    ``register_post_accumulate_grad_hook``) and the backward hooks of its modules silent for
+    the body. A measurement runs the backward on a random gradient, several times; the model's
+    hooks (statistics gathered in them, a gradient rewritten by one, an optimizer stepping in
+    the backward) must see each real step's gradients once. Autograd reads the hook dicts it
+    was given, so emptying them for a while silences them."""
+    emptied: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
+    holders = [(p, ("_backward_hooks", "_post_accumulate_grad_hooks"))
+               for p in module.parameters()]
+    holders += [(m, ("_backward_hooks", "_backward_pre_hooks")) for m in module.modules()]
+    for holder, attrs in holders:
+        for attr in attrs:
+            hooks = getattr(holder, attr, None)
+            if hooks:
+                emptied.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in emptied:
+            hooks.update(items)
+
+
 def unlinked(t: torch.Tensor) -> torch.Tensor:
     """What a pack hook keeps of a saved tensor: without its autograd history. An op's own
     output saved with its ``grad_fn`` would make a cycle through the graph (node -> packed

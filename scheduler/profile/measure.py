@@ -65,10 +65,11 @@ def _check_count(value: Any, name: str, low: int) -> int:
 
 @contextlib.contextmanager
 def _preserved(block: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run measurements without a trace on the block's buffers or on the RNG streams."""
+    """Run measurements without a trace on the block's buffers or on the RNG streams, and
+    without calling its gradient and backward hooks (``_trace.hooks_silenced``)."""
     saved = [(b, b.detach().clone()) for b in block.buffers()]
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), T.hooks_silenced(block):
         try:
             yield
         finally:
@@ -135,18 +136,12 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     leaves = T.requires_grad_leaves(inputs, params)
     old = [(p, p.grad) for p in params]
     peak_b = made = 0
-    # a parameter with a post-accumulate-grad hook (an optimizer stepping in the backward,
-    # as torchtune's): accumulating into its .grad would run that hook on this measurement's
-    # random gradient; autograd.grad runs none (and holds the gradients at once: more)
-    hooked = any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+    # (the parameters' post-accumulate-grad hooks, an optimizer stepping in the backward as
+    # torchtune's, are silent here: the callers measure under ``_trace.hooks_silenced``)
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        if pairs and leaves and hooked:
-            _, peak_b = peak_of(lambda: torch.autograd.grad(
-                [o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True))
-            made = T.storage_bytes(ins)  # the inputs' gradients, alike in size
-        elif pairs and leaves:
+        if pairs and leaves:
             _, peak_b = peak_of(lambda: torch.autograd.backward(
                 [o for o, _ in pairs], [g for _, g in pairs], inputs=leaves))
             made = T.storage_bytes([t.grad for t in ins if t.grad is not None])

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
+from ..profile._trace import hooks_silenced
 from . import accounting, buffers, rng
 from .block_calls import tensor_leaves
-from .tail import has_backward_hooks
 
 
 def _sync(comps: Sequence[Any]) -> None:
@@ -98,17 +98,12 @@ class ShuttlingCollector:
         if len(leaves) != len(inp):  # (a chain value is tensors: never seen)
             self.failed = f"block {s}'s chain value holds non-tensors"
             return
-        if has_backward_hooks(block):
-            self.failed = f"block {s} has module backward hooks"
-            warnings.warn(f"Mimose: block {s} has module backward hooks, which measuring its "
-                          "backward would call once more; the blocks' transients are not "
-                          "measured on this collection step", stacklevel=4)
-            return
         params = [p for p in block.parameters() if p.requires_grad]
         device = leaves[0].device if leaves else \
             next((p.device for p in params), torch.device("cpu"))
         try:
-            with buffers.frozen_buffers(block):
+            # (the block's gradient and backward hooks fire once, in the step itself)
+            with buffers.frozen_buffers(block), hooks_silenced(block):
                 _, r = stage_memory(lambda xs: tensor_leaves(run(xs)), leaves, params,
                                     state_keys, device)
         except Exception as e:  # measuring must not break training: say so, learn without
