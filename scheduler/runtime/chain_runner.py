@@ -105,8 +105,9 @@ class ChainRunner:
                  measure_options: Optional[Dict[str, Any]] = None,
                  on_chain: Optional[Callable[[Chain], Chain]] = None,
                  sequential: bool = False, entries: Optional[Sequence[nn.Module]] = None,
-                 name: str = "scheduler.wrap"):
+                 name: str = "scheduler.wrap", list_name: str = "blocks"):
         self.name = name
+        self.list_name = list_name  # the block list's dotted path in its model (messages)
         check_planner(planner, name)
         self.blocks = list(blocks)
         # the list the model's loop calls the blocks through: an FSDP1 unit that replaces a
@@ -147,6 +148,9 @@ class ChainRunner:
         self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
         self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
+        self.calls = 0  # block calls through the runner (a list its model never calls: 0)
+        self.said_uncalled = False  # tail.TailProbe's warning that they never were, given
+        self._said_unplanned = False  # _unplanned's warning, given once
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -456,6 +460,20 @@ class ChainRunner:
             return 0
         return (self.L + 1) * torch.get_rng_state().numel()
 
+    def _unplanned(self, s: int, out: Any) -> None:
+        """Block ``s`` ran outside a step (block 0's arguments and the blocks' weights wanted
+        no gradient) yet its output wants one: a trainable tensor reached the blocks another
+        way, and the forward keeps every activation with no plan. Said once."""
+        if any(t.requires_grad for t in tensor_leaves(out)):
+            self._said_unplanned = True
+            warnings.warn(
+                f"{self.name}: block {s} of '{self.list_name}' returned a tensor that needs a "
+                "gradient, but neither block 0's arguments nor the blocks' weights needed one "
+                "when the forward began (a trainable tensor reaches the blocks another way: a "
+                "forward hook, a KV cache holding a trained prefix, ...): such forwards run "
+                "without a plan, keeping every activation; the budget does not hold for them",
+                stacklevel=4)
+
     def _sharded(self) -> bool:
         """Whether FSDP (1 or 2) manages the blocks' parameters."""
         return fsdp.sharded(self.blocks, self.entries)
@@ -475,6 +493,7 @@ class ChainRunner:
         """Block ``s`` called with ``(args, kwargs)``; ``run_first`` runs it (first run)."""
         if self.passthrough:
             return run_first(args, kwargs)
+        self.calls += 1
         if s == 0:
             if self.tail is not None:  # a tail measured since the last block is over
                 self.tail.block_zero()
@@ -499,7 +518,10 @@ class ChainRunner:
                         self.current.outside is not None  # type: ignore[attr-defined]
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
-            return run_first(args, kwargs)
+            out = run_first(args, kwargs)
+            if not self._said_unplanned and torch.is_grad_enabled():
+                self._unplanned(s, out)
+            return out
         try:
             out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
         except BaseException:

@@ -58,10 +58,15 @@ def _is_hf_layer(m: nn.Module) -> bool:
     return cls is not None and isinstance(m, cls)
 
 
+# containers without a forward: the model loops through them, never calls them
+_NOT_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 def _same_class_list(m: nn.Module) -> bool:
     kids = list(m.children())
     return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and \
-        len({type(k) for k in kids}) == 1 and fsdp.has_weights(m)
+        len({type(k) for k in kids}) == 1 and not isinstance(kids[0], _NOT_CALLED) and \
+        fsdp.has_weights(m)
 
 
 def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, nn.Module]]:
@@ -90,6 +95,11 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
                 raise TypeError(f"{NAME}: blocks={name!r} is a {type(mod).__name__}; it must be "
                                 "a non-empty nn.ModuleList or nn.Sequential the model's forward "
                                 "loops over")
+            inner = next((k for k in mod if isinstance(k, _NOT_CALLED)), None)
+            if inner is not None:
+                raise TypeError(f"{NAME}: blocks={name!r} holds {type(inner).__name__}s, which "
+                                "the model loops through but never calls; name the lists of "
+                                f"blocks inside it (e.g. blocks=['{name}.0', '{name}.1'])")
             out.append((name, mod))
         return out
     hf = [(n, m) for n, m in model.named_modules()
@@ -189,6 +199,11 @@ def checkpointed(model: nn.Module) -> Optional[Checkpointed]:
     return model.__dict__.get(_ATTR)
 
 
+def _runners_of(model: nn.Module) -> List[ChainRunner]:
+    done = checkpointed(model)
+    return done.runners if done is not None else []
+
+
 def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "rotor",
                blocks: BlocksArg = None, **options: Any) -> nn.Module:
     """Run ``model``'s repeated blocks under an activation-memory ``budget`` (bytes or a size
@@ -236,14 +251,14 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
         # when the call comes first (the unit's forward gathers, then the runner runs)
         blocks = [fsdp.unwrapped(b) for b in lst]
         runner = ChainRunner(blocks, share, planner, bandwidth, entries=lst, name=NAME,
-                             **options)
+                             list_name=name or type(model).__name__, **options)
         runners.append(runner)
         for s, block in enumerate(blocks):
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
                                           owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
     # profiling steps as the chain's loss stage, unless loss= says what that stage is
-    tail = TailProbe(model, NAME) if "loss" not in options else None
+    tail = TailProbe(model, NAME, _runners_of) if "loss" not in options else None
     for runner in runners:
         runner.tail = tail
     # the KV cache off where the blocks' outputs are read: in the modules looping over them

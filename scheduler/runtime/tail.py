@@ -44,7 +44,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -172,11 +172,13 @@ class TailProbe(WeakFields):
 
     WEAK = ("_model",)
 
-    def __init__(self, model: nn.Module, name: str):
+    def __init__(self, model: nn.Module, name: str,
+                 runners: Optional[Callable[[nn.Module], Sequence[Any]]] = None):
         # weakly: the model holds this probe (its hooks), and a cycle would keep a model the
         # user deleted, weights and all, until the garbage collector runs
         self._model = weakref.ref(model)
         self.name = name
+        self.runners = runners  # the model's runners, looked up (no reference to them), or None
         self.depth = 0
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
         self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
@@ -221,6 +223,8 @@ class TailProbe(WeakFields):
     @torch.compiler.disable
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self._check_blocks_called(output)
         if self.clean:
             self.clean.pop()
         before = self.handling.pop() if self.handling else None
@@ -231,6 +235,20 @@ class TailProbe(WeakFields):
             self._abort("raised")
             return
         self._finish(output)
+
+    def _check_blocks_called(self, output: Any) -> None:
+        """A training forward of the model that never called a list's blocks, ever (a list
+        of lists, which the model loops through, or not the list its forward walks): nothing
+        is checkpointed and the budget does not hold, which must not go unsaid."""
+        for r in self.runners(self.model) if self.runners is not None else ():
+            if r.calls == 0 and not r.said_uncalled and torch.is_grad_enabled() and \
+                    any(t.requires_grad for t in tensor_leaves(output)):
+                r.said_uncalled = True
+                warnings.warn(
+                    f"{self.name}: {type(self.model).__name__}'s forward ran with gradients "
+                    f"but never called the blocks of '{r.list_name}': nothing is checkpointed "
+                    "and the budget does not hold; name the list its forward loops over with "
+                    "blocks=", stacklevel=3)
 
     # ------------------------------------------------------------------------ the runner's side
     def outside(self, args: Sequence[Any], kwargs: Dict[str, Any],
