@@ -147,3 +147,60 @@ def test_chain_raises_on_a_kept_block_output_changed_in_place(planner):
     out.mul_(2)
     with pytest.raises(RuntimeError, match=INPLACE):
         out.sum().backward()
+
+
+def test_swap_raises_on_a_tensor_changed_after_its_copy_went_to_the_host():
+    """The change comes after the swap-out released the device copy (the view that carried
+    the version counter is gone): seen on the saved tensor itself, which the program holds."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step(inplace):
+        x = torch.randn(64, 64) @ w
+        y = x.sin()                 # saves x
+        z = (x * 2).tanh()          # later saves: x goes to the host after its last save
+        u = (x * 3).tanh()
+        if inplace:
+            x.add_(1)
+        (y.sum() + z.sum() + u.sum()).backward()
+
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(True)
+    for budget in (None, "40KiB"):
+        with scheduler.swap(window="1KiB", budget=budget, device="cpu", min_bytes=0) as s:
+            step(False)  # recorded
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match=INPLACE):
+                    step(True)
+        assert s.stats()["swapped_out_bytes"] > 0
+
+
+def test_swap_saves_again_a_tensor_swapped_back_in_with_its_bytes_of_now():
+    """The schedule swaps x back in before the forward saves it again (a save is a use), and
+    the program changed x in between: the new saves read x as it is now (they read the host
+    copy made before the change, which a later swap-out reused: wrong gradients), and the
+    first save raises at its use as plain autograd does."""
+    torch.manual_seed(0)
+    x0, w2, w3, w4 = (torch.randn(64, 64, requires_grad=True) for _ in range(4))
+
+    def step(first_used):
+        x = x0 * 1.0
+        y1 = x * w2                       # saves x
+        e = x.repeat(2, 1).exp()          # a larger save: the budget sends x to the host
+        with torch.no_grad():
+            x.mul_(0.5)
+        y2, y3 = x * w3, x * w4           # saves x again, twice
+        loss = (y2 * y3).sum() + e.sum() + (y1.sum() if first_used else 0)
+        return torch.autograd.grad(loss, [w2, w3, w4] if first_used else [w3, w4])
+
+    want = step(False)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(True)
+    with scheduler.swap(window="16KiB", budget="40KiB", device="cpu", min_bytes=0) as s:
+        for _ in range(3):
+            got = step(False)
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=INPLACE):
+                step(True)
+    assert s.stats()["swapped_in_bytes"] > 0

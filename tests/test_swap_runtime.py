@@ -502,3 +502,40 @@ def test_an_enabled_vmalloc_without_its_allocator_is_an_error(monkeypatch):
     monkeypatch.setattr(torch_allocator, "device_allocator", broken)
     with pytest.raises(RuntimeError, match="not enabled"):
         swap_mod._find_vmalloc_allocator(cuda0)
+
+
+def test_a_saved_tensor_read_outside_the_backward():
+    """``grad_fn._saved_self`` (torchviz shows saved tensors so) is read outside any backward:
+    it is the tensor, and it is not taken for the start of the iteration's backward."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step(peek):
+        x = torch.randn(64, 64) @ w
+        y = x.sin()
+        z = (y * 3).exp()
+        if peek:
+            assert torch.equal(y.grad_fn._saved_self, x)
+        z.sum().backward()
+
+    with scheduler.swap(window="1KiB", device="cpu", min_bytes=0) as s:
+        for i in range(4):
+            step(peek=i in (1, 2))
+    stats = s.stats()
+    assert stats["iterations"] == 4 and stats["plan_mismatches"] == 0
+    assert stats["swapped_out_bytes"] > 0
+
+
+def test_host_pool_caches_at_most_twice_its_peak():
+    """A new input shape every step: buffers of past sizes do not pile up (pinned on a GPU)."""
+    from scheduler.runtime.host_pool import CACHE_FACTOR, HostPool
+    pool = HostPool(pin_memory=False)
+    for n in range(1000, 1200):  # every step a new size, two buffers at once
+        a, b = pool.acquire(n), pool.acquire(2 * n)
+        pool.release(a)
+        pool.release(b)
+        assert pool.cached_bytes <= CACHE_FACTOR * pool.peak_in_use_bytes
+    assert pool.stats()["host_buffers_evicted"] > 0
+    again = pool.acquire(2 * 1199)  # the newest sizes are still there
+    assert pool.stats()["host_buffers_reused"] >= 1
+    pool.release(again)

@@ -9,14 +9,19 @@ in for host memory, with the same bookkeeping.
 A buffer handed back may still be read or written by an asynchronous copy: ``release`` takes the
 event of its last copy, and the buffer is handed out again only once that event has completed.
 The pool knows which buffers are lent out, so ``reclaim`` can take back what an interrupted
-swap left behind.
+swap left behind. What it caches is bounded (``CACHE_FACTOR`` x the most bytes ever lent at
+once, the oldest released going first): with dynamic shapes (a new sequence length every
+step) the sizes of past steps would otherwise pile up for good, in pinned memory on a GPU.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from typing import Any, Deque, Dict, Iterable, Optional, Tuple
 
 import torch
+
+
+CACHE_FACTOR = 2  # cached bytes at most this x the peak lent at once
 
 
 class HostPool:
@@ -25,6 +30,8 @@ class HostPool:
     def __init__(self, pin_memory: bool):
         self.pin_memory = bool(pin_memory)
         self._free: Dict[int, Deque[Tuple[torch.Tensor, Optional[Any]]]] = defaultdict(deque)
+        self._age: "OrderedDict[int, int]" = OrderedDict()  # cached: id -> size, oldest first
+        self.num_evicted = 0
         self.in_use_bytes = 0
         self.cached_bytes = 0
         self.peak_in_use_bytes = 0
@@ -43,6 +50,7 @@ class HostPool:
                 if event is None or event.query():
                     free.popleft()
                     buf = cand
+                    del self._age[id(buf)]
                     break
                 free.rotate(-1)
         if buf is not None:
@@ -66,7 +74,23 @@ class HostPool:
         if self._closed:
             return
         self._free[n].append((buf, event))
+        self._age[id(buf)] = n
         self.cached_bytes += n
+        while self.cached_bytes > CACHE_FACTOR * self.peak_in_use_bytes and self._age:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        key, n = self._age.popitem(last=False)
+        free = self._free[n]
+        i = next(i for i, (b, _) in enumerate(free) if id(b) == key)
+        _, event = free[i]
+        del free[i]
+        if not free:
+            del self._free[n]
+        if event is not None:  # (the oldest: its copy is long done)
+            event.synchronize()
+        self.cached_bytes -= n
+        self.num_evicted += 1
 
     def give_away(self, buf: torch.Tensor) -> None:
         """``buf`` is no longer the pool's: it is freed with whoever holds it now."""
@@ -91,6 +115,7 @@ class HostPool:
                     event.synchronize()
                 released += buf.numel()
         self._free.clear()
+        self._age.clear()
         self.cached_bytes = 0
         return released
 
@@ -103,4 +128,4 @@ class HostPool:
         return {"host_in_use_bytes": self.in_use_bytes, "host_cached_bytes": self.cached_bytes,
                 "host_peak_bytes": self.peak_in_use_bytes,
                 "host_buffers_allocated": self.num_allocated,
-                "host_buffers_reused": self.num_reused}
+                "host_buffers_reused": self.num_reused, "host_buffers_evicted": self.num_evicted}

@@ -57,7 +57,7 @@ import torch
 from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
 from ..errors import InfeasibleError
-from ..planners.swap_schedule import DEVICE, FREED, HOST, PACK, UNPACK, VariableSequence
+from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
@@ -260,10 +260,9 @@ class SwapContext:
             self._live[var] = None
             seq.live_in_iter += 1
             self._residency.add(var)
-        elif var.state == HOST:  # the forward hands the tensor back: re-attach, no copy
-            self._transfers.reattach(var, storage, t._version)
-            var.state = DEVICE
-            self._residency.add(var)
+        elif var.state != DEVICE or var.host is not None or var.storage is not storage:
+            # the forward hands the tensor back, its bytes moved or copied meanwhile
+            self._transfers.save_again(var, storage, t._version)
         handle = Handle(var, t, var.keeper(storage))
         var.handles.append(self._deaths.watch(handle))
         seq.step_end()
@@ -288,7 +287,9 @@ class SwapContext:
             try:
                 seq = self._seq
                 var = handle.var
-                current = var.it == seq.it  # else: a graph kept from an earlier iteration
+                # else: a graph kept from an earlier iteration, or a saved tensor read outside
+                # a backward (``grad_fn._saved_self``, as torchviz shows saved tensors)
+                current = var.it == seq.it and torch._C._current_graph_task_id() != -1
                 if current:
                     if not seq.callback_queued:
                         self._queue_end_callback()
@@ -300,7 +301,8 @@ class SwapContext:
                     dtype, shape, stride, offset = handle.meta
                     view = torch.empty((0,), dtype=dtype, device=var.device).set_(
                         var.storage, offset, shape, stride)
-                    check_unchanged(view, view._version, "swap runtime", handle.modified)
+                    check_unchanged(view, view._version, "swap runtime",
+                                    handle.changed_since_saved())
                     handle.view, handle.version = view, view._version
                 else:
                     check_unchanged(view, handle.version, "swap runtime")

@@ -64,6 +64,8 @@ class Transfers:
         if storage is None:  # every handle died (not drained yet): nothing to keep
             return
         if var.host is None:
+            views = [h.view for h in var.live_handles() if h.view is not None]
+            var.copied_version = views[0]._version if views else None
             buf = self.pool.acquire(var.nbytes)
             try:
                 src = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
@@ -115,33 +117,43 @@ class Transfers:
         var.set_storage(None)
         var.inflight = None
         var.in_tensor = None
-        var.dropped_version = None
         for h in var.live_handles():
             if h.view is not None:
                 v = h.view
                 h.modified = h.modified or v._version != h.version
                 h.meta = (v.dtype, v.shape, v.stride(), v.storage_offset())
                 h.view = None
-                var.dropped_version = v._version
         self.residency.drop(var)
 
-    def reattach(self, var: Var, storage: Any, version: int) -> None:
-        """The forward saves again a tensor whose bytes went to the host (``version``: its
-        version counter now), and its storage, which the program kept, serves again: its
-        bytes are the var's from now on, and the host copy, which may predate a change, goes
-        (a later swap-out copies again). If the program changed the tensor in place since,
-        the earlier saves' handles raise at their use, as plain autograd does (their views,
-        which carried the counter, are gone). A counter that moved is checked on the bytes (a
-        tensor sharing the storage through ``.data`` has a counter of its own): a copy to the
-        host, on this path only."""
+    def save_again(self, var: Var, storage: Any, version: int) -> None:
+        """The forward saves again a tensor it saved before, which the program kept (so its
+        storage is the var's). Wherever the runtime had moved the var's bytes, they are that
+        storage's from now on: a swap-out under way is called off, a copy swapped back in is
+        dropped (re-attach, no copy). The host copy may predate a change the program made in
+        place (``version``: the tensor's version counter now; a later swap-out would reuse the
+        copy, and the new save's backward read the old bytes): it goes. If the bytes did change,
+        the earlier saves' handles raise at their use, as plain autograd does. A counter that
+        moved is checked on the bytes (a tensor sharing the storage through ``.data`` has a
+        counter of its own): one copy to the host, on this path only."""
+        if var.state == OUT:
+            self.pending.pop(var, None)
+            self.deferred.pop(var, None)
+            var.inflight = None
+        elif var.state == HOST:
+            self.residency.add(var)
+        if var.storage is not storage:  # on the host, or a copy swapped back in
+            var.in_tensor = var.in_event = None
+            var.set_storage(storage)
+        var.state = DEVICE
         host = var.host
-        if host is None:  # (after the context exited the copy moved to the handles' keeper)
+        if host is None or version == var.copied_version:
             return
-        if var.dropped_version is None or version != var.dropped_version:
-            dev = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
-            if not torch.equal(dev.cpu(), host):
-                for h in var.live_handles():
-                    h.modified = True
+        if var.out_event is not None:  # (the copy may still be under way)
+            var.out_event.synchronize()
+        dev = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
+        if not torch.equal(dev.cpu(), host):
+            for h in var.live_handles():
+                h.modified = True
         self.pool.release(host, None)
         var.host = var.out_event = None
 

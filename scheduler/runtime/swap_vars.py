@@ -39,7 +39,8 @@ class Keeper:
 class Handle:
     """What autograd keeps instead of a saved tensor: a view of a variable."""
 
-    __slots__ = ("var", "view", "meta", "keeper", "version", "modified", "__weakref__")
+    __slots__ = ("var", "view", "meta", "keeper", "version", "modified", "source",
+                 "__weakref__")
 
     def __init__(self, var: "Var", t: torch.Tensor, keeper: Keeper):
         self.var = var
@@ -49,9 +50,16 @@ class Handle:
         # autograd does not check a hook-packed tensor for in-place changes: the runtime does
         # (``accounting.check_unchanged``), on the view (which shares the tensor's version
         # counter) while it lives, and remembers a change seen when the view is dropped for
-        # a swap-out
+        # a swap-out; after that, on the saved tensor itself while the program holds it (a
+        # weak reference: it keeps no bytes)
         self.version = t._version
         self.modified = False
+        self.source = (weakref.ref(t), t._version)
+
+    def changed_since_saved(self) -> bool:
+        """A change seen when the view was dropped, or made since to the tensor it saved."""
+        t = self.source[0]()
+        return self.modified or (t is not None and t._version != self.source[1])
 
 
 class Kept:
@@ -80,7 +88,7 @@ class Var:
 
     __slots__ = ("vid", "it", "nbytes", "state", "keeper_ref", "inflight", "storage_ref", "ptr",
                  "device", "stream", "host", "out_event", "in_event", "in_tensor", "handles",
-                 "dropped_version")
+                 "copied_version")
 
     def __init__(self, vid: int, it: int, storage: Any, nbytes: int, ptr: int, device: Any):
         self.vid = vid
@@ -98,9 +106,9 @@ class Var:
         self.in_event: Any = None         # completion of the host-to-device copy
         self.in_tensor: Optional[torch.Tensor] = None  # swapped-in memory until first use
         self.handles: List[HandleRef] = []
-        # the version counter of its saved tensors when the device copy was dropped (None:
-        # unknown), to tell whether bytes handed back by the program changed since (re-attach)
-        self.dropped_version: Optional[int] = None
+        # the version counter of its saved tensors when the host copy was made (None: unknown),
+        # to tell whether the bytes a new save hands over changed since (``Transfers.save_again``)
+        self.copied_version: Optional[int] = None
 
     # the device storage, while the bytes are on the device and a handle is alive
     @property
