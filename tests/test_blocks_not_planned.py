@@ -97,3 +97,39 @@ def test_blocks_a_trainable_tensor_reaches_another_way_are_said():
     with warnings.catch_warnings():  # no trainable tensor at all: nothing to say
         warnings.simplefilter("error")
         frozen(x).sum()
+
+
+class TwoLists(nn.Module):
+    """A wide list and a narrow one (T5's long encoder input, short decoder output)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.ModuleList(mlp_blocks(3, 64))
+        self.narrow = nn.ModuleList(mlp_blocks(3, 16, seed=1))
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        for b in self.wide:
+            x = b(x)
+        x = self.down(x)
+        for b in self.narrow:
+            x = b(x)
+        return x.square().mean()
+
+
+def test_a_list_whose_share_of_the_budget_is_too_small_says_the_total_needed():
+    """The lists share the budget by block count: the refusal names the share and the whole
+    budget that would give this list enough."""
+    from scheduler.planners import rotor
+    probe = scheduler.checkpoint(TwoLists(), "1GiB", "rotor")
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        probe(x).backward()
+    need = rotor.min_memory(checkpointed(probe).runners[0].last_plan.chain, slots=500,
+                            memory=1 << 20)
+    model = scheduler.checkpoint(TwoLists(), int(need * 1.5), "rotor")  # the wide one: 3/4
+    with pytest.raises(scheduler.InfeasibleError, match=r"'wide' gets 3/6 of the budget") as e:
+        model(x).backward()
+    assert e.value.min_memory >= 2 * need * 0.99
+    assert "the whole budget must be at least" in str(e.value)

@@ -20,7 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from vmalloc.sizes import format_size
+
 from ..chain import Chain, add_outside
+from ..errors import InfeasibleError
 from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
@@ -108,6 +111,8 @@ class ChainRunner:
                  name: str = "scheduler.wrap", list_name: str = "blocks"):
         self.name = name
         self.list_name = list_name  # the block list's dotted path in its model (messages)
+        # (its blocks, all lists' blocks) when the budget is this list's share of a total
+        self.budget_share: Optional[Tuple[int, int]] = None
         check_planner(planner, name)
         self.blocks = list(blocks)
         # the list the model's loop calls the blocks through: an FSDP1 unit that replaces a
@@ -176,6 +181,7 @@ class ChainRunner:
     def budget(self, value: Any) -> None:
         """A new budget plans again on the next forward (plans are cached per budget)."""
         self._budget = parse_budget(value, self.name)
+        self.budget_share = None  # set for this list alone: no longer a share of a total
 
     def _rate(self, device: Optional[torch.device]) -> float:
         return self.bandwidth if self.bandwidth is not None else default_bandwidth(device)
@@ -283,9 +289,21 @@ class ChainRunner:
                 rng.autocast_state())
 
     def _make(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
-        return self._compile(make_plan(chain, self._budget, self.planner,
-                                       self._rate(device) if self._transfers_planned
-                                       else self.bandwidth))
+        try:
+            plan = make_plan(chain, self._budget, self.planner,
+                             self._rate(device) if self._transfers_planned else self.bandwidth)
+        except InfeasibleError as e:
+            if self.budget_share is None or self._budget is None:
+                raise
+            n, n_all = self.budget_share
+            need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
+            raise InfeasibleError(
+                f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget, "
+                f"{format_size(self._budget)} (the model's block lists share it by block "
+                f"count), and {e}" + ("" if need is None else
+                                     f"; for that share to fit, the whole budget must be at "
+                                     f"least {format_size(need)} ({need} bytes)"), need) from e
+        return self._compile(plan)
 
     @property
     def _transfers_planned(self) -> bool:

@@ -252,6 +252,8 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
         blocks = [fsdp.unwrapped(b) for b in lst]
         runner = ChainRunner(blocks, share, planner, bandwidth, entries=lst, name=NAME,
                              list_name=name or type(model).__name__, **options)
+        if len(lists) > 1 and share is not None:
+            runner.budget_share = (len(lst), n_all)
         runners.append(runner)
         for s, block in enumerate(blocks):
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
