@@ -128,7 +128,7 @@ def test_a_list_whose_share_of_the_budget_is_too_small_says_the_total_needed():
         probe(x).backward()
     need = rotor.min_memory(checkpointed(probe).runners[0].last_plan.chain, slots=500,
                             memory=1 << 20)
-    model = scheduler.checkpoint(TwoLists(), int(need * 1.5), "rotor")  # the wide one: 3/4
+    model = scheduler.checkpoint(TwoLists(), int(need * 1.5), "rotor")  # wide: half of it
     with pytest.raises(scheduler.InfeasibleError, match=r"'wide' gets 3/6 of the budget") as e:
         model(x).backward()
     assert e.value.min_memory >= 2 * need * 0.99
