@@ -443,6 +443,45 @@ def test_a_peer_whose_grant_fails_is_not_kept(fake, mem, mapped):
             a.free(p)
 
 
+def test_a_peer_is_kept_untried_on_a_full_device_and_a_known_one_stays(fake, mem):
+    """No chunk to try the grant on (a full device): the peer is kept, as before the probe.
+    A peer added again whose re-grant fails stays a peer: it worked before."""
+    with Allocator("cuda", chunk_size=G) as a:
+        fake.inject("cuMemCreate", 1, CUDA_ERROR_OUT_OF_MEMORY)
+        assert a.add_peer(1)
+        p = a.malloc(G)
+        fake.inject("cuMemSetAccess", 1, CUDA_ERROR_UNKNOWN)  # re-granting p's range
+        with pytest.raises(RuntimeError, match="cuMemSetAccess"):
+            a.add_peer(1)  # (known: no probe)
+        other = CudaMemory(device=1)
+        other._current()
+        q = a.malloc(3 * G)              # still mapped for device 1 too
+        fake.use(0, q, 3 * G)
+        mem._current()
+        a.free(q)
+        a.free(p)
+
+
+def test_close_waits_for_another_devices_stream(fake, mem):
+    """close() synchronizes its own device; work of another device's stream on the memory
+    (record_stream) is waited for through its event, not cut short by the unmap."""
+    other = CudaMemory(device=1)
+    s_other = other.new_stream()
+    mem._current()
+    a = Allocator("cuda", chunk_size=G, small_threshold=0)
+    a.add_peer(1)
+    p = a.malloc(3 * G)
+    a.record_stream(p, s_other)
+    fake.hold(s_other)
+    fake.use(s_other, p, 3 * G)          # device 1's kernel still reads p
+    a.free(p)                            # cached; its event recorded on s_other
+    syncs = fake.get("event_syncs")
+    a.close()
+    assert fake.get("event_syncs") > syncs
+    fake.hold(s_other, False)
+    assert fake.get("pending_uses") == 0
+
+
 def test_a_gpu_pair_that_cannot_be_connected_is_said_and_the_rest_connect(fake, mem, capfd):
     """Connecting a third GPU: a failing cuMemSetAccess leaves that pair unconnected and says so
     on stderr, naming the error; the other pairs still connect."""

@@ -110,3 +110,34 @@ def test_hf_model_through_functional_call():
     assert checkpointed(model).runners[0].last_stats.recomputed_forwards > 0
     for k in want:
         assert torch.equal(want[k], got[k]), k
+
+
+class LazyTable(nn.Module):
+    """A buffer the forward itself builds at its first call and keeps (a lazily made table,
+    HF's dynamic rotary frequencies), the decision in a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.ready = False
+        self.register_buffer("table", torch.ones(16), persistent=False)
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+            self.table = torch.linspace(0.5, 2.0, 16)
+        return torch.tanh(self.lin(x) * self.table)
+
+
+def test_a_buffer_the_first_run_built_is_the_one_recomputed_with():
+    """The tensors are taken as the first run left them (taken before it, the recomputation
+    ran with the placeholder: wrong gradients, no error)."""
+    torch.manual_seed(0)
+    plain = Net([LazyTable() for _ in range(L)])
+    model = scheduler.checkpoint(copy.deepcopy(plain), None, every_block, blocks="blocks")
+    x = torch.randn(8, 16)
+    for m in (plain, model):
+        m(x).square().sum().backward()
+    assert checkpointed(model).runners[0].last_stats.recomputed_forwards > 0
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(),
+                                                          model.parameters()))

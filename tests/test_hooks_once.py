@@ -48,3 +48,25 @@ def test_hooks_fire_once_per_step(planner):
 def checkpointed_recomputes(model) -> bool:
     runner = scheduler.runtime.checkpoint.checkpointed(model).runners[0]
     return runner.last_stats.recomputed_forwards + runner.last_stats.offloaded > 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("planner", ["rotor", "mimose"])
+def test_global_module_backward_hooks_fire_once_per_step(planner):
+    torch.manual_seed(0)
+    plain = Net()
+    model = scheduler.checkpoint(copy.deepcopy(plain), "34KiB", planner, blocks="blocks",
+                                 samples=3)
+    calls = []
+    handle = torch.nn.modules.module.register_module_full_backward_hook(
+        lambda m, gi, go: calls.append(type(m).__name__))
+    try:
+        for step in range(4):
+            calls.clear()
+            _step(plain, step)
+            want = sorted(calls)
+            calls.clear()
+            _step(model, step)
+            assert sorted(calls) == want, f"step {step}"
+    finally:
+        handle.remove()

@@ -786,23 +786,30 @@ struct Allocator::Impl {
     // on it unmapped (nor is a late event recorded on a user's stream, which may be destroyed by
     // now). Only if that fails (a broken context), the events of freed memory are waited for one
     // by one, as trim() does. No-ops on the host backend.
+    // The synchronize covers this device's context only: events already recorded (another
+    // device's stream, record_stream) are still waited for, which is free for this device's.
     bool synced = quiet([&] { drv->synchronize(); });
+    auto wait = [&](Range* r) {
+      if (!synced) return wait_ready(r);
+      if (r->has_owner_event) drv->event_wait(r->owner_event);
+      for (auto e : r->extra_events) drv->event_wait(e);
+    };
     live.for_each([&](uintptr_t, uintptr_t v) {
       if (!is_block(v)) unmap_release(as_range(v));
     });
     live.clear();
     small.clear(
         [&](EventHandle e) {
-          if (!synced) quiet([&] { drv->event_wait(e); });
+          quiet([&] { drv->event_wait(e); });
           quiet([&] { drv->event_destroy(e); });
         },
         [&](Range* r) {
-          if (!synced) quiet([&] { wait_ready(r); });
+          quiet([&] { wait(r); });
           unmap_release(r);
         });
     for (Range* r = lru_head; r;) {
       Range* next = r->lru_next;
-      if (!synced) quiet([&] { wait_ready(r); });
+      quiet([&] { wait(r); });
       unmap_release(r);
       r = next;
     }
@@ -1114,6 +1121,7 @@ bool Allocator::add_peer(int device) {
   std::lock_guard<std::mutex> g(m.mu);
   m.check_open();
   if (device == m.cfg.device) return m.drv->add_peer(device);  // nothing to re-grant
+  bool known = m.drv->has_peer(device);
   if (!m.drv->add_peer(device)) return false;
   // What is mapped already gets it too: live ranges, slabs, cached ranges (each is k chunks
   // mapped back to back, so one call covers it).
@@ -1127,9 +1135,9 @@ bool Allocator::add_peer(int device) {
     m.small.for_each_slab_range(grant);
     for (Range* r = m.lru_head; r; r = r->lru_next) grant(r);
   } catch (...) {
-    // not a peer then: later mappings must not carry a grant that fails (ranges granted
-    // before the failure keep it, which only allows more)
-    m.drv->remove_peer(device);
+    // not a peer then (unless it was one before): later mappings must not carry a grant that
+    // fails (ranges granted before the failure keep it, which only allows more)
+    if (!known) m.drv->remove_peer(device);
     throw;
   }
   return true;

@@ -244,6 +244,11 @@ class CudaDriver final : public Driver {
     }
     return true;
   }
+  bool has_peer(int device) const override {
+    for (size_t i = 1; i < access_.size(); ++i)
+      if (access_[i].location.id == device) return true;
+    return false;
+  }
   void remove_peer(int device) override {
     for (size_t i = 1; i < access_.size(); ++i)  // [0] is this device
       if (access_[i].location.id == device) access_.erase(access_.begin() + static_cast<std::ptrdiff_t>(i--));
@@ -330,29 +335,31 @@ class CudaDriver final : public Driver {
 
  private:
   // Maps one chunk of our own with the current access list, then undoes it all: a grant that
-  // fails throws here, before any allocation depends on it.
+  // fails throws here, before any allocation depends on it. On a full device (no chunk to try
+  // it on) the peer is kept untried, as it was before this probe.
   void probe_access() {
     Ctx g(*this);
     g.check();
-    CUdeviceptr va = 0;
-    check(a_.cuMemAddressReserve(&va, granularity_, 0, 0, 0), "cuMemAddressReserve");
     CUmemGenericAllocationHandle h = 0;
-    bool created = false, mapped = false;
     CUresult r = a_.cuMemCreate(&h, granularity_, &prop_, 0);
-    const char* what = "cuMemCreate";
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return;  // a full device: the peer stays, untried
+    check(r, "cuMemCreate");
+    CUdeviceptr va = 0;
+    r = a_.cuMemAddressReserve(&va, granularity_, 0, 0, 0);
+    const char* what = "cuMemAddressReserve";
+    bool mapped = false;
     if (r == CUDA_SUCCESS) {
-      created = true;
       what = "cuMemMap";
       r = a_.cuMemMap(va, granularity_, 0, h, 0);
+      mapped = r == CUDA_SUCCESS;
     }
-    if (r == CUDA_SUCCESS) {
-      mapped = true;
+    if (mapped) {
       what = "cuMemSetAccess (granting the peer)";
       r = a_.cuMemSetAccess(va, granularity_, access_.data(), access_.size());
+      a_.cuMemUnmap(va, granularity_);
     }
-    if (mapped) a_.cuMemUnmap(va, granularity_);
-    if (created) a_.cuMemRelease(h);
-    a_.cuMemAddressFree(va, granularity_);
+    if (va) a_.cuMemAddressFree(va, granularity_);
+    a_.cuMemRelease(h);
     check(r, what);
   }
 

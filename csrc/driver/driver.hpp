@@ -67,6 +67,7 @@ class Driver {
   virtual bool add_peer(int /*device*/) { return false; }
   // Undo add_peer (granting it to what is mapped failed): later set_access calls leave it out.
   virtual void remove_peer(int /*device*/) {}
+  virtual bool has_peer(int /*device*/) const { return false; }
   // Wait for all work queued on the device (close(): nothing is unmapped under a running kernel).
   virtual void synchronize() {}
 

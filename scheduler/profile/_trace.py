@@ -263,9 +263,12 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
     the backward) must see each real step's gradients once. Autograd reads the hook dicts it
     was given, so emptying them for a while silences them."""
     emptied: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
-    holders = [(p, ("_backward_hooks", "_post_accumulate_grad_hooks"))
-               for p in module.parameters()]
+    holders: List[Tuple[Any, Tuple[str, ...]]] = [
+        (p, ("_backward_hooks", "_post_accumulate_grad_hooks")) for p in module.parameters()]
     holders += [(m, ("_backward_hooks", "_backward_pre_hooks")) for m in module.modules()]
+    # and those every module calls (``register_module_full_backward_hook``)
+    holders.append((torch.nn.modules.module, ("_global_backward_hooks",
+                                              "_global_backward_pre_hooks")))
     for holder, attrs in holders:
         for attr in attrs:
             hooks = getattr(holder, attr, None)
@@ -275,8 +278,11 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for hooks, items in emptied:
+        for hooks, items in emptied:  # (the originals first: hooks added meanwhile after them)
+            added = dict(hooks)
+            hooks.clear()
             hooks.update(items)
+            hooks.update(added)
 
 
 def unlinked(t: torch.Tensor) -> torch.Tensor:

@@ -261,9 +261,9 @@ class ChainStep:
         frame = Frame(self, s, call)
         self.frames[s] = frame
         block = self.blocks[s]
-        if s in self.cplan.recomputed or self.collector is not None:
+        recomputed = s in self.cplan.recomputed or self.collector is not None
+        if recomputed:
             frame.state = rng.capture(self.devices)
-            frame.first = first_run.capture(block)
         if self.collector is not None and kind == "F_ck":
             # (Mimose's measurement: not the model's outputs)
             with self._not_activations(s) as weights, outputs_not_captured():
@@ -272,6 +272,8 @@ class ChainStep:
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)
+        if recomputed:  # as the run left them: a cache it grew or built is the one it used
+            frame.first = first_run.capture(block)
         outs = tensor_leaves(out)
         held = _detached(outs)
         self.prev_out = (tuple(weakref.ref(t) for t in outs), held)

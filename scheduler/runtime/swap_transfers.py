@@ -135,6 +135,7 @@ class Transfers:
         the earlier saves' handles raise at their use, as plain autograd does. A counter that
         moved is checked on the bytes (a tensor sharing the storage through ``.data`` has a
         counter of its own): one copy to the host, on this path only."""
+        reading = var.in_event  # a swap-in that may still read the host copy
         if var.state == OUT:
             self.pending.pop(var, None)
             self.deferred.pop(var, None)
@@ -154,7 +155,7 @@ class Transfers:
         if not torch.equal(dev.cpu(), host):
             for h in var.live_handles():
                 h.modified = True
-        self.pool.release(host, None)
+        self.pool.release(host, reading)
         var.host = var.out_event = None
 
     # ------------------------------------------------------------------------- swap-in

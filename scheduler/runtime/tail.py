@@ -237,18 +237,21 @@ class TailProbe(WeakFields):
         self._finish(output)
 
     def _check_blocks_called(self, output: Any) -> None:
-        """A training forward of the model that never called a list's blocks, ever (a list
-        of lists, which the model loops through, or not the list its forward walks): nothing
-        is checkpointed and the budget does not hold, which must not go unsaid."""
-        for r in self.runners(self.model) if self.runners is not None else ():
-            if r.calls == 0 and not r.said_uncalled and torch.is_grad_enabled() and \
-                    any(t.requires_grad for t in tensor_leaves(output)):
-                r.said_uncalled = True
-                warnings.warn(
-                    f"{self.name}: {type(self.model).__name__}'s forward ran with gradients "
-                    f"but never called the blocks of '{r.list_name}': nothing is checkpointed "
-                    "and the budget does not hold; name the list its forward loops over with "
-                    "blocks=", stacklevel=3)
+        """A training forward of the model that never called the blocks of any of its lists,
+        ever (not the list its forward walks; a list of lists, which it loops through): nothing
+        is checkpointed and the budget does not hold, which must not go unsaid. (One list
+        unused while another runs may be on purpose: T5 trained from encoder outputs.)"""
+        runners = list(self.runners(self.model)) if self.runners is not None else []
+        if not runners or runners[0].said_uncalled or any(r.calls for r in runners):
+            return
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensor_leaves(output)):
+            runners[0].said_uncalled = True
+            names = ", ".join(f"'{r.list_name}'" for r in runners)
+            warnings.warn(
+                f"{self.name}: {type(self.model).__name__}'s forward ran with gradients but "
+                f"never called the blocks of {names}: nothing is checkpointed and the budget "
+                "does not hold; name the list its forward loops over with blocks=",
+                stacklevel=3)
 
     # ------------------------------------------------------------------------ the runner's side
     def outside(self, args: Sequence[Any], kwargs: Dict[str, Any],
