@@ -1,4 +1,5 @@
-"""What a block's modules were at its first run, put back for its recomputation.
+"""What a block's modules were at its first run (as the run left them), put back for its
+recomputation.
 
 Two things may change between a block's forward and its backward without its arguments
 changing, and its recomputation must see neither:
@@ -8,7 +9,9 @@ changing, and its recomputation must see neither:
   ``torch.nn.utils.stateless``) runs a module with other tensors in their place and puts the
   module's own back when the call returns, so a recomputation in the backward would run with
   the module's own tensors: wrong gradients without a word (``torch.utils.checkpoint`` gives
-  them). The recomputation runs with the forward's.
+  them). The recomputation runs with the forward's, taken when the first run returned: a
+  buffer the run itself built or grew (a lazily made table, HF's dynamic rotary frequencies,
+  kept beside a plain attribute that says so) is the one it used.
 
 FSDP's tensors are left to FSDP: calling a block gathers its parameters (FSDP2 swaps its
 DTensors for the unsharded parameters, FSDP1 binds views of its flat parameter), and the
