@@ -15,16 +15,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import scheduler
 from scheduler.planners import rotor
-from scheduler.planners.mimose import plan_from_checkpoints
 from scheduler.runtime.checkpoint import checkpointed
 from test_checkpoint_hf import FAST, make
-from wrap_models import ConvBN, mlp_blocks
+from wrap_models import ConvBN, every_block, mlp_blocks
 
 L = 4
-
-
-def every_block(chain, budget):  # every block recomputed in the backward
-    return plan_from_checkpoints(chain.L, range(chain.L), planner="test")
 
 
 def tight_rotor(chain, budget):  # rotor's plan at its least memory: some blocks recomputed

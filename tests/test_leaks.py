@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 import scheduler
-from scheduler.planners.mimose import plan_from_checkpoints
 from scheduler.profile import _trace
 
-from wrap_models import one_thread  # noqa: F401  (autouse fixture)
+from wrap_models import every_block, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 import transformers
 transformers.logging.set_verbosity_error()
@@ -109,10 +108,6 @@ class Loop(nn.Module):
             if self.skips and i == 0:
                 first = x
         return x
-
-
-def every_block(chain, budget):  # every block recomputed, F_all in the backward
-    return plan_from_checkpoints(4, range(4), planner="test")
 
 
 @pytest.mark.parametrize("loop", ["changes", "skips", "stops"])
