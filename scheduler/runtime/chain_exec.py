@@ -22,8 +22,9 @@ recomputations (``F_ck``/``F_none`` without grad, from the checkpoints; ``F_all 
 whose saved tensors fill block s's holders in order), offloads and prefetches. Any forward
 after the first of its stage is a recomputation and runs with the random state and autocast
 settings recorded at the first run, its modules' train/eval modes and parameter tensors
-(``first_run``: a ``functional_call``'s included), and with the block's buffers (batch-norm
-statistics) put back afterwards: the values, dropout masks included, are those of plain
+(``first_run``: a ``functional_call``'s included), the values its buffers had before the
+first run where that run changed them in place (spectral norm's power iteration), and with
+the block's buffers (batch-norm statistics) put back afterwards: the values, dropout masks included, are those of plain
 training, so gradients are bit-identical. Recomputations call the block module again (its hooks fire:
 FSDP2 gathers its parameters), with the arguments of the loop's call (``block_calls``).
 """
@@ -101,7 +102,8 @@ class ChainStep:
                  track_memory: bool = False,
                  transfers: Optional[Callable[[torch.device], Transfers]] = None,
                  collector: Optional[Collector] = None,
-                 state_tensors: Sequence[torch.Tensor] = (), name: str = "scheduler.wrap"):
+                 state_tensors: Sequence[torch.Tensor] = (), name: str = "scheduler.wrap",
+                 in_place: Optional[first_run.InPlaceBuffers] = None):
         self.blocks = blocks
         self.cplan = cplan
         self.L = cplan.L
@@ -109,6 +111,8 @@ class ChainStep:
         self.track = track_memory
         self.transfers = transfers  # the transfer engine of a storage's device
         self.collector = collector
+        # which buffers the blocks' forwards change in place (kept by the runner across steps)
+        self.in_place = in_place if in_place is not None else first_run.InPlaceBuffers()
         # what the blocks held as the step began (weights, buffers): never activations. The
         # tensors are kept so that their storages' keys (addresses) stay theirs all step
         self.state_tensors = list(state_tensors)
@@ -270,10 +274,13 @@ class ChainStep:
                 self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
                                        call.rg, frame.state, weights, call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
+        before = self.in_place.before(s, block) if recomputed else None
         with torch.autograd.graph.saved_tensors_hooks(pack, Frame.unpack):
             out = run_first(args, kwargs)
-        if recomputed:  # as the run left them: a cache it grew or built is the one it used
-            frame.first = first_run.capture(block)
+        if before is not None:  # as the run left them: a cache it grew or built is the one it
+            # used; buffers it changed in place are recomputed from their values before it
+            frame.first = first_run.capture(block, self.in_place.moved(s, self.name, block,
+                                                                       before))
         outs = tensor_leaves(out)
         held = _detached(outs)
         self.prev_out = (tuple(weakref.ref(t) for t in outs), held)

@@ -28,7 +28,7 @@ from ..plan import Plan
 from ..plan_cache import PlanCache
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate, plan_from_checkpoints)
-from . import accounting, distributed, fsdp, rng
+from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
 from .block_calls import BlockCall, signature, tensor_leaves
 from .chain_exec import ChainStep, RunStats
@@ -156,6 +156,7 @@ class ChainRunner:
         self.calls = 0  # block calls through the runner (a list its model never calls: 0)
         self.said_uncalled = False  # tail.TailProbe's warning that they never were, given
         self._said_unplanned = False  # _unplanned's warning, given once
+        self._in_place = first_run.InPlaceBuffers()  # buffers the blocks change in place
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
@@ -401,7 +402,8 @@ class ChainRunner:
             held = [t for b in self.blocks for t in fsdp.block_tensors(b)]
         step = ChainStep(self.blocks, cplan, self._run_again, track_memory=self.track_memory,
                          transfers=self._transfers_for if needs_transfers else None,
-                         collector=collector, state_tensors=held, name=self.name)
+                         collector=collector, state_tensors=held, name=self.name,
+                         in_place=self._in_place)
         if profile_key is not None and self._sharded():
             # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
             # measure forward-only during this step instead (as Mimose's collector does)
