@@ -103,6 +103,21 @@ def test_granularity_and_bad_devices_leave_no_context_retained(fake, mem):
     assert fake.get("context_refs") == before
 
 
+def test_a_device_without_the_vmm_api_is_said_by_name(fake, mem, monkeypatch):
+    """Without it every VMM call fails with a bare CUDA_ERROR_NOT_SUPPORTED; asked first, the
+    error names the device, the attribute and the way out."""
+    before = fake.get("context_refs")
+    monkeypatch.setenv("FAKECUDA_NO_VMM", "1")
+    for make in (lambda: granularity("cuda", device=1), lambda: Allocator("cuda", chunk_size=G)):
+        with pytest.raises(RuntimeError, match=r"CUDA device \d does not support the driver's "
+                           r"virtual memory management API .*VMALLOC=0"):
+            make()
+    monkeypatch.delenv("FAKECUDA_NO_VMM")
+    with Allocator("cuda", chunk_size=G) as a:
+        a.free(a.malloc(G))
+    assert fake.get("context_refs") == before
+
+
 def test_reuse_across_streams_waits_for_the_freeing_stream(fake, mem):
     s1, s2 = mem.new_stream(), mem.new_stream()
     with Allocator("cuda", chunk_size=G, budget=4 * G, small_threshold=0) as a:

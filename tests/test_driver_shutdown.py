@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 
+from _subproc import python_env
 from fake_cuda import CUDA_ERROR_DEINITIALIZED
 from test_alloc_memory import CudaMemory
 from test_cuda_driver_contract import held_by_driver
@@ -193,5 +197,24 @@ def test_torch_free_of_a_pointer_no_vmalloc_allocator_made(capfd):
     free(0x1234, 8, 63, None)
     err = capfd.readouterr().err
     assert "free(0x1234) on device 63" in err and "no allocator for device 63" in err
-    free(0x1234, 8, 64, None)            # not a device vmalloc can have
-    assert "free(0x1234) on device 64 failed" in capfd.readouterr().err
+
+
+def test_failed_frees_are_said_three_times_then_counted(tmp_path):
+    """A sticky CUDA error fails every later free: three lines in full, then the count at 10,
+    100, ... (one line per tensor would bury the error that matters). In a fresh process: the
+    count is the process's."""
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from test_driver_shutdown import torch_entry_points\n"
+            "_, free, _ = torch_entry_points()\n"
+            "for _ in range(120): free(0x1234, 8, 64, None)  # not a device vmalloc can have\n"
+            % os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=python_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 5, r.stderr
+    assert all("free(0x1234) on device 64 failed: vmalloc: device 64 out of range" in x
+               for x in lines[:3])
+    assert "further failed frees are counted" in lines[2]
+    assert lines[3].startswith("vmalloc: 10 frees have failed (the last: free(0x1234) on device 64")
+    assert lines[4].startswith("vmalloc: 100 frees have failed")

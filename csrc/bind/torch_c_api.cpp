@@ -194,6 +194,23 @@ VMALLOC_EXPORT void* vmalloc_torch_malloc_pool(size_t size, int device, void* st
   return nullptr;
 }
 
+// A sticky CUDA error (a kernel's illegal address) fails every later free with the same error:
+// the first three are said in full, then the count at 10, 100, 1000, ... failures, so that the
+// error that matters is not buried under one line per tensor freed.
+static void say_failed_free(void* ptr, int device, const char* what) noexcept {
+  static std::atomic<unsigned long long> failed{0};
+  unsigned long long n = ++failed;
+  if (n <= 3) {
+    std::fprintf(stderr, "vmalloc: free(%p) on device %d failed: %s%s\n", ptr, device, what,
+                 n == 3 ? " (further failed frees are counted, said at 10, 100, 1000, ...)" : "");
+    return;
+  }
+  unsigned long long p = 10;
+  while (p < n) p *= 10;
+  if (p == n) std::fprintf(stderr, "vmalloc: %llu frees have failed (the last: free(%p) on device %d: %s)\n",
+                           n, ptr, device, what);
+}
+
 VMALLOC_EXPORT void vmalloc_torch_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
   if (!ptr) return;
   try {
@@ -209,9 +226,9 @@ VMALLOC_EXPORT void vmalloc_torch_free(void* ptr, size_t /*size*/, int device, v
     a->free(ptr);  // quiet when the driver is shutting down (Allocator::free handles it)
   } catch (const std::exception& e) {
     // called from a DataPtr deleter: throwing would terminate the process
-    std::fprintf(stderr, "vmalloc: free(%p) on device %d failed: %s\n", ptr, device, e.what());
+    say_failed_free(ptr, device, e.what());
   } catch (...) {
-    std::fprintf(stderr, "vmalloc: free(%p) on device %d failed\n", ptr, device);
+    say_failed_free(ptr, device, "an exception that is not a std::exception");
   }
 }
 

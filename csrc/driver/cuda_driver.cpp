@@ -40,6 +40,7 @@ namespace {
 #define VMALLOC_STR(x) VMALLOC_STR2(x)
 #define VMALLOC_CUDA_FUNCS(X)                                                                     \
   X(cuGetErrorString) X(cuGetErrorName) X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount)              \
+  X(cuDeviceGetAttribute)                                                                          \
   X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
   X(cuCtxSetCurrent) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)    \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)   \
@@ -131,7 +132,9 @@ CUmemAllocationProp chunk_props(int device) {
   return prop;
 }
 
-// cuInit, then std::invalid_argument naming `device` unless this machine has it.
+// cuInit, then std::invalid_argument naming `device` unless this machine has it, and a
+// runtime_error saying so where the device lacks the VMM API (its own calls would fail later
+// with a bare CUDA_ERROR_NOT_SUPPORTED).
 void init_and_check_device(const Api& a, int device) {
   check(a.cuInit(0), "cuInit");
   int count = 0;
@@ -139,6 +142,18 @@ void init_and_check_device(const Api& a, int device) {
   if (device < 0 || device >= count)
     throw std::invalid_argument("device: no CUDA device " + std::to_string(device) + " (this machine has " +
                                 std::to_string(count) + ")");
+  CUdevice dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  int vmm = 0;
+  check(a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+        "cuDeviceGetAttribute");
+  if (!vmm)
+    throw std::runtime_error(
+        "vmalloc cuda backend: CUDA device " + std::to_string(device) +
+        " does not support the driver's virtual memory management API (cuMemCreate, cuMemMap: "
+        "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0 on a GPU older than Pascal "
+        "or on a platform that does not expose it), which vmalloc is built on; run without "
+        "vmalloc (VMALLOC=0)");
 }
 
 class CudaDriver final : public Driver {

@@ -24,7 +24,8 @@
  * fakecuda_deinit / fakecuda_revive (the driver shutting down at process exit: every call returns
  * CUDA_ERROR_DEINITIALIZED), fakecuda_reclaim (what a shut-down driver takes with it).
  * Knobs (environment, read at cuInit): FAKECUDA_DEVICES (3), FAKECUDA_TOTAL_MEM (bytes per device,
- * 4 GiB), FAKECUDA_GRANULARITY (2 MiB).
+ * 4 GiB), FAKECUDA_GRANULARITY (2 MiB); FAKECUDA_NO_VMM (1: the devices lack the VMM API), read
+ * at each cuDeviceGetAttribute.
  *
  * Declarations are written here, not taken from cuda.h, so the fake builds anywhere; they follow
  * the C ABI of the CUDA 12/13 headers (enums are ints, handles are pointers or 64-bit integers).
@@ -339,6 +340,22 @@ static CUresult valid_device(const char* fn, CUdevice d) {
     return CUDA_ERROR_INVALID_DEVICE;
   }
   return CUDA_SUCCESS;
+}
+
+/* Only the attribute vmalloc asks for: CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+static CUresult do_get_attribute(int* value, int attribute, CUdevice d) {
+  NEED(valid_device("cuDeviceGetAttribute", d));
+  if (!value) return CUDA_ERROR_INVALID_VALUE;
+  if (attribute != 102) {
+    violation("cuDeviceGetAttribute", "attribute %d: the fake answers 102 (VMM supported) only", attribute);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  const char* no = getenv("FAKECUDA_NO_VMM");
+  *value = !(no && strcmp(no, "1") == 0);
+  return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice d) {
+  LOCKED("cuDeviceGetAttribute", 1, do_get_attribute(value, attribute, d));
 }
 
 static CUresult do_total_mem(size_t* bytes, CUdevice d) {
