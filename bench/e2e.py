@@ -273,8 +273,9 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
 
 
 # runtime figures worth keeping per row: swap runtime, chain runtime, checkpoint_sequential
-DETAIL_KEYS = ("swapped_out_bytes", "swapped_in_bytes", "stall_seconds", "plans_computed",
-               "last_recomputed_forwards", "offloaded_bytes", "last_predicted_peak", "segments")
+DETAIL_KEYS = ("swapped_out_bytes", "swapped_in_bytes", "reattached_bytes", "stall_seconds",
+               "plans_computed", "last_recomputed_forwards", "offloaded_bytes",
+               "last_predicted_peak", "segments")
 
 
 def _sync(device: torch.device) -> None:

@@ -1,6 +1,7 @@
 """The swap runtime on the CPU: a separate host pool stands in for the device, copies are
 synchronous, and everything else is the real logic. Gradients and losses must be bit-identical
 to plain training; the runtime's memory must be what the one accounting (replay) predicts."""
+import contextlib
 import importlib
 
 import pytest
@@ -361,6 +362,57 @@ def test_frozen_weights_are_left_alone_too():
         seen[frozen] = sorted(ctx.last_recorded.sizes)
     assert seen[True] == seen[False]
     assert 256 * 256 * 4 not in seen[True]
+
+
+def _held_input_step(ctx, x, change=None):
+    """A chain of Linear+Tanh on an input the caller holds all step (its loop's batch)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    with ctx:
+        loss = model(x).square().mean()
+        if change is not None:
+            change(x)
+        loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_storage_the_program_still_holds_comes_back_without_a_copy():
+    """Swapping out the batch the loop holds freed nothing: swapped back in it is the
+    program's own storage again (a copy would be a second one on the device)."""
+    x = torch.randn(64, 64)
+    want = _held_input_step(contextlib.nullcontext(), x)
+    ctx = scheduler.swap(window=16384, budget=16384, device="cpu", min_bytes=0)
+    got = _held_input_step(ctx, x)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    s = ctx.stats()
+    assert s["reattached_bytes"] == x.nbytes and s["swapped_out_bytes"] > x.nbytes
+    assert_nothing_left(ctx)
+
+
+def test_a_held_storage_changed_through_data_reads_as_plain_autograd_does():
+    """A change through ``.data`` moves no version counter: plain autograd reads the new bytes,
+    and so does the re-attached storage (a host copy would give the old ones)."""
+    def bump(x):
+        x.data.mul_(2)
+    x = torch.randn(64, 64)
+    want = _held_input_step(contextlib.nullcontext(), x.clone(), bump)
+    ctx = scheduler.swap(window=16384, budget=16384, device="cpu", min_bytes=0)
+    got = _held_input_step(ctx, x.clone(), bump)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not all(torch.equal(a, b) for a, b in zip(want, _held_input_step(
+        contextlib.nullcontext(), x.clone())))  # (the change does change the gradients)
+    assert ctx.stats()["reattached_bytes"] == x.nbytes
+
+
+def test_a_held_storage_changed_in_place_still_raises():
+    def bump(x):
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _held_input_step(contextlib.nullcontext(), torch.randn(64, 64), bump)
+    ctx = scheduler.swap(window=16384, budget=16384, device="cpu", min_bytes=0)
+    with pytest.raises(RuntimeError, match="in ?place"):
+        _held_input_step(ctx, torch.randn(64, 64), bump)
+    assert ctx.stats()["reattached_bytes"] == 64 * 64 * 4
 
 
 # ------------------------------------------------------------------------- errors

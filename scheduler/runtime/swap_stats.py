@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-COUNTERS = ("swapped_out_bytes", "swapped_in_bytes", "stall_seconds", "iterations",
+COUNTERS = ("swapped_out_bytes", "swapped_in_bytes", "reattached_bytes", "stall_seconds",
+            "iterations",
             "on_demand_swap_ins", "late_swap_ins", "plan_switches", "plan_mismatches",
             "pressure_calls", "pressure_freed_bytes", "budget_evictions")
 
@@ -54,6 +55,7 @@ def stats_dict(counters: Dict[str, float], residency: Residency, cache: Any, liv
     out: Dict[str, Any] = {
         "swapped_out_bytes": int(c["swapped_out_bytes"]),
         "swapped_in_bytes": int(c["swapped_in_bytes"]),
+        "reattached_bytes": int(c["reattached_bytes"]),
         "peak_resident_bytes": residency.peak,
         "resident_bytes": residency.bytes,
         "last_iteration_peak_resident_bytes": residency.last_iter_peak,

@@ -170,6 +170,21 @@ class Transfers:
             return
         if var.state != HOST:
             return
+        held = var.storage_ref()
+        if held is not None and held.nbytes() == var.nbytes:
+            # the program still holds the storage it saved (the batch its loop holds, a
+            # module's buffer): releasing it freed nothing, and a copy back would be a second
+            # one. Its bytes are the program's, as plain autograd reads them (a change made in
+            # place since is caught at the use by the handles' version checks). The host copy
+            # goes: those bytes may have changed through ``.data`` meanwhile (no counter moves)
+            var.set_storage(held)
+            var.state = DEVICE
+            if var.host is not None:
+                self.pool.release(var.host, None)
+                var.host = var.out_event = None
+            self.counters["reattached_bytes"] += var.nbytes
+            self.residency.add(var)
+            return
         host = var.host_copy()
         if host is None:  # pragma: no cover - a var on the host always has its copy
             raise RuntimeError(f"swap runtime: saved tensor {var.vid} has no host copy")
@@ -202,7 +217,7 @@ class Transfers:
             if budget is not None and self.make_room is not None:
                 self.make_room(var.nbytes, var)
             self.swap_in(var)
-            if self.cuda:
+            if self.cuda and var.state == IN:  # (not re-attached)
                 var.in_event.synchronize()
             self.counters["stall_seconds"] += time.perf_counter() - t0
         if var.state == IN:
