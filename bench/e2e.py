@@ -212,7 +212,10 @@ class JobResult:
     unit: str
     peak_bytes: Optional[int]
     budget_bytes: Optional[int]
-    status: str                       # ok | oom | error | infeasible (below the op floor: not run)
+    # ok | oom | error | infeasible (below the op floor: not run) | crashed (its worker died
+    # during it: the host's OOM killer, a segfault; kept by --resume, which would only crash
+    # the next worker at the same job and leave the rest of the grid undone for good)
+    status: str
     note: str = ""
     detail: Dict[str, Any] = field(default_factory=dict)   # what the runtime did
     losses: List[float] = field(default_factory=list)
@@ -378,6 +381,12 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         del wl
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            # pinned host memory (save_on_cpu's, the swap pool's) is cached by PyTorch, rounded
+            # up to a power of two, for the worker's life: give it back between jobs, or a
+            # grid's jobs add up past the host's RAM
+            host_empty = getattr(torch._C, "_host_emptyCache", None)
+            if host_empty is not None:
+                host_empty()
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -700,12 +709,19 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
         if left:   # the worker stopped at --stop-at: no later worker starts either
             plan.stopped = True
         finished = {row_key(r) for r in got} | set(left)
-        if proc.returncode != 0 or any(k not in finished for k in todo):
-            # the jobs it did not finish, in its order
-            got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
-                              f"worker for the {allocator} allocator exited {proc.returncode} "
-                              "before this job finished")
-                    for model, name, b in todo if (model, name, b) not in finished]
+        unfinished = [k for k in todo if k not in finished]
+        if proc.returncode != 0 and unfinished:
+            # the job it was running crashed it (or the host's OOM killer took it): marked so,
+            # and kept by --resume; the jobs after it never started, and run again
+            model, name, b = unfinished.pop(0)
+            got.append(JobResult(model, name, b, None, "", None, grid.budget_for(model),
+                                 "crashed", f"worker for the {allocator} allocator exited "
+                                 f"{proc.returncode} during this job"))
+        # the jobs it did not finish, in its order
+        got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
+                          f"worker for the {allocator} allocator exited {proc.returncode} "
+                          "before this job started")
+                for model, name, b in unfinished]
         rows += got
     return rows
 

@@ -520,12 +520,20 @@ def swap(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                    f"{gpu['skipped']} (no GPU lent).")
         ctx.goal("swap (GPU)", what, f"not run: {gpu['skipped']}", None)
     elif gpu.get("rows"):
-        out.append(f"GPU comparison on {meta.get('cuda') or 'the GPU'}, budget {size(gpu.get('budget'))}, "
-                   f"window {size(gpu.get('window'))}: throughput (x = out of memory).")
+        gmeta = gpu.get("meta") or {}
+        left = (f" Incomplete: {gpu.get('not_run') or 'some'} configurations not run yet "
+                "(`bench/swap.py --gpu-only` goes on)." if gpu.get("incomplete") else "")
+        out.append(f"GPU comparison on {gmeta.get('gpu') or meta.get('cuda') or 'the GPU'}"
+                   + (f" (driver {gmeta['driver']}, torch {gmeta.get('torch')}, "
+                      f"{gmeta.get('date')})" if gmeta.get("driver") else "")
+                   + f", budget {size(gpu.get('budget'))}, window {size(gpu.get('window'))}: "
+                   f"throughput (x = out of memory).{left}")
         out += [""] + _grid(gpu["rows"], "batch", lambda r: num(r["throughput"]))
         ctx.goal("swap (GPU)", what, *_swap_gpu_goal(gpu["rows"]))
         out += [""] + ctx.figures(["swap.png"])
     out += ["", reproduce(meta.get("command", "python bench/swap.py"))]
+    if gpu.get("meta", {}).get("command"):
+        out += ["", reproduce(gpu["meta"]["command"])]
     return out
 
 
@@ -725,7 +733,8 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     budgets = sorted({(r["model"], r["budget_bytes"]) for r in rows if r.get("budget_bytes")})
     if budgets:
         out += ["- Budget: " + "; ".join(f"{m} {size(b)}" for m, b in budgets) + "."]
-    bad = sorted({(r["method"], r.get("note", "")) for r in rows if r.get("status") == "error"})
+    bad = sorted({(r["method"], r.get("note", "")) for r in rows
+                  if r.get("status") in ("error", "crashed")})
     if bad:
         out += ["- Errors: " + "; ".join(f"{m}: {n}" for m, n in bad) + "."]
     ok = [r for r in rows if r.get("status") == "ok"]

@@ -1,6 +1,6 @@
 """Benchmark the swap runtime (issue 6).
 
-    python bench/swap.py [--quick] [--cpu-only] [--budget 16GiB]
+    python bench/swap.py [--quick] [--cpu-only | --gpu-only [--stop-at EPOCH]] [--budget 16GiB]
 
 CPU part (runs anywhere): the cost of the saved-tensor hooks when nothing needs swapping
 (goal: <= 5% of the step time), the cost of real swapping on the CPU (copies into the host
@@ -15,7 +15,12 @@ runtime without vmalloc, with vmalloc (its budget and pressure callback), and fo
 ``offload.dynprog`` (if that planner is present). Every configuration runs in its own process
 (an OOM or a registered allocator cannot leak into the next). One table, one JSON, one PNG.
 
-Writes ``bench/results/swap.json`` (and ``swap.png`` with the GPU part).
+Writes ``bench/results/swap.json`` (and ``swap.png`` with the GPU part). ``--gpu-only`` (a
+device session: the CPU part is measured on a machine without a GPU and committed) runs the
+GPU part alone into the file's ``gpu`` key, keeping the rest, and writes it after every worker:
+rows already there for the same budget and window are kept, so a run stopped by ``--stop-at``
+(epoch seconds: no worker starts after it) or killed goes on where it stopped
+(``gpu.incomplete`` says how many configurations are left).
 """
 from __future__ import annotations
 
@@ -222,9 +227,11 @@ GPU_METHODS = ["none", "save_on_cpu", "torchtune", "lms", "window", "window+vmal
 
 
 def _gpu_models(quick: bool) -> Dict[str, Tuple[Dict[str, Any], List[int]]]:
-    if quick:  # two batches each: 28 worker processes fit gpu-check's step (about 6 min)
+    if quick:  # two batches each: 28 worker processes (about 6 min; gpu-check resumes them).
+        # GPT-2 at batch 32 fits no method under 16 GiB (its log-softmax backward alone holds
+        # 18.4 GiB: bench/e2e.py's op floor), so --quick stops at 16
         return {"resnet50": ({"name": "resnet50", "image": 224}, [64, 256]),
-                "gpt2": ({"name": "gpt2", "seq_len": 1024}, [8, 32])}
+                "gpt2": ({"name": "gpt2", "seq_len": 1024}, [8, 16])}
     return {"resnet50": ({"name": "resnet50", "image": 224},
                          [64, 128, 192, 256, 384, 512, 768, 1024, 1280]),
             "gpt2": ({"name": "gpt2", "seq_len": 1024}, [4, 8, 16, 24, 32, 48, 64, 96])}
@@ -326,8 +333,17 @@ def _available(method: str) -> Optional[str]:
     return None
 
 
-def gpu_comparison(quick: bool, budget: int, window: int) -> List[Dict[str, Any]]:
-    rows = []
+def gpu_comparison(quick: bool, budget: int, window: int,
+                   earlier: Optional[List[Dict[str, Any]]] = None,
+                   save: Optional[Callable[[List[Dict[str, Any]], int], None]] = None,
+                   stop_at: Optional[float] = None) -> Tuple[List[Dict[str, Any]], int]:
+    """The rows, and how many configurations were left unrun for ``stop_at``. ``earlier``:
+    rows of a run with the same budget and window, kept (those in error run again); ``save``
+    gets the rows after every worker."""
+    kept = {(r["model"], r["method"], r.get("batch")): r for r in earlier or ()
+            if r.get("status") != "error"}
+    rows: List[Dict[str, Any]] = []
+    left = 0
     for mname, (spec, batches) in _gpu_models(quick).items():
         for method in GPU_METHODS:
             why = _available(method)
@@ -335,22 +351,30 @@ def gpu_comparison(quick: bool, budget: int, window: int) -> List[Dict[str, Any]
                 rows.append({"model": mname, "method": method, "status": "n/a", "error": why})
                 continue
             for b in batches:
-                cfg = {"model": spec, "method": method, "batch": b, "budget": budget,
-                       "window": window, "warmup": 3, "steps": 3 if quick else 6}
-                proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
-                                      capture_output=True, text=True, timeout=1800)
-                try:
-                    row = json.loads(proc.stdout.strip().splitlines()[-1])
-                except (IndexError, json.JSONDecodeError):
-                    row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
-                row["model"] = mname
+                row = kept.get((mname, method, b))
+                if row is None and stop_at is not None and time.time() >= stop_at:
+                    left += 1   # (a larger batch of a method may be skipped after an OOM)
+                    continue
+                if row is None:
+                    cfg = {"model": spec, "method": method, "batch": b, "budget": budget,
+                           "window": window, "warmup": 3, "steps": 3 if quick else 6}
+                    proc = subprocess.run([sys.executable, __file__, "--gpu-worker",
+                                           json.dumps(cfg)],
+                                          capture_output=True, text=True, timeout=1800)
+                    try:
+                        row = json.loads(proc.stdout.strip().splitlines()[-1])
+                    except (IndexError, json.JSONDecodeError):
+                        row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
+                    row["model"] = mname
+                    print(f"  {mname:9s} {method:15s} batch {b:5d}: {row['status']}"
+                          + (f" {row['throughput']:.1f} {row['unit']}"
+                             if row["status"] == "ok" else ""), flush=True)
                 rows.append(row)
-                print(f"  {mname:9s} {method:15s} batch {b:5d}: {row['status']}"
-                      + (f" {row['throughput']:.1f} {row['unit']}" if row["status"] == "ok" else ""),
-                      flush=True)
-                if row["status"] != "ok":
+                if save is not None:
+                    save(rows, -1)
+                if row["status"] not in ("ok",):
                     break  # larger batches will not fit either
-    return rows
+    return rows, left
 
 
 def gpu_table(rows: List[Dict[str, Any]]) -> str:
@@ -398,11 +422,58 @@ def gpu_plot(rows: List[Dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gpu_only(args: argparse.Namespace) -> None:
+    """``--gpu-only``: the GPU comparison into the results file's ``gpu`` key, written after
+    every worker (write then rename: a kill leaves the last whole file)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/swap.py --gpu-only: no CUDA device")
+    if args.cpu_only:
+        raise SystemExit("bench/swap.py: --gpu-only and --cpu-only exclude each other")
+    budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
+    path = RESULTS / "swap.json"
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        result = {"meta": {}, "cpu_overhead": []}   # no CPU part: the README says so
+    old = result.get("gpu") or {}
+    earlier = old.get("rows") if (old.get("budget"), old.get("window")) == (budget, window) \
+        else None
+    from bench.common import run_meta   # machine, GPU, driver, torch, date
+    argv = sys.argv[1:]
+    if "--stop-at" in argv:   # this call's deadline: not part of how to reproduce it
+        i = argv.index("--stop-at")
+        argv = argv[:i] + argv[i + 2:]
+    gmeta = run_meta(" ".join(["python", "bench/swap.py"] + argv), "cuda")
+    result.setdefault("meta", {})["cuda"] = torch.cuda.get_device_name(0)
+
+    def save(rows: List[Dict[str, Any]], left: int) -> None:
+        result["gpu"] = {"budget": budget, "window": window, "rows": rows, "meta": gmeta,
+                         "incomplete": left != 0, "not_run": max(left, 0)}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.part")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(path)
+
+    print(f"GPU: throughput under a {format_size(budget)} budget, window {format_size(window)}"
+          + (f" (resuming: {len(earlier)} rows kept)" if earlier else ""))
+    rows, left = gpu_comparison(args.quick, budget, window, earlier, save, args.stop_at)
+    save(rows, left)
+    print(gpu_table(rows))
+    gpu_plot(rows, RESULTS / "swap.png")
+    print(f"\nwrote {path}" + (f"; {left} configurations left for --stop-at (run it again to "
+                                "go on)" if left else ""))
+
+
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, batches and steps")
     ap.add_argument("--cpu-only", action="store_true", help="skip the GPU comparison")
+    ap.add_argument("--gpu-only", action="store_true", help="the GPU comparison alone, into the "
+                    "existing results file's 'gpu' key, resumed from its rows and saved after "
+                    "every worker")
+    ap.add_argument("--stop-at", type=float, default=None, help="with --gpu-only: start no "
+                    "worker after this time (epoch seconds); the file says what is left")
     ap.add_argument("--budget", default="16GiB", help="device budget of the GPU part (16GiB)")
     ap.add_argument("--window", default="2GiB", help="swap window of the GPU part (2GiB)")
     ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
@@ -411,6 +482,9 @@ def main() -> None:
         print(json.dumps(gpu_worker(json.loads(args.gpu_worker)), default=str))
         return
 
+    if args.gpu_only:
+        gpu_only(args)
+        return
     torch.set_num_threads(1)
     result: Dict[str, Any] = {
         "meta": {"command": " ".join(["python", "bench/swap.py"] + sys.argv[1:]),
@@ -458,7 +532,7 @@ def main() -> None:
     else:
         budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
         print(f"\nGPU: throughput under a {format_size(budget)} budget, window {format_size(window)}")
-        rows = gpu_comparison(args.quick, budget, window)
+        rows, _ = gpu_comparison(args.quick, budget, window)
         result["gpu"] = {"budget": budget, "window": window, "rows": rows}
         print(gpu_table(rows))
         gpu_plot(rows, RESULTS / "swap.png")

@@ -73,6 +73,13 @@ def is_done(progress: Dict[str, Any], step: str, source: str) -> bool:
     return step not in RERUN_ON_CHANGE or rec.get("source") == source
 
 
+def failed_for(progress: Dict[str, Any], step: str, source: str) -> bool:
+    """The step exited with an error (not for time) on this very source: running it again
+    would only fail again."""
+    rec = progress["steps"].get(step)
+    return bool(rec) and rec.get("status") == "failed" and rec.get("source") == source
+
+
 def record(progress: Dict[str, Any], step: str, status: str, seconds: float,
            meta: Dict[str, Any]) -> None:
     """One step's outcome (ok, failed, timeout) replaces its last record."""

@@ -168,10 +168,24 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
             return self.returncode
 
     monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: Killed())
-    grid = e2e.Grid({"resnet50": [64, 512]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
-    got = {(r.batch_size, r.status): r.note for r in e2e.run_workers(grid)}
-    assert set(got) == {(64, "ok"), (512, "error")}
-    assert "exited -9 before this job finished" in got[(512, "error")]
+    grid = e2e.Grid({"resnet50": [64, 512, 768]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
+    rows = e2e.run_workers(grid)
+    got = {(r.batch_size, r.status): r.note for r in rows}
+    # the job it was running is the one that killed it; the jobs after it never started
+    assert set(got) == {(64, "ok"), (512, "crashed"), (768, "error")}
+    assert "exited -9 during this job" in got[(512, "crashed")]
+    assert "exited -9 before this job started" in got[(768, "error")]
+
+
+def test_resume_keeps_a_job_that_crashed_its_worker(tmp_path):
+    """Run again, it would crash the next worker at the same point and leave every later job
+    undone in every session: --resume keeps it (the jobs after it run again)."""
+    rows = [e2e.JobResult("resnet50", "native", b, None, "", None, 16 << 30, st, "")
+            for b, st in ((64, "ok"), (512, "crashed"), (768, "error"))]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": [r.row() for r in rows]}))
+    assert [(r.batch_size, r.status) for r in e2e.load_resume(path)] == [(64, "ok"),
+                                                                          (512, "crashed")]
 
 
 def test_the_worker_reports_each_result_as_it_is_made(monkeypatch):

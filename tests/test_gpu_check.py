@@ -83,8 +83,9 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--next", str(tmp_path / "n")],
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
-    order = ["-m pytest -m gpu", "vmalloc.cli demo", "bench/alloc_micro.py", "bench/swap.py",
-             "bench/checkpoint_real.py", "bench/e2e.py --quick", "record_gpu.py",
+    order = ["-m pytest -m gpu", "vmalloc.cli demo", "bench/alloc_micro.py",
+             "bench/checkpoint_real.py", "bench/swap.py --quick --gpu-only --stop-at",
+             "bench/e2e.py --quick", "record_gpu.py",
              "bench/cache_slack.py", "bench/hf.py", "--models resnet50 --resume",
              "--models bert-dyn --resume", "--coexist 512"]
     at = [r.stdout.index(cmd) for cmd in order]
@@ -104,6 +105,9 @@ def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
     assert "FAIL  second" in summary and "sys.exit(3)" in summary and "| boom" in summary
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
         assert {"logs/first.log", "logs/second.log"} <= set(tar.getnames())
+    # the live logs are not in OUTDIR: a call ending on a failure (no finish()) leaves only the
+    # few files the device tool brings back (at most 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-check.log", "logs.tar.gz"]
 
 
 def test_out_of_time_stops_before_the_next_step(tmp_path):
@@ -146,8 +150,8 @@ def _fake_gpu(monkeypatch, tmp_path, outcomes):
     (root / "vmalloc").mkdir(parents=True)
     (root / "vmalloc" / "x.py").write_text("x = 1\n")
     monkeypatch.setattr(gc, "ROOT", root)
-    monkeypatch.setattr(gc, "probe", lambda env: {"gpu": "Fake GPU", "torch": "2.11.0",
-                                                  "cuda": "13.0", "driver": "580"})
+    monkeypatch.setattr(gc, "probe", lambda env, timeout=300: {
+        "gpu": "Fake GPU", "torch": "2.11.0", "cuda": "13.0", "driver": "580"})
     ran = []
 
     def run(self, name, cmd, timeout, must_pass=True):
@@ -169,33 +173,43 @@ def _fake_gpu(monkeypatch, tmp_path, outcomes):
     return gc, root, ran
 
 
+def _writes_swap_json(cmd):   # bench/swap.py --gpu-only: its gpu key, complete
+    path = Path(sys.modules["gpu_check"].ROOT) / "bench/results/swap.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": {"rows": [], "incomplete": False}}))
+    return 0
+
+
 def test_next_records_progress_and_resumes_where_the_last_session_stopped(monkeypatch, tmp_path):
     from gpu_record import PROGRESS
-    outcomes = {"swap": 3}
+    outcomes = {"alloc_micro": 3}
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    steps = "pytest-gpu,demo,alloc_micro,checkpoint_real"
     with pytest.raises(SystemExit) as e:
-        gc.main(["--next", "--no-build", str(tmp_path / "a")])
+        gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
     assert e.value.code == 3
-    assert ran == ["pytest-gpu", "demo", "alloc_micro", "swap"]   # stops at the failure
+    # --next goes on past a failure (one failing step must not cost every later one)
+    assert ran == ["pytest-gpu", "demo", "alloc_micro", "checkpoint_real"]
     progress = json.loads((root / PROGRESS).read_text())
     assert {k: v["status"] for k, v in progress["steps"].items()} == {
-        "pytest-gpu": "ok", "demo": "ok", "alloc_micro": "ok", "swap": "failed"}
-    assert progress["steps"]["alloc_micro"]["gpu"] == "Fake GPU"
+        "pytest-gpu": "ok", "demo": "ok", "alloc_micro": "failed", "checkpoint_real": "ok"}
+    assert progress["steps"]["checkpoint_real"]["gpu"] == "Fake GPU"
     with tarfile.open(tmp_path / "a" / "results.tar.gz") as tar:
         assert "bench/results/gpu-progress.json" in tar.getnames()
 
-    # the next session, swap fixed: the same source, so only the step that failed runs
+    # a second call on the same source: the step that failed would fail again; not run
     outcomes.clear()
     ran.clear()
-    gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo,alloc_micro,swap",
-             str(tmp_path / "b")])
-    assert ran == ["swap"]
-    # a change to the source makes the test steps stale, not the benches
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
+    assert ran == []
+    assert "SKIP  alloc_micro: it failed for this very source before" in \
+        (tmp_path / "b" / "gpu-check.log").read_text()
+    # the next session, alloc_micro fixed: the source changed, so the test steps are stale
+    # too (the benches done stay done)
     (root / "vmalloc" / "x.py").write_text("x = 2\n")
     ran.clear()
-    gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo,alloc_micro,swap",
-             str(tmp_path / "c")])
-    assert ran == ["pytest-gpu", "demo"]
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "c")])
+    assert ran == ["pytest-gpu", "demo", "alloc_micro"]
 
 
 def test_a_second_call_on_the_warm_machine_goes_on_from_the_first(monkeypatch, tmp_path):
@@ -219,6 +233,7 @@ def test_a_second_call_on_the_warm_machine_goes_on_from_the_first(monkeypatch, t
     (root / PROGRESS).unlink()
     (root / "bench/results/alloc_micro.json").unlink()
     outcomes.clear()
+    outcomes["swap"] = _writes_swap_json
     ran.clear()
     gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
     assert ran == ["swap"]
@@ -226,7 +241,8 @@ def test_a_second_call_on_the_warm_machine_goes_on_from_the_first(monkeypatch, t
     with tarfile.open(tmp_path / "b" / "results.tar.gz") as tar:
         names = set(tar.getnames())
         progress = json.load(tar.extractfile("bench/results/gpu-progress.json"))
-    assert {"bench/results/alloc_micro.json", "bench/results/gpu-progress.json"} <= names
+    assert {"bench/results/alloc_micro.json", "bench/results/gpu-progress.json",
+            "bench/results/swap.json"} <= names
     assert {k: v["status"] for k, v in progress["steps"].items()} == {
         "pytest-gpu": "ok", "demo": "ok", "alloc_micro": "ok", "swap": "ok"}
 
@@ -254,7 +270,8 @@ def test_a_resumable_step_that_stopped_in_time_stays_to_do(monkeypatch, tmp_path
 
 def test_gpu_tests_that_all_skip_are_a_failure_not_a_pass(monkeypatch, tmp_path):
     """On a GPU machine, `pytest -m gpu` exiting 0 with every test skipped (torch seeing no
-    device inside pytest, say) has tested nothing: recorded failed, and the call stops."""
+    device inside pytest, say) has tested nothing: recorded failed (--next goes on with the
+    rest, and exits with the failure)."""
     from gpu_record import GPU_TESTS, PROGRESS
 
     def all_skipped(cmd):
@@ -267,7 +284,7 @@ def test_gpu_tests_that_all_skip_are_a_failure_not_a_pass(monkeypatch, tmp_path)
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"pytest-gpu": all_skipped})
     with pytest.raises(SystemExit) as e:
         gc.main(["--next", "--no-build", "--only", "pytest-gpu,demo", str(tmp_path / "a")])
-    assert e.value.code == 1 and ran == ["pytest-gpu"]
+    assert e.value.code == 1 and ran == ["pytest-gpu", "demo"]
     assert json.loads((root / PROGRESS).read_text())["steps"]["pytest-gpu"]["status"] == "failed"
     assert json.loads((root / GPU_TESTS).read_text())["summary"] == {
         "skipped": 1, "total": 1, "seconds": 0.1}
@@ -340,7 +357,7 @@ def test_only_runs_the_named_steps_and_a_typo_stops_before_the_build(tmp_path):
 def test_out_of_time_names_the_steps_left_and_the_last_step_gets_all_time(monkeypatch, tmp_path):
     gc = load_script()
     monkeypatch.setattr(gc, "ROOT", tmp_path / "checkout")
-    monkeypatch.setattr(gc, "probe", lambda env: {"gpu": "Fake GPU"})
+    monkeypatch.setattr(gc, "probe", lambda env, timeout=300: {"gpu": "Fake GPU"})
     limits = {}
 
     def run(self, name, cmd, timeout, must_pass=True):
@@ -470,3 +487,39 @@ def test_a_step_killed_at_its_limit_takes_its_children_with_it(monkeypatch, tmp_
         assert ready, f"the step's child {seen['pid']} outlived the step's kill"
     finally:
         os.close(fd)
+
+
+def test_a_step_that_needs_more_time_than_is_left_waits_for_a_later_call(monkeypatch, tmp_path):
+    """A step that cannot stop in time and needs more than is left is not started (it would be
+    killed with nothing kept): the steps after it get the time, and the log names it."""
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"swap": _writes_swap_json})
+    real_check = gc.Check
+
+    def short_check(out, dry_run, seconds):   # 100 s left: less than checkpoint_real needs
+        return real_check(out, dry_run, 100)
+    monkeypatch.setattr(gc, "Check", short_check)
+    gc.main(["--next", "--no-build", "--only", "demo,checkpoint_real,swap", str(tmp_path / "a")])
+    assert ran == ["demo", "swap"]
+    log = (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "SKIP  checkpoint_real: needs about 120 s" in log
+    assert "NOT DONE checkpoint_real" in log
+
+
+def test_no_build_on_a_fresh_machine_builds_after_all(monkeypatch, tmp_path):
+    """The device tool gives a machine back when it idles: a second call may land on a bare
+    one, where --no-build would leave nothing to import."""
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {})
+    steps = []
+    real_run = gc.Check.run
+
+    def run(self, name, cmd, timeout, must_pass=True):
+        steps.append(name)
+        return real_run(self, name, cmd, timeout, must_pass)
+    monkeypatch.setattr(gc.Check, "run", run)
+    gc.main(["--no-build", "--only", "demo", str(tmp_path / "a")])
+    assert "build" in steps   # no vmalloc/_core*.so in the fake checkout
+    import sysconfig
+    (root / "vmalloc" / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"")
+    steps.clear()
+    gc.main(["--no-build", "--only", "demo", str(tmp_path / "b")])
+    assert "build" not in steps
