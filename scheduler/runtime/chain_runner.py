@@ -257,7 +257,9 @@ class ChainRunner:
         stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        return _with_outside(self._measure(stages, x0), step), signature(x0, {})
+        with rng.casts_uncached():  # measured as the planned steps run them
+            chain = self._measure(stages, x0)
+        return _with_outside(chain, step), signature(x0, {})
 
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:
@@ -543,7 +545,9 @@ class ChainRunner:
                 self._unplanned(s, out)
             return out
         try:
-            out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
+            with rng.casts_uncached():  # (a budget cannot hold the whole forward's casts)
+                out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k),
+                                         all_inputs)
         except BaseException:
             # the forward is over (an OOM, an interrupt): what the step holds (checkpoints)
             # must not stay allocated until the next forward, e.g. a retry with a smaller batch

@@ -65,10 +65,28 @@ def replay(state: RngState) -> Iterator[None]:
             # thread-local: autograd's threads inherit it) must not recompute in low precision
             for dev, enabled, dtype in state.autocast:
                 stack.enter_context(torch.autocast(device_type=dev, dtype=dtype,
-                                                   enabled=enabled))
+                                                   enabled=enabled, cache_enabled=False))
             yield
     finally:
         _set(mine)
+
+
+@contextlib.contextmanager
+def casts_uncached() -> Iterator[None]:
+    """The body's autocast casts not cached. Inside ``torch.autocast`` PyTorch keeps the
+    low-precision copy of every weight a block casts until the autocast region ends: a forward
+    under a budget would hold every block's copy at once, bytes no chain measurement sees (its
+    casts hit the cache). Uncached, a block's copies live as its other intermediates do (freed
+    after it, or saved by its graph) and are measured with them; the values are the same."""
+    if not any(enabled for _, enabled, _ in autocast_state()):
+        yield
+        return
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def restore(state: RngState) -> None:
