@@ -352,10 +352,17 @@ class ChainRunner:
                 "new shapes from a few measured ones, or pad to a few fixed lengths",
                 stacklevel=2)
 
-    def _plan_mimose(self, args: Sequence[Any]) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
+    def _plan_mimose(self, args: Sequence[Any], agree: bool = False
+                     ) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
+        """``agree`` (a step, not a query): under FSDP every rank collects at the same steps;
+        a collection's extra forwards gather parameters, and one rank collecting alone pairs
+        its collectives with another's backward (a hang until the group's timeout)."""
         size = self.input_size(args)
         m = self.mimose
-        if not m.ready and not m.estimator.has(size):  # sheltered execution: shuttle
+        collect = not m.ready and not m.estimator.has(size)
+        if agree and self._sharded():
+            collect = distributed.any_rank(collect)
+        if collect:  # sheltered execution: shuttle
             key = ("shuttle", self.L)
             cplan = self.cache.get_or_plan(key, lambda: self._compile(
                 plan_from_checkpoints(self.L, range(self.L), planner="mimose-collect")))
@@ -394,7 +401,7 @@ class ChainRunner:
     def _begin(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> ChainStep:
         collector, profile_key = None, None
         if self.mimose is not None:
-            cplan, collector = self._plan_mimose(args)
+            cplan, collector = self._plan_mimose(args, agree=True)
         else:
             cplan, profile_key = self._plan(args, kwargs)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in

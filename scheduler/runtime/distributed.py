@@ -103,6 +103,17 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
     return chain.replace(meta=meta, **agreed)
 
 
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (``flag`` itself without a group). Every
+    rank must call it at the same point."""
+    if not active(group):
+        return flag
+    dist = torch.distributed
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 # ------------------------------------------------------------------------------ exit
 _EXIT_MARK = "vmalloc.scheduler.shutdown"
 
