@@ -83,3 +83,13 @@ def test_whole_dp_needs_few_units():
         pofo.dp(c, 5000, 1.0, None, whole=True)
     with pytest.raises(ValueError, match="model"):
         pofo.solve(c, 100, 1.0, slots=None, model="exact")
+
+
+def test_min_memory_is_never_above_the_store_all_peak():
+    """Found by hypothesis: recomputing stage 0 (its xbar held with the gradient from above)
+    needs 27 on this chain, but storing everything peaks at 25, and min_memory said 27, so
+    solve refused a budget the store-all sequence meets."""
+    c = Chain.random(1, seed=1239)
+    assert pofo.min_memory(c) == pofo.max_memory(c) == 25
+    p = pofo.solve(c, 25, 0.5, slots=None)
+    assert simulate(c, p, 0.5).peak_memory <= 25

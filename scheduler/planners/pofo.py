@@ -99,7 +99,9 @@ def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
         rec = x[s] + c.xbar[s] + d[s + 1] + c.fw_tmp[s]
         bwd = x[s] + c.xbar[s] + d[s + 1] + d[s] + c.bw_tmp[s]
         need = max(need, fwd, rec, bwd)
-    return need
+    # the store-all sequence is a pofo sequence too: where recomputing a stage needs more (its
+    # xbar held with the gradient from above) than keeping everything, the limit is that peak
+    return min(need, max_memory(c))
 
 
 def max_memory(chain: Chain) -> Number:
