@@ -158,3 +158,29 @@ def test_blocks_never_overlap_and_accounting_adds_up(ops):
         assert s["allocated_current"] == sum(m._live[p].size for p in live)
         assert s["allocated_current"] <= s["physical_current"]
         assert s["physical_current"] == sum(m._segments.values())
+
+
+@pytest.mark.parametrize("bad", [MiB + 1, 4 * MiB, 20 * MiB - 1, 21.5 * MiB, True])
+def test_max_split_size_below_20mib_is_refused_as_pytorch_does(bad):
+    # AllocatorConfig::parseMaxSplitSize: max_split_size_mb >= kLargeBuffer (20 MiB). Below it
+    # the model used to accept the value, then crash in _release_block with a KeyError.
+    with pytest.raises(ValueError, match=r"max_split_size: .*20 MiB.*" + str(bad)[:4]):
+        CachingAllocatorModel(max_split_size=bad)
+
+
+def test_max_split_size_of_20mib_replays_the_oom_path_without_crashing():
+    m = CachingAllocatorModel(budget=40 * MiB, max_split_size=20 * MiB)
+    m.malloc(2 * MiB)
+    m.malloc(3 * MiB)
+    m.malloc(3 * MiB + 512)
+    assert m.stats()["physical_current"] <= 40 * MiB
+
+
+def test_min_refused_is_the_smallest_reserved_total_the_budget_refused():
+    m = CachingAllocatorModel(budget=30 * MiB)
+    assert m.min_refused is None
+    m.malloc(5 * MiB)                        # a 20 MiB segment: fits
+    assert m.min_refused is None
+    with pytest.raises(OutOfMemoryError):
+        m.malloc(16 * MiB)                   # the first 20 MiB full: 20 + 16 > 30, refused
+    assert m.min_refused == 36 * MiB

@@ -145,3 +145,50 @@ def test_demo_with_an_unknown_chain_names_it_and_lists_the_bundled_ones(capsys):
     assert rc == 2 and len(err) == 1
     assert "chain 'nosuch': no such bundled chain; available:" in err[0]
     assert "resnet101-i1000-b2" in err[0]
+
+
+@pytest.mark.parametrize("data,words", [
+    ({"memory": {}}, "missing key 'fragmentation'"),
+    ({"comparison": [{"trace": "x", "rows": [{"allocator": "a"}]}]}, "missing key"),
+    ({"comparison": 5}, "not iterable"),
+])
+def test_report_of_an_incomplete_report_is_one_line_exit_2(tmp_path, capsys, data, words):
+    path = write_json(tmp_path, "r.json", data)
+    rc = main(["report", path])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("vmalloc report: ") and path in lines[0] and words in lines[0]
+
+
+def test_demo_names_the_traces_directory_it_was_given(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert main(["demo", "--replay-only", "--no-bisect", "--traces", missing]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and missing in err[0] and "bench/traces" not in err[0]
+
+
+def test_ctrl_c_during_a_replay_is_one_line_exit_130_and_no_json(tmp_path, capsys, monkeypatch):
+    import vmalloc.replay
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(vmalloc.replay, "compare", interrupted)
+    path = write_json(tmp_path, "t.json", trace_with())
+    out = tmp_path / "out.json"
+    try:
+        rc = main(["replay", path, "--json", str(out)])
+    except KeyboardInterrupt:  # escaping would also stop the whole test session
+        pytest.fail("KeyboardInterrupt escaped vmalloc.cli.main (a traceback for the user)")
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["vmalloc replay: interrupted"]
+    assert not out.exists() and not (tmp_path / "out.json.part").exists()
+
+
+def test_python_dash_m_vmalloc_runs_the_cli():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "vmalloc", "--help"], capture_output=True,
+                       text=True, env=env, cwd=root)
+    assert r.returncode == 0 and "usage: vmalloc" in r.stdout

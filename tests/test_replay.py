@@ -223,3 +223,120 @@ def test_every_bundled_trace_replays_through_vmalloc_and_the_caching_model():
         rows = {r.allocator: r for r in compare(t, default_contenders((2 << 20,)), bisect=False)}
         for name, r in rows.items():
             assert r.ok and r.physical_peak >= r.requested_peak == t.peak_requested(), (p, name)
+
+
+# The caching model is not monotone in its budget: a bigger cap means fewer OOM-retry releases,
+# so segments stay split. This trace fits at 90-94 MiB and 110-118 MiB but not 96-108 or 120;
+# bisection answered 110 MiB.
+NON_MONOTONE = [
+    ('alloc', 0, 21269513, 0), ('alloc', 1, 38715427, 1), ('free', 1, 38715427, 0),
+    ('alloc', 2, 32554527, 0), ('free', 2, 32554527, 0), ('alloc', 3, 1004700, 1),
+    ('alloc', 4, 979487, 0), ('alloc', 5, 16908209, 1), ('alloc', 6, 23093319, 1),
+    ('alloc', 7, 5030934, 0), ('alloc', 8, 2478944, 0), ('alloc', 9, 444646, 0),
+    ('alloc', 10, 609774, 1), ('alloc', 11, 877200, 1), ('free', 7, 5030934, 0),
+    ('alloc', 12, 6657877, 0), ('free', 0, 21269513, 0), ('alloc', 13, 21567875, 1),
+    ('free', 10, 609774, 0), ('free', 8, 2478944, 0), ('free', 9, 444646, 0),
+    ('free', 6, 23093319, 0), ('free', 5, 16908209, 0), ('free', 11, 877200, 0),
+    ('alloc', 14, 3727515, 0), ('free', 3, 1004700, 0), ('alloc', 15, 10414595, 0),
+    ('alloc', 16, 6057996, 1)]
+
+
+def test_min_budget_of_the_model_is_the_smallest_that_fits_not_a_bisection_crossing():
+    t = Trace([Event(*e) for e in NON_MONOTONE])
+    f = caching_factory()
+    assert fits(t, f, 90 * MiB) and not fits(t, f, 100 * MiB) and fits(t, f, 110 * MiB)
+    assert min_budget(t, f, 2 * MiB) == 90 * MiB
+    assert min_budget(t, f, 2 * MiB, monotone=True) == 110 * MiB   # what bisection finds
+    row = next(r for r in compare(t, default_contenders(chunk_sizes=())))
+    assert row.min_budget == 90 * MiB and row.min_budget_exact
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_model_min_budget_equals_a_full_scan(seed):
+    t = random_trace(seed, n=40, max_size=30 * MiB)
+    f = caching_factory()
+    got = min_budget(t, f, 2 * MiB)
+    lo = -(-t.peak_requested() // (2 * MiB))
+    assert got == next(k * 2 * MiB for k in range(lo, 1 << 20) if fits(t, f, k * 2 * MiB))
+
+
+def test_model_scan_out_of_trials_bisects_the_rest_and_says_so():
+    from vmalloc.replay import smallest_budget
+    t = Trace([Event(*e) for e in NON_MONOTONE])
+    got, exact = smallest_budget(t, caching_factory(), 2 * MiB, max_trials=1)
+    assert not exact and got is not None and fits(t, caching_factory(), got)
+    assert smallest_budget(t, caching_factory(), 2 * MiB)[1]
+
+
+def test_vmalloc_min_budget_still_bisects():
+    """vmalloc is monotone in its budget: its search stays a bisection (a handful of replays),
+    not the caching model's scan."""
+    pytest.importorskip("vmalloc.allocator")
+    from vmalloc.replay import vmalloc_factory
+    t = random_trace(6, n=200)
+    inner = vmalloc_factory(CHUNK, "host")
+    calls = []
+
+    def f(budget):
+        calls.append(budget)
+        return inner(budget)
+    got = min_budget(t, f, CHUNK)
+    phys = calls and replay(t, inner(None)).stats["physical_peak"]
+    span = -(-phys // CHUNK) - -(-t.peak_requested() // CHUNK)
+    assert got is not None and fits(t, f, got) and not fits(t, f, got - CHUNK)
+    assert len(calls) - 2 <= 2 + span.bit_length()   # uncapped run + upper + bisection steps
+
+
+def test_an_empty_trace_needs_no_memory_and_writes_standard_json(tmp_path, capsys):
+    from vmalloc.cli import main
+    t = Trace([])
+    assert min_budget(t, caching_factory(), 2 * MiB) == 0
+    p = tmp_path / "empty.json"
+    p.write_text(json.dumps({"meta": {}, "events": []}))
+    out = tmp_path / "out.json"
+    assert main(["replay", str(p), "--json", str(out)]) == 0
+    capsys.readouterr()
+
+    def no_constants(c):
+        raise AssertionError(f"{c} is not JSON")
+    rows = json.loads(out.read_text(), parse_constant=no_constants)["comparison"][0]["rows"]
+    assert rows and all(r["ratio"] is None and r["min_budget"] == 0 for r in rows)
+    assert main(["report", str(out)]) == 0         # and it reads back
+    assert "pytorch caching (model)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_time_too_big_for_a_float_is_one_line_exit_2(tmp_path, capsys, snapshot):
+    from vmalloc.cli import main
+    huge = "1" + "0" * 400
+    if snapshot:   # the second entry: (time - first time) / 1e6 overflowed
+        text = ('{"device_traces": [[{"action": "alloc", "addr": 1, "size": 100, "time_us": 5},'
+                ' {"action": "alloc", "addr": 2, "size": 100, "time_us": %s}]]}' % huge)
+    else:
+        text = '{"events": [{"action": "alloc", "id": 1, "size": 100, "time": %s}]}' % huge
+    p = tmp_path / "t.json"
+    p.write_text(text)
+    assert main(["replay", "--no-bisect", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(p) in err[0] and "finite number" in err[0]
+
+
+def test_device_is_refused_for_a_json_trace(tmp_path, capsys):
+    from vmalloc.cli import main
+    p = tmp_path / "t.json"
+    Trace([Event("alloc", 0, 512)]).save(p)
+    assert main(["replay", "--no-bisect", "--device", "1", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(p) in err[0] and "snapshots only" in err[0]
+
+
+def test_the_table_notes_a_smallest_budget_that_is_only_an_upper_bound():
+    from vmalloc.cli import _table
+    t = Trace([Event(*e) for e in NON_MONOTONE])
+    rows = compare(t, default_contenders(chunk_sizes=()))
+    cmp = {"trace": "t", "meta": {}, "rows": [r.to_json() for r in rows]}
+    assert "note:" not in _table(cmp)
+    cmp["rows"][0]["min_budget_exact"] = False
+    assert "note: pytorch caching (model): smallest budget 90.00 MiB is an upper bound" \
+        in _table(cmp)

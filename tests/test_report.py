@@ -142,3 +142,49 @@ def test_cli_demo_replays_traces_without_a_gpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trace tiny" in out and "smallest budget that runs" in out
     assert main(["demo", "--replay-only", "--traces", str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize("name", ["cache", "process", "memory", "history", "comparison"])
+def test_add_section_refuses_the_reports_own_keys(name):
+    with pytest.raises(ValueError, match=f"'{name}' is one of the report's own keys"):
+        rpt.add_section(name, lambda: {"hit_rate": 0.9})
+    rep = _report_fn(format="json")          # vmalloc's own figures are still there
+    assert set(rep["cache"]) >= {"num_malloc", "hits"} and "pid" in rep["process"]
+    assert "vmalloc report" in rpt.to_text(rep)
+
+
+def test_exit_report_with_a_non_json_section_is_complete_and_says_which(tmp_path, capsys):
+    path = tmp_path / "frag.json"
+    rpt.add_section("setty", lambda: {"window_bytes": 1 << 30, "streams": {1, 2}})
+    try:
+        rpt.write_exit_report(str(path))        # no traceback
+    finally:
+        rpt.remove_section("setty")
+    saved = json.loads(path.read_text())        # the whole file, valid JSON
+    assert "memory" in saved and "set is not JSON serializable" in saved["setty"]["error"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'setty'" in err[0], err
+
+
+def test_save_leaves_the_file_untouched_when_the_report_cannot_be_rendered(tmp_path):
+    path = tmp_path / "frag.txt"
+    path.write_text("the previous report\n")
+    with pytest.raises(KeyError):
+        rpt.save({"title": "no memory rows"}, str(path))
+    assert path.read_text() == "the previous report\n"
+
+
+def test_replay_table_keeps_its_columns_for_empty_traces_and_huge_ratios():
+    """An empty trace's phys/req is null (JSON has no NaN) and needs 0 B; a ratio of 10000 or
+    more must not run into the next column."""
+    from vmalloc.report import side_by_side_from_json
+    row = {"allocator": "vmalloc 2MiB", "requested_peak": 0, "physical_peak": 0, "ratio": None,
+           "fragmentation": 0.0, "min_budget": 0, "ok": True, "budget_ratio": None,
+           "chunk_size": 2 << 20, "if_peak": 0, "if_bound": 0}
+    huge = dict(row, requested_peak=100, physical_peak=20 << 20, ratio=209715.2, min_budget=None)
+    text = side_by_side_from_json({"trace": "t", "rows": [row, huge]})
+    lines = text.splitlines()
+    empty, wide = lines[-2], lines[-1]
+    assert "0 B" in empty and " - " in empty
+    assert " 209715 " in wide and "MiB209715" not in wide
+    assert len(empty) == len(wide)   # same columns

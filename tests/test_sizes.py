@@ -32,3 +32,12 @@ def test_sizes_from_2_to_the_64_up_are_refused_naming_the_knob(bad):
 
 def test_the_largest_size_is_accepted():
     assert parse_size(str(2**64 - 1)) == 2**64 - 1
+
+
+@pytest.mark.parametrize("n,shown", [(1048575, "1.00 MiB"), (1048571, "1.00 MiB"),
+                                     ((1 << 30) - 1, "1.00 GiB"), (1023, "1023 B"),
+                                     (1024 * 1023, "1023.00 KiB"), (-1048575, "-1.00 MiB"),
+                                     (1 << 50, "1024.00 TiB")])
+def test_format_size_rolls_over_when_rounding_reaches_1024(n, shown):
+    from vmalloc.sizes import format_size
+    assert format_size(n) == shown

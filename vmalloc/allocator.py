@@ -18,6 +18,12 @@ except ImportError as exc:  # pragma: no cover - only when the extension was not
 
 BACKENDS = ("host", "host-lazy", "cuda")
 
+# cache_slack at or above _NO_CAP_CHUNKS * chunk_size - 1 is no cap. Below it the native cap,
+# (chunks in use) * (1 + slack), stays under 2**64 for up to 2**57 bytes in use (57-bit virtual
+# addresses, the widest there are): 2**57 / chunk * 2**7 * chunk = 2**64. Above it the cap is at
+# least 128 * chunk_size chunks per chunk in use, more than any cache can hold.
+_NO_CAP_CHUNKS = 1 << 7
+
 
 def granularity(backend: str = "host", device: int = 0) -> int:
     """Allocation granularity in bytes: chunk sizes must be a multiple of it.
@@ -68,8 +74,9 @@ class Allocator(_core.Allocator):
         memory, more map/unmap calls (default off). Same as ``cache_slack=0``.
     cache_slack: without a budget, on a cache miss new chunks are created while physical memory
         stays below ``(1 + cache_slack)`` x the peak of chunks in use; past that, cached chunks
-        are remapped first (default 0.25; ``None``: no cap, like a caching allocator). With a
-        budget, chunks are created up to the budget first.
+        are remapped first (default 0.25; ``None``, ``float("inf")`` or any value >= 128 x
+        chunk_size: no cap, like a caching allocator). With a budget, chunks are created up to
+        the budget first.
     trace_capacity: the allocation trace (``set_trace``) is a ring of at most this many events
         (default 100000, about 48 bytes each); older events are dropped and counted in
         ``stats()["num_trace_dropped"]``.
@@ -97,8 +104,13 @@ class Allocator(_core.Allocator):
         if cache_slack is None:
             slack = -1.0
         elif isinstance(cache_slack, bool) or not isinstance(cache_slack, (int, float)) \
-                or not cache_slack >= 0:
+                or not cache_slack >= 0:  # NaN fails >= 0 too
             raise ValueError(f"cache_slack: expected a number >= 0 or None, got {cache_slack!r}")
+        elif cache_slack >= _NO_CAP_CHUNKS * chunk - 1:
+            # inf (or any slack this large) means no cap, i.e. None. Passed on, the native cap
+            # ceil(chunks * (1 + slack)) could pass the size_t range: an undefined conversion
+            # that in practice gives 0, i.e. cache_slack=0, the opposite of what was asked.
+            slack = -1.0
         else:
             slack = float(cache_slack)
         if isinstance(trace_capacity, bool) or not isinstance(trace_capacity, int) \

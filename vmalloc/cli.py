@@ -26,8 +26,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
         rep = rpt.load(args.file)
     except UnicodeDecodeError:
         raise ValueError(f"report: {args.file!r} is not a JSON report (not text)") from None
-    print(rpt.to_text(rep))
+    try:
+        text = rpt.to_text(rep)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # JSON with a 'memory' or 'comparison' key but not the rest of a report: report.py
+        # reads it as a report would be, so say which part is missing or of the wrong type
+        what = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args \
+            else str(exc)
+        raise ValueError(f"{args.file}: not a complete vmalloc report ({what})") from None
+    print(text)
     return 0
+
+
+def _table(cmp: dict) -> str:
+    """The side-by-side table of one replayed trace, with a note under it for every smallest
+    budget that is only an upper bound (the caching model's search ran out of trials)."""
+    rpt = importlib.import_module("vmalloc.report")
+    from .replay.run import MAX_SCAN_TRIALS
+    out = [rpt.side_by_side_from_json(cmp)]
+    for r in cmp["rows"]:
+        if r.get("min_budget") and not r.get("min_budget_exact", True):
+            out.append(f"note: {r['allocator']}: smallest budget {format_size(r['min_budget'])} "
+                       "is an upper bound (the search stopped after "
+                       f"{MAX_SCAN_TRIALS} replays); a smaller one may run")
+    return "\n".join(out)
 
 
 def _replay_one(path: Union[str, "Trace"], chunk_sizes: Sequence[int], bisect: bool,
@@ -62,17 +84,25 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    rpt = importlib.import_module("vmalloc.report")
     chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
     cmps = [_replay_one(p, chunks, not args.no_bisect, args.device, max_bytes=args.max_size)
             for p in args.trace]
     for cmp in cmps:
-        print(rpt.side_by_side_from_json(cmp))
+        print(_table(cmp))
         print()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"comparison": [{k: v for k, v in c.items() if k != "timelines"}
-                                      for c in cmps]}, f, indent=1)
+        # written beside it, then renamed: Ctrl-C or a full disk leaves no half-written file;
+        # allow_nan=False: the rows hold None, never NaN, so the file is standard JSON
+        tmp = f"{args.json}.part"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"comparison": [{k: v for k, v in c.items() if k != "timelines"}
+                                          for c in cmps]}, f, indent=1, allow_nan=False)
+            os.replace(tmp, args.json)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         print(f"wrote {args.json}")
     if args.png and _plot(cmps, args.png):
         print(f"wrote {args.png}")
@@ -88,6 +118,8 @@ def bundled_traces(directory: Optional[str] = None) -> List[str]:
         found = sorted(glob.glob(os.path.join(d, "*.json.gz")) + glob.glob(os.path.join(d, "*.json")))
         if found:
             return found
+    if directory:
+        raise FileNotFoundError(f"--traces {directory}: no traces (*.json, *.json.gz) there")
     raise FileNotFoundError("no bundled traces found (looked in ./bench/traces and the source "
                             "checkout); run from the repository root or pass --traces DIR")
 
@@ -135,12 +167,10 @@ def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
     print(f"[2/3] replaying the allocation trace of the fastest plan ({best.planner}, "
           f"{len(trace.events)} events) through vmalloc and the caching-allocator model ...",
           flush=True)
-    rpt = importlib.import_module("vmalloc.report")
-    print(rpt.side_by_side_from_json(_replay_one(trace, chunks, not args.no_bisect, None)) + "\n")
+    print(_table(_replay_one(trace, chunks, not args.no_bisect, None)) + "\n")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    rpt = importlib.import_module("vmalloc.report")
     gpu = False
     if not args.replay_only:
         try:
@@ -169,7 +199,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     summary = []
     for path in traces:
         cmp = _replay_one(path, chunks, not args.no_bisect, None, max_bytes=args.max_size)
-        print(rpt.side_by_side_from_json(cmp))
+        print(_table(cmp))
         print()
         rows = {r["allocator"]: r for r in cmp["rows"]}
         summary.append((cmp["trace"], rows))
@@ -239,6 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:
+        # one line, not a traceback; 130 = 128 + SIGINT, as a shell reports it
+        print(f"vmalloc {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError, RuntimeError, MemoryError, RecursionError) as exc:
         # one line naming the file and the problem (the readers put the file first)
         msg = str(exc) or type(exc).__name__

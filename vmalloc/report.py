@@ -210,6 +210,9 @@ def to_text(rep: Mapping[str, Any]) -> str:
 _CORE_KEYS = {"version", "title", "source", "device", "chunk_size", "budget", "memory",
               "fragmentation", "cache", "driver", "histogram", "timeline", "min_budget",
               "process"}
+# names add_section refuses: the report's own keys, the history section the recording adds and
+# the key that marks a saved replay comparison
+RESERVED_SECTION_NAMES = frozenset(_CORE_KEYS | {"history", "comparison"})
 
 
 def comparison_json(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping[str, Any]] = None
@@ -225,14 +228,19 @@ def side_by_side_from_json(cmp: Mapping[str, Any]) -> str:
             f"{'frag':>8}{'smallest budget':>17}{'budget/req':>12}{'IF peak':>12}{'Eq.2 bound':>13}")
     out = [f"trace {cmp['trace']}" + (f"  ({cmp['meta'].get('derived_from', '')})"
                                         if cmp.get("meta", {}).get("derived_from") else ""),
-           "(peak physical: no budget, the cache grows; smallest budget: bisection on the cap)",
+           "(peak physical: no budget, the cache grows; smallest budget: the least cap that "
+           "replays, bisection for vmalloc, a scan for the caching model)",
            head, "-" * len(head)]
     for r in rows:
-        mb = format_size(r["min_budget"]) if r.get("min_budget") else ("n/a" if r["ok"] else "OOM")
+        mb = (format_size(r["min_budget"]) if r.get("min_budget") is not None
+              else ("n/a" if r["ok"] else "OOM"))
         bound = format_size(r["if_bound"]) if r.get("if_bound") else "-"
         ifp = format_size(r["if_peak"]) if r.get("chunk_size") else "-"
+        ratio = r.get("ratio")   # None: an empty trace
+        # (a ratio of 10000 or more keeps its column: no decimals, a space before it)
+        shown = "-" if ratio is None else f" {ratio:.0f}" if ratio >= 1000 else f"{ratio:.3f}"
         out.append(f"{r['allocator']:<26}{format_size(r['requested_peak']):>16}"
-                   f"{format_size(r['physical_peak']):>16}{r['ratio']:>10.3f}"
+                   f"{format_size(r['physical_peak']):>16}{shown:>10}"
                    f"{_pct(r['fragmentation']):>8}{mb:>17}"
                    f"{(format(r['budget_ratio'], '.3f') if r.get('budget_ratio') else '-'):>12}"
                    f"{ifp:>12}{bound:>13}")
@@ -250,15 +258,35 @@ def side_by_side(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping[st
 
 def save(rep: Mapping[str, Any], path: str) -> None:
     """Write a report: JSON when the name ends in ``.json``, else text; a PNG beside it when
-    matplotlib is installed and the report has a timeline."""
+    matplotlib is installed and the report has a timeline.
+
+    The whole text is made before the file is opened, so a report that cannot be written leaves
+    the file as it was. A section that is not JSON (a set, an object) is written as
+    ``{"error": ...}`` and named in one line on stderr; the rest of the report is kept."""
     if path.endswith(".json"):
-        with open(path, "w") as f:
-            json.dump(rep, f, indent=1, sort_keys=True)
+        text = json.dumps(_json_sections(rep), indent=1, sort_keys=True)
     else:
-        with open(path, "w") as f:
-            f.write(to_text(rep) + "\n")
+        text = to_text(rep) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
     if rep.get("timeline"):
         plot_timeline(rep, os.path.splitext(path)[0] + ".png")
+
+
+def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:
+    """``rep`` with each top-level entry that ``json.dumps`` refuses replaced by an error (said
+    on stderr), so one added section cannot cost the whole report."""
+    out: Dict[str, Any] = {}
+    for name, value in rep.items():
+        try:
+            json.dumps(value, sort_keys=True)
+            out[name] = value
+        except (TypeError, ValueError) as exc:   # not JSON; mixed key types; a cycle
+            why = f"{type(exc).__name__}: {exc}"
+            print(f"vmalloc: report section {name!r} is not JSON ({why}); written as an error",
+                  file=sys.stderr)
+            out[name] = {"error": f"not JSON: {why}"}
+    return out
 
 
 def load(path: str) -> Dict[str, Any]:
@@ -326,6 +354,10 @@ def add_section(name: str, provider: Callable[[], Mapping[str, Any]], device: Op
     device's report. Adding a name again replaces it."""
     if not callable(provider):
         raise TypeError(f"provider: expected a callable returning a mapping, got {provider!r}")
+    if name in RESERVED_SECTION_NAMES:
+        # the section would replace vmalloc's own figures of that name (to_text then fails)
+        raise ValueError(f"name: {name!r} is one of the report's own keys "
+                         f"({', '.join(sorted(RESERVED_SECTION_NAMES))}); choose another name")
     from . import torch_allocator
     torch_allocator.registry().section_providers(device)[name] = provider
 
@@ -485,12 +517,13 @@ def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
         print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
         return
-    if path == "-":
-        print(to_text(rep), flush=True)
-    elif path.lower() == "stderr":
-        print(to_text(rep), file=sys.stderr, flush=True)
-    else:
-        try:
+    try:
+        if path == "-":
+            print(to_text(rep), flush=True)
+        elif path.lower() == "stderr":
+            print(to_text(rep), file=sys.stderr, flush=True)
+        else:
             save(rep, path)
-        except OSError as exc:
-            print(f"vmalloc: could not write the exit report to {path!r}: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
+        print(f"vmalloc: could not write the exit report to {path!r}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)

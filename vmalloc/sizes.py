@@ -90,7 +90,11 @@ def format_size(nbytes: Union[int, float]) -> str:
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        if unit == "B":
+            if n < 1024:
+                return f"{sign}{int(n)} B"
+        # compare what is printed: 1048575 B is 1023.999 KiB, shown as "1.00 MiB", not "1024.00 KiB"
+        elif float(f"{n:.2f}") < 1024 or unit == "TiB":
+            return f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -2,33 +2,116 @@
 snapshots (``_snapshot()`` format, rendered by ``torch.cuda._memory_viz``)."""
 from __future__ import annotations
 
+import threading
+import warnings
 from collections import deque
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
+from ..sizes import format_size
 from .registry import REGISTRY, Registry, core
+
+# The history, its sequence numbers and the live set change together, from the report, the
+# shims and the exit hook, maybe on several threads. Reentrant: start/stop drain under it.
+_LOCK = threading.RLock()
 
 
 def _append_history(reg: Registry, device: int, events: List[Dict[str, Any]]) -> None:
     """Append to a device's bounded history (the newest ``reg.trace_capacity`` events), counting
-    what falls out."""
+    what falls out, and keep the device's live set (by address) up to date."""
     h = reg.history.get(device)
     if h is None or h.maxlen != reg.trace_capacity:
         h = reg.history[device] = deque(h or (), maxlen=reg.trace_capacity)
     reg.history_dropped[device] = (reg.history_dropped.get(device, 0)
                                    + max(0, len(h) + len(events) - reg.trace_capacity))
     h.extend(events)
+    reg.history_seq[device] = reg.history_seq.get(device, 0) + len(events)
+    # the live set outlives the bounded history: a model's weights stay in it however many
+    # activations come and go after them
+    live = reg.live.setdefault(device, {})
+    for e in events:
+        addr = int(e.get("addr", e["id"]))
+        if e["action"] == "alloc":
+            live[addr] = e
+        else:
+            live.pop(addr, None)
 
 
 def drain_history() -> None:
     """Move events recorded by the native allocators into the (bounded) Python history."""
     if REGISTRY.mode is None or not REGISTRY.recording:
         return
-    native = core()
-    for d in native._torch_devices():
-        a = native._torch_allocator(d)
-        if a.trace_capacity != REGISTRY.trace_capacity:
-            a.set_trace_capacity(REGISTRY.trace_capacity)
-        _append_history(REGISTRY, d, a.take_trace())
+    with _LOCK:
+        native = core()
+        for d in native._torch_devices():
+            a = native._torch_allocator(d)
+            if a.trace_capacity != REGISTRY.trace_capacity:
+                a.set_trace_capacity(REGISTRY.trace_capacity)
+            _append_history(REGISTRY, d, a.take_trace())
+
+
+def _devices() -> List[int]:
+    return list(core()._torch_devices()) if REGISTRY.mode is not None else []
+
+
+def _native_dropped(device: int) -> int:
+    if device not in _devices():
+        return 0
+    return int(core()._torch_allocator(device).stats().get("num_trace_dropped", 0))
+
+
+def _restart_user_view() -> None:
+    """The user's snapshots show the history from now on (PyTorch's trace starts empty when
+    recording starts, is cleared, or stops)."""
+    reg = REGISTRY
+    with _LOCK:
+        drain_history()
+        for d in set(reg.history_seq) | set(_devices()):
+            reg.user_since[d] = reg.history_seq.get(d, 0)
+            reg.user_native_dropped[d] = _native_dropped(d)
+
+
+def start_recording(who: str = "report") -> None:
+    """Record the allocation history for ``who``: ``"report"`` (the histogram and N_max, as
+    VMALLOC_REPORT does) or ``"user"`` (``torch.cuda.memory._record_memory_history``). The
+    recording runs while anyone records; each stops only their own (:func:`stop_recording`)."""
+    reg = REGISTRY
+    with _LOCK:
+        if not reg.recorders:
+            reg.live.clear()   # (re)starting: what is live now is unknown, not "nothing"
+        if who == "user" and who not in reg.recorders:
+            _restart_user_view()
+            reg.user_stopped = False
+        reg.recorders.add(who)
+        reg.recording = True
+        if reg.mode is not None:
+            core()._torch_set_trace(True)
+
+
+def clear_user_history() -> None:
+    """``_record_memory_history(clear_history=True)``: the user's snapshots start afresh; the
+    events themselves go only when the report does not record them too."""
+    with _LOCK:
+        _restart_user_view()
+        if "report" not in REGISTRY.recorders:
+            REGISTRY.history.clear()
+
+
+def stop_recording(who: str = "user") -> None:
+    """``who`` stops recording; the history and live set go when nobody records any more."""
+    reg = REGISTRY
+    with _LOCK:
+        drain_history()
+        if who == "user":
+            _restart_user_view()
+            reg.user_stopped = True   # what the report goes on recording is not the user's
+        reg.recorders.discard(who)
+        if reg.recorders:
+            return
+        reg.recording = False
+        reg.history.clear()
+        reg.live.clear()
+        if reg.mode is not None:
+            core()._torch_set_trace(False)
 
 
 def history_info(device: int) -> Dict[str, int]:
@@ -54,45 +137,117 @@ def set_trace_capacity(events: int) -> None:
 
 
 def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
-                     small_threshold: int = 1 << 20) -> Dict[str, Any]:
+                     small_threshold: int = 1 << 20, traces: bool = True) -> Dict[str, Any]:
     """vmalloc's recorded history as a PyTorch memory snapshot (``_snapshot()`` format).
 
     Each live allocation is one segment with one ``active_allocated`` block (vmalloc maps every
-    large allocation on its own range; the segment size is the mapped ``k * chunk_size``).
-    Trace entries: ``alloc``, ``free_requested`` + ``free_completed`` (vmalloc frees at once;
+    large allocation on its own range; the segment size is the mapped ``k * chunk_size``); the
+    live set is kept from when recording started, not taken from the bounded history.
+    Trace entries (the user's recording: since ``_record_memory_history`` started or last
+    cleared it): ``alloc``, ``free_requested`` + ``free_completed`` (vmalloc frees at once;
     stream-deferred reuse happens below the trace), with ``time_us``.
+
+    The native allocator cannot list its live allocations, so those made before recording
+    started (or whose events the rings dropped) cannot be shown: then the snapshot says so
+    under ``"vmalloc_incomplete"`` (per device: ``untracked_live``, ``untracked_bytes``,
+    ``events_dropped``) and a RuntimeWarning is raised, as a replay of it under-counts.
+    ``traces=False``: no trace entries (``memory_snapshot()``), so dropped events do not matter.
     """
-    drain_history()
-    devs = sorted(REGISTRY.history) or [0]
-    n = max(devs) + 1
-    return snapshot_from_events({d: list(REGISTRY.history.get(d, ())) for d in range(n)},
-                                chunk_size=chunk_size, small_threshold=small_threshold,
-                                only_device=device)
+    reg = REGISTRY
+    with _LOCK:
+        drain_history()
+        devs = sorted(set(reg.history) | set(_devices())) or [0]
+        per_device: Dict[int, List[Dict[str, Any]]] = {}
+        live: Dict[int, List[Dict[str, Any]]] = {}
+        incomplete: List[Dict[str, int]] = []
+        for d in range(max(devs) + 1):
+            per_device[d], lost = _user_events(d) if traces else ([], 0)
+            live[d], untracked, untracked_bytes = _live_allocations(d)
+            if (device is None or d == device) and (untracked or lost):
+                incomplete.append({"device": d, "untracked_live": untracked,
+                                   "untracked_bytes": untracked_bytes, "events_dropped": lost})
+    snap = snapshot_from_events(per_device, chunk_size=chunk_size, small_threshold=small_threshold,
+                                only_device=device, live=live)
+    if incomplete:
+        snap["vmalloc_incomplete"] = incomplete
+        for i in incomplete:
+            what = []
+            if i["untracked_live"]:
+                what.append(f"{i['untracked_live']} live allocations "
+                            f"({format_size(i['untracked_bytes'])}) are missing from its segments "
+                            "(made before the history was recorded, or their events were dropped)")
+            if i["events_dropped"]:
+                what.append(f"{i['events_dropped']} trace events were dropped "
+                            f"(capacity {reg.trace_capacity})")
+            warnings.warn(
+                f"vmalloc: the memory snapshot of cuda:{i['device']} is incomplete: "
+                f"{' and '.join(what)}; a replay of it under-counts memory. Record from the "
+                "start (VMALLOC_REPORT, or _record_memory_history before allocating) and raise "
+                "vmalloc.torch_allocator.set_trace_capacity()", RuntimeWarning, stacklevel=3)
+    return snap
+
+
+def _user_events(device: int) -> Tuple[List[Dict[str, Any]], int]:
+    """The device's history since the user's recording started, and how many events of that
+    window were dropped (by the Python history or the native ring)."""
+    reg = REGISTRY
+    if reg.user_stopped:
+        return [], 0
+    h = list(reg.history.get(device, ()))
+    first = reg.history_seq.get(device, 0) - len(h)     # sequence number of h[0]
+    since = reg.user_since.get(device, 0)
+    native = max(0, _native_dropped(device) - reg.user_native_dropped.get(device, 0))
+    return h[max(0, since - first):], max(0, first - since) + native
+
+
+def _live_allocations(device: int) -> Tuple[List[Dict[str, Any]], int, int]:
+    """The device's tracked live allocations (checked against the allocator: an entry whose free
+    was dropped is gone), and how many live allocations / requested bytes are not among them."""
+    if device not in _devices():
+        return [], 0, 0
+    a = core()._torch_allocator(device)
+    tracked = REGISTRY.live.setdefault(device, {})
+    for addr, e in list(tracked.items()):
+        size = int(a.allocation_size(addr))
+        if size == 0:             # freed; its free event was dropped
+            del tracked[addr]
+        elif size != int(e["size"]):   # the address was reused; that alloc event was dropped
+            tracked[addr] = {**e, "size": size}
+    s = a.stats()
+    untracked = max(0, int(s["num_live"]) - len(tracked))
+    untracked_bytes = max(0, int(s["requested_current"]) - sum(int(e["size"]) for e in tracked.values()))
+    return list(tracked.values()), untracked, untracked_bytes
 
 
 def snapshot_from_events(per_device: Mapping[int, List[Mapping[str, Any]]], chunk_size: int,
-                         small_threshold: int = 1 << 20, only_device: Optional[int] = None
+                         small_threshold: int = 1 << 20, only_device: Optional[int] = None,
+                         live: Optional[Mapping[int, Iterable[Mapping[str, Any]]]] = None
                          ) -> Dict[str, Any]:
-    """Build ``{"segments", "device_traces"}`` from contract-2 events that carry ``addr``."""
-    n = max(per_device, default=-1) + 1
+    """Build ``{"segments", "device_traces"}`` from contract-2 events that carry ``addr``.
+
+    Segments: one per allocation of ``live[device]`` (the allocator's live set) when given,
+    else per allocation the events leave live (a complete history)."""
+    n = max(max(per_device, default=-1), max(live or {}, default=-1)) + 1
     traces: List[List[Dict[str, Any]]] = [[] for _ in range(n)]
     segments: List[Dict[str, Any]] = []
     for d in range(n):
         if only_device is not None and d != only_device:
             continue
-        live: Dict[int, Mapping[str, Any]] = {}
+        left: Dict[int, Mapping[str, Any]] = {}
         for e in per_device.get(d, []):
             addr = int(e.get("addr", e["id"]))
             base = {"addr": addr, "size": int(e["size"]), "stream": int(e.get("stream", 0)),
                     "time_us": int(float(e.get("time", 0.0)) * 1e6), "frames": []}
             if e["action"] == "alloc":
-                live[addr] = e
+                left[addr] = e
                 traces[d].append({"action": "alloc", **base})
             else:
-                live.pop(addr, None)
+                left.pop(addr, None)
                 traces[d].append({"action": "free_requested", **base})
                 traces[d].append({"action": "free_completed", **base})
-        for addr, e in live.items():
+        if live is not None:
+            left = {int(e.get("addr", e["id"])): e for e in live.get(d, ())}
+        for addr, e in left.items():
             size = int(e["size"])
             seg = size if size < small_threshold else -(-size // chunk_size) * chunk_size
             segments.append({
@@ -103,10 +258,3 @@ def snapshot_from_events(per_device: Mapping[int, List[Mapping[str, Any]]], chun
                 "blocks": [{"address": addr, "size": seg, "requested_size": size,
                             "state": "active_allocated", "frames": []}]})
     return {"segments": segments, "device_traces": traces, "allocator_settings": {"backend": "vmalloc"}}
-
-
-def start_recording() -> None:
-    """Record the allocation history (for the histogram and snapshots), as VMALLOC_REPORT does."""
-    REGISTRY.recording = True
-    if REGISTRY.mode is not None:
-        core()._torch_set_trace(True)

@@ -18,13 +18,14 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
     reg = REGISTRY
     if reg.mode is not None:
         d = device_index(device)
+        drain_history()   # first: the stats below then count no allocation the events miss
         s = stats(d)
-        drain_history()
         events = list(reg.history.get(d, ()))
         sizes = [int(e["size"]) for e in events if e["action"] == "alloc"] or None
         info = history_info(d)
         # n_max needs the whole history: not known once events were dropped
-        n_max = _max_live(events) if events and not info["events_dropped"] else None
+        n_max = (_max_live(events, int(s.get("num_live", 0)))
+                 if events and not info["events_dropped"] else None)
         sections = reg.sections_for(d)
         if reg.recording:
             sections["history"] = info
@@ -44,8 +45,15 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
                      title="no CUDA allocator in use (vmalloc not enabled, CUDA not initialised)")
 
 
-def _max_live(events: List[Mapping[str, Any]]) -> int:
-    cur = peak = 0
+def _max_live(events: List[Mapping[str, Any]], live_now: int) -> Optional[int]:
+    """The most allocations live at once over ``events`` (the history up to now). The count
+    starts from what was live before the first event (``live_now`` less the events' net change):
+    allocations made before recording started are live too, and their frees are in the events.
+    None when that start is negative (events and stats disagree)."""
+    cur = live_now - sum(1 if e["action"] == "alloc" else -1 for e in events)
+    if cur < 0:
+        return None
+    peak = cur
     for e in events:
         cur += 1 if e["action"] == "alloc" else -1
         peak = max(peak, cur)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Set
 
 ALL_DEVICES = -1
 # Allocation-history events kept per device: the native ring (Allocator trace_capacity) and the
@@ -40,7 +40,20 @@ class Registry:
     history: Dict[int, Deque[Dict[str, Any]]] = field(default_factory=dict)
     history_dropped: Dict[int, int] = field(default_factory=dict)   # by the Python history
     trace_capacity: int = TRACE_CAPACITY
+    # True while anyone records (the native trace is on): ``recorders`` names who, so that
+    # PyTorch's "record, dump, stop" (``_record_memory_history(None)``) ends the user's recording
+    # only, not the one VMALLOC_REPORT started for its exit report
     recording: bool = False
+    recorders: Set[str] = field(default_factory=set)    # "report", "user"
+    history_seq: Dict[int, int] = field(default_factory=dict)     # events ever kept, per device
+    # the user's snapshot shows the history from this sequence number on (set when the user
+    # starts, clears or stops a recording; 0: everything recorded)
+    user_since: Dict[int, int] = field(default_factory=dict)
+    user_stopped: bool = False     # the user stopped recording: their snapshots show no trace
+    user_native_dropped: Dict[int, int] = field(default_factory=dict)  # native drops at that point
+    # allocations live now by address (their alloc events), kept from when recording started:
+    # the native allocator cannot list its live set, and the bounded history forgets old events
+    live: Dict[int, Dict[int, Dict[str, Any]]] = field(default_factory=dict)
     torch_allocator: Any = None            # the CUDAPluggableAllocator object (kept alive)
     pool_allocator: Any = None             # pool()'s CUDAPluggableAllocator (kept alive)
     # why vmalloc's allocator cannot answer cuDNN's cacheInfo ("": it does; None: not tried)

@@ -27,53 +27,77 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, Mapping
 
-from .history import drain_history, history_snapshot
+from .history import clear_user_history, history_snapshot, start_recording, stop_recording
 from .registry import REGISTRY, core, device_allocator, device_index, stats
 
 
 def torch_memory_stats(s: Mapping[str, Any]) -> Dict[str, Any]:
-    """vmalloc stats as ``torch._C._cuda_memoryStats`` returns them (nested dict).
+    """vmalloc stats as ``torch._C._cuda_memoryStats`` returns them (nested dict; per stat
+    ``current``, ``peak``, ``allocated`` = cumulative increments, ``freed`` = cumulative
+    decrements, for ``all`` / ``small_pool`` / ``large_pool``, as c10's CUDACachingAllocator).
 
     Mapping (documented in the README): ``allocated_bytes`` and ``requested_bytes`` and
     ``active_bytes`` = bytes requested by live tensors (vmalloc hands out exactly what is asked;
     its rounding shows up in mapped bytes); ``reserved_bytes`` = physical bytes held (in use +
-    cached chunks); ``allocation`` / ``active`` = live allocations; ``segment`` = chunks held;
-    ``num_device_alloc`` / ``num_device_free`` = chunk maps / unmaps; ``num_ooms`` = OOMs raised.
-    The ``small_pool`` rows are vmalloc's small-block bins; ``large_pool`` the chunked ranges.
+    cached chunks; cumulative: chunks created / released x chunk size); ``allocation`` /
+    ``active`` = live allocations (cumulative: mallocs / frees); ``segment`` = chunks held
+    (cumulative: chunks created / released); ``num_device_alloc`` / ``num_device_free`` = chunk
+    maps / unmaps; ``num_ooms`` = OOMs raised. The ``small_pool`` rows are vmalloc's small-block
+    bins (their slabs for reserved bytes and segments); ``large_pool`` the chunked ranges.
+
+    A figure vmalloc's stats do not keep is 0, as PyTorch reports the stats its cudaMallocAsync
+    backend does not keep (a copy of ``current`` would pass for a real peak): the cumulative
+    ``*_bytes`` ``allocated`` / ``freed`` (but ``reserved_bytes.all``'s), every ``small_pool`` /
+    ``large_pool`` peak, the peaks of the ``allocation`` / ``active`` counts, and the pools'
+    cumulative ``reserved_bytes`` / ``segment`` figures (chunks move between the two).
     """
-    def stat(cur: int, peak: int, allocated: int = 0, freed: int = 0) -> Dict[str, int]:
-        return {"current": int(cur), "peak": int(max(peak, cur)), "allocated": int(allocated),
+    def stat(cur: int, peak: int = 0, allocated: int = 0, freed: int = 0) -> Dict[str, int]:
+        return {"current": int(cur), "peak": int(peak), "allocated": int(allocated),
                 "freed": int(freed)}
 
-    req, req_peak = s["requested_current"], s["requested_peak"]
-    small_req = s.get("small_requested_current", 0)
-    live = s.get("num_live", s["num_malloc"] - s["num_free"])
-    phys, phys_peak = s["physical_current"], s["physical_peak"]
-    chunk = s.get("chunk_size") or 1
-    small_live = s.get("num_small_malloc", 0) - s.get("num_small_free", 0)
+    chunk = int(s.get("chunk_size") or 1)
+    req, small_req = int(s["requested_current"]), int(s.get("small_requested_current", 0))
+    num_malloc, num_free = int(s["num_malloc"]), int(s["num_free"])
+    small_malloc, small_free = int(s.get("num_small_malloc", 0)), int(s.get("num_small_free", 0))
+    live = int(s.get("num_live", num_malloc - num_free))
+    phys, slabs = int(s["physical_current"]), int(s.get("small_pool_bytes", 0))
+    created, released = int(s.get("num_chunks_created", 0)), int(s.get("num_chunks_released", 0))
 
-    def pools(total: Dict[str, int], small_cur: int) -> Dict[str, Dict[str, int]]:
-        return {"all": total, "small_pool": stat(small_cur, small_cur),
-                "large_pool": stat(total["current"] - small_cur, total["current"] - small_cur)}
+    def requested() -> Dict[str, Dict[str, int]]:
+        return {"all": stat(req, s["requested_peak"]), "small_pool": stat(small_req),
+                "large_pool": stat(req - small_req)}
+
+    def allocations() -> Dict[str, Dict[str, int]]:
+        small_live = small_malloc - small_free
+        return {"all": stat(live, 0, num_malloc, num_free),
+                "small_pool": stat(small_live, 0, small_malloc, small_free),
+                "large_pool": stat(live - small_live, 0, num_malloc - small_malloc,
+                                   num_free - small_free)}
+
+    def zero() -> Dict[str, Dict[str, int]]:
+        return {"all": stat(0), "small_pool": stat(0), "large_pool": stat(0)}
 
     return {
-        "allocated_bytes": pools(stat(req, req_peak), small_req),
-        "requested_bytes": pools(stat(req, req_peak), small_req),
-        "active_bytes": pools(stat(req, req_peak), small_req),
-        "reserved_bytes": pools(stat(phys, phys_peak), s.get("small_pool_bytes", 0)),
-        "inactive_split_bytes": pools(stat(0, 0), 0),
-        "allocation": pools(stat(live, live, s["num_malloc"], s["num_free"]), small_live),
-        "active": pools(stat(live, live, s["num_malloc"], s["num_free"]), small_live),
-        "segment": pools(stat(phys // chunk, phys_peak // chunk), 0),
-        "inactive_split": pools(stat(0, 0), 0),
+        "allocated_bytes": requested(),
+        "requested_bytes": requested(),
+        "active_bytes": requested(),
+        "reserved_bytes": {"all": stat(phys, s["physical_peak"], created * chunk, released * chunk),
+                           "small_pool": stat(slabs), "large_pool": stat(phys - slabs)},
+        "inactive_split_bytes": zero(),
+        "allocation": allocations(),
+        "active": allocations(),
+        "segment": {"all": stat(phys // chunk, int(s["physical_peak"]) // chunk, created, released),
+                    "small_pool": stat(slabs // chunk),
+                    "large_pool": stat((phys - slabs) // chunk)},
+        "inactive_split": zero(),
         "num_alloc_retries": int(s.get("num_pressure_calls", 0)),
         "num_ooms": int(s.get("num_oom", 0)),
         "num_sync_all_streams": 0,
         "num_device_alloc": int(s.get("num_map", 0)),
         "num_device_free": int(s.get("num_unmap", 0)),
         "max_split_size": -1,
-        "oversize_allocations": stat(0, 0),
-        "oversize_segments": stat(0, 0),
+        "oversize_allocations": stat(0),
+        "oversize_segments": stat(0),
     }
 
 
@@ -97,22 +121,18 @@ def install_shims(torch: Any) -> None:
     def memory_snapshot(arg: Any = None) -> Dict[str, Any]:
         cfg = reg.config
         include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and not arg[2])
-        snap = history_snapshot(chunk_size=cfg.get("chunk_size", 2 << 20))
-        if not include_traces:
-            snap["device_traces"] = [[] for _ in snap["device_traces"]]
-        return snap
+        return history_snapshot(chunk_size=cfg.get("chunk_size", 2 << 20), traces=include_traces)
 
     def record_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
-        on = bool(enabled)
-        native = core()
+        # the user's recording only: a stop leaves the one VMALLOC_REPORT started (its exit
+        # report's histogram and N_max) running, as PyTorch's "record, dump, stop" expects
         with reg.lock:
-            if on and kwargs.get("clear_history", len(args) > 3 and args[3]):
-                reg.history.clear()
-            if not on:
-                drain_history()
-                reg.history.clear()
-            reg.recording = on
-            native._torch_set_trace(on)
+            if not enabled:
+                stop_recording("user")
+                return
+            start_recording("user")
+            if kwargs.get("clear_history", len(args) > 3 and args[3]):
+                clear_user_history()
 
     def memory_fraction(device: Any = None) -> float:
         return budget_fraction(stats(device_index(device)), _total_memory(torch, device_index(device)))

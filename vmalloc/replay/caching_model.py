@@ -128,9 +128,15 @@ class CachingAllocatorModel:
     def __init__(self, budget: Optional[int] = None, max_split_size: Optional[int] = None):
         if budget is not None and budget < 0:
             raise ValueError(f"budget: must be >= 0 bytes, got {budget}")
-        if max_split_size is not None and max_split_size <= K_SMALL_SIZE:
-            # CUDAAllocatorConfig rejects max_split_size_mb below kLargeBuffer/MiB; keep it sane
-            raise ValueError(f"max_split_size: must exceed 1 MiB, got {max_split_size}")
+        if max_split_size is not None and (
+                isinstance(max_split_size, bool) or not isinstance(max_split_size, int)
+                or max_split_size < K_LARGE_BUFFER):
+            # AllocatorConfig::parseMaxSplitSize refuses max_split_size_mb below kLargeBuffer
+            # (20 MiB; PyTorch <= 2.8's CUDAAllocatorConfig wanted > 20). Smaller values also
+            # break the model: an oversize cached block could then be a split piece of a
+            # segment, which _release_block cannot cudaFree on its own.
+            raise ValueError(f"max_split_size: must be an int >= 20 MiB ({K_LARGE_BUFFER} "
+                             f"bytes) as in PyTorch, got {max_split_size!r}")
         self.budget = budget or None
         self.max_split_size = _UNLIMITED if max_split_size is None else max_split_size
         self._small = _Pool(small=True)
@@ -138,6 +144,10 @@ class CachingAllocatorModel:
         self._live: Dict[int, _Block] = {}
         self._segments: Dict[int, int] = {}      # segment address -> size
         self._next_addr = 1 << 40
+        #: smallest ``reserved + segment size`` the budget refused so far (None: never). The
+        #: budget only enters through that one comparison, so every budget in
+        #: [budget, min_refused) replays identically: min_budget's scan skips to it.
+        self.min_refused: Optional[int] = None
         self._s = dict(requested_current=0, requested_peak=0, allocated_current=0,
                        allocated_peak=0, reserved_current=0, reserved_peak=0,
                        num_malloc=0, num_free=0, num_device_alloc=0, num_device_free=0,
@@ -247,7 +257,10 @@ class CachingAllocatorModel:
                      retry: bool = False) -> Optional[_Block]:
         if retry:
             self._s["num_alloc_retries"] += 1
-        if self.budget is not None and self._s["reserved_current"] + alloc_size > self.budget:
+        want = self._s["reserved_current"] + alloc_size
+        if self.budget is not None and want > self.budget:
+            if self.min_refused is None or want < self.min_refused:
+                self.min_refused = want
             return None
         addr = self._next_addr
         # leave a gap so segments are never contiguous (cudaMalloc gives no adjacency guarantee)

@@ -71,7 +71,8 @@ def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
 def load(path: PathLike, device: Optional[int] = None,
          max_bytes: int = DEFAULT_MAX_BYTES) -> Trace:
     """Read a trace file: contract-2 JSON (optionally gzip'ed) or a PyTorch snapshot (pickle or
-    JSON). Every problem is a ``TraceFileError`` (a ``ValueError``) naming ``path``."""
+    JSON). ``device`` picks a snapshot's device (default: the busiest); given for a JSON trace it
+    is refused. Every problem is a ``TraceFileError`` (a ``ValueError``) naming ``path``."""
     name = os.path.basename(str(path))
     for suffix in (".gz", ".json", ".pickle", ".pkl"):
         if name.endswith(suffix):
@@ -93,6 +94,9 @@ def load(path: PathLike, device: Optional[int] = None,
                 raise TraceFileError(f"{path}: not valid JSON ({exc})") from None
             if isinstance(data, Mapping) and "device_traces" in data:
                 return from_snapshot(data, device, name)
+            if device is not None:  # silently ignoring it would replay what was not asked for
+                raise TraceFileError(f"{path}: a JSON trace has one device; device (--device "
+                                     f"{device}) applies to PyTorch snapshots only")
             return from_json(data, name)
         check_head(raw[:64])
         try:
@@ -107,7 +111,7 @@ def load(path: PathLike, device: Optional[int] = None,
         return from_snapshot(data, device, name)
     except TraceFileError:
         raise
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError, OverflowError) as exc:  # OverflowError: a safety net
         raise TraceFileError(f"{path}: {exc}") from None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .caching_model import K_ROUND_LARGE, CachingAllocatorModel
 from .trace import Trace
@@ -76,19 +76,34 @@ def fits(trace: Trace, factory: Factory, budget: Optional[int]) -> bool:
         a.close()
 
 
-def min_budget(trace: Trace, factory: Factory, granularity: int,
-               upper: Optional[int] = None, fallback_upper: Optional[int] = None) -> Optional[int]:
-    """Smallest multiple of ``granularity`` at which ``trace`` replays without running out.
+def _trial(trace: Trace, factory: Factory, budget: int) -> Tuple[bool, Optional[int]]:
+    """Replay on a fresh allocator capped at ``budget``: (fits, the next budget that can behave
+    differently, when the allocator tells: the caching model's ``min_refused``)."""
+    a = factory(budget)
+    try:
+        ok = replay(trace, a).ok
+        return ok, getattr(a, "min_refused", None)
+    finally:
+        a.close()
 
-    Bisection on the budget, as RAPIDS RMM's replay benchmark does on its simulated memory size.
-    It assumes more budget never hurts (true of both allocators here: a cap only adds failures
-    and the OOM-retry release). The search starts at the trace's peak requested bytes (no
-    allocator needs less) and ends at ``upper`` (default: the peak physical bytes of an
-    uncapped run, which fits by construction); if ``upper`` (a guess, e.g. a leaner run's peak)
-    does not fit, ``fallback_upper`` is tried. Returns None if no upper bound fits.
-    """
+
+#: most replays min_budget's scan (non-monotone allocators) spends before it settles for a
+#: bisection of what is left; the bundled traces need at most ~20, a 200k-event trace ~140
+MAX_SCAN_TRIALS = 256
+
+
+def smallest_budget(trace: Trace, factory: Factory, granularity: int,
+                    upper: Optional[int] = None, fallback_upper: Optional[int] = None,
+                    monotone: Optional[bool] = None,
+                    max_trials: int = MAX_SCAN_TRIALS) -> Tuple[Optional[int], bool]:
+    """:func:`min_budget`, and whether the answer is proven to be the smallest that fits
+    (False only when a non-monotone scan ran out of ``max_trials`` and bisected the rest)."""
     if granularity <= 0:
         raise ValueError(f"granularity: must be > 0, got {granularity}")
+    if trace.peak_requested() == 0:
+        return 0, True            # nothing allocated: no memory needed (not one granule)
+    if monotone is None:
+        monotone = getattr(factory, "monotone", True)
     if upper is None:
         a = factory(None)
         try:
@@ -96,21 +111,64 @@ def min_budget(trace: Trace, factory: Factory, granularity: int,
         finally:
             a.close()
         upper = res.stats["physical_peak"]
-    lo = max(1, math.ceil(trace.peak_requested() / granularity))
+    lo = math.ceil(trace.peak_requested() / granularity)
     hi = max(lo, math.ceil(upper / granularity))
+    if not monotone:
+        # More budget can hurt here (the caching model: a bigger cap means fewer OOM-retry
+        # releases, so segments stay split), so bisection may land above smaller budgets that
+        # fit. Scan up from the floor instead: the first budget that fits is the smallest.
+        # It stops by the uncapped peak (``fallback_upper`` or ``upper``: the cap never binds).
+        top = math.ceil(max(upper, fallback_upper or 0) / granularity)
+        k = lo
+        for _ in range(max_trials):
+            if k > top:
+                return None, True
+            ok, refused = _trial(trace, factory, k * granularity)
+            if ok:
+                return k * granularity, True
+            # every budget below the smallest one refused replays the same way: skip them
+            k = max(k + 1, -(-refused // granularity) if refused else k + 1)
+        lo, exact = k, False      # out of trials: the answer is in [k, what bisection finds]
+        hi = max(lo, hi)
+    else:
+        exact = True
     if not fits(trace, factory, hi * granularity):
         if fallback_upper is None or fallback_upper <= hi * granularity:
-            return None
+            return None, exact
         lo, hi = hi + 1, math.ceil(fallback_upper / granularity)
         if not fits(trace, factory, hi * granularity):
-            return None
+            return None, exact
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(trace, factory, mid * granularity):
             hi = mid
         else:
             lo = mid + 1
-    return lo * granularity
+    return lo * granularity, exact
+
+
+def min_budget(trace: Trace, factory: Factory, granularity: int,
+               upper: Optional[int] = None, fallback_upper: Optional[int] = None,
+               monotone: Optional[bool] = None,
+               max_trials: int = MAX_SCAN_TRIALS) -> Optional[int]:
+    """Smallest multiple of ``granularity`` at which ``trace`` replays without running out
+    (0 for a trace that allocates nothing; None if no bound tried fits).
+
+    ``monotone`` (default: the factory's ``monotone`` attribute, else True) says more budget
+    never hurts, as for vmalloc (a cap only adds failures and remaps): then bisection, as RAPIDS
+    RMM's replay benchmark does on its simulated memory size. The search starts at the trace's
+    peak requested bytes (no allocator needs less) and ends at ``upper`` (default: the peak
+    physical bytes of an uncapped run, which fits by construction); if ``upper`` (a guess, e.g.
+    a leaner run's peak) does not fit, ``fallback_upper`` is tried.
+
+    Not monotone (the caching model, ``caching_factory``: a cap can fit where a bigger one
+    fails): budgets are tried upward from the peak requested bytes, skipping those the
+    allocator reports would replay identically, so the answer is the smallest budget that fits
+    anywhere, not just a crossing a bisection happens to find. After ``max_trials`` replays the
+    rest is bisected (see :func:`smallest_budget`, which says whether that happened).
+    """
+    return smallest_budget(trace, factory, granularity, upper, fallback_upper, monotone,
+                           max_trials)[0]
 
 
 def vmalloc_factory(chunk_size: int, backend: str = "host-lazy",
@@ -133,8 +191,11 @@ def vmalloc_factory(chunk_size: int, backend: str = "host-lazy",
 
 
 def caching_factory(max_split_size: Optional[int] = None) -> Factory:
+    """Fresh :class:`CachingAllocatorModel` with a given budget; marked not monotone (a bigger
+    cap can fail where a smaller one fits), so :func:`min_budget` scans instead of bisecting."""
     def make(budget: Optional[int]) -> CachingAllocatorModel:
         return CachingAllocatorModel(budget=budget, max_split_size=max_split_size)
+    make.monotone = False  # type: ignore[attr-defined]
     return make
 
 
@@ -174,7 +235,7 @@ class Row:
     requested_peak: int
     physical_peak: int
     mapped_peak: int
-    ratio: float                     # physical_peak / requested_peak
+    ratio: Optional[float]           # physical_peak / requested_peak (None: nothing requested)
     fragmentation: float             # 1 - requested_peak / physical_peak (GMLake's metric)
     min_budget: Optional[int]
     budget_ratio: Optional[float]    # min_budget / requested_peak: what the workload really needs
@@ -185,6 +246,9 @@ class Row:
     num_unmap: int
     cache_hits: int
     chunk_size: int = 0
+    # False when min_budget is only an upper bound: a non-monotone allocator's scan ran out of
+    # trials (MAX_SCAN_TRIALS) and bisected the rest
+    min_budget_exact: bool = True
     timeline: Optional[Dict[str, List[float]]] = field(default=None, repr=False)
 
     def to_json(self) -> Dict[str, Any]:
@@ -205,7 +269,7 @@ def compare(trace: Trace, contenders: Optional[Sequence[Contender]] = None,
             a.close()
         s = res.stats
         req, phys = s["requested_peak"], s["physical_peak"]
-        budget = None
+        budget, exact = None, True
         if bisect and res.ok:
             upper = phys
             if c.lean_factory is not None:
@@ -214,14 +278,17 @@ def compare(trace: Trace, contenders: Optional[Sequence[Contender]] = None,
                     upper = min(phys, replay(trace, lean).stats["physical_peak"])
                 finally:
                     lean.close()
-            budget = min_budget(trace, c.factory, c.granularity, upper=upper, fallback_upper=phys)
+            budget, exact = smallest_budget(trace, c.factory, c.granularity, upper=upper,
+                                            fallback_upper=phys)
         rows.append(Row(
             allocator=c.name, ok=res.ok, requested_peak=req, physical_peak=phys,
-            mapped_peak=s["mapped_peak"], ratio=phys / req if req else float("nan"),
+            # None, not NaN, for an empty trace: --json must write standard JSON (null)
+            mapped_peak=s["mapped_peak"], ratio=phys / req if req else None,
             fragmentation=1 - req / phys if phys else 0.0, min_budget=budget,
             budget_ratio=budget / req if budget and req else None,
             if_peak=res.if_peak, if_bound=res.n_max * c.chunk_size, n_max=res.n_max,
             num_map=s.get("num_map", 0), num_unmap=s.get("num_unmap", 0),
             cache_hits=s.get("num_cache_hits", 0), chunk_size=c.chunk_size,
+            min_budget_exact=exact,
             timeline=res.timeline if timeline else None))
     return rows

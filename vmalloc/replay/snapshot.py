@@ -8,9 +8,10 @@ entry is checked: a missing or malformed field is an error naming the entry.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .trace import Event, Trace, checked_int
+from .trace import Event, Trace, checked_int, checked_time
 
 
 def _entry(e: Any, device: int, k: int) -> Tuple[str, int, int, int, Any]:
@@ -25,8 +26,8 @@ def _entry(e: Any, device: int, k: int) -> Tuple[str, int, int, int, Any]:
         if key not in e:
             raise ValueError(f"{where} ({action}): missing {key!r}")
     us = e.get("time_us")
-    if us is not None and (isinstance(us, bool) or not isinstance(us, (int, float))):
-        raise ValueError(f"{where}.time_us: expected a number, got {us!r:.60}")
+    if us is not None:  # a float from here on: a huge int would overflow in t_of's division
+        us = checked_time(us, f"{where}.time_us")
     return (action, checked_int(e["addr"], f"{where}.addr"), checked_int(e["size"], f"{where}.size"),
             checked_int(e.get("stream", 0) or 0, f"{where}.stream"), us)
 
@@ -63,6 +64,7 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
         us = e.get("time_us")
         if us is None:
             return float(len(events))
+        us = float(us)  # _entry checked it is finite as a float: no int overflow below
         if t0 is None:
             t0 = us
         return (us - t0) / 1e6
@@ -121,4 +123,10 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
                     next_id += 1
     meta = {"source": "pytorch-snapshot", "device": device, "units": "bytes, seconds",
             "name": name or "snapshot"}
+    incomplete = snapshot.get("vmalloc_incomplete")   # vmalloc's own snapshots say so
+    if incomplete:
+        meta["incomplete"] = incomplete
+        warnings.warn(f"{name or 'snapshot'}: incomplete ({incomplete}): allocations live "
+                      "before its recording, or whose events were dropped, are not in it, so "
+                      "its replay under-counts memory", RuntimeWarning, stacklevel=2)
     return Trace(pre + events, meta)

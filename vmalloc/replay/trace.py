@@ -109,6 +109,20 @@ def checked_int(value: Any, where: str, lo: int = 0, hi: int = SIZE_LIMIT) -> in
     return value
 
 
+def checked_time(value: Any, where: str) -> float:
+    """``value`` as a finite float; a bool, string, NaN, infinity or an int too big for a float
+    (JSON ``1e400`` written out as digits) is an error, not an OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: expected a finite number, got {value!r:.60}")
+    try:
+        t = float(value)
+    except OverflowError:
+        t = math.inf
+    if not math.isfinite(t):
+        raise ValueError(f"{where}: expected a finite number, got {str(value):.60}")
+    return t
+
+
 def validate(events: Iterable[Event]) -> None:
     """Raise ``ValueError`` naming the event index when the sequence is not a valid trace."""
     live: Dict[int, int] = {}
@@ -152,13 +166,11 @@ def from_json(data: Mapping[str, Any], name: Optional[str] = None) -> Trace:
         for key in ("action", "id", "size"):
             if key not in ev:
                 raise ValueError(f"events[{i}]: missing {key!r} in {ev!r:.80}")
-        t = ev.get("time", 0.0)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ValueError(f"events[{i}].time: expected a finite number, got {t!r:.60}")
+        t = checked_time(ev.get("time", 0.0), f"events[{i}].time")
         events.append(Event(action=ev["action"], id=checked_int(ev["id"], f"events[{i}].id", -2**63,
                                                            2**63),
                             size=checked_int(ev["size"], f"events[{i}].size"),
                             stream=checked_int(ev.get("stream", 0), f"events[{i}].stream"),
-                            time=float(t)))
+                            time=t))
     return Trace(events, meta)
 
