@@ -11,37 +11,14 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import scheduler
-from scheduler.planners import rotor
 from scheduler.runtime.checkpoint import checkpointed
 from test_checkpoint_hf import FAST, make
-from wrap_models import ConvBN, every_block, mlp_blocks
+from wrap_models import (ConvBN, ListNet, TorchCheckpointedNet, every_block, mlp_blocks,
+                         tight_rotor)
 
 L = 4
-
-
-def tight_rotor(chain, budget):  # rotor's plan at its least memory: some blocks recomputed
-    return rotor.solve(chain, rotor.min_memory(chain, slots=500, memory=chain.fw_tmp[0] + 1))
-
-
-class Net(nn.Module):
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-class TorchCheckpointed(Net):
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch_checkpoint(b, x, use_reentrant=False)
-        return x
 
 
 def _functional_step(model, x, seed=1):
@@ -66,7 +43,7 @@ def _blocks(kind):
 @pytest.mark.parametrize("planner", [every_block, tight_rotor])
 def test_recomputation_runs_with_the_calls_tensors(kind, planner):
     blocks, x = _blocks(kind)
-    plain = Net(blocks)
+    plain = ListNet(blocks)
     model = scheduler.checkpoint(copy.deepcopy(plain), None, planner, blocks="blocks")
     own = [t.clone() for t in model.state_dict().values()]
     for _ in range(2):  # (rotor: the profiling step first)
@@ -85,8 +62,8 @@ def test_recomputation_runs_with_the_calls_tensors(kind, planner):
 def test_torch_checkpoint_gets_it_wrong():
     """The failure the runner avoids, under PyTorch's own checkpointing."""
     blocks, x = _blocks("mlp")
-    plain = Net(blocks)
-    ckpt = TorchCheckpointed(copy.deepcopy(blocks))
+    plain = ListNet(blocks)
+    ckpt = TorchCheckpointedNet(copy.deepcopy(blocks))
     _, want, _ = _functional_step(plain, x)
     _, got, _ = _functional_step(ckpt, x)
     assert any(not torch.equal(want[k], got[k]) for k in want)
@@ -128,7 +105,7 @@ def test_a_buffer_the_first_run_built_is_the_one_recomputed_with():
     """The tensors are taken as the first run left them (taken before it, the recomputation
     ran with the placeholder: wrong gradients, no error)."""
     torch.manual_seed(0)
-    plain = Net([LazyTable() for _ in range(L)])
+    plain = ListNet([LazyTable() for _ in range(L)])
     model = scheduler.checkpoint(copy.deepcopy(plain), None, every_block, blocks="blocks")
     x = torch.randn(8, 16)
     for m in (plain, model):

@@ -12,18 +12,12 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import scheduler
-from scheduler.planners import rotor
 from scheduler.runtime.checkpoint import checkpointed
-from wrap_models import every_block
+from wrap_models import ListNet, TorchCheckpointedNet, every_block, tight_rotor
 
 L = 4
-
-
-def tight_rotor(chain, budget):  # rotor's plan at its least memory: some blocks recomputed
-    return rotor.solve(chain, rotor.min_memory(chain, slots=500, memory=chain.fw_tmp[0] + 1))
 
 
 class Block(nn.Module):
@@ -42,24 +36,6 @@ class Block(nn.Module):
         return self.norm(torch.tanh(self.lin(x))) + x
 
 
-class Net(nn.Module):
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-class TorchCheckpointed(Net):
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch_checkpoint(b, x, use_reentrant=False)
-        return x
-
-
 def _step(model, x):
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
@@ -73,9 +49,9 @@ def _same(a, b):
         and all(torch.equal(p, q) for p, q in zip(a[2], b[2]))
 
 
-def _twins(style, cls=Net):
+def _twins(style, cls=ListNet):
     torch.manual_seed(0)
-    plain = Net([Block(style) for _ in range(L)])
+    plain = ListNet([Block(style) for _ in range(L)])
     return plain, cls(copy.deepcopy(list(plain.blocks)))
 
 
@@ -93,7 +69,7 @@ def test_spectral_norm_recomputed_as_plain_training(style, planner):
 
 
 def test_torch_checkpoint_gets_it_wrong():
-    plain, ckpt = _twins("spectral_norm", TorchCheckpointed)
+    plain, ckpt = _twins("spectral_norm", TorchCheckpointedNet)
     x = torch.randn(8, 16)
     want, got = _step(plain, x), _step(ckpt, x)
     assert not all(torch.equal(p, q) for p, q in zip(want[1], got[1]))
@@ -137,7 +113,7 @@ def test_a_buffer_that_first_moves_late_is_said():
     """A buffer the learned set did not know (it never moved before, in these modes) has no
     copy from before the run: the step may be inexact, and a warning says so."""
     torch.manual_seed(0)
-    model = scheduler.checkpoint(Net([Sometimes() for _ in range(L)]), None, every_block,
+    model = scheduler.checkpoint(ListNet([Sometimes() for _ in range(L)]), None, every_block,
                                  blocks="blocks")
     neg = -torch.rand(8, 16)
     model(neg).square().mean().backward()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from scheduler.plan import Plan
+from scheduler.planners import rotor
 from scheduler.planners.mimose import plan_from_checkpoints
 
 
@@ -96,6 +97,34 @@ def token_batch(batch: int, seq: int, vocab: int = 50, seed: int = 0) -> torch.T
 def every_block(chain: Any, budget: Any) -> Plan:
     """A ``planner=`` callable: every block checkpointed, recomputed in the backward."""
     return plan_from_checkpoints(chain.L, range(chain.L), planner="test")
+
+
+def tight_rotor(chain: Any, budget: Any) -> Plan:
+    """A ``planner=`` callable: rotor's plan at its least memory (some blocks recomputed)."""
+    return rotor.solve(chain, rotor.min_memory(chain, slots=500, memory=chain.fw_tmp[0] + 1))
+
+
+class ListNet(nn.Module):
+    """Blocks in a ``ModuleList``, called in a loop (what ``scheduler.checkpoint`` finds)."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class TorchCheckpointedNet(ListNet):
+    """The same under PyTorch's own ``checkpoint`` (non-reentrant), for the failures it has."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return x
 
 
 def loss_of(out: Any) -> torch.Tensor:
