@@ -10,7 +10,10 @@ import pytest
 
 from _subproc import ROOT
 
-sys.path.insert(0, ROOT)
+# appended, never first: a child process (multiprocessing spawn) takes this sys.path, and the
+# checkout's unbuilt vmalloc must not come before the installed one
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 from bench import swap as bench_swap  # noqa: E402
 
 

@@ -184,11 +184,10 @@ def test_ctrl_c_during_a_replay_is_one_line_exit_130_and_no_json(tmp_path, capsy
     assert not out.exists() and not (tmp_path / "out.json.part").exists()
 
 
-def test_python_dash_m_vmalloc_runs_the_cli():
+def test_python_dash_m_vmalloc_runs_the_cli(tmp_path):
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from _subproc import python_env   # the vmalloc this process imports, from outside the checkout
     r = subprocess.run([sys.executable, "-m", "vmalloc", "--help"], capture_output=True,
-                       text=True, env=env, cwd=root)
+                       text=True, env=python_env(), cwd=str(tmp_path), timeout=120)
     assert r.returncode == 0 and "usage: vmalloc" in r.stdout

@@ -507,8 +507,10 @@ def test_a_step_that_needs_more_time_than_is_left_waits_for_a_later_call(monkeyp
 
 def test_no_build_on_a_fresh_machine_builds_after_all(monkeypatch, tmp_path):
     """The device tool gives a machine back when it idles: a second call may land on a bare
-    one, where --no-build would leave nothing to import."""
+    one, where --no-build would leave nothing to import (on a GPU machine only: elsewhere
+    --no-build is taken at its word, and CI's checkout is never built by a test)."""
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {})
+    monkeypatch.setattr(gc, "gpu_machine", lambda: True)
     steps = []
     real_run = gc.Check.run
 
@@ -522,4 +524,9 @@ def test_no_build_on_a_fresh_machine_builds_after_all(monkeypatch, tmp_path):
     (root / "vmalloc" / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"")
     steps.clear()
     gc.main(["--no-build", "--only", "demo", str(tmp_path / "b")])
+    assert "build" not in steps
+    (root / "vmalloc" / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}").unlink()
+    monkeypatch.setattr(gc, "gpu_machine", lambda: False)
+    steps.clear()
+    gc.main(["--no-build", "--only", "demo", str(tmp_path / "c")])
     assert "build" not in steps
