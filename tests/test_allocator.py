@@ -518,3 +518,15 @@ def test_reset_peak_sets_peaks_to_current(backend):
         for key in ("requested", "mapped", "physical"):
             assert s[f"{key}_peak"] == s[f"{key}_current"] == before[f"{key}_current"]
         a.free(small)
+
+
+def test_live_allocations_lists_every_live_allocation_by_address():
+    """What a memory snapshot lists, whenever its history began: small blocks and chunked
+    ranges, with their requested bytes, freed ones gone."""
+    with Allocator("host", chunk_size=2 << 20) as a:
+        big, small, gone = a.malloc(5 << 20), a.malloc(100), a.malloc(3000)
+        a.free(gone)
+        assert a.live_allocations() == sorted([(big, 5 << 20), (small, 100)])
+        a.free(big)
+        a.free(small)
+        assert a.live_allocations() == []

@@ -1186,6 +1186,21 @@ size_t Allocator::allocation_size(const void* p) const {
   return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
 }
 
+std::vector<std::pair<uintptr_t, size_t>> Allocator::live_allocations() const {
+  const Impl& m = *impl_;
+  m.check_not_forked();
+  std::vector<std::pair<uintptr_t, size_t>> out;
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    out.reserve(m.live.size());
+    m.live.for_each([&](uintptr_t addr, uintptr_t v) {
+      out.emplace_back(addr, is_block(v) ? as_block(v)->requested : as_range(v)->requested);
+    });
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
 
 size_t Allocator::largest_available() {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace vmalloc {
@@ -149,6 +150,9 @@ class Allocator {
   size_t granularity() const;           // device allocation granularity (bytes)
   bool closed() const;
   size_t allocation_size(const void* p) const;  // requested bytes of a live allocation, 0 if unknown
+  // (address, requested bytes) of every live allocation, by address: what a memory snapshot
+  // lists, whenever its history began
+  std::vector<std::pair<uintptr_t, size_t>> live_allocations() const;
   size_t total_memory() const;          // device memory (cuda) / machine RAM (host), bytes: for
                                         // memory fractions (torch.cuda.set_per_process_memory_fraction)
   // The largest malloc that succeeds now without the pressure callback: the cached chunks (any of

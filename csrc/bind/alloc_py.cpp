@@ -193,6 +193,13 @@ void bind_alloc(nb::module_& m) {
            })
       .def("allocation_size", [](const Allocator& a, uintptr_t ptr) { return a.allocation_size(as_ptr(ptr)); },
            "ptr"_a)
+      .def("live_allocations",
+           [](const Allocator& a) {
+             nb::list out;
+             for (const auto& [addr, size] : a.live_allocations()) out.append(nb::make_tuple(addr, size));
+             return out;
+           },
+           "(address, requested bytes) of every live allocation, sorted by address.")
       .def("close", &Allocator::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Allocator::closed)
       .def_prop_ro("forked", &Allocator::forked,

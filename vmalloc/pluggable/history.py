@@ -7,7 +7,6 @@ import warnings
 from collections import deque
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from ..sizes import format_size
 from .registry import REGISTRY, Registry, core
 
 # The history, its sequence numbers and the live set change together, from the report, the
@@ -17,7 +16,7 @@ _LOCK = threading.RLock()
 
 def _append_history(reg: Registry, device: int, events: List[Dict[str, Any]]) -> None:
     """Append to a device's bounded history (the newest ``reg.trace_capacity`` events), counting
-    what falls out, and keep the device's live set (by address) up to date."""
+    what falls out."""
     h = reg.history.get(device)
     if h is None or h.maxlen != reg.trace_capacity:
         h = reg.history[device] = deque(h or (), maxlen=reg.trace_capacity)
@@ -25,15 +24,6 @@ def _append_history(reg: Registry, device: int, events: List[Dict[str, Any]]) ->
                                    + max(0, len(h) + len(events) - reg.trace_capacity))
     h.extend(events)
     reg.history_seq[device] = reg.history_seq.get(device, 0) + len(events)
-    # the live set outlives the bounded history: a model's weights stay in it however many
-    # activations come and go after them
-    live = reg.live.setdefault(device, {})
-    for e in events:
-        addr = int(e.get("addr", e["id"]))
-        if e["action"] == "alloc":
-            live[addr] = e
-        else:
-            live.pop(addr, None)
 
 
 def drain_history() -> None:
@@ -76,8 +66,6 @@ def start_recording(who: str = "report") -> None:
     recording runs while anyone records; each stops only their own (:func:`stop_recording`)."""
     reg = REGISTRY
     with _LOCK:
-        if not reg.recorders:
-            reg.live.clear()   # (re)starting: what is live now is unknown, not "nothing"
         if who == "user" and who not in reg.recorders:
             _restart_user_view()
             reg.user_stopped = False
@@ -97,7 +85,7 @@ def clear_user_history() -> None:
 
 
 def stop_recording(who: str = "user") -> None:
-    """``who`` stops recording; the history and live set go when nobody records any more."""
+    """``who`` stops recording; the history goes when nobody records any more."""
     reg = REGISTRY
     with _LOCK:
         drain_history()
@@ -109,7 +97,6 @@ def stop_recording(who: str = "user") -> None:
             return
         reg.recording = False
         reg.history.clear()
-        reg.live.clear()
         if reg.mode is not None:
             core()._torch_set_trace(False)
 
@@ -141,17 +128,15 @@ def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
     """vmalloc's recorded history as a PyTorch memory snapshot (``_snapshot()`` format).
 
     Each live allocation is one segment with one ``active_allocated`` block (vmalloc maps every
-    large allocation on its own range; the segment size is the mapped ``k * chunk_size``); the
-    live set is kept from when recording started, not taken from the bounded history.
+    large allocation on its own range; the segment size is the mapped ``k * chunk_size``): the
+    allocator's live set, whenever the history began (a model's weights made before recording
+    are in it), not what the bounded history leaves live.
     Trace entries (the user's recording: since ``_record_memory_history`` started or last
     cleared it): ``alloc``, ``free_requested`` + ``free_completed`` (vmalloc frees at once;
-    stream-deferred reuse happens below the trace), with ``time_us``.
-
-    The native allocator cannot list its live allocations, so those made before recording
-    started (or whose events the rings dropped) cannot be shown: then the snapshot says so
-    under ``"vmalloc_incomplete"`` (per device: ``untracked_live``, ``untracked_bytes``,
-    ``events_dropped``) and a RuntimeWarning is raised, as a replay of it under-counts.
-    ``traces=False``: no trace entries (``memory_snapshot()``), so dropped events do not matter.
+    stream-deferred reuse happens below the trace), with ``time_us``. When events of that window
+    were dropped (the rings' capacity), the snapshot says so under ``"vmalloc_incomplete"`` (per
+    device: ``events_dropped``) and a RuntimeWarning is raised: a replay of its trace misses
+    them. ``traces=False``: no trace entries (``memory_snapshot()``).
     """
     reg = REGISTRY
     with _LOCK:
@@ -162,27 +147,18 @@ def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
         incomplete: List[Dict[str, int]] = []
         for d in range(max(devs) + 1):
             per_device[d], lost = _user_events(d) if traces else ([], 0)
-            live[d], untracked, untracked_bytes = _live_allocations(d)
-            if (device is None or d == device) and (untracked or lost):
-                incomplete.append({"device": d, "untracked_live": untracked,
-                                   "untracked_bytes": untracked_bytes, "events_dropped": lost})
+            live[d] = _live_allocations(d)
+            if (device is None or d == device) and lost:
+                incomplete.append({"device": d, "events_dropped": lost})
     snap = snapshot_from_events(per_device, chunk_size=chunk_size, small_threshold=small_threshold,
                                 only_device=device, live=live)
     if incomplete:
         snap["vmalloc_incomplete"] = incomplete
         for i in incomplete:
-            what = []
-            if i["untracked_live"]:
-                what.append(f"{i['untracked_live']} live allocations "
-                            f"({format_size(i['untracked_bytes'])}) are missing from its segments "
-                            "(made before the history was recorded, or their events were dropped)")
-            if i["events_dropped"]:
-                what.append(f"{i['events_dropped']} trace events were dropped "
-                            f"(capacity {reg.trace_capacity})")
             warnings.warn(
                 f"vmalloc: the memory snapshot of cuda:{i['device']} is incomplete: "
-                f"{' and '.join(what)}; a replay of it under-counts memory. Record from the "
-                "start (VMALLOC_REPORT, or _record_memory_history before allocating) and raise "
+                f"{i['events_dropped']} trace events were dropped (capacity "
+                f"{reg.trace_capacity}); a replay of its trace misses them. Raise "
                 "vmalloc.torch_allocator.set_trace_capacity()", RuntimeWarning, stacklevel=3)
     return snap
 
@@ -200,23 +176,21 @@ def _user_events(device: int) -> Tuple[List[Dict[str, Any]], int]:
     return h[max(0, since - first):], max(0, first - since) + native
 
 
-def _live_allocations(device: int) -> Tuple[List[Dict[str, Any]], int, int]:
-    """The device's tracked live allocations (checked against the allocator: an entry whose free
-    was dropped is gone), and how many live allocations / requested bytes are not among them."""
+def _live_allocations(device: int) -> List[Dict[str, Any]]:
+    """The device's live allocations as the allocator lists them, as alloc events (their stream
+    and time from the history's alloc event of the same address and size, where it has one)."""
     if device not in _devices():
-        return [], 0, 0
-    a = core()._torch_allocator(device)
-    tracked = REGISTRY.live.setdefault(device, {})
-    for addr, e in list(tracked.items()):
-        size = int(a.allocation_size(addr))
-        if size == 0:             # freed; its free event was dropped
-            del tracked[addr]
-        elif size != int(e["size"]):   # the address was reused; that alloc event was dropped
-            tracked[addr] = {**e, "size": size}
-    s = a.stats()
-    untracked = max(0, int(s["num_live"]) - len(tracked))
-    untracked_bytes = max(0, int(s["requested_current"]) - sum(int(e["size"]) for e in tracked.values()))
-    return list(tracked.values()), untracked, untracked_bytes
+        return []
+    seen = {int(e.get("addr", e["id"])): e for e in REGISTRY.history.get(device, ())
+            if e["action"] == "alloc"}
+    out = []
+    for addr, size in core()._torch_allocator(device).live_allocations():
+        e = seen.get(addr)
+        if e is None or int(e["size"]) != size:
+            e = {"action": "alloc", "id": addr, "addr": addr, "size": size, "stream": 0,
+                 "time": 0.0}
+        out.append(e)
+    return out
 
 
 def snapshot_from_events(per_device: Mapping[int, List[Mapping[str, Any]]], chunk_size: int,

@@ -51,9 +51,6 @@ class Registry:
     user_since: Dict[int, int] = field(default_factory=dict)
     user_stopped: bool = False     # the user stopped recording: their snapshots show no trace
     user_native_dropped: Dict[int, int] = field(default_factory=dict)  # native drops at that point
-    # allocations live now by address (their alloc events), kept from when recording started:
-    # the native allocator cannot list its live set, and the bounded history forgets old events
-    live: Dict[int, Dict[int, Dict[str, Any]]] = field(default_factory=dict)
     torch_allocator: Any = None            # the CUDAPluggableAllocator object (kept alive)
     pool_allocator: Any = None             # pool()'s CUDAPluggableAllocator (kept alive)
     # why vmalloc's allocator cannot answer cuDNN's cacheInfo ("": it does; None: not tried)
