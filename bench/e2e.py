@@ -529,6 +529,7 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
                 skip(model, todo[model][i:])
                 break
             _progress(done, total, f"{model} {m.name} b={b}")
+            tell(START, [model, m.name, b])
             with plan.job():
                 if b not in below_floor:
                     below_floor[b] = (floor or (lambda *a: ""))(model, b, grid.budget_for(model))
@@ -627,6 +628,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 ROW, REF = "E2E-ROW", "E2E-REF"   # the lines a worker prints for the parent
 LEFT = "E2E-LEFT"                 # the jobs it did not start (--stop-at)
+START = "E2E-START"               # the job it starts now (a worker dying in it: crashed)
 
 
 def _start_worker(allocator: str, spec: Dict[str, Any],
@@ -636,10 +638,11 @@ def _start_worker(allocator: str, spec: Dict[str, Any],
                             env=env, stdout=subprocess.PIPE, text=True)
 
 
-def worker_output(stdout: str, left: Optional[List[Key]] = None
+def worker_output(stdout: str, left: Optional[List[Key]] = None,
+                  started: Optional[List[Key]] = None
                   ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """A worker's rows and its plain-training reference losses (per model); the jobs it did
-    not start (``--stop-at``) are added to ``left``."""
+    not start (``--stop-at``) are added to ``left``, those it started to ``started``."""
     rows: List[JobResult] = []
     references: Dict[str, List[float]] = {}
     for line in stdout.splitlines():
@@ -650,6 +653,9 @@ def worker_output(stdout: str, left: Optional[List[Key]] = None
             references.update(json.loads(payload))   # one line per model
         elif kind == LEFT and left is not None:
             left.extend((str(m), str(n), int(b)) for m, n, b in json.loads(payload))
+        elif kind == START and started is not None:
+            m, n, b = json.loads(payload)
+            started.append((str(m), str(n), int(b)))
     return rows, references
 
 
@@ -687,12 +693,13 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
         left: List[Key] = []
+        started: List[Key] = []
         got: List[JobResult] = []
         ref = references.setdefault(allocator, {})
         base = references.get("native", {})
         proc = _start_worker(allocator, spec, env)
         for line in proc.stdout:   # as the worker prints it (each model's reference first)
-            new, new_ref = worker_output(line, left)
+            new, new_ref = worker_output(line, left, started)
             ref.update(new_ref)
             for r in new:
                 if r.model in ref and r.model in base and ref[r.model] != base[r.model]:
@@ -710,10 +717,13 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
             plan.stopped = True
         finished = {row_key(r) for r in got} | set(left)
         unfinished = [k for k in todo if k not in finished]
-        if proc.returncode != 0 and unfinished:
+        running = started[-1] if started else None
+        if proc.returncode != 0 and running in unfinished:
             # the job it was running crashed it (or the host's OOM killer took it): marked so,
-            # and kept by --resume; the jobs after it never started, and run again
-            model, name, b = unfinished.pop(0)
+            # and kept by --resume; the jobs after it never started, and run again (a worker
+            # that died before any job, at its start or in a reference run, blames none)
+            unfinished.remove(running)
+            model, name, b = running
             got.append(JobResult(model, name, b, None, "", None, grid.budget_for(model),
                                  "crashed", f"worker for the {allocator} allocator exited "
                                  f"{proc.returncode} during this job"))

@@ -435,20 +435,22 @@ def gpu_only(args: argparse.Namespace) -> None:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
         result = {"meta": {}, "cpu_overhead": []}   # no CPU part: the README says so
-    old = result.get("gpu") or {}
-    earlier = old.get("rows") if (old.get("budget"), old.get("window")) == (budget, window) \
-        else None
     from bench.common import run_meta   # machine, GPU, driver, torch, date
     argv = sys.argv[1:]
     if "--stop-at" in argv:   # this call's deadline: not part of how to reproduce it
         i = argv.index("--stop-at")
         argv = argv[:i] + argv[i + 2:]
     gmeta = run_meta(" ".join(["python", "bench/swap.py"] + argv), "cuda")
+    # rows kept only from a run of the same grid on the same GPU (one table, one GPU)
+    old = result.get("gpu") or {}
+    same = ((old.get("budget"), old.get("window"), old.get("quick"),
+             (old.get("meta") or {}).get("gpu")) == (budget, window, args.quick, gmeta.get("gpu")))
+    earlier = old.get("rows") if same else None
     result.setdefault("meta", {})["cuda"] = torch.cuda.get_device_name(0)
 
     def save(rows: List[Dict[str, Any]], left: int) -> None:
-        result["gpu"] = {"budget": budget, "window": window, "rows": rows, "meta": gmeta,
-                         "incomplete": left != 0, "not_run": max(left, 0)}
+        result["gpu"] = {"budget": budget, "window": window, "quick": args.quick, "rows": rows,
+                         "meta": gmeta, "incomplete": left != 0, "not_run": max(left, 0)}
         RESULTS.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.part")
         tmp.write_text(json.dumps(result, indent=1, default=str))

@@ -21,7 +21,9 @@ PROGRESS = Path("bench") / "results" / "gpu-progress.json"
 GPU_TESTS = Path("bench") / "results" / "gpu-tests.json"
 # what the tests exercise; a change here makes the GPU tests stale
 SOURCE_DIRS = ("bench", "csrc", "scheduler", "tests", "vmalloc")
-SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml")
+# scripts too: a step's command line or the build lives there (a fix there retries a failure)
+SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml", "scripts/gpu-check", "scripts/dev-build",
+                "scripts/gpu_record.py")
 SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".txt", ".toml", ".cmake")
 RERUN_ON_CHANGE = ("pytest-gpu", "demo")   # correctness checks: done only for the same source
 

@@ -85,3 +85,16 @@ def test_an_out_of_memory_batch_ends_its_method_and_rows_in_error_run_again(fake
     state["ran"].clear()
     bench_swap.gpu_only(_args())
     assert state["ran"] == [("resnet50", "none", 64)]
+
+
+def test_rows_of_another_gpu_or_grid_are_not_kept(fake_gpu, monkeypatch):
+    """One table is one GPU's: a file resumed on another GPU (or with --quick changed) starts
+    over rather than mix them."""
+    import bench.common
+    path, state = fake_gpu
+    bench_swap.gpu_only(_args())
+    n = len(state["ran"])
+    monkeypatch.setattr(bench.common, "run_meta",
+                        lambda command, device="cpu": {"gpu": "Other GPU", "command": command})
+    bench_swap.gpu_only(_args())
+    assert len(state["ran"]) == 2 * n

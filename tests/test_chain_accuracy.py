@@ -93,11 +93,11 @@ def test_mimose_plan_bounds_the_real_peak(name):
 
 def test_autocast_casts_of_the_weights_stay_inside_the_budget():
     """Inside ``torch.autocast`` PyTorch caches every weight's low-precision copy until the
-    region ends, so a forward held all blocks' copies at once, bytes no measurement saw (its
+    region ends, so a forward holds all blocks' copies at once, bytes no measurement saw (its
     casts hit the cache): 1.44x the budget on this GPT-2 at rotor's smallest budget. The
-    runner runs and measures blocks with the cast cache off (``rng.casts_uncached``): their
-    copies live as their other intermediates do. The rest above 1.0 is oneDNN's bf16 work
-    buffers, which no CPU measurement sees (README)."""
+    profiling step adds them beside the chain (``rng.cast_cache_bytes``), so the plan keeps
+    the budget with the cache on, as plain training uses it (the gradients stay exact: a weight
+    used twice shares one cast)."""
     from scheduler.planners import rotor
     from scheduler.runtime.checkpoint import checkpointed
     import transformers
@@ -128,4 +128,35 @@ def test_autocast_casts_of_the_weights_stay_inside_the_budget():
     step(1)  # profiling, then planned steps
     real = cpu_peak(lambda: step(2))
     assert checkpointed(model).runners[0].last_stats.recomputed_forwards > 0
-    assert real <= 1.10 * budget, f"real peak {real} is {real / budget:.3f}x the budget {budget}"
+    assert chain.meta["autocast_cast_bytes"] > 0
+    assert real <= budget, f"real peak {real} is {real / budget:.3f}x the budget {budget}"
+
+
+def test_autocast_gradients_exact_with_a_weight_used_twice_in_a_block():
+    """The cast cache stays as plain training uses it: both uses of a weight share one bf16
+    copy and its gradient is summed in bf16 (with the cache off, in float32: other bits)."""
+    import copy
+    from torch import nn
+    from wrap_models import ListNet, every_block
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(torch.tanh(self.lin(x)))) + x
+
+    torch.manual_seed(0)
+    plain = ListNet([Twice() for _ in range(4)])
+    model = scheduler.checkpoint(copy.deepcopy(plain), None, every_block, blocks="blocks")
+    x = torch.randn(8, 32)
+    for step in range(2):
+        grads = []
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x).float().square().mean()
+            loss.backward()
+            grads.append([p.grad for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), step

@@ -160,9 +160,11 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
     rows, refs = e2e.worker_output("\n".join(lines))
     assert refs == {"resnet50": [2.5, 2.25], "gpt2-s1024": [7.0]}
 
-    class Killed:   # what Popen gives for a worker the kernel killed after one job
+    start = f"{e2e.START} {json.dumps(['resnet50', 'native', 512])}"
+
+    class Killed:   # what Popen gives for a worker the kernel killed in its second job
         returncode = -9
-        stdout = io.StringIO("\n".join(lines[:2]) + "\n")
+        stdout = io.StringIO("\n".join(lines[:2] + [start]) + "\n")
 
         def wait(self):
             return self.returncode
@@ -175,6 +177,16 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
     assert set(got) == {(64, "ok"), (512, "crashed"), (768, "error")}
     assert "exited -9 during this job" in got[(512, "crashed")]
     assert "exited -9 before this job started" in got[(768, "error")]
+
+    class DiedAtStart:   # never started a job: no job is to blame
+        returncode = 1
+        stdout = io.StringIO("")
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: DiedAtStart())
+    assert {r.status for r in e2e.run_workers(grid)} == {"error"}
 
 
 def test_resume_keeps_a_job_that_crashed_its_worker(tmp_path):
@@ -194,8 +206,9 @@ def test_the_worker_reports_each_result_as_it_is_made(monkeypatch):
     grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["native"]], None, 1, 0)
     rows, refs = e2e.run_grid(grid, grid.methods, __import__("torch").device("cpu"),
                               lambda kind, payload: heard.append((kind, payload)))
-    assert [k for k, _ in heard] == [e2e.REF, e2e.ROW]
-    assert heard[0][1] == refs and heard[1][1] == rows[0].row()
+    assert [k for k, _ in heard] == [e2e.REF, e2e.START, e2e.ROW]   # START: before the job runs
+    assert heard[0][1] == refs and heard[1][1] == ["gpt2-s32", "native", 2]
+    assert heard[2][1] == rows[0].row()
 
 
 # ------------------------------------------------------- --stop-at / --resume (a grid over sessions)

@@ -197,13 +197,16 @@ def test_next_records_progress_and_resumes_where_the_last_session_stopped(monkey
     with tarfile.open(tmp_path / "a" / "results.tar.gz") as tar:
         assert "bench/results/gpu-progress.json" in tar.getnames()
 
-    # a second call on the same source: the step that failed would fail again; not run
+    # a second call on the same source: the step that failed would fail again. Nothing else
+    # is left, so nothing runs, nothing is built, and it says so (exit 1)
     outcomes.clear()
     ran.clear()
-    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
-    assert ran == []
-    assert "SKIP  alloc_micro: it failed for this very source before" in \
-        (tmp_path / "b" / "gpu-check.log").read_text()
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
+    assert e.value.code == 1 and ran == []
+    log = (tmp_path / "b" / "gpu-check.log").read_text()
+    assert "SKIP  alloc_micro: it failed for this very source before" in log
+    assert "NOTHING RUNNABLE" in log
     # the next session, alloc_micro fixed: the source changed, so the test steps are stale
     # too (the benches done stay done)
     (root / "vmalloc" / "x.py").write_text("x = 2\n")

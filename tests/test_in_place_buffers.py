@@ -122,3 +122,31 @@ def test_a_buffer_that_first_moves_late_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # learned now (said once)
         model(-neg).square().mean().backward()
+
+
+class RaisesOnce(Block):
+    """A spectral-norm block whose first forward raises after it ran (an out-of-memory error
+    that accelerate's find_executable_batch_size retries after)."""
+    fail = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if RaisesOnce.fail:
+            raise torch.OutOfMemoryError("simulated")
+        return y
+
+
+def test_a_first_forward_that_raised_teaches_nothing():
+    torch.manual_seed(0)
+    plain = ListNet([RaisesOnce("parametrization") for _ in range(L)])
+    model = scheduler.checkpoint(copy.deepcopy(plain), None, every_block, blocks="blocks")
+    x = torch.randn(8, 16)
+    RaisesOnce.fail = True
+    for m in (plain, model):
+        with pytest.raises(torch.OutOfMemoryError):
+            m(x)
+    RaisesOnce.fail = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert _same(_step(plain, x), _step(model, x))

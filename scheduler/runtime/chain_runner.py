@@ -257,9 +257,14 @@ class ChainRunner:
         stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        with rng.casts_uncached():  # measured as the planned steps run them
-            chain = self._measure(stages, x0)
-        return _with_outside(chain, step), signature(x0, {})
+        chain = _with_outside(self._measure(stages, x0), step)
+        # under autocast, the cast cache holds the blocks' weights' low-precision copies until
+        # the region ends (no measurement sees them: its casts hit the cache), beside the chain
+        casts = rng.cast_cache_bytes(p for b in self.blocks for p in b.parameters())
+        if casts:
+            chain = add_outside(chain, casts)
+            chain = chain.replace(meta=dict(chain.meta, autocast_cast_bytes=casts))
+        return chain, signature(x0, {})
 
     def _plan_measured(self, key: Hashable, chain: Chain, agree_on: Hashable,
                        device: Optional[torch.device]) -> None:
@@ -552,9 +557,7 @@ class ChainRunner:
                 self._unplanned(s, out)
             return out
         try:
-            with rng.casts_uncached():  # (a budget cannot hold the whole forward's casts)
-                out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k),
-                                         all_inputs)
+            out = step.forward_block(s, args, kwargs, lambda a, k: run_first(a, k), all_inputs)
         except BaseException:
             # the forward is over (an OOM, an interrupt): what the step holds (checkpoints)
             # must not stay allocated until the next forward, e.g. a retry with a smaller batch

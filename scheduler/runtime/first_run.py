@@ -51,15 +51,17 @@ class FirstRun:
 
 @dataclass
 class Before:
-    """The block's buffers as a first run finds them: (key, tensor, version, copy or None)."""
+    """The block's buffers as a first run finds them: (key, tensor, version, copy or None),
+    and its modules' train/eval modes."""
     buffers: List[Tuple[Key, torch.Tensor, int, Optional[torch.Tensor]]]
+    modes: Tuple[bool, ...] = ()
 
 
 class InPlaceBuffers:
-    """Which buffers of each block its forward changes in place, learned from its runs, so
-    that only those are copied before a first run. A block not seen yet in its current
-    train/eval modes has all its buffers copied once (a spectral norm starts iterating when
-    its module turns to training mode)."""
+    """Which buffers of each block its forward changes in place, learned from its completed
+    runs, so that only those are copied before a first run. A block not seen yet in its
+    current train/eval modes (only the latest modes are kept) has all its buffers copied (a
+    spectral norm starts iterating when its module turns to training mode)."""
 
     def __init__(self) -> None:
         self.known: Dict[int, Tuple[Tuple[bool, ...], Set[Key]]] = {}  # block -> (modes, keys)
@@ -78,15 +80,17 @@ class InPlaceBuffers:
                         key = (i, name)
                         copy = t.detach().clone() if keys is None or key in keys else None
                         bufs.append((key, t, t._version, copy))
-        if keys is None:
-            self.known[s] = (modes, set())
-        return Before(bufs)
+        return Before(bufs, modes)
 
     def moved(self, s: int, name: str, block: nn.Module, before: Before
               ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(buffer, value before the run) for each buffer the run changed in place."""
+        """(buffer, value before the run) for each buffer the run changed in place. Called
+        after a run completed: a run that raised (an out-of-memory error) teaches nothing."""
         prior = []
-        keys = self.known[s][1]
+        learned = self.known.get(s)
+        if learned is None or learned[0] != before.modes:
+            learned = self.known[s] = (before.modes, set())
+        keys = learned[1]
         for key, t, version, copy in before.buffers:
             if t._version == version:
                 continue

@@ -65,30 +65,33 @@ def replay(state: RngState) -> Iterator[None]:
             # thread-local: autograd's threads inherit it) must not recompute in low precision
             for dev, enabled, dtype in state.autocast:
                 stack.enter_context(torch.autocast(device_type=dev, dtype=dtype,
-                                                   enabled=enabled, cache_enabled=False))
+                                                   enabled=enabled))
             yield
     finally:
         _set(mine)
 
 
-@contextlib.contextmanager
-def casts_uncached() -> Iterator[None]:
-    """The body's autocast casts not cached. Inside ``torch.autocast`` PyTorch keeps the
-    low-precision copy of every weight a block casts until the autocast region ends: a forward
-    under a budget would hold every block's copy at once, bytes no chain measurement sees (its
-    casts hit the cache). Uncached, a block's copies live as its other intermediates do (freed
-    after it, or saved by its graph) and are measured with them; the values are the same."""
-    if not any(enabled for _, enabled, _ in autocast_state()):
-        yield
-        return
-    was = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(was)
-
-
 def restore(state: RngState) -> None:
     """Set the generators to ``state`` (and leave them there)."""
     _set(state)
+
+
+def cast_cache_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the low-precision copies autocast's cast cache keeps of ``params`` until the
+    autocast region ends, if autocast is on now for their device (else 0). Plain training under
+    autocast holds every weight's copy at once by the end of the forward, beside the chain's
+    items: a budget must count them. The cache keeps casts of float32 leaves that require grad
+    (``cached_cast`` in ATen's autocast); the copies of those no op casts are counted too."""
+    total = 0
+    for p in {id(p): p for p in params}.values():
+        dev = p.device.type
+        if p.dtype is not torch.float32 or not p.requires_grad or not p.is_leaf:
+            continue
+        try:
+            if not torch.is_autocast_enabled(dev) or not torch.is_autocast_cache_enabled():
+                continue
+            dtype = torch.get_autocast_dtype(dev)
+        except (TypeError, RuntimeError, AttributeError):  # an older torch: no per-device query
+            continue
+        total += p.numel() * dtype.itemsize
+    return total
