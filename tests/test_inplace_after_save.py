@@ -205,3 +205,52 @@ def test_swap_saves_again_a_tensor_swapped_back_in_with_its_bytes_of_now():
                 step(True)
     # x is the program's: swapped back in, its own storage is re-attached (no copy)
     assert s.stats()["reattached_bytes"] > 0
+
+
+def test_swap_sees_a_change_to_the_base_of_a_view_made_inside_an_op():
+    """``nn.Linear`` on a 3-D input saves ``x.view(-1, d)``, a view that dies with the forward
+    while the loop holds ``x`` (a static input buffer the next batch is copied into before the
+    backward). Swapped out and re-attached, the backward read the new bytes without a word;
+    the view shared ``x``'s version counter, so the runtime asks ``x`` now."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def step(change):
+        x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+        h = torch.tanh(lin2(torch.tanh(lin1(x))))
+        loss = h.square().mean()
+        if change:
+            with torch.no_grad():
+                x.mul_(2)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(True)
+    with scheduler.swap(window=4096, budget=20000, device="cpu", min_bytes=0) as s:
+        step(False)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            step(True)
+    assert s.stats()["reattached_bytes"] > 0
+
+
+def test_swap_sees_a_change_after_a_reattached_use():
+    """retain_graph: the first backward reads ``x`` through a re-attached view (a counter of
+    its own); the program then changes ``x``; the second backward raises as plain does."""
+    def step(change):
+        torch.manual_seed(0)
+        w, w2 = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
+        x = torch.randn(64, 64)
+        loss = ((((x * w).tanh() @ w2).exp() @ w2).sin()).sum()
+        loss.backward(retain_graph=True)
+        if change:
+            with torch.no_grad():
+                x.mul_(2)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(True)
+    with scheduler.swap(window="1KiB", budget=40000, device="cpu", min_bytes=0) as s:
+        step(False)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            step(True)
+    assert s.stats()["reattached_bytes"] > 0

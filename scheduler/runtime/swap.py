@@ -304,8 +304,9 @@ class SwapContext:
                     check_unchanged(view, view._version, "swap runtime",
                                     handle.changed_since_saved())
                     handle.view, handle.version = view, view._version
-                else:
-                    check_unchanged(view, handle.version, "swap runtime")
+                else:  # (a re-attached view has a counter of its own: ask the source too)
+                    check_unchanged(view, handle.version, "swap runtime",
+                                    handle.changed_since_saved())
                 if current:
                     seq.step_end()
                 return view

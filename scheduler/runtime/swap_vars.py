@@ -51,15 +51,24 @@ class Handle:
         # (``accounting.check_unchanged``), on the view (which shares the tensor's version
         # counter) while it lives, and remembers a change seen when the view is dropped for
         # a swap-out; after that, on the saved tensor itself while the program holds it (a
-        # weak reference: it keeps no bytes)
+        # weak reference: it keeps no bytes), or on its base: a view made inside an op
+        # (``x.view`` in ``nn.Linear``) dies with the forward while the program holds ``x``,
+        # and a view shares its base's version counter
         self.version = t._version
         self.modified = False
-        self.source = (weakref.ref(t), t._version)
+        base = t._base
+        self.source = (weakref.ref(t), None if base is None else weakref.ref(base), t._version)
 
     def changed_since_saved(self) -> bool:
-        """A change seen when the view was dropped, or made since to the tensor it saved."""
-        t = self.source[0]()
-        return self.modified or (t is not None and t._version != self.source[1])
+        """A change seen when the view was dropped, or made since to the tensor it saved (or
+        to that tensor's base)."""
+        if self.modified:
+            return True
+        ref, base_ref, version = self.source
+        t = ref()
+        if t is None and base_ref is not None:
+            t = base_ref()
+        return t is not None and t._version != version
 
 
 class Kept:
