@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .registry import REGISTRY, Registry, core
 
-# The history, its sequence numbers and the live set change together, from the report, the
+# The history, its sequence numbers and the user's window change together, from the report, the
 # shims and the exit hook, maybe on several threads. Reentrant: start/stop drain under it.
 _LOCK = threading.RLock()
 
