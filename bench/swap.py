@@ -333,13 +333,28 @@ def _available(method: str) -> Optional[str]:
     return None
 
 
+def _worker_row(mname: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One configuration's row, from a worker process of its own."""
+    proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=1800)
+    try:
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
+    row["model"] = mname
+    print(f"  {mname:9s} {cfg['method']:15s} batch {cfg['batch']:5d}: {row['status']}"
+          + (f" {row['throughput']:.1f} {row['unit']}" if row["status"] == "ok" else ""),
+          flush=True)
+    return row
+
+
 def gpu_comparison(quick: bool, budget: int, window: int,
                    earlier: Optional[List[Dict[str, Any]]] = None,
-                   save: Optional[Callable[[List[Dict[str, Any]], int], None]] = None,
+                   save: Optional[Callable[[List[Dict[str, Any]], Optional[int]], None]] = None,
                    stop_at: Optional[float] = None) -> Tuple[List[Dict[str, Any]], int]:
     """The rows, and how many configurations were left unrun for ``stop_at``. ``earlier``:
     rows of a run with the same budget and window, kept (those in error run again); ``save``
-    gets the rows after every worker."""
+    gets the rows after every worker (and None: how many are left is not known yet)."""
     kept = {(r["model"], r["method"], r.get("batch")): r for r in earlier or ()
             if r.get("status") != "error"}
     rows: List[Dict[str, Any]] = []
@@ -356,23 +371,13 @@ def gpu_comparison(quick: bool, budget: int, window: int,
                     left += 1   # (a larger batch of a method may be skipped after an OOM)
                     continue
                 if row is None:
-                    cfg = {"model": spec, "method": method, "batch": b, "budget": budget,
-                           "window": window, "warmup": 3, "steps": 3 if quick else 6}
-                    proc = subprocess.run([sys.executable, __file__, "--gpu-worker",
-                                           json.dumps(cfg)],
-                                          capture_output=True, text=True, timeout=1800)
-                    try:
-                        row = json.loads(proc.stdout.strip().splitlines()[-1])
-                    except (IndexError, json.JSONDecodeError):
-                        row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
-                    row["model"] = mname
-                    print(f"  {mname:9s} {method:15s} batch {b:5d}: {row['status']}"
-                          + (f" {row['throughput']:.1f} {row['unit']}"
-                             if row["status"] == "ok" else ""), flush=True)
+                    row = _worker_row(mname, {"model": spec, "method": method, "batch": b,
+                                              "budget": budget, "window": window, "warmup": 3,
+                                              "steps": 3 if quick else 6})
                 rows.append(row)
                 if save is not None:
-                    save(rows, -1)
-                if row["status"] not in ("ok",):
+                    save(rows, None)
+                if row["status"] != "ok":
                     break  # larger batches will not fit either
     return rows, left
 
@@ -448,9 +453,10 @@ def gpu_only(args: argparse.Namespace) -> None:
     earlier = old.get("rows") if same else None
     result.setdefault("meta", {})["cuda"] = torch.cuda.get_device_name(0)
 
-    def save(rows: List[Dict[str, Any]], left: int) -> None:
+    def save(rows: List[Dict[str, Any]], left: Optional[int]) -> None:
+        # left: configurations not run (None: still running, so incomplete if killed now)
         result["gpu"] = {"budget": budget, "window": window, "quick": args.quick, "rows": rows,
-                         "meta": gmeta, "incomplete": left != 0, "not_run": max(left, 0)}
+                         "meta": gmeta, "incomplete": left != 0, "not_run": left or 0}
         RESULTS.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.part")
         tmp.write_text(json.dumps(result, indent=1, default=str))

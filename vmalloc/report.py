@@ -264,7 +264,10 @@ def save(rep: Mapping[str, Any], path: str) -> None:
     the file as it was. A section that is not JSON (a set, an object) is written as
     ``{"error": ...}`` and named in one line on stderr; the rest of the report is kept."""
     if path.endswith(".json"):
-        text = json.dumps(_json_sections(rep), indent=1, sort_keys=True)
+        try:
+            text = json.dumps(rep, indent=1, sort_keys=True)
+        except (TypeError, ValueError):   # a section is not JSON: find it, keep the rest
+            text = json.dumps(_json_sections(rep), indent=1, sort_keys=True)
     else:
         text = to_text(rep) + "\n"
     with open(path, "w") as f:

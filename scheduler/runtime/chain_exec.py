@@ -24,9 +24,10 @@ after the first of its stage is a recomputation and runs with the random state a
 settings recorded at the first run, its modules' train/eval modes and parameter tensors
 (``first_run``: a ``functional_call``'s included), the values its buffers had before the
 first run where that run changed them in place (spectral norm's power iteration), and with
-the block's buffers (batch-norm statistics) put back afterwards: the values, dropout masks included, are those of plain
-training, so gradients are bit-identical. Recomputations call the block module again (its hooks fire:
-FSDP2 gathers its parameters), with the arguments of the loop's call (``block_calls``).
+the block's buffers (batch-norm statistics) put back afterwards: the values, dropout masks
+included, are those of plain training, so gradients are bit-identical. Recomputations call
+the block module again (its hooks fire: FSDP2 gathers its parameters), with the arguments of
+the loop's call (``block_calls``).
 """
 from __future__ import annotations
 

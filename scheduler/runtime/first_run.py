@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from .buffers import restore
 from .fsdp import managed
 
 _MISSING = object()  # a name the module no longer holds
@@ -135,8 +136,8 @@ def as_first_run(block: nn.Module, first: Optional[FirstRun]) -> Iterator[None]:
         held = d.get(name, _MISSING)
         if held is not t and not managed(t) and not managed(held):
             swapped.append((d, name, held, t))
-    # the values left now, to put back: written through ``.data``, which does not move the
-    # version counters autograd checks (a graph may have saved the buffer)
+    # the values left now, put back after (``buffers.restore``: through ``.data``, which does
+    # not move the version counters autograd checks: a graph may have saved the buffer)
     left = [(t, t.detach().clone()) for t, _ in first.prior]
     try:
         if modes is not None:
@@ -144,14 +145,10 @@ def as_first_run(block: nn.Module, first: Optional[FirstRun]) -> Iterator[None]:
                 m.training = training
         for d, name, _, t in swapped:
             d[name] = t
-        with torch.no_grad():
-            for t, value in first.prior:
-                t.data.copy_(value)
+        restore(first.prior)
         yield
     finally:
-        with torch.no_grad():
-            for t, value in left:
-                t.data.copy_(value)
+        restore(left)
         if modes is not None:
             for m, training in zip(mods, now):
                 m.training = training

@@ -82,16 +82,10 @@ def cast_cache_bytes(params: Iterable[torch.Tensor]) -> int:
     autocast holds every weight's copy at once by the end of the forward, beside the chain's
     items: a budget must count them. The cache keeps casts of float32 leaves that require grad
     (``cached_cast`` in ATen's autocast); the copies of those no op casts are counted too."""
-    total = 0
-    for p in {id(p): p for p in params}.values():
-        dev = p.device.type
-        if p.dtype is not torch.float32 or not p.requires_grad or not p.is_leaf:
-            continue
-        try:
-            if not torch.is_autocast_enabled(dev) or not torch.is_autocast_cache_enabled():
-                continue
-            dtype = torch.get_autocast_dtype(dev)
-        except (TypeError, RuntimeError, AttributeError):  # an older torch: no per-device query
-            continue
-        total += p.numel() * dtype.itemsize
-    return total
+    if not torch.is_autocast_cache_enabled():
+        return 0
+    on = {dev: dtype for dev, enabled, dtype in autocast_state() if enabled}
+    return sum(p.numel() * on[p.device.type].itemsize
+               for p in {id(p): p for p in params}.values()
+               if p.device.type in on and p.dtype is torch.float32 and p.requires_grad
+               and p.is_leaf)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 COUNTERS = ("swapped_out_bytes", "swapped_in_bytes", "reattached_bytes", "stall_seconds",
-            "iterations",
-            "on_demand_swap_ins", "late_swap_ins", "plan_switches", "plan_mismatches",
-            "pressure_calls", "pressure_freed_bytes", "budget_evictions")
+            "iterations", "on_demand_swap_ins", "late_swap_ins", "plan_switches",
+            "plan_mismatches", "pressure_calls", "pressure_freed_bytes", "budget_evictions")
 
 
 _MISSING = object()

@@ -179,9 +179,7 @@ class Transfers:
             # goes: those bytes may have changed through ``.data`` meanwhile (no counter moves)
             var.set_storage(held)
             var.state = DEVICE
-            if var.host is not None:
-                self.pool.release(var.host, None)
-                var.host = var.out_event = None
+            self._drop_host(var)
             self.counters["reattached_bytes"] += var.nbytes
             self.residency.add(var)
             return
@@ -259,11 +257,16 @@ class Transfers:
             self.residency.drop(var)
         self.pending.pop(var, None)
         self.deferred.pop(var, None)
+        self._drop_host(var)
+        var.state = FREED
+
+    def _drop_host(self, var: Var) -> None:
+        """Hand ``var``'s host copy back to the pool, reused after the last copy that reads or
+        writes it."""
         if var.host is not None:
             last = var.in_event if var.in_event is not None else var.out_event
             self.pool.release(var.host, last)
-            var.host = None
-        var.state = FREED
+            var.host = var.out_event = None
 
     def hand_over(self, vars: Iterable[Var]) -> None:
         """The context exits while a graph still holds ``vars``: leave nothing that only a
@@ -277,10 +280,7 @@ class Transfers:
             if host is None:
                 continue
             if var.state in (DEVICE, IN):
-                last = var.in_event if var.in_event is not None else var.out_event
-                self.pool.release(host, last)
-                var.host = None
-                var.out_event = None
+                self._drop_host(var)
             elif var.state == HOST:
                 keeper = var.keeper_ref() if var.keeper_ref is not None else None
                 if keeper is not None:
