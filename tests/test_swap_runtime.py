@@ -3,6 +3,7 @@ synchronous, and everything else is the real logic. Gradients and losses must be
 to plain training; the runtime's memory must be what the one accounting (replay) predicts."""
 import contextlib
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from scheduler.planners.offload_follow import chain_from_sequence, schedule_from
 from scheduler.planners import window as window_mod
 from scheduler.planners.swap_schedule import SwapSchedule, replay
 from scheduler.runtime import swap as swap_mod
+from scheduler.runtime import swap_transfers
 
 STEPS = 3
 
@@ -71,6 +73,17 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
+class Product(nn.Module):
+    """Two branches multiplied: the product's backward node reads both saved operands at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)) * torch.sin(self.b(x)))
+
+
 def batch_mlp(i, n=16):
     g = torch.Generator().manual_seed(i)
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -88,7 +101,7 @@ def batch_tokens(i, n=2, t=12):
 
 
 MODELS = {"mlp": (mlp, batch_mlp), "cnn": (SmallCNN, batch_cnn),
-          "transformer": (TinyTransformer, batch_tokens)}
+          "transformer": (TinyTransformer, batch_tokens), "product": (Product, batch_mlp)}
 
 
 def train(build, batch, ctx=None, steps=STEPS, sizes=None, check=None, device="cpu"):
@@ -146,8 +159,8 @@ def reference(name):
     return REFERENCE[name]
 
 
-def sequence_of(name):
-    ctx = scheduler.swap(window="1GiB", device="cpu", min_bytes=0)
+def sequence_of(name, min_bytes=0):
+    ctx = scheduler.swap(window="1GiB", device="cpu", min_bytes=min_bytes)
     train(*MODELS[name], ctx=ctx, steps=1)
     return ctx.last_recorded
 
@@ -449,6 +462,39 @@ def test_budget_below_one_step_says_the_numbers():
                                                   r"needs: a saved tensor of 2048 bytes") as e:
             nn.Linear(32, 32)(torch.randn(16, 32)).relu()
     assert e.value.min_memory == 2048
+
+
+def test_the_tensors_one_node_reads_are_one_step_and_stay_until_it_runs(monkeypatch):
+    # only the 16x64 activations (4 KiB) are managed: nothing the program still holds
+    seq = sequence_of("product", min_bytes=4096)
+    need, step = seq.min_budget()
+    assert seq.phases[step] == "B" and len(seq.steps[step]) == 2 and need == 2 * 4096
+    released_while_held = []
+    drop = swap_transfers.Transfers._drop_device
+
+    def checked_drop(self, var):  # a device copy let go during the backward must be freed
+        storage = var.storage
+        ref = weakref.ref(storage) if storage is not None else None
+        del storage
+        drop(self, var)
+        if ref is not None and ref() is not None and torch._C._current_graph_task_id() != -1:
+            released_while_held.append(var.vid)
+    monkeypatch.setattr(swap_transfers.Transfers, "_drop_device", checked_drop)
+    ctx = scheduler.swap(window="1MiB", budget=need, device="cpu", min_bytes=4096)
+    assert_bit_identical(train(*MODELS["product"], ctx=ctx), reference("product"))
+    st = ctx.stats()
+    assert st["swapped_out_bytes"] > 0 and st["peak_resident_bytes"] <= need
+    assert released_while_held == []
+    assert_nothing_left(ctx)
+
+
+def test_a_budget_below_what_one_node_reads_says_the_numbers():
+    ctx = scheduler.swap(window="1MiB", budget=4096, device="cpu", min_bytes=4096)
+    with pytest.raises(InfeasibleError, match=r"budget=4096 bytes is below what one step needs: "
+                                              r"step \d+ \(backward\) uses 8192 bytes") as e:
+        train(*MODELS["product"], ctx=ctx, steps=1)
+    assert e.value.min_memory == 8192
+    assert_nothing_left(ctx)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -183,7 +183,7 @@ class SwapContext:
                 with self._lock:
                     self._exited = True
                     self._depth = 0  # an interrupt may have left a hook half way
-                    self._eviction.current = None
+                    self._seq.end_step()
                     self._drain(sweep=True)
                     if not self._live:
                         self._transfers.shutdown()
@@ -265,7 +265,7 @@ class SwapContext:
             self._transfers.save_again(var, storage, t._version)
         handle = Handle(var, t, var.keeper(storage))
         var.handles.append(self._deaths.watch(handle))
-        seq.step_end()
+        seq.step_end(var)
         return handle
 
     def _hook_pressure(self, device: torch.device) -> None:
@@ -294,7 +294,9 @@ class SwapContext:
                     if not seq.callback_queued:
                         self._queue_end_callback()
                     seq.backward_seen = True
-                    seq.step_begin(var.vid, UNPACK, var.nbytes, var)
+                    # the node reading: its unpacks are one step (it holds them all until it runs)
+                    seq.step_begin(var.vid, UNPACK, var.nbytes, var,
+                                   torch._C._current_autograd_node())
                 self._transfers.ensure_resident(var, self.budget)
                 view = handle.view
                 if view is None:  # swapped since: a view of the bytes now on the device

@@ -1,10 +1,11 @@
 """The swap runtime under memory pressure: keep the saved-tensor budget, and answer vmalloc's
 pressure callback. Cheapest first: release swap-outs whose copies finished, then wait for the
 oldest copies still running, then swap out (and wait for) the oldest resident saved tensors,
-never the one the current step uses."""
+never those the running step uses (an autograd node holds every tensor it has read until it has
+run: swapping one out would free nothing and copy it for nothing)."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..planners.swap_schedule import DEVICE, IN
 from .swap_stats import Residency
@@ -19,7 +20,7 @@ class Eviction:
         self.residency = residency
         self.counters = counters
         self.budget = budget
-        self.current: Optional[Var] = None  # the var of the step running: never evicted
+        self.in_use: Sequence[Var] = ()  # the vars of the step running: never evicted
 
     def make_room(self, incoming: int, keep: Optional[Var]) -> None:
         """Keep the budget: free resident bytes until ``incoming`` more fit."""
@@ -30,27 +31,28 @@ class Eviction:
             self.residency.bytes + incoming - budget, keep)[1]
 
     def free_bytes(self, needed: int, keep: Optional[Var]) -> Tuple[int, int]:
-        """Free ``needed`` resident bytes, never ``keep`` nor the current step's var:
+        """Free ``needed`` resident bytes, never ``keep`` nor the running step's vars:
         ``(bytes freed, variables evicted)``."""
-        current = self.current
+        in_use = self.in_use
         t = self.transfers
         freed = evicted = 0
         for var in list(t.pending):  # finished copies first: free of charge
             if freed >= needed:
                 return freed, evicted
-            if var is not keep and (var.out_event is None or var.out_event.query()):
+            if var is not keep and var not in in_use and (
+                    var.out_event is None or var.out_event.query()):
                 t.release(var, True)
                 freed += var.nbytes
         for var in list(t.pending):  # then wait for the oldest copies
             if freed >= needed:
                 return freed, evicted
-            if var is not keep:
+            if var is not keep and var not in in_use:
                 t.release(var, True)
                 freed += var.nbytes
         for var in list(self.residency.order):
             if freed >= needed:
                 break
-            if var is keep or var is current or var.state not in (DEVICE, IN):
+            if var is keep or var in in_use or var.state not in (DEVICE, IN):
                 continue
             t.swap_out(var)
             if var.state != DEVICE and var.state != IN:
@@ -63,6 +65,6 @@ class Eviction:
         """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Bytes released
         (they only come back if nothing else still references those tensors)."""
         self.counters["pressure_calls"] += 1
-        freed, _ = self.free_bytes(max(int(needed), 1), self.current)
+        freed, _ = self.free_bytes(max(int(needed), 1), None)
         self.counters["pressure_freed_bytes"] += freed
         return freed

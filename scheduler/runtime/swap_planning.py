@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..plan import Plan
 from ..planners import lms as lms_planner
@@ -21,11 +21,23 @@ PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
 
 @dataclass
 class Entry:
-    """A cached plan: the sequence it was made for, its schedule, the events to compare."""
+    """A cached plan: the sequence it was made for, its schedule, and the runtime's events to
+    compare (``expected``, one per pack or unpack) with the step each belongs to (``step_of``:
+    a node's unpacks are one step of the sequence)."""
 
     sequence: VariableSequence
     schedule: SwapSchedule
     expected: List[Tuple[int, str, int]]
+    step_of: List[int]
+    key: int
+
+    def first_event(self, k: int) -> bool:
+        """Event ``k`` starts its step (the schedule's releases and swap-ins go before it)."""
+        return k == 0 or (k < len(self.step_of) and self.step_of[k - 1] != self.step_of[k])
+
+    def last_event(self, k: int) -> bool:
+        """Event ``k`` ends its step (the schedule's swap-outs go after it)."""
+        return k + 1 >= len(self.step_of) or self.step_of[k + 1] != self.step_of[k]
 
 
 class SwapPlanner:
@@ -55,13 +67,14 @@ class SwapPlanner:
     def name(self) -> str:
         return self.planner if isinstance(self.planner, str) else "custom"
 
-    def entry(self, seq: VariableSequence) -> Entry:
+    def entry(self, seq: VariableSequence, key: int, events: Sequence[Tuple[int, str, int]],
+              step_of: Sequence[int]) -> Entry:
+        """Plan ``seq``, recorded as the runtime's ``events`` (``step_of``: each one's step)."""
         sched = self.plan(seq)
         if len(sched) != len(seq):
             raise ValueError(f"planner {self.planner!r} returned {len(sched)} steps for a "
                              f"sequence of {len(seq)}")
-        expected = [(s[0], p, seq.sizes[s[0]]) for s, p in zip(seq.steps, seq.phases)]
-        return Entry(seq, sched, expected)
+        return Entry(seq, sched, list(events), list(step_of), key)
 
     def plan(self, seq: VariableSequence) -> SwapSchedule:
         opts = self.options

@@ -1,7 +1,10 @@
 """The swap runtime's variable sequence: record it, plan it once per signature, follow it.
 
-Every pack (forward) and unpack (backward) of a saved tensor is one step. The first iteration
-records the steps; at its end the planner turns the sequence into a ``SwapSchedule`` (cached
+Every pack (forward) of a saved tensor is one step; the unpacks (backward) of one autograd node
+are one step: the node holds all of them until it has run, so none of them may leave the device
+before its last one is read (a budget that fits only one operand of a product is too small).
+The runtime sees one *event* per pack or unpack; the planner sees the steps. The first iteration
+records the events; at its end the planner turns the sequence into a ``SwapSchedule`` (cached
 per signature, the Mimose idea); later iterations follow it step by step: before a step, the
 schedule's releases and swap-ins; after it, its swap-outs. A live step that differs from the
 schedule's (a new input shape) switches to a cached schedule whose sequence starts the same
@@ -11,10 +14,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..plan_cache import PlanCache
-from ..planners.swap_schedule import HOST, VariableSequence
+from ..planners.swap_schedule import HOST, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_planning import Entry, SwapPlanner
 from .swap_stats import Residency
@@ -40,7 +43,10 @@ class SwapSequence:
 
     def new_iteration(self) -> None:
         self.events: List[Tuple[int, str, int]] = []
+        self.step_of: List[int] = []   # per event: its step (its autograd node's unpacks)
         self.times: List[float] = []
+        self.in_use: List[Var] = []    # the running step's vars: autograd holds them
+        self.node: Any = None          # the running step's autograd node (backward only)
         self.t_last = time.perf_counter()
         self.vars: List[Var] = []
         self.free_after: Dict[int, int] = {}
@@ -49,6 +55,13 @@ class SwapSequence:
         self.callback_queued = False
         self.residency.new_iteration()
         self.following = self.active is not None
+        self.eviction.in_use = self.in_use
+
+    def end_step(self) -> None:
+        """No step runs any more (the context exits): nothing in use, no node held."""
+        self.in_use = []
+        self.node = None
+        self.eviction.in_use = self.in_use
 
     def freed(self, var: Var) -> None:
         """``var`` was freed after the last recorded step (once: a drain cut short by an
@@ -58,9 +71,11 @@ class SwapSequence:
             self.live_in_iter -= 1
 
     # ---------------------------------------------------------------------- the steps
-    def step_begin(self, vid: int, phase: str, nbytes: int, var: Optional[Var]) -> None:
-        """Record the step; apply the schedule's releases and swap-ins planned before it; keep
-        the budget for what this step brings onto the device."""
+    def step_begin(self, vid: int, phase: str, nbytes: int, var: Optional[Var],
+                   node: Any = None) -> None:
+        """Record the event; at the first event of a step, apply the schedule's releases and
+        swap-ins planned before the step; keep the budget for what it brings onto the device.
+        ``node``: the autograd node an unpack reads for (its unpacks are one step)."""
         t = self.transfers
         t.poll()
         now = time.perf_counter()
@@ -69,33 +84,46 @@ class SwapSequence:
         k = len(self.events)
         event = (vid, phase, nbytes)
         self.events.append(event)
-        self.eviction.current = var
+        same_step = phase == UNPACK and node is not None and node is self.node
+        if same_step:
+            self.step_of.append(self.step_of[-1])
+            if var is not None and var not in self.in_use:
+                self.in_use.append(var)
+        else:
+            self.step_of.append(self.step_of[-1] + 1 if self.step_of else 0)
+            self.in_use = [var] if var is not None else []
+            self.node = node
+            self.eviction.in_use = self.in_use
         entry = self.active
         if entry is not None and self.following:
             if k >= len(entry.expected) or entry.expected[k] != event:
                 entry = self._switch_plan(k)
-            if entry is not None:
+            if entry is not None and entry.first_event(k):
                 sched = entry.schedule
+                j = entry.step_of[k]
                 nvars = len(self.vars)
-                for v in sched.release[k]:
+                for v in sched.release[j]:
                     if v < nvars:
                         t.release(self.vars[v], sched.blocking_release)
-                for v in sched.swap_in[k]:
+                for v in sched.swap_in[j]:
                     if v < nvars:
                         t.swap_in(self.vars[v])
         if self.eviction.budget is not None:
             incoming = nbytes if var is None or var.state == HOST else 0
             self.eviction.make_room(incoming, var)
 
-    def step_end(self) -> None:
+    def step_end(self, var: Optional[Var] = None) -> None:
+        """The event ran (``var``: a pack's var, created during it); at its step's last event,
+        issue the swap-outs planned after the step."""
+        if var is not None and not self.in_use:
+            self.in_use.append(var)
         k = len(self.events) - 1
         entry = self.active
-        if entry is not None and self.following:
+        if entry is not None and self.following and entry.last_event(k):
             nvars = len(self.vars)
-            for v in entry.schedule.swap_out[k]:
+            for v in entry.schedule.swap_out[entry.step_of[k]]:
                 if v < nvars:
                     self.transfers.swap_out(self.vars[v])
-        self.eviction.current = None
 
     def _switch_plan(self, k: int) -> Optional[Entry]:
         """The live sequence left the schedule at step ``k``: take a cached schedule whose
@@ -121,22 +149,17 @@ class SwapSequence:
         try:
             active = self.active
             if self.following and active is not None and len(active.expected) == n:
-                # every step matched the schedule: the same sequence, no need to rebuild it
-                key = active.sequence.signature
-                self.cache.get_or_plan(key, lambda: active)
-                self.known[key] = active
-                self.known.move_to_end(key)
+                # every event matched the schedule: the same sequence, no need to rebuild it
+                self.cache.get_or_plan(active.key, lambda: active)
+                self.known[active.key] = active
+                self.known.move_to_end(active.key)
                 self.last_entry = active
                 return
-            seq = VariableSequence(
-                steps=tuple((e[0],) for e in events), sizes=tuple(v.nbytes for v in self.vars),
-                phases=tuple(e[1] for e in events),
-                free_after=tuple(max(self.free_after.get(v, n - 1), 0)
-                                 for v in range(len(self.vars))),
-                times=tuple(self.times))
+            seq = self._recorded()
             self.last_recorded = seq
-            key = seq.signature
-            entry = self.cache.get_or_plan(key, lambda: self.planner.entry(seq))
+            key = hash((seq.signature, tuple(events)))
+            entry = self.cache.get_or_plan(
+                key, lambda: self.planner.entry(seq, key, events, self.step_of))
             self.known[key] = entry
             self.known.move_to_end(key)
             for old in [k for k in self.known if k not in self.cache]:
@@ -148,3 +171,24 @@ class SwapSequence:
             self.residency.end_iteration()
             self.it += 1
             self.new_iteration()
+
+    def _recorded(self) -> VariableSequence:
+        """The iteration's events as the planner's steps (a var read twice by one node: once)."""
+        step_of = self.step_of
+        nsteps = step_of[-1] + 1
+        steps: List[List[int]] = [[] for _ in range(nsteps)]
+        phases = [""] * nsteps
+        times = [0.0] * nsteps
+        last_use = [0] * len(self.vars)
+        for (vid, phase, _), j, dt in zip(self.events, step_of, self.times):
+            if vid not in steps[j]:
+                steps[j].append(vid)
+            phases[j] = phases[j] or phase
+            times[j] += dt
+            last_use[vid] = j
+        freed = self.free_after
+        free_after = tuple(max(step_of[max(freed[v], 0)] if v in freed else nsteps - 1,
+                               last_use[v]) for v in range(len(self.vars)))
+        return VariableSequence(
+            steps=tuple(tuple(s) for s in steps), sizes=tuple(v.nbytes for v in self.vars),
+            phases=tuple(phases), free_after=free_after, times=tuple(times))
