@@ -1,6 +1,6 @@
 """malloc+free throughput of vmalloc's allocator core (seed 003, section 4).
 
-    python bench/alloc_micro.py [--quick]
+    python bench/alloc_micro.py [--quick] [--out DIR]
 
 Host backend (always):
   * fast path: a freed range (or small block) handed back without a driver call, malloc+free
@@ -20,7 +20,7 @@ plus the fast path once a second stream was seen (``vmalloc_fast_2chunks_two_str
 free then records an event, one cuEventRecord per pair; the fake driver's test shows it is the
 only driver call there).
 
-Writes bench/results/alloc_micro.json and prints a table.
+Writes bench/results/alloc_micro.json (``--out DIR``: DIR/alloc_micro.json) and prints a table.
 """
 from __future__ import annotations
 
@@ -267,10 +267,13 @@ def _cudart() -> Optional[ctypes.CDLL]:
 # ------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for alloc_micro.json (default bench/results)")
+    args = ap.parse_args(argv)
+    path = Path(args.out) / RESULTS.name if args.out else RESULTS
     runs = 3 if args.quick else 5
     pairs = 200_000 if args.quick else 2_000_000
     chunk = 2 * MiB
@@ -290,10 +293,10 @@ def main() -> None:
         },
         "cuda": cuda_section(args.quick, runs),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2) + "\n")
     print_table(res)
-    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
 
 
 def print_table(res: Dict[str, object]) -> None:

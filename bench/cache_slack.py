@@ -63,7 +63,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import RESULTS, run_meta, write_json  # noqa: E402
+from bench.common import (RESULTS, existing_dir, existing_file, positive_float,  # noqa: E402
+                          run_meta, write_json)
 
 MiB = 1 << 20
 CHUNK = 2 * MiB                     # the CUDA granularity of current GPUs, vmalloc's default
@@ -454,23 +455,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"candidates {', '.join(map(label, QUICK_CANDIDATES))} "
                    "only, on the smallest trace (a smoke run: seconds)")
-    p.add_argument("--traces-dir", action="append", default=[], help="look for real GPU traces "
-                   "(*-gpu.json.gz) here first (repeatable); then bench/traces")
+    p.add_argument("--traces-dir", action="append", default=[], type=existing_dir, metavar="DIR",
+                   help="look for real GPU traces (*-gpu.json.gz) here first (repeatable); "
+                   "then bench/traces")
     p.add_argument("--cpu-traces", action="store_true", help="the bundled CPU-made traces "
                    "even when GPU traces exist")
-    p.add_argument("--alloc-micro", default=os.path.join(RESULTS, "alloc_micro.json"),
+    p.add_argument("--alloc-micro", default=None, type=existing_file, metavar="FILE",
                    help="alloc_micro.json with the remap cost (default bench/results/)")
-    p.add_argument("--out", default=RESULTS, help="where cache_slack.json goes")
-    p.add_argument("--max-seconds", type=float, default=None, help="start no new trace after "
-                   "this long (smallest traces first); the JSON names the ones left out")
-    p.add_argument("--stop-at", type=float, default=None, help="epoch seconds: leave out a "
-                   "trace whose replays would end later (scripts/gpu-check: its call's end)")
+    p.add_argument("--out", default=RESULTS, metavar="DIR",
+                   help="folder for cache_slack.json (default bench/results)")
+    p.add_argument("--max-seconds", type=positive_float, default=None, metavar="S",
+                   help="start no new trace after this long (the JSON names those left out)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH", help="epoch "
+                   "seconds: leave out a trace whose replays would end later")
     args = p.parse_args(argv)
+    if args.cpu_traces and args.traces_dir:
+        p.error("--traces-dir: not with --cpu-traces (which replays the bundled traces only)")
 
     try:
-        with open(args.alloc_micro) as f:
+        with open(args.alloc_micro or os.path.join(RESULTS, "alloc_micro.json")) as f:
             micro = json.load(f)
-    except FileNotFoundError:
+    except FileNotFoundError:   # only the default can be missing (a given one is checked)
         micro = None
     cost = remap_cost(micro)
     paths, real = find_traces([] if args.cpu_traces else

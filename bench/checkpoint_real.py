@@ -13,9 +13,10 @@ Without a GPU (``--cpu``, or automatically): a tiny CPU mode (a small ResNet and
 small inputs, peaks from the runner's activation accounting) that keeps the script honest.
 
     python bench/checkpoint_real.py [--quick] [--cpu] [--models resnet101,gpt2]
-        [--steps 5] [--bandwidth 12e9]
+        [--steps 5] [--bandwidth 12e9] [--threads 1] [--out DIR]
 
-Writes bench/results/checkpoint_real-<device>.json (+ .png).
+Writes bench/results/checkpoint_real-<device>.json (+ .png); ``--out DIR`` writes them there
+instead (a smoke run that should leave the committed results alone).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ if ROOT not in sys.path:  # run from a checkout (as bench/common.py)
     sys.path.insert(0, ROOT)
 
 import scheduler  # noqa: E402
+from bench.common import positive_float, positive_int, usage_error  # noqa: E402
 from bench.models import build  # noqa: E402
 from scheduler.planners.mimose import plan_from_checkpoints  # noqa: E402
 from scheduler.profile import measure_chain  # noqa: E402
@@ -256,22 +258,30 @@ def plot(result: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer budgets and steps (a smoke run)")
     ap.add_argument("--cpu", action="store_true", help="the tiny CPU mode (default without CUDA)")
-    ap.add_argument("--models", default=None, help="comma-separated subset")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--bandwidth", type=float, default=None,
+    ap.add_argument("--models", default=None, help="comma-separated subset (GPU: "
+                    f"{','.join(GPU_MODELS)}; CPU: {','.join(CPU_MODELS)})")
+    ap.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                    help="timed steps per configuration (default 5; 2 with --quick or on CPU)")
+    ap.add_argument("--bandwidth", type=positive_float, default=None, metavar="BYTES_PER_S",
                     help="pofo's host-device bytes/s (default: measured on the GPU; 12e9 on CPU)")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=positive_int, default=1, metavar="N",
                     help="torch intra-op threads in the CPU mode (default 1)")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=RESULTS, metavar="DIR",
+                    help="folder for checkpoint_real-<device>.json/.png (default bench/results)")
+    args = ap.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
-    if device == "cpu":
-        torch.set_num_threads(args.threads)
     table = GPU_MODELS if device == "cuda" else CPU_MODELS
     keys = args.models.split(",") if args.models else list(table)
+    unknown = [k for k in keys if k not in table]
+    if unknown:   # before any model runs
+        usage_error(f"--models {args.models!r}: unknown on {device} "
+                    f"{', '.join(map(repr, unknown))} (known: {', '.join(table)})", parser=ap)
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
     steps = args.steps or (2 if args.quick or device == "cpu" else 5)
     bandwidth = args.bandwidth or (pinned_bandwidth(device) if device == "cuda" else 12e9)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -280,7 +290,8 @@ def main() -> None:
         "meta": {"bench": "checkpoint_real", "device": device, "gpu": gpu,
                  "torch": torch.__version__, "machine": platform.machine(),
                  "date": time.strftime("%Y-%m-%d"), "bandwidth": bandwidth, "steps": steps,
-                 "command": "python bench/checkpoint_real.py " + " ".join(sys.argv[1:]),
+                 "command": "python bench/checkpoint_real.py " + " ".join(
+                     sys.argv[1:] if argv is None else argv),
                  "peak": ("torch.cuda.max_memory_allocated beyond params/grads/input, plus input"
                           if device == "cuda" else
                           "activation bytes held by the chain runner (CPU accounting); "
@@ -300,8 +311,8 @@ def main() -> None:
               f"{'n/a' if rv is None else f'{100 * rv:+.1f}%'}; pofo vs rotor "
               f"{'n/a' if pv is None else f'{100 * pv:+.1f}%'} ({v['budgets']} budgets)")
     tag = "cpu" if device == "cpu" else gpu.replace(" ", "_")
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"checkpoint_real-{tag}.json")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"checkpoint_real-{tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     plot(result, path.replace(".json", ".png"))

@@ -6,13 +6,17 @@ least memory rotor can use to PyTorch's peak. Throughput = batch / simulated mak
 = simulated peak (x[0] included). The summary is the paper's: rotor's throughput at the peak
 memory of the best periodic point over that point's throughput (seed 002 reports +17.2% on
 average on a V100), and the same at every periodic point.
+
+    python bench/checkpointing.py [--quick] [--slots 500] [--no-refine] [--out DIR]
+
+Writes bench/results/checkpointing.json and checkpointing_fig*.png.
 """
 from __future__ import annotations
 
 import math
 from typing import Dict, List
 
-from common import parse_args, print_table, pyplot, save_png, write_json
+from common import parse_args, positive_int, print_table, pyplot, save_png, write_json
 
 from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor
@@ -101,7 +105,8 @@ def plot(fig_name: str, results: List[Dict], out_dir: str) -> str:
 
 def main(argv=None) -> Dict:
     args = parse_args(__doc__.splitlines()[0], argv,
-                      extra=lambda p: (p.add_argument("--slots", type=int, default=500),
+                      extra=lambda p: (p.add_argument("--slots", type=positive_int, default=500, metavar="N",
+                                                      help="memory slots of the DP (default 500)"),
                                        p.add_argument("--no-refine", dest="refine", action="store_false",
                                                       help="the rounded DP's plans (no refinement)")))
     try:

@@ -1,4 +1,5 @@
-"""Shared bench helpers: a --quick flag, a table on stdout, JSON (and PNG) in bench/results/."""
+"""Shared bench helpers: a --quick flag, a table on stdout, JSON (and PNG) in bench/results/,
+and the checks of the scripts' flags (``type=`` functions: a bad value exits 2 before any work)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -19,10 +20,163 @@ def parse_args(description: str, argv: Optional[Sequence[str]] = None,
                extra: Optional[callable] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a smaller run (seconds, for CI smoke tests)")
-    p.add_argument("--out", default=RESULTS, help="where JSON/PNG go (default bench/results)")
+    p.add_argument("--out", default=RESULTS, metavar="DIR",
+                   help="folder for the JSON/PNG (default bench/results)")
     if extra is not None:
         extra(p)
     return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ flag checks
+# argparse ``type=`` functions: a bad value ends the run at once, before anything is measured
+# or written, with exit status 2 and "argument --flag: ..." naming the flag and the value.
+
+class UsageError(SystemExit):
+    """Exit status 2 (as argparse's for a bad flag) whose ``str`` is the message: a caller
+    that catches it (a test, a driver script) can read what was wrong."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadValueError(UsageError, ValueError):
+    """A ``UsageError`` that is also the ``ValueError`` a script's ``main`` raised for that
+    value before it was checked up front (callers that catch ``ValueError`` still do)."""
+
+
+def usage_error(message: str, prog: Optional[str] = None,
+                parser: Optional[argparse.ArgumentParser] = None,
+                value_error: bool = False) -> NoReturn:
+    """End the run as argparse does for a bad flag: (``parser``'s usage line and)
+    ``prog: error: message`` on stderr, exit 2. For the checks a ``type=`` cannot make (a
+    value against another flag, a folder's content, a list of names)."""
+    if parser is not None:
+        parser.print_usage(sys.stderr)
+        prog = prog or parser.prog
+    prog = prog or os.path.basename(sys.argv[0] or "bench")
+    line = f"{prog}: error: {message}"
+    print(line, file=sys.stderr)
+    raise (BadValueError if value_error else UsageError)(line)
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count (steps, threads, slots): a whole number >= 1."""
+    return _whole(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """A whole number >= 0 (0: off)."""
+    return _whole(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, bytes/s)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """A byte size > 0 as ``vmalloc.sizes.parse_size`` reads it ("16GiB", "40MB", 1048576)."""
+    from vmalloc.sizes import parse_size
+    try:
+        value = parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("size: ", "", 1)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a byte size must be > 0, got {text!r}")
+    return value
+
+
+def torch_device(*allowed: str, index: bool = True):
+    """A ``type=`` for ``--device``: a name ``torch.device`` reads, of a kind in ``allowed``
+    (default cpu and cuda), and for cuda one this machine has. Returns the text as given.
+    ``index=False``: the bare kind only (``cuda``, not ``cuda:1``)."""
+    kinds = allowed or ("cpu", "cuda")
+
+    def check(text: str) -> str:
+        import torch
+        try:
+            dev = torch.device(text)
+        except (RuntimeError, ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"not a device: {text!r} (expected one of: "
+                                             f"{', '.join(kinds)})") from None
+        if dev.type not in kinds or (not index and text != dev.type):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected one of: {', '.join(kinds)}"
+                                             + ("" if index else " (pick a GPU with "
+                                                "CUDA_VISIBLE_DEVICES)"))
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device on this machine "
+                                                 "(torch.cuda.is_available() is False)")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise argparse.ArgumentTypeError(f"{text!r}: this machine has "
+                                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        return text
+    check.__name__ = "device"
+    return check
+
+
+def existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such directory")
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return text
+
+
+def names_from(known: Sequence[str], what: str = "name"):
+    """A ``type=`` for a comma-separated list of names, each one of ``known``: the list."""
+    def check(text: str) -> List[str]:
+        names = [n.strip() for n in text.split(",")]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(map(repr, bad)) or repr(text)}; known: {', '.join(known)}")
+        return names
+    check.__name__ = what
+    return check
+
+
+#: What ``vmalloc.replay.load`` reads: contract-2 JSON traces (optionally gzip'ed) and PyTorch
+#: memory snapshots (pickle or JSON).
+TRACE_SUFFIXES = (".json", ".json.gz", ".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
+
+
+def trace_files(path: str) -> List[str]:
+    """The trace files ``path`` names: the file itself, or a folder's ``TRACE_SUFFIXES`` files
+    (sorted). ``ValueError`` (saying why) when there are none."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise ValueError("no such file or directory")
+    found = sorted(os.path.join(path, n) for n in os.listdir(path)
+                   if n.endswith(TRACE_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
+    if not found:
+        raise ValueError("no trace files there (" + ", ".join("*" + s for s in TRACE_SUFFIXES) + ")")
+    return found
 
 
 def finite(value: Any) -> Any:

@@ -71,7 +71,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import driver_version  # noqa: E402
+from bench.common import (byte_size, driver_version, nonnegative_int, positive_int,  # noqa: E402
+                          usage_error)
 from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -267,9 +268,10 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
         bw = 12e9 if method.planner == "pofo" else None
         sample = None if method.planner == "mimose" else wl.input(0)   # Mimose learns online
         # the chain's loss stage is the loss trained on (a vocabulary's logits are large)
+        # (Mimose measures the tail itself in its collection steps: it takes no loss=)
+        loss = {} if method.planner == "mimose" else {"loss": lambda out: loss_of(out, wl)}
         model = scheduler.wrap(wl.blocks, budget, planner=method.planner, bandwidth=bw,
-                               sample_input=sample, track_memory=device.type != "cuda",
-                               loss=lambda out: loss_of(out, wl))
+                               sample_input=sample, track_memory=device.type != "cuda", **loss)
         yield model, model.stats
     else:  # pragma: no cover - METHODS is closed
         raise AssertionError(method.kind)
@@ -826,17 +828,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="CPU, tiny models (CI)")
     mode.add_argument("--quick", action="store_true", help="GPU, a few batch sizes (minutes)")
-    p.add_argument("--budget", default=None,
+    p.add_argument("--budget", type=byte_size, default=None, metavar="SIZE",
                    help="physical budget (default 16GiB on a GPU; on the CPU 3/4 of plain "
                         "training's saved activations)")
     p.add_argument("--methods", default=None, help="comma-separated subset of: "
                    + ", ".join(BY_NAME))
-    p.add_argument("--models", default=None, help="comma-separated model names")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per job")
-    p.add_argument("--coexist", type=int, default=0, metavar="BATCH",
+    p.add_argument("--models", default=None, help="comma-separated: resnet<depth>, "
+                   "gpt2-s<seq>, bert-s<seq>, bert-dyn (default: the grid's)")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                   help="timed steps per job")
+    p.add_argument("--coexist", type=nonnegative_int, default=0, metavar="BATCH",
                    help="GPU: also train ResNet-50 at BATCH in two processes at once, each under "
                         "half the budget with its own vmalloc allocator")
-    p.add_argument("--out", default=None, help="results file (default: the --resume file, "
+    p.add_argument("--out", default=None, metavar="FILE", help="results file (default: the --resume file, "
                    "else bench/results/e2e-<gpu>-<date>.json)")
     p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH",
                    help="start no job once fewer than max(60 s, the longest job so far) are "
@@ -849,8 +853,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
     p.add_argument("--worker-grid", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        p.error(f"--steps must be >= 1, got {args.steps}")
+    # names checked before anything runs or is written (make_grid checks them again)
+    if args.methods is not None:
+        unknown = [n.strip() for n in args.methods.split(",") if n.strip() not in BY_NAME]
+        if unknown:
+            usage_error(f"--methods {args.methods!r}: unknown {', '.join(map(repr, unknown))}; "
+                        f"choose from {', '.join(BY_NAME)}", parser=p)
+    if args.models is not None:
+        from bench.models import ZOO
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        if not names:
+            usage_error(f"--models {args.models!r}: no model named", parser=p,
+                        value_error=True)
+        for n in names:   # (a ValueError too, as main raised for them before this check)
+            try:
+                zoo_name = parse_model(n)[0]
+            except ValueError as exc:
+                usage_error(f"{exc}", parser=p, value_error=True)
+            if zoo_name not in ZOO:
+                usage_error(f"--models {n!r}: the model zoo has no {zoo_name!r} "
+                            f"(it has {', '.join(k for k in ZOO if k.startswith('resnet'))}, "
+                            "gpt2-s<seq>, bert-s<seq>, bert-dyn)", parser=p, value_error=True)
     return args
 
 

@@ -1,7 +1,11 @@
 """Fragmentation of vmalloc (2 MiB and 20 MiB chunks) vs PyTorch's caching allocator on the
 bundled allocation traces, replayed without a GPU.
 
-    python bench/fragmentation.py [--quick] [--traces DIR]
+    python bench/fragmentation.py [--quick] [--traces DIR|FILE] [--out FILE.json]
+
+``--traces``: a trace file or a folder of them, in any form ``vmalloc.replay.load`` reads
+(``*.json``, ``*.json.gz``, PyTorch snapshots ``*.pickle`` / ``*.pkl``, optionally gzip'ed);
+none there is an error (exit 2) before anything is written.
 
 Per trace and allocator: peak requested, peak physical without a cap (the cache grows),
 fragmentation 1 - requested/physical (GMLake's metric: it reports 15% on average, up to 33%, for
@@ -14,7 +18,6 @@ bench/results/fragmentation.json and .png.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import platform
@@ -24,26 +27,38 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from vmalloc.replay import compare, default_contenders, load  # noqa: E402
+from bench.common import trace_files  # noqa: E402
+from vmalloc.replay import TraceFileError, compare, default_contenders, load  # noqa: E402
 # module functions (vmalloc.report the attribute is the report() function)
 from vmalloc.report import draw_replay_timelines, side_by_side  # noqa: E402
 
 GOAL = 1.05
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="two traces (CI-sized)")
-    ap.add_argument("--traces", default=os.path.join(HERE, "traces"))
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "fragmentation.json"))
-    args = ap.parse_args()
-    paths = sorted(glob.glob(os.path.join(args.traces, "*.json.gz")))
+    ap.add_argument("--quick", action="store_true", help="the first two traces (CI-sized)")
+    ap.add_argument("--traces", default=os.path.join(HERE, "traces"), metavar="DIR|FILE",
+                    help="a trace file or a folder of them (default bench/traces)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "fragmentation.json"),
+                    metavar="FILE", help="results JSON; the PNG goes beside it "
+                    "(default bench/results/fragmentation.json)")
+    args = ap.parse_args(argv)
+    try:
+        paths = trace_files(args.traces)
+    except ValueError as exc:
+        ap.error(f"--traces {args.traces!r}: {exc}")
     if args.quick:
         paths = paths[:2]
+    t0 = time.time()   # (loading included, as before)
+    traces = []
+    for p in paths:   # every trace read before any replay: a bad file ends the run first
+        try:
+            traces.append(load(p))
+        except TraceFileError as exc:
+            ap.error(f"--traces {args.traces!r}: {exc}")
     results = []
-    t0 = time.time()
-    for p in paths:
-        trace = load(p)
+    for trace in traces:
         t1 = time.time()
         rows = compare(trace, default_contenders((2 << 20, 20 << 20)), bisect=True, timeline=True)
         print(side_by_side(trace.name, rows, trace.meta))

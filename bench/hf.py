@@ -27,7 +27,7 @@ process's CPU time with one thread (``--threads``) so that a shared machine's lo
 the figures as little as it can.
 
     python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,bert-cls,llama]
-                       [--steps N]
+                       [--steps N] [--threads N] [--out DIR]
 
 Writes bench/results/hf-<device>.json and .png; the README section comes from
 ``bench/readme_results.py``. ``--quick`` (CI smoke, seconds) writes nothing unless ``--out``.
@@ -41,7 +41,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from common import RESULTS, parse_args, print_table, pyplot, run_meta, save_png, write_json
+from common import (RESULTS, parse_args, positive_int, print_table, pyplot, run_meta, save_png,
+                    torch_device, usage_error, write_json)
 
 import scheduler  # noqa: E402  (common put the checkout on sys.path)
 
@@ -176,7 +177,9 @@ def checkpoint_missing() -> Optional[str]:
 
 
 def checkpointed(model: torch.nn.Module, budget: int, planner: Any) -> torch.nn.Module:
-    return scheduler.checkpoint(model, budget, planner=planner, bandwidth=BANDWIDTH)
+    # only pofo plans transfers: the others would warn that the bandwidth has no effect
+    bandwidth = BANDWIDTH if planner == "pofo" else None
+    return scheduler.checkpoint(model, budget, planner=planner, bandwidth=bandwidth)
 
 
 def every_block(chain: Any, budget: Any) -> Any:
@@ -362,12 +365,20 @@ def in_subprocess(name: str, argv: List[str]) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     def extra(p: Any) -> None:
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--models", default=MODELS)
-        p.add_argument("--steps", type=int, default=None)
-        p.add_argument("--threads", type=int, default=1,
+        p.add_argument("--device", type=torch_device("cpu", "cuda", index=False),
+                       default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu or cuda (default cuda when there is one)")
+        p.add_argument("--models", default=MODELS,
+                       help=f"comma-separated subset of {MODELS} (default all)")
+        p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                       help="timed steps per method (default 7; 1 with --quick)")
+        p.add_argument("--threads", type=positive_int, default=1, metavar="N",
                        help="CPU intra-op threads (default 1: steadier on a shared machine)")
     args = parse_args(__doc__.split("\n")[0], argv, extra)
+    unknown = [n for n in args.models.split(",") if n not in MODELS.split(",")]
+    if unknown:   # before any model runs
+        usage_error(f"--models {args.models!r}: unknown model {', '.join(map(repr, unknown))} "
+                    f"(known: {MODELS})", "hf.py")
     quick, device = args.quick, args.device
     if device == "cpu":
         torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ makes the plan's peak fit the budget), the collection overhead, and the estimato
 on input sizes it never saw; for input-aware rotor, the time to plan a new shape (chain
 prediction + rotor solve) on this model and on a synthetic 48-block chain.
 
-    python bench/mimose.py [--quick] [--device cpu|cuda]
+    python bench/mimose.py [--quick] [--device cpu|cuda] [--threads N] [--out FILE.json]
 
 Writes bench/results/mimose.json and bench/results/mimose.png.
 """
@@ -36,6 +36,7 @@ if ROOT not in sys.path:  # run as `python bench/mimose.py` from a checkout (as 
     sys.path.insert(0, ROOT)
 
 import scheduler  # noqa: E402
+from bench.common import positive_int, torch_device  # noqa: E402
 from bench.models import bert  # noqa: E402
 from scheduler.planners import mimose as M  # noqa: E402
 from scheduler.planners import rotor as R  # noqa: E402
@@ -131,15 +132,17 @@ def planning_latency(m: M.Mimose, sizes: List[float], budget: float, verify: boo
             "p90_ms": 1e3 * float(np.percentile(times, 90)), "n": len(times)}
 
 
-def main() -> None:
+def main(argv: Any = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and budgets (CI smoke)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "mimose.json"))
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads on CPU (default 1: steady timings on a shared "
-                         "machine)")
-    args = ap.parse_args()
+    ap.add_argument("--device", type=torch_device("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default cuda when there is one)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "mimose.json"), metavar="FILE",
+                    help="results JSON; the PNG goes beside it (default bench/results/mimose.json)")
+    ap.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                    help="torch intra-op threads on CPU (default 1: steadier timings)")
+    args = ap.parse_args(argv)
     device = args.device
     if device == "cpu":
         torch.set_num_threads(args.threads)

@@ -14,6 +14,9 @@ below (every placement, order and subset). It needs scipy (HiGHS); without it: N
 
 For the benchmark only (seed 000 has no such bound): it says how much of DYNPROG's gap to
 Proposition 3 no plan can close.
+
+Not a script (no flags, nothing written): ``bench/offloading.py`` imports
+``fluid_lower_bound`` from it.
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ extension: an offload frees its activation chunk by chunk as the copy proceeds, 
 reserves it chunk by chunk), in chunks of :data:`STREAM_CHUNK` bytes. That is Algorithm 1's
 own relaxation, so its plans come close to ``dynprog_relaxed``; the whole-activation column
 ``dynprog`` is what the chain runtime can run today.
+
+    python bench/offloading.py [--quick] [--out DIR]
+
+Writes bench/results/offloading.json and offloading.png.
 """
 from __future__ import annotations
 

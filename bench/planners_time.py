@@ -4,6 +4,10 @@ Goals (issue 4): a ResNet-1001 chain (L ~ 339) at slots=500 in <= 2 s on one cor
 L <= 100 in <= 0.1 s. Seed 002 reports < 20 s for ResNet-1001. Times are CPU seconds of one
 solve (the best of a few runs: the machine is shared), at several memory limits between the
 least feasible memory and the store-everything peak; the table shows the slowest limit.
+
+    python bench/planners_time.py [--quick] [--out DIR]
+
+Writes bench/results/planners_time.json.
 """
 from __future__ import annotations
 

@@ -21,6 +21,11 @@ paper's continuous-transfer value is reported beside it (``paper_dp_value``), wi
 exhaustive class optimum (every persistent sequence x offload subset, simulated;
 tests/_oracle.py) where L <= 4: the class optimum / paper DP value is the part of the
 paper's gap no whole-activation plan of its class can close. Results in ``pofo_random.json``.
+
+    python bench/pofo.py [--quick] [--random] [--out DIR]
+
+Writes bench/results/pofo.json, pofo_fig2.png and pofo_fig3.png (``--random``: pofo_random.json
+only).
 """
 from __future__ import annotations
 

@@ -1042,9 +1042,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="do not write: exit 1 if the README block is out of date")
-    ap.add_argument("--results", default=RESULTS, help="results folder (default bench/results)")
-    ap.add_argument("--readme", default=README, help="README to update (default README.md)")
+    ap.add_argument("--results", default=RESULTS, metavar="DIR",
+                    help="results folder (default bench/results)")
+    ap.add_argument("--readme", default=README, metavar="FILE",
+                    help="README to update (default README.md)")
     args = ap.parse_args(argv)
+    # a typo in a path must not rewrite README's results with "missing" notes
+    if not os.path.isdir(args.results):
+        ap.error(f"--results {args.results!r}: no such directory")
+    if not any(n.endswith(".json") for n in os.listdir(args.results)):
+        ap.error(f"--results {args.results!r}: no results files (*.json) there")
+    if not os.path.isfile(args.readme):
+        ap.error(f"--readme {args.readme!r}: no such file")
     with open(args.readme) as f:
         text = f.read()
     block = render(args.results, os.path.dirname(os.path.abspath(args.readme)))

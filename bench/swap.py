@@ -1,6 +1,12 @@
 """Benchmark the swap runtime (issue 6).
 
-    python bench/swap.py [--quick] [--cpu-only | --gpu-only [--stop-at EPOCH]] [--budget 16GiB]
+    python bench/swap.py [--quick] [--cpu-only | --gpu-only [--stop-at EPOCH]]
+                         [--budget 16GiB] [--window 2GiB] [--out DIR]
+
+``--budget`` and ``--window`` apply to the GPU part only, but are checked (byte sizes > 0,
+``vmalloc.sizes.parse_size``) on every run: a bad value exits 2 before anything runs.
+``--out DIR`` (default ``bench/results``) is where ``swap.json`` / ``swap.png`` are read and
+written: pass a scratch folder for a smoke run, or it replaces the committed file.
 
 CPU part (runs anywhere): the cost of the saved-tensor hooks when nothing needs swapping
 (goal: <= 5% of the step time), the cost of real swapping on the CPU (copies into the host
@@ -15,7 +21,7 @@ runtime without vmalloc, with vmalloc (its budget and pressure callback), and fo
 ``offload.dynprog`` (if that planner is present). Every configuration runs in its own process
 (an OOM or a registered allocator cannot leak into the next). One table, one JSON, one PNG.
 
-Writes ``bench/results/swap.json`` (and ``swap.png`` with the GPU part). ``--gpu-only`` (a
+Writes ``bench/results/swap.json`` (and ``swap.png`` with the GPU part; ``--out`` elsewhere). ``--gpu-only`` (a
 device session: the CPU part is measured on a machine without a GPU and committed) runs the
 GPU part alone into the file's ``gpu`` key, keeping the rest, and writes it after every worker:
 rows already there for the same budget and window are kept, so a run stopped by ``--stop-at``
@@ -435,7 +441,8 @@ def gpu_only(args: argparse.Namespace) -> None:
     if args.cpu_only:
         raise SystemExit("bench/swap.py: --gpu-only and --cpu-only exclude each other")
     budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
-    path = RESULTS / "swap.json"
+    out = _out_dir(args)
+    path = out / "swap.json"
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -457,7 +464,7 @@ def gpu_only(args: argparse.Namespace) -> None:
         # left: configurations not run (None: still running, so incomplete if killed now)
         result["gpu"] = {"budget": budget, "window": window, "quick": args.quick, "rows": rows,
                          "meta": gmeta, "incomplete": left != 0, "not_run": left or 0}
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.part")
         tmp.write_text(json.dumps(result, indent=1, default=str))
         tmp.replace(path)
@@ -467,25 +474,43 @@ def gpu_only(args: argparse.Namespace) -> None:
     rows, left = gpu_comparison(args.quick, budget, window, earlier, save, args.stop_at)
     save(rows, left)
     print(gpu_table(rows))
-    gpu_plot(rows, RESULTS / "swap.png")
+    gpu_plot(rows, out / "swap.png")
     print(f"\nwrote {path}" + (f"; {left} configurations left for --stop-at (run it again to "
                                 "go on)" if left else ""))
 
 
+def _out_dir(args: argparse.Namespace) -> Path:
+    """``--out`` (a folder), else ``RESULTS`` (read when called: tests point it elsewhere)."""
+    out = getattr(args, "out", None)
+    return Path(out) if out else RESULTS
+
+
 # ---------------------------------------------------------------------------- main
-def main() -> None:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from bench.common import byte_size
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, batches and steps")
-    ap.add_argument("--cpu-only", action="store_true", help="skip the GPU comparison")
-    ap.add_argument("--gpu-only", action="store_true", help="the GPU comparison alone, into the "
-                    "existing results file's 'gpu' key, resumed from its rows and saved after "
-                    "every worker")
-    ap.add_argument("--stop-at", type=float, default=None, help="with --gpu-only: start no "
-                    "worker after this time (epoch seconds); the file says what is left")
-    ap.add_argument("--budget", default="16GiB", help="device budget of the GPU part (16GiB)")
-    ap.add_argument("--window", default="2GiB", help="swap window of the GPU part (2GiB)")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--cpu-only", action="store_true", help="skip the GPU comparison")
+    only.add_argument("--gpu-only", action="store_true", help="the GPU comparison alone, into "
+                      "the existing results file's 'gpu' key, resumed and saved per worker")
+    ap.add_argument("--stop-at", type=float, default=None, metavar="EPOCH", help="with "
+                    "--gpu-only: start no worker after this time (epoch seconds)")
+    ap.add_argument("--budget", type=byte_size, default="16GiB", metavar="SIZE",
+                    help="device budget of the GPU part (default 16GiB)")
+    ap.add_argument("--window", type=byte_size, default="2GiB", metavar="SIZE",
+                    help="swap window of the GPU part (default 2GiB)")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder of swap.json / swap.png (default bench/results)")
     ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.stop_at is not None and not args.gpu_only:
+        ap.error(f"--stop-at {args.stop_at:g}: only with --gpu-only")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
     if args.gpu_worker:
         print(json.dumps(gpu_worker(json.loads(args.gpu_worker)), default=str))
         return
@@ -493,9 +518,11 @@ def main() -> None:
     if args.gpu_only:
         gpu_only(args)
         return
+    out = _out_dir(args)
     torch.set_num_threads(1)
     result: Dict[str, Any] = {
-        "meta": {"command": " ".join(["python", "bench/swap.py"] + sys.argv[1:]),
+        "meta": {"command": " ".join(["python", "bench/swap.py"]
+                                    + (sys.argv[1:] if argv is None else list(argv))),
                  "torch": torch.__version__, "machine": platform.machine(),
                  "cpu_threads": torch.get_num_threads(),
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -543,11 +570,11 @@ def main() -> None:
         rows, _ = gpu_comparison(args.quick, budget, window)
         result["gpu"] = {"budget": budget, "window": window, "rows": rows}
         print(gpu_table(rows))
-        gpu_plot(rows, RESULTS / "swap.png")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "swap.json", "w") as f:
+        gpu_plot(rows, out / "swap.png")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "swap.json", "w") as f:
         json.dump(result, f, indent=1, default=str)
-    print(f"\nwrote {RESULTS / 'swap.json'}")
+    print(f"\nwrote {out / 'swap.json'}")
 
 
 if __name__ == "__main__":

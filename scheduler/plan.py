@@ -65,6 +65,19 @@ def _chunk(value: Any) -> Optional[float]:
     return value
 
 
+def _bandwidth(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value <= 0:
+        raise ValueError(f"Plan.bandwidth: expected None or a positive number of bytes per "
+                         f"second, got {value!r}")
+    return value
+
+
+_OWN: Any = object()  # describe()'s default: the plan's own bandwidth
+
+
 def _limit(value: Any) -> Optional[float]:
     if value is None:
         return None
@@ -95,11 +108,15 @@ class Plan:
     # an offload frees each chunk when it is copied, a prefetch reserves each chunk when its
     # copy starts (what page-level mappings allow; see scheduler.simulate)
     transfer_chunk: Optional[float] = None
+    # the host<->device bandwidth (bytes/s) its transfers were planned at: scheduler.simulate
+    # uses it unless told otherwise, as it does memory_limit (None: no transfers planned)
+    bandwidth: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.ops = [_op(item, i) for i, item in enumerate(self.ops)]
         self.memory_limit = _limit(self.memory_limit)
         self.transfer_chunk = _chunk(self.transfer_chunk)
+        self.bandwidth = _bandwidth(self.bandwidth)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -110,8 +127,9 @@ class Plan:
     def count(self, kind: str) -> int:
         return sum(1 for op in self.ops if op.kind == kind)
 
-    def describe(self, chain: Optional["Chain"] = None, bandwidth: Optional[float] = None) -> str:
-        """One line per op; with a chain, the memory in use after each op and its end time."""
+    def describe(self, chain: Optional["Chain"] = None, bandwidth: Any = _OWN) -> str:
+        """One line per op; with a chain, the memory in use after each op and its end time
+        (simulated at ``bandwidth``, by default the plan's own)."""
         chain = chain if chain is not None else self.chain
         head = f"Plan[{self.planner or '?'}] {len(self.ops)} ops"
         if self.predicted_time is not None:
@@ -122,11 +140,14 @@ class Plan:
             head += f", limit {self.memory_limit:g}"
         if self.transfer_chunk is not None:
             head += f", transfers streamed in chunks of {self.transfer_chunk:g}"
+        if self.bandwidth is not None:
+            head += f", bandwidth {self.bandwidth:g} B/s"
         lines = [head]
         steps = None
         if chain is not None:
             from .simulate import simulate  # local: plan.py stays importable on its own
-            steps = simulate(chain, self, bandwidth=bandwidth).steps
+            bw = self.bandwidth if bandwidth is _OWN else bandwidth
+            steps = simulate(chain, self, bandwidth=bw).steps
         for i, op in enumerate(self.ops):
             line = f"{i:5d}  {op.kind:<8} {op.stage:4d}"
             if steps is not None:
@@ -146,6 +167,8 @@ class Plan:
              "ops": [[op.kind, op.stage] for op in self.ops]}
         if self.transfer_chunk is not None:  # whole transfers: the format stays as it was
             d["transfer_chunk"] = self.transfer_chunk
+        if self.bandwidth is not None:  # (likewise for plans without transfers)
+            d["bandwidth"] = self.bandwidth
         return d
 
     @classmethod
@@ -160,10 +183,12 @@ class Plan:
         planner = d.get("planner", "")
         if not isinstance(planner, str):
             raise ValueError(f"Plan.planner: expected a string, got {planner!r:.80}")
-        for name in ("predicted_time", "predicted_peak", "memory_limit", "transfer_chunk"):
+        for name in ("predicted_time", "predicted_peak", "memory_limit", "transfer_chunk",
+                     "bandwidth"):
             v = d.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ValueError(f"Plan.{name}: expected a number or null, got {v!r:.80}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or v != v or v < 0):  # (NaN, a negative time or size)
+                raise ValueError(f"Plan.{name}: expected a number >= 0 or null, got {v!r:.80}")
         meta = d.get("meta") or {}
         if not isinstance(meta, dict):
             raise ValueError(f"Plan.meta: expected an object, got {meta!r:.80}")
@@ -171,7 +196,7 @@ class Plan:
                    planner=planner, predicted_time=d.get("predicted_time"),
                    predicted_peak=d.get("predicted_peak"), meta=dict(meta),
                    memory_limit=d.get("memory_limit"),
-                   transfer_chunk=d.get("transfer_chunk"))
+                   transfer_chunk=d.get("transfer_chunk"), bandwidth=d.get("bandwidth"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

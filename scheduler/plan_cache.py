@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Generic, Hashable, Optional, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, Optional, TypeVar
 
 T = TypeVar("T")
+
+
+def capacity_arg(value: Any, where: str, name: str = "cache_size") -> int:
+    """A cache's size as an entry point takes it (``cache_size=``), checked there so the
+    error names that entry point and its argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return value
 
 
 class PlanCache(Generic[T]):
     """A bounded LRU map from a signature to a plan, counting hits, misses and planning time."""
 
     def __init__(self, capacity: int = 64):
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"PlanCache: capacity must be a positive int, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = capacity_arg(capacity, "PlanCache", "capacity")
         self._plans: "OrderedDict[Hashable, T]" = OrderedDict()
         self.hits = 0
         self.misses = 0

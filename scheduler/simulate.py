@@ -58,9 +58,16 @@ release and reservation that seed 000's Algorithm 1 assumes (its fractional rela
 down to the chunk size. Compute ops still wait for a prefetch's last chunk, and may read
 an item being offloaded only if none of its chunks had completed before they start.
 
-``bandwidth=None`` means there is no transfer channel: a plan with an offload or prefetch
+By default the bandwidth is the plan's own, ``plan.bandwidth`` (the one its planner planned
+at). ``bandwidth=None`` means there is no transfer channel: a plan with an offload or prefetch
 is rejected (so is any transfer with bandwidth 0). ``float('inf')`` makes transfers
-instantaneous. Strings such as ``"12GB"`` are read as bytes per second.
+instantaneous. Strings such as ``"12GB/s"`` or ``"12GB"`` are read as bytes per second.
+
+A plan is feasible under its memory limit at the bandwidth it was planned at. At another one
+its transfers start at other times, so under the limit's no-wait policy (below) the order in
+which ops take memory can change: a prefetch listed before a backward, ready sooner on a
+faster channel, may then take memory the backward needed, and the plan blocks
+(``InvalidPlanError``). ``memory=None`` simulates it anyway and reports its peak.
 
 Memory limit and idle time (seed 001 Lemma 1)
 ---------------------------------------------
@@ -102,6 +109,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .chain import Chain
 from .errors import InvalidPlanError
 from .plan import FORWARD_KINDS, Plan
+from .units import parse_rate
 
 Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
 COMPUTE_STREAM, TRANSFER_STREAM = 0, 1
@@ -166,6 +174,11 @@ def _number(value: Any, name: str, allow_inf: bool = False) -> Optional[float]:
     if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
         raise ValueError(f"{name}: must be a non-negative {'number' if allow_inf else 'finite number'}, got {value!r}")
     return value
+
+
+def _bytes(v: float) -> str:
+    """A byte count in a message: whole numbers in full (1e+10 hides the byte that matters)."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 2 ** 63 else f"{v:.10g}"
 
 
 def _size(chain: Chain, key: Key) -> float:
@@ -334,12 +347,24 @@ class _PlanLimit:
 PLAN_LIMIT: Any = _PlanLimit()
 
 
-def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = None, *,
+class _PlanBandwidth:
+    """The default of ``simulate(bandwidth=)``: the plan's own ``bandwidth``."""
+
+    def __repr__(self) -> str:
+        return "PLAN_BANDWIDTH"
+
+
+PLAN_BANDWIDTH: Any = _PlanBandwidth()
+
+
+def simulate(chain: Chain, plan: Plan,
+             bandwidth: Optional[Union[float, str]] = PLAN_BANDWIDTH, *,
              memory: Optional[Union[float, str]] = PLAN_LIMIT,
              complete: bool = True) -> SimResult:
     """Execute ``plan`` on ``chain``; see the module docstring for the exact semantics.
 
-    ``bandwidth``: host<->device bytes per second (None: transfers are not allowed).
+    ``bandwidth``: host<->device bytes per second; by default ``plan.bandwidth`` (the one its
+    planner planned at); None: transfers are not allowed.
     ``memory``: a limit to enforce by waiting; by default ``plan.memory_limit`` (the limit
     the plan was made for); ``None``: no limit (never wait, just report the peak).
     ``complete``: require the plan to finish the backward (B 0).
@@ -349,12 +374,17 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     if not isinstance(plan, Plan):
         raise ValueError(f"plan: expected a scheduler.Plan, got {type(plan).__name__}")
-    bw = _number(bandwidth, "bandwidth", allow_inf=True)
+    bw = parse_rate(plan.bandwidth if bandwidth is PLAN_BANDWIDTH else bandwidth, "simulate",
+                    allow_zero=True)  # (the one parser: "12GB/s" too)
     limit = _number(plan.memory_limit if memory is PLAN_LIMIT else memory, "memory")
     flow = _plan_data_flow(chain, plan, bw, complete)
     ops = plan.ops
     n = len(ops)
-    tol = 1e-9 * max(1.0, limit) if limit is not None else 0.0
+    # sums of integer sizes are exact in floats (below 2**53): an integer limit is kept to the
+    # byte; fractional chains (measured, discretized) get a relative float tolerance
+    exact = limit is not None and float(limit).is_integer() and chain.is_integer and (
+        plan.transfer_chunk is None or float(plan.transfer_chunk).is_integer())
+    tol = 0.0 if exact or limit is None else 1e-9 * max(1.0, limit)
 
     steps = [Step(i, op.kind, op.stage) for i, op in enumerate(ops)]
     comp = [i for i in range(n) if isinstance(flow[i], _Compute)]
@@ -531,7 +561,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
                     f"and its copy {'completed' if j in done_at else 'began freeing it'} at "
                     f"t={done:g}, before this op starts at t={t:g}; prefetch it first", i)
         if limit is not None and mem + c.need > limit + tol:
-            return f"needs {c.need:g} more but {mem:g} of the limit {limit:g} is in use"
+            return (f"needs {_bytes(c.need)} more but {_bytes(mem)} of the limit "
+                    f"{_bytes(limit)} is in use")
         return None
 
     def transfer_blocker(i: int) -> Optional[str]:
@@ -540,7 +571,8 @@ def simulate(chain: Chain, plan: Plan, bandwidth: Optional[Union[float, str]] = 
         if ops[i].kind == "prefetch" and limit is not None:
             size = flow[i].chunks[chunk_next.get(i, 0)]
             if mem + size > limit + tol:
-                return f"needs {size:g} more but {mem:g} of the limit {limit:g} is in use"
+                return (f"needs {_bytes(size)} more but {_bytes(mem)} of the limit "
+                        f"{_bytes(limit)} is in use")
         return None
 
     while True:

@@ -160,10 +160,18 @@ class Runtime:
         self.prepare, self.context, self.after = prepare, context, after
 
 
+def _read_by(planner: str, **options: Any) -> Dict[str, Any]:
+    """``options`` less those ``planner`` does not read (the runtimes refuse those), plus the
+    bandwidth for pofo: samples is Mimose's, on_chain sees the chains the others plan on."""
+    keep = {"samples": planner == "mimose", "on_chain": planner != "mimose"}
+    out = {k: v for k, v in options.items() if keep[k]}
+    return dict(out, bandwidth=BANDWIDTH) if planner == "pofo" else out
+
+
 def _wrap(planner: str) -> Callable[[Net, int], nn.Module]:
     def prepare(net: Net, budget: int) -> nn.Module:
-        return scheduler.wrap(list(net.blocks), budget, planner=planner, bandwidth=BANDWIDTH,
-                              samples=3)
+        return scheduler.wrap(list(net.blocks), budget, planner=planner,
+                              **_read_by(planner, samples=3))
     return prepare
 
 
@@ -180,9 +188,9 @@ CHAINS: List[Any] = []   # the chains a checkpoint runtime planned on in the cur
 def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     def prepare(net: Net, budget: int) -> nn.Module:
         # blocks= names the list: the CNN's blocks are of different classes (no auto-detection)
-        return scheduler.checkpoint(net, budget, planner=planner, bandwidth=BANDWIDTH,
+        return scheduler.checkpoint(net, budget, planner=planner,
                                     blocks=getattr(net, "block_path", "blocks"),
-                                    on_chain=lambda c: CHAINS.append(c) or c)
+                                    **_read_by(planner, on_chain=lambda c: CHAINS.append(c) or c))
     return prepare
 
 
@@ -191,7 +199,7 @@ def _checkpoint_wrapped(wrapped: nn.Module, net: Net, budget: int) -> None:
     wrapped the model: HF's blocks found through the wrapper (FSDP1 units in their list or
     not), the others' list given as the object."""
     blocks = None if isinstance(net, HFLlama) else [net.blocks]
-    scheduler.checkpoint(wrapped, budget, planner="rotor", bandwidth=BANDWIDTH, blocks=blocks,
+    scheduler.checkpoint(wrapped, budget, planner="rotor", blocks=blocks,
                          on_chain=lambda c: CHAINS.append(c) or c)
 
 

@@ -36,3 +36,21 @@ def test_plan_validation_and_json():
     assert Plan.from_json(p.to_json()) == p
     with pytest.raises(ValueError, match=r"ops\[1\]: unknown kind 'Fwd'"):
         Plan([("F_all", 0), ("Fwd", 1)])
+
+
+def test_a_plan_carries_its_bandwidth_to_simulate_and_describe():
+    from scheduler import InvalidPlanError, simulate
+    from scheduler.planners import offload
+    chain = Chain.random(6, seed=1)
+    plan = offload.dynprog(chain, 0.6 * (chain.x[0] + sum(chain.xbar)), 12e9)
+    assert plan.count("offload") > 0
+    plan.bandwidth = 12e9  # (the planners record it themselves)
+    assert simulate(chain, plan).makespan == simulate(chain, plan, 12e9).makespan
+    assert "bandwidth 1.2e+10 B/s" in plan.describe(chain)  # simulated: no bandwidth needed
+    with pytest.raises(InvalidPlanError, match="bandwidth"):
+        simulate(chain, plan, None)  # None still means: no transfer channel
+    back = Plan.from_json(plan.to_json())
+    assert back.bandwidth == 12e9 and back == plan
+    for bad in (0, -1.0, float("nan"), True, "12GB"):
+        with pytest.raises(ValueError, match=r"Plan\.bandwidth: .* got"):
+            Plan([("F_all", 0), ("B", 0)], bandwidth=bad)

@@ -33,8 +33,7 @@ def run(checkpointed):
     m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=64, use_cache=False))
     if checkpointed:
-        scheduler.checkpoint(m, budget=600000, planner="mimose", samples=3,
-                             measure_options={"repeat": 1, "warmup": 0})
+        scheduler.checkpoint(m, budget=600000, planner="mimose", samples=3)
     for b in m.transformer.h:
         fully_shard(b)
     fully_shard(m)

@@ -210,6 +210,21 @@ def test_reached_cells_give_the_whole_tables_answer(L, seed, frac, slots, refine
         _solved(c, memory, slots, allow_all, refine, True)
 
 
+@pytest.mark.parametrize("B", [1000, 10 ** 6])
+@pytest.mark.parametrize("allow_all", [True, False])
+def test_rebuild_reads_only_cells_the_table_holds(B, allow_all):
+    # a checkpoint candidate whose second half is infeasible at m: rebuild() read its first
+    # half's cell, which reach() never tabulated (past the table's end: a crash at B = 10**6)
+    c = Chain(fw=[1, 1, 1], bw=[1, 1, 1], x=[0, 0, B], xbar=[B, 0, 0], delta=[0, 0, B],
+              fw_tmp=[1, 0, 0], bw_tmp=[0, 0, 1])
+    for slots in (None, 500):
+        got = _solved(c, 2 * B, slots, allow_all, True, False)
+        assert got == _solved(c, 2 * B, slots, allow_all, True, True)
+        if got[0] != "infeasible":
+            check_prediction(c, rotor.solve_dp(c, 2 * B, slots, allow_all, "rotor", True),
+                             2 * B)
+
+
 @pytest.mark.parametrize("frac", [0.1, 0.3, 0.6, 1.0])
 def test_reached_cells_give_the_whole_tables_answer_on_long_chains(frac):
     c = byte_chain(60, 2)

@@ -418,7 +418,7 @@ def test_mimose_learns_the_tail(name):
     log-softmax (they once planned with a free loss stage and overshot the budget by them)."""
     ref, batch = make(name)
     model = copy.deepcopy(ref)
-    scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
+    scheduler.checkpoint(model, 1 << 40, "mimose")
     for seed in range(2):  # a collection step, then the plan for the same size
         assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), name)
     (r,) = checkpointed(model).runners
@@ -439,7 +439,7 @@ def test_mimose_never_mixes_samples_with_and_without_the_tail():
     first tail (transients), none."""
     ref, batch = make("gpt2")
     model = copy.deepcopy(ref)
-    scheduler.checkpoint(model, 1 << 40, "mimose", measure_options=FAST)
+    scheduler.checkpoint(model, 1 << 40, "mimose")
     (r,) = checkpointed(model).runners
     L = r.L
     tmp = lambda n: {"fw_tmp": (2.0 * n,) * L, "bw_tmp": (3.0 * n,) * L,  # noqa: E731

@@ -430,7 +430,7 @@ def test_an_offloaded_value_a_backward_reads_goes_once_that_backward_ran(monkeyp
     monkeypatch.setattr(chain_exec.ChainStep, "_recompute", spy)
     blocks, ref = twins(lambda: mlp_blocks(4, D))
     x = torch.randn(8, D, requires_grad=True)
-    model = scheduler.wrap(blocks, None, planner=plan, bandwidth=1e9)
+    model = scheduler.wrap(blocks, None, planner=plan)
     expect = plain_step(ref, (x,))
     x.grad = None
     assert same(wrapped_step(model, (x,)), expect)

@@ -2,6 +2,9 @@
 
 ``vmalloc.Allocator`` subclasses the C++ class, so ``malloc``/``free`` cost one native call; this
 module only validates arguments (naming the bad parameter and value) and adds the context manager.
+``malloc``/``free``/``record_stream`` check theirs in the binding (``csrc/bind/alloc_py.cpp``:
+``nbytes`` a positive int below 2**64, ``stream`` and ``ptr`` ints in [0, 2**64)), so that a
+Python wrapper does not add a second call to the fast path.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
+from .env import check_output_path
 from .sizes import format_size, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,7 +22,12 @@ if TYPE_CHECKING:  # pragma: no cover
 def _cmd_report(args: argparse.Namespace) -> int:
     rpt = importlib.import_module("vmalloc.report")
     from .replay.files import read_bounded
-    read_bounded(args.file, args.max_size)  # a directory, /dev/zero, a huge file: refused here
+
+    def check_head(head: bytes) -> None:  # /dev/zero, a binary file: refused before reading on
+        if head.strip() and head.lstrip()[:1] not in (b"{", b"["):  # JSON: load() judges it
+            raise ValueError(f"{args.file}: not a JSON report (starts with {head[:8].hex(' ')})")
+    # a directory, /dev/zero, a huge file: refused here
+    read_bounded(args.file, args.max_size, check_head, option="vmalloc report --max-trace-size")
     try:
         rep = rpt.load(args.file)
     except UnicodeDecodeError:
@@ -85,6 +91,11 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
+    # the outputs are written after the whole replay: a path that cannot be written fails now
+    if args.json:
+        check_output_path(args.json, "--json", "replay.json")
+    if args.png:
+        check_output_path(args.png, "--png", "replay.png")
     cmps = [_replay_one(p, chunks, not args.no_bisect, args.device, max_bytes=args.max_size)
             for p in args.trace]
     for cmp in cmps:
@@ -99,9 +110,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 json.dump({"comparison": [{k: v for k, v in c.items() if k != "timelines"}
                                           for c in cmps]}, f, indent=1, allow_nan=False)
             os.replace(tmp, args.json)
-        except BaseException:
+        except BaseException as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            if isinstance(exc, OSError) and exc.filename == tmp:  # name the path the user gave
+                raise OSError(exc.errno, exc.strerror, args.json) from None
             raise
         print(f"wrote {args.json}")
     if args.png and _plot(cmps, args.png):
@@ -171,6 +184,11 @@ def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    parse_size(args.budget, "--budget")  # bad on the CPU too: say so now, not on a GPU later
+    # a --traces that is no directory fails now, not after the planning steps (an existing one
+    # without traces is said at step 3, as before: tests/test_demo.py stops the demo that way)
+    if args.traces and not os.path.isdir(args.traces):
+        raise ValueError(f"--traces {args.traces}: no such directory")
     gpu = False
     if not args.replay_only:
         try:
@@ -268,7 +286,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.set_defaults(fn=_cmd_demo)
     args = p.parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
+        return rc
+    except BrokenPipeError:
+        # `vmalloc report F | head`: the reader left; stop quietly as cat and grep do. Point
+        # stdout at /dev/null so the interpreter's flush at exit does not complain again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no file descriptor: nothing to redirect
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except KeyboardInterrupt:
         # one line, not a traceback; 130 = 128 + SIGINT, as a shell reports it
         print(f"vmalloc {args.cmd}: interrupted", file=sys.stderr)

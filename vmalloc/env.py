@@ -22,7 +22,7 @@ VARIABLES = {
     "VMALLOC_BUDGET": ("none", "cap on physical bytes per device; 0 or unset = no cap"),
     "VMALLOC_WINDOW": ("unset", "turns on the byte-window swap runtime with this window (e.g. 2GiB)"),
     "VMALLOC_REPORT": ("unset", "where the fragmentation report goes at exit: a path (.json = JSON, "
-                                "else text; a PNG lands beside it), '-' for stdout, 'stderr'"),
+                                "else text; PATH.png beside it), '-' for stdout, 'stderr'"),
 }
 
 
@@ -74,12 +74,19 @@ def check_report_target(target: str, name: str = "VMALLOC_REPORT") -> None:
     names the report derives beside the path stay valid."""
     if target in REPORT_STREAMS:
         return
+    check_output_path(target, name)
+
+
+def check_output_path(target: str, name: str, example: str = "vmalloc-report.txt") -> None:
+    """Raise ``ValueError`` naming ``name`` and ``target`` unless a file can be written there:
+    for outputs written after long work (an exit report, ``vmalloc replay --json``), which
+    must fail before that work, not after it."""
     if "\0" in target:
         raise ValueError(f"{name}: {target!r} is not a path (it holds a NUL byte)")
     path = os.path.abspath(os.path.expanduser(target))
     if os.path.isdir(path) or target.endswith(os.sep):
         raise ValueError(f"{name}: {target!r} is a directory; give a file name such as "
-                         f"{os.path.join(target, 'vmalloc-report.txt')!r}")
+                         f"{os.path.join(target, example)!r}")
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{name}: {target!r}: the directory {parent!r} does not exist")

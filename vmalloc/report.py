@@ -257,8 +257,8 @@ def side_by_side(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping[st
 
 
 def save(rep: Mapping[str, Any], path: str) -> None:
-    """Write a report: JSON when the name ends in ``.json``, else text; a PNG beside it when
-    matplotlib is installed and the report has a timeline.
+    """Write a report: JSON when the name ends in ``.json``, else text; a PNG beside it,
+    ``path + ".png"``, when matplotlib is installed and the report has a timeline.
 
     The whole text is made before the file is opened, so a report that cannot be written leaves
     the file as it was. A section that is not JSON (a set, an object) is written as
@@ -273,7 +273,8 @@ def save(rep: Mapping[str, Any], path: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     if rep.get("timeline"):
-        plot_timeline(rep, os.path.splitext(path)[0] + ".png")
+        # the full name + .png: frag.txt and frag.json (or a report named x.png) keep apart
+        plot_timeline(rep, path + ".png")
 
 
 def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:
@@ -355,6 +356,10 @@ def add_section(name: str, provider: Callable[[], Mapping[str, Any]], device: Op
     """Show ``provider()`` under ``name`` in this device's report (e.g. the swap runtime's
     ``stats()`` under ``"swap"``). Stored on the per-device registry; ``device=None`` = every
     device's report. Adding a name again replaces it."""
+    if not isinstance(name, str):  # a section is a key of the JSON report: a str
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    if not name.strip():           # an empty heading in the text report
+        raise ValueError(f"name: expected a non-empty str, got {name!r}")
     if not callable(provider):
         raise TypeError(f"provider: expected a callable returning a mapping, got {provider!r}")
     if name in RESERVED_SECTION_NAMES:

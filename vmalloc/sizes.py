@@ -8,12 +8,11 @@ from __future__ import annotations
 import re
 from typing import Optional, Union
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
+_PREFIXES = {"k": 1, "m": 2, "g": 3, "t": 4}
+# Keys are lowercase; _unit_key refuses the spellings that read two ways before the look-up.
+_UNITS = {"": 1, "b": 1,
+          **{f"{p}b": 1000 ** e for p, e in _PREFIXES.items()},
+          **{f"{p}ib": 1 << (10 * e) for p, e in _PREFIXES.items()}}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 SizeLike = Union[int, str]
@@ -36,11 +35,33 @@ def _bounded(nbytes: int, value: object, name: str) -> int:
     return nbytes
 
 
+def _unit_key(unit: str) -> Optional[str]:
+    """``unit``'s key in ``_UNITS`` (or an unknown key, refused by the caller); ``None`` when it
+    reads two ways. Binary units pass in any case ("2mib" is MiB: nobody sizes memory in
+    mebibits); a decimal one needs a capital B ("Gb", "gb": gigabits in networking); K/M/G/T
+    alone are refused, since "16G" almost always means GiB and reading it as 10**9 loses 7%."""
+    low = unit.lower()
+    if low in _PREFIXES or (len(unit) == 2 and low[0] in _PREFIXES and unit[1] == "b"):
+        return None
+    return low
+
+
+def _ambiguous(value: str, number: str, unit: str, name: str) -> None:
+    """Raise for a unit that reads two ways, naming the input and both unambiguous spellings."""
+    p = unit[0].upper()
+    n = number if len(number) <= 20 else "N"   # a 5000-digit number is not repeated twice
+    why = "a lowercase b means bits" if len(unit) == 2 else f"{p} alone: powers of 1024 or 1000?"
+    raise ValueError(f"{name}: {_shown(value)!r} is ambiguous ({why}): write '{n}{p}iB' "
+                     f"(powers of 1024) or '{n}{p}B' (powers of 1000)")
+
+
 def parse_size(value: SizeLike, name: str = "size") -> int:
     """Return ``value`` in bytes; raise ``ValueError`` naming ``name`` if it is not a size.
 
-    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB)
-    powers of 1024; units are case-insensitive. A fractional size must come to whole bytes.
+    Binary units (KiB, MiB, GiB, TiB; any case) are powers of 1024, decimal ones (kB, KB, MB,
+    GB, TB; the B a capital) powers of 1000, ``B`` or no unit bytes. ``2G``, ``2m`` (decimal or
+    binary?) and ``2Gb``, ``2mb`` (bits?) are refused, naming both readings. A fractional size
+    must come to whole bytes.
     """
     if isinstance(value, bool):
         raise ValueError(f"{name}: expected a byte size, got {value!r}")
@@ -55,7 +76,9 @@ def parse_size(value: SizeLike, name: str = "size") -> int:
     if not isinstance(value, str):
         raise ValueError(f"{name}: expected a byte size such as '2MiB' or 2097152, got {value!r}")
     match = _SIZE.match(value)
-    unit = match.group(2).lower() if match else None
+    unit = _unit_key(match.group(2)) if match else None
+    if match and unit is None:
+        _ambiguous(value, match.group(1), match.group(2), name)
     if not match or unit not in _UNITS:
         raise ValueError(
             f"{name}: cannot read {value!r} as a byte size "

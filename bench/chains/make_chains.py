@@ -64,11 +64,17 @@ def write(chain, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="only chains whose name contains this")
-    p.add_argument("--out", default=HERE, help="output folder (default: bench/chains)")
+    p.add_argument("--only", default="", metavar="TEXT",
+                   help="only chains whose name contains TEXT (e.g. resnet101, gpt2-s1024)")
+    p.add_argument("--out", default=HERE, metavar="DIR", help="output folder (default: bench/chains)")
     p.add_argument("--list", action="store_true", help="list the chains and exit")
     a = p.parse_args(argv)
     todo = [c for c in configs() if a.only in c[0]]
+    if not todo:   # a typo must not pass for "nothing to do"
+        stems = [c[0] for c in configs()]
+        models = ", ".join(dict.fromkeys(s.split("-")[0] for s in stems))
+        p.error(f"--only {a.only!r}: no chain name contains it; the models are {models} "
+                f"(names like {stems[0]}, {stems[-1]}; --list shows all {len(stems)})")
     if a.list:
         print("\n".join(c[0] for c in todo))
         return 0

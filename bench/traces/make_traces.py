@@ -8,6 +8,7 @@ training iterations. Each trace's ``meta`` says exactly how it was derived. Re-r
 GPU traces or the window planner (issue 6) exist:
 
     python bench/traces/make_traces.py            # writes bench/traces/*.json.gz
+    python bench/traces/make_traces.py --out DIR  # ... into DIR instead
 
 The swap plan (built here, simulated by the shared simulator): forward with ``F_all`` on every
 stage; once stage s has run, the activation stored as its input is offloaded, except the last
@@ -166,9 +167,15 @@ def make(spec: Dict[str, Any], out_dir: str = HERE) -> str:
     return path
 
 
-def main() -> None:
+def main(argv: Sequence[str] = None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=HERE, metavar="DIR",
+                   help="folder for the *.json.gz traces (default bench/traces)")
+    args = p.parse_args(argv)   # --help (or a typo) no longer rewrites the bundled traces
+    os.makedirs(args.out, exist_ok=True)
     for spec in SPECS:
-        path = make(spec)
+        path = make(spec, args.out)
         from vmalloc.replay import load
         t = load(path)
         print(f"{path}: {len(t)} events, peak requested {t.peak_requested() / 2**20:.0f} MiB, "

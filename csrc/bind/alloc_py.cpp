@@ -68,19 +68,41 @@ std::string py_repr(nb::handle h) {
   }
 }
 
-// A byte count: an int (or anything with __index__, e.g. numpy integers), never a bool (True is an
-// int to Python, not a size).
-int64_t byte_count(nb::handle n, const char* name) {
+// An unsigned 64-bit argument (a size, a stream handle, an address) from any int (or anything
+// with __index__, e.g. numpy integers), never a bool. Checked here rather than by nanobind's
+// uint64_t caster so a bad value names the parameter (not "incompatible function arguments"),
+// and here rather than in vmalloc/allocator.py so malloc/free stay one native call.
+// `what` says what the int stands for.
+uint64_t u64_arg(nb::handle n, const char* name, const char* what) {
+  if (PyBool_Check(n.ptr()) || !PyIndex_Check(n.ptr()))
+    throw nb::type_error((std::string(name) + ": expected an int (" + what + "), got " + py_repr(n)).c_str());
+  nb::object i = nb::steal(PyNumber_Index(n.ptr()));
+  if (!i.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow < 0 || (overflow == 0 && v < 0))
+    throw std::invalid_argument(std::string(name) + ": expected an int >= 0 (" + what + "), got " + py_repr(n));
+  if (overflow == 0) return static_cast<uint64_t>(v);
+  unsigned long long u = PyLong_AsUnsignedLongLong(i.ptr());  // 2**63 .. 2**64-1, else OverflowError
+  if (u == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw std::invalid_argument(std::string(name) + ": " + py_repr(n) + " is too large: " + what + " is below 2**64");
+  }
+  return static_cast<uint64_t>(u);
+}
+
+// A byte count: positive and below 2**64 (the README's size rule; the core answers anything
+// above what the device holds with OutOfMemoryError, naming the true request).
+uint64_t byte_count(nb::handle n, const char* name) {
   if (PyBool_Check(n.ptr()) || !PyIndex_Check(n.ptr()))
     throw nb::type_error((std::string(name) + ": expected an int byte count, got " + py_repr(n)).c_str());
   nb::object i = nb::steal(PyNumber_Index(n.ptr()));
   if (!i.is_valid()) throw nb::python_error();
   int overflow = 0;
   long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
-  if (overflow > 0) return INT64_MAX;  // beyond any device: malloc answers OutOfMemoryError
-  if (overflow < 0 || v <= 0)
+  if (overflow < 0 || (overflow == 0 && v <= 0))
     throw std::invalid_argument(std::string(name) + ": must be a positive byte count, got " + py_repr(n));
-  return static_cast<int64_t>(v);
+  return overflow == 0 ? static_cast<uint64_t>(v) : u64_arg(i, name, "a byte count");
 }
 
 }  // namespace
@@ -125,18 +147,30 @@ void bind_alloc(nb::module_& m) {
           "cache_slack"_a = 0.25, "trace_capacity"_a = vmalloc::Config().trace_capacity)
       .def(
           "malloc",
-          [](Allocator& a, nb::handle n, uint64_t stream) -> uintptr_t {
-            int64_t nbytes = byte_count(n, "nbytes");
+          [](Allocator& a, nb::handle n, nb::handle s) -> uintptr_t {
+            uint64_t nbytes = byte_count(n, "nbytes");
+            uint64_t stream = u64_arg(s, "stream", "a stream handle");
             nb::gil_scoped_release release;
             return reinterpret_cast<uintptr_t>(a.malloc(static_cast<size_t>(nbytes), stream));
           },
-          "nbytes"_a.none(), "stream"_a = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
+          "nbytes"_a.none(), "stream"_a.none() = 0, "Allocate at least `nbytes` bytes usable on `stream`; returns the address.")
       .def(
-          "free", [](Allocator& a, uintptr_t ptr) { a.free(as_ptr(ptr)); }, "ptr"_a,
-          nb::call_guard<nb::gil_scoped_release>(), "Free an address returned by malloc.")
+          "free",
+          [](Allocator& a, nb::handle p) {
+            void* ptr = as_ptr(u64_arg(p, "ptr", "an address"));
+            nb::gil_scoped_release release;
+            a.free(ptr);
+          },
+          "ptr"_a.none(), "Free an address returned by malloc.")
       .def(
-          "record_stream", [](Allocator& a, uintptr_t ptr, uint64_t stream) { a.record_stream(as_ptr(ptr), stream); },
-          "ptr"_a, "stream"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "record_stream",
+          [](Allocator& a, nb::handle p, nb::handle s) {
+            void* ptr = as_ptr(u64_arg(p, "ptr", "an address"));
+            uint64_t stream = u64_arg(s, "stream", "a stream handle");
+            nb::gil_scoped_release release;
+            a.record_stream(ptr, stream);
+          },
+          "ptr"_a.none(), "stream"_a.none(),
           "The allocation is also used on `stream`: its memory waits for that stream's work before reuse.")
       .def("add_peer", &Allocator::add_peer, "device"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Give CUDA device `device` read-write access to all memory this allocator has mapped and "
@@ -191,8 +225,11 @@ void bind_alloc(nb::module_& m) {
              }
              return out;
            })
-      .def("allocation_size", [](const Allocator& a, uintptr_t ptr) { return a.allocation_size(as_ptr(ptr)); },
-           "ptr"_a)
+      .def("allocation_size",
+           [](const Allocator& a, nb::handle p) {
+             return a.allocation_size(as_ptr(u64_arg(p, "ptr", "an address")));
+           },
+           "ptr"_a.none())
       .def("live_allocations",
            [](const Allocator& a) {
              nb::list out;

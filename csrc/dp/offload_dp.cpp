@@ -67,9 +67,15 @@ struct Model {
 
   Model(const Chain& ch, int64_t mem, double b) : c(ch), M(mem), beta(b) {
     const int L = c.L;
+    // "everything": 4 (sum of act + M) + 4, saturated. Exact units (slots=None) allow a
+    // budget of up to 2^62 bytes, where the plain product overflowed int64 (UB; in practice
+    // it wrapped negative, and moved() then returned a negative amount: a huge bogus idle).
+    // Saturating at kCap keeps every sum below (exF + big, q - DF, ...) in range.
+    constexpr int64_t kCap = std::numeric_limits<int64_t>::max() / 8;
     int64_t tot = 0;
-    for (auto a : c.act) tot += a;
-    big = 4 * (tot + M) + 4;
+    for (auto a : c.act) tot = a >= kCap - tot ? kCap : tot + std::max<int64_t>(a, 0);
+    const int64_t m = std::max<int64_t>(M, 0);
+    big = (m >= kCap / 4 || tot >= kCap / 4 - m) ? kCap : 4 * (tot + m) + 4;
     ubF.assign(L + 2, 0.0);
     ubB.assign(L + 2, 0.0);
     for (int j = L - 1; j >= 0; --j) {

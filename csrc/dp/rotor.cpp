@@ -253,6 +253,8 @@ class Solver {
       for (int sp = s + 1; sp <= t; ++sp) {
         if (sp > s + 1) mn = std::max(mn, R_.f_none(sp - 1, t));
         if (m < mn) break;  // mn only grows with s'
+        // a sub-chain below its least feasible m: reach() tabulated neither half's cell
+        if (m < u_.x[sp] + lo(sp, t) || m < lo(s, sp - 1)) continue;
         Val v = (Val(pf_[sp] - pf_[s]) + value(sp, t, m - u_.x[sp])) + value(s, sp - 1, m);
         if (v < best) { best = v; choice = sp; }
       }

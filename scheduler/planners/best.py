@@ -54,7 +54,7 @@ def solve(chain: Chain, memory: Union[Number, str],
     if not isinstance(chain, Chain):
         raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
     memory = memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where="best.solve")
     names = [n for n, _, _ in PLANNERS]
     if planners is not None:
         bad = [p for p in planners if p not in names]

@@ -42,15 +42,17 @@ per model, ``observe(size, ...)`` the per-block measurements, then ``plan(size, 
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..chain import FIELDS as CHAIN_FIELDS, Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan
-from ..plan_cache import PlanCache
+from ..plan_cache import PlanCache, capacity_arg
 
 BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
 DEFAULT_SAMPLES = 10   # seed 004 Table 3: 10 samples for the order-2 fit
@@ -199,9 +201,17 @@ class Estimator(_Fitted):
                                  f"{len(want)} ({', '.join(want)})")
             extra.append(np.zeros(len(want)) if v is None else np.asarray(v, float))
         extra.append(self._tmp_row(input_size, tmp))
-        self._fit.observe(input_size, np.concatenate(
-            [[float(input_bytes)], np.asarray(xbar, float), np.asarray(out, float),
-             np.asarray(fw, float)] + extra))
+        sizes = np.concatenate([[float(input_bytes)], np.asarray(xbar, float),
+                                np.asarray(out, float), np.asarray(fw, float)])
+        row = np.concatenate([sizes] + extra)
+        # a NaN would poison the fit and fail far away, when a chain is made from it
+        if not np.isfinite(row).all() or (sizes < 0).any():
+            raise ValueError(f"Estimator.observe: measurements at input size {input_size!r} "
+                             f"must be finite, and bytes and times >= 0; got input_bytes="
+                             f"{input_bytes!r}, xbar={list(xbar)!r:.80}, out={list(out)!r:.80}, "
+                             f"fw={list(fw)!r:.80}" + ("" if np.isfinite(row).all() else
+                                                       " (a NaN or inf in them)"))
+        self._fit.observe(input_size, row)
         self.with_tmp = tmp is not None
 
     def _tmp_row(self, input_size: float, tmp: Optional[Dict[str, Sequence[float]]]
@@ -424,7 +434,7 @@ class Mimose:
         self.n = n_blocks
         self.estimator = Estimator(n_blocks, samples)
         self.bucket_ratio = bucket_ratio
-        self.cache: PlanCache[Plan] = PlanCache(cache_size)
+        self.cache: PlanCache[Plan] = PlanCache(capacity_arg(cache_size, "Mimose"))
         self.rounds = rounds
         self.verify = verify  # simulate each plan and tighten until its peak fits the budget
 
@@ -454,8 +464,19 @@ class Mimose:
     def cache_key(input_size: float, budget: float) -> Hashable:
         return (float(input_size), float(budget))
 
-    def plan(self, input_size: float, budget: float) -> Plan:
-        """The plan for this input size and budget (bytes), from the cache when seen before."""
+    def plan(self, input_size: float, budget: Union[float, str]) -> Plan:
+        """The plan for this input size and budget (bytes or a size string, ``"6GiB"``), from
+        the cache when seen before."""
+        if isinstance(input_size, bool) or not isinstance(input_size, numbers.Real) or \
+                not 0 < input_size < math.inf:  # the estimator's fit only knows sizes > 0
+            raise ValueError(f"Mimose.plan: input_size must be a positive number, got "
+                             f"{input_size!r}")
+        if isinstance(budget, str):
+            from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
+            budget = parse_size(budget, "Mimose.plan: budget")
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget > 0:
+            raise ValueError(f"Mimose.plan: budget must be a positive number of bytes or a size "
+                             f"string ('6GiB'), got {budget!r}")
         return self.cache.get_or_plan(self.cache_key(input_size, budget),
                                       lambda: self._plan(input_size, budget))
 

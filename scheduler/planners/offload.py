@@ -30,7 +30,7 @@ With ``transfer_chunk`` (our own extension) the plans stream their transfers
 proceeds, as the relaxation does, and DYNPROG's plan comes close to ``relaxed_time``.
 
 All sizes in bytes, times in seconds, ``bandwidth`` in bytes per second (a number or a
-size string such as ``"12GB"``).
+rate string such as ``"12GB/s"``; ``"12GB"`` too: ``scheduler.units.parse_rate``).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from ..chain import Chain
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Op, Plan
 from ..simulate import SimResult, simulate
+from ..units import parse_rate
 from . import rotor
 
 Number = Union[int, float]
@@ -72,15 +73,22 @@ def _positive(value: Union[Number, str], name: str, allow_zero: bool = False,
 
 
 def memory_arg(memory: Union[Number, str]) -> Number:
-    return _positive(memory, "memory", allow_zero=True)
+    """A memory limit: positive bytes, as for rotor (a limit of 0 divided by zero in the
+    slot grids; ``min_memory`` is at least 1 for the same reason)."""
+    return _positive(memory, "memory")
 
 
-def bandwidth_arg(bandwidth: Union[Number, str, None], allow_zero: bool = False) -> float:
+def bandwidth_arg(bandwidth: Union[Number, str, None], allow_zero: bool = False,
+                  where: str = "planner") -> float:
+    """Bytes/s as ``units.parse_rate`` reads them (the runtimes' parser: ``"12GB/s"`` too);
+    ``None`` is 0 (no transfer channel) where ``allow_zero``."""
     if bandwidth is None:
         if allow_zero:
             return 0.0
-        raise ValueError("bandwidth: expected bytes per second, got None")
-    return _positive(bandwidth, "bandwidth", allow_zero=allow_zero, allow_inf=True)
+        raise ValueError(f"{where}: bandwidth must be bytes per second, got None")
+    rate = parse_rate(bandwidth, where, allow_zero=allow_zero)
+    assert rate is not None
+    return rate
 
 
 def chunk_arg(chunk: Union[Number, str, None]) -> Optional[float]:
@@ -123,9 +131,9 @@ def min_memory(chain: Chain) -> Number:
     """The smallest limit an offloading schedule can meet: each op with only its own input
     and output on the GPU (all else offloaded, waiting as long as it takes)."""
     act, grad = activations(_chain(chain)), _grads(chain)
-    return max(max(act[i] + act[i + 1] + chain.fw_tmp[i],
-                   act[i] + act[i + 1] + grad[i] + grad[i + 1] + chain.bw_tmp[i])
-               for i in range(chain.L + 1))
+    return max(1, max(max(act[i] + act[i + 1] + chain.fw_tmp[i],
+                          act[i] + act[i + 1] + grad[i] + grad[i + 1] + chain.bw_tmp[i])
+                      for i in range(chain.L + 1)))
 
 
 def _check_feasible(chain: Chain, memory: Number, who: str) -> None:
@@ -141,7 +149,7 @@ def lower_bound(chain: Chain, memory: Union[Number, str],
                 bandwidth: Union[Number, str]) -> float:
     """Proposition 3: max(sum of compute times, 2 (M_peak - M) / bandwidth)."""
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where="offload.lower_bound")
     _check_feasible(chain, memory, "offload.lower_bound")
     extra = peak_memory(chain) - memory      # Proposition 2: data any schedule must offload
     comm = 0.0 if extra <= 0 else (math.inf if beta == 0 else 2 * extra / beta)
@@ -303,8 +311,12 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner, chunk)
 
 
-def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, **meta) -> Plan:
+def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, bandwidth: float,
+            **meta) -> Plan:
     plan.memory_limit = memory
+    # the rate its transfers were timed at: simulate() and describe() default to it
+    transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
+    plan.bandwidth = bandwidth if transfers and bandwidth > 0 else None
     plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain = chain
@@ -337,7 +349,7 @@ def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwi
 def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
            who: str) -> Tuple[Chain, Number, float]:
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where=who)
     _check_feasible(chain, memory, who)
     if beta == 0 and peak_memory(chain) > memory:
         raise InfeasibleError(f"{who}: bandwidth 0 cannot offload, and the chain needs "
@@ -370,7 +382,7 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
     chunk = chunk_arg(transfer_chunk)
     plan, sim = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.greedy",
                          chunk)
-    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, beta, lower_bound=lower_bound(chain, memory, beta))
 
 
 # ----------------------------------------------------------------------------- DYNPROG
@@ -486,7 +498,9 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     if improve and beta > 0:
         plan, sim, variant = _improved(chain, plan, sim, memory, beta, variant, slots, chunk)
     relaxed = chain.total_compute() + idle
-    return _finish(plan, sim, chain, memory, relaxed_time=relaxed, paper_time=paper_time,
+    return _finish(plan, sim, chain, memory, beta,
+                   relaxed_time=relaxed if math.isfinite(relaxed) else None,  # (strict JSON)
+                   paper_time=paper_time,
                    variant=variant, improve=improve,
                    dp_value=None if fallback else relaxed,
                    dp_states=states, slots=slots, fallback=fallback, transfer_chunk=chunk,
@@ -633,9 +647,9 @@ def vdnn(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str]
     cands = [i for i in range(chain.L + 1) if act[i] > 0]
     ratio = {i: chain.fw[i] / act[i] for i in cands}
     sets: List[List[int]] = [[]]
-    for thr in sorted(set(ratio.values()), reverse=True):
+    for thr in sorted(set(ratio.values()), reverse=True) if beta > 0 else ():  # (no channel)
         above = [i for i in cands if ratio[i] >= thr]
         sets.append(above)
         sets.append(above[::2])
     plan, sim = _best_of(chain, sets, memory, beta, "offload.vdnn", chunk)
-    return _finish(plan, sim, chain, memory, lower_bound=lower_bound(chain, memory, beta))
+    return _finish(plan, sim, chain, memory, beta, lower_bound=lower_bound(chain, memory, beta))

@@ -21,6 +21,7 @@ from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan
 from ..simulate import simulate
+from .rotor import check_memory
 
 
 def segments_of(L: int, segments: int) -> List[Tuple[int, int]]:
@@ -58,6 +59,8 @@ def best(chain: Chain, memory: Optional[float] = None) -> Plan:
     """The fastest segment count whose peak fits ``memory`` (None: any): what a user tuning
     ``checkpoint_sequential``'s ``segments`` by hand would settle on. Raises
     ``InfeasibleError`` with the smallest peak any segment count reaches."""
+    if memory is not None:
+        memory = check_memory(memory)
     plans = [solve(chain, k) for k in range(1, max(chain.L, 1) + 1)]
     fitting = [p for p in plans if memory is None or p.predicted_peak <= memory]
     if not fitting:

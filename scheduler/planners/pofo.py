@@ -86,8 +86,12 @@ def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
     current stage's input on the host, each stage checkpointed with F_ck and recomputed
     alone (F_all s, B s). Without (``bandwidth`` 0): rotor's minimum, keeping x[0] and
     recomputing from it (what the DP finds; here computed by the DP in exact units when
-    the chain is integer, else the offloading bound)."""
+    the chain is integer, else the offloading bound). A bound in exact units: ``solve`` at
+    its default ``slots=50`` rounds sizes up and may need a little more (its
+    ``InfeasibleError`` then names a limit that works)."""
     c = _chain(chain)
+    if bandwidth_arg(bandwidth, allow_zero=True, where="pofo.min_memory") == 0 and c.is_integer:
+        return rotor.min_memory(c)
     L = c.L
     x = list(c.x) + [0]
     d = list(c.delta) + [0]
@@ -101,7 +105,8 @@ def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
         need = max(need, fwd, rec, bwd)
     # the store-all sequence is a pofo sequence too: where recomputing a stage needs more (its
     # xbar held with the gradient from above) than keeping everything, the limit is that peak
-    return min(need, max_memory(c))
+    # (and a limit is positive: 1 for a chain of zeros)
+    return max(1, min(need, max_memory(c)))
 
 
 def max_memory(chain: Chain) -> Number:
@@ -186,7 +191,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     if model not in ("whole", "paper"):
         raise ValueError(f"model: expected 'whole' or 'paper', got {model!r}")
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.solve")
     slots = slots_arg(slots)
     if delta_step is None:
         delta_step = auto_delta_step(chain, slots)
@@ -258,11 +263,18 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         best = (whole_best[0], whole_best[1], whole_time, "pofo-whole")
         whole_best = None
     if best is None:
-        need = floor if floor is not None else _rotor_min(chain, slots, memory)
-        raise InfeasibleError(
-            f"pofo.solve: no sequence fits memory {memory:g} with slots={slots} "
-            f"(the smallest feasible limit is {need:g}; discretisation rounds sizes up, "
-            "so a limit just above it may need more slots)", need)
+        if floor is not None and memory < floor:
+            need = floor
+            why = f"no sequence, offloading or not, fits below {floor!r}"
+        else:
+            # the slot grid's rounding failed, not the limit: rotor's finer grid meets this
+            # one, and so does pofo, which tries rotor at 500 slots
+            need = _rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
+                              memory)
+            why = (f"the slot grid rounds sizes up; from {need!r} on a sequence fits "
+                   f"(rotor's), or more slots may fit this limit")
+        raise InfeasibleError(f"pofo.solve: no sequence fits memory {memory!r} with "
+                              f"slots={slots} ({why})", need)
     plan, sim, t, name = best
     paper_time = sim.makespan
     if improve and beta > 0:
@@ -273,9 +285,11 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         plan, sim = whole_best
         name, t = "pofo-whole", whole_best[1].makespan
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    plan.predicted_time = sim.makespan if transfers else t
+    # the simulation of the plan returned (t may be an earlier candidate's, replaced since)
+    plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
+    plan.bandwidth = beta if transfers and beta > 0 else None
     # the whole-activation DP's value (ours) is reached by its own plan; the paper's may not be
     dp_value = min(whole_time, exact_time) if math.isfinite(whole_time) else dp_time
     plan.meta.update(dp_time=dp_time, dp_value=dp_value, paper_dp_value=dp_time,
@@ -537,7 +551,7 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
     ``memory`` and M^high (the store-all peak); each resulting sequence is simulated and
     the fastest kept. Without recomputation it is GREEDY-like (seed 000)."""
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.autocapper")
     slots = slots_arg(slots)
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels: expected a positive int, got {levels!r}")
@@ -556,6 +570,7 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
                               need)
     plan, sim = best
     plan.planner, plan.memory_limit = "autocapper", memory
+    plan.bandwidth = beta if beta > 0 and plan.count("offload") else None
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
@@ -569,7 +584,7 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
     chain runs storing everything; then the backward of each group between two F_all by
     rematerialization (rotor on the group), with the two prefetches before it."""
     chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True)
+    beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.opportunist")
     slots = slots_arg(slots)
     L = chain.L
     fwd: List[Op] = []
@@ -596,6 +611,7 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
                 break
         groups.append((h, k - 1))
     plan.planner, plan.memory_limit = "opportunist", memory
+    plan.bandwidth = beta if beta > 0 and plan.count("offload") else None
     plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
     plan.meta["groups"] = groups
     return plan

@@ -120,8 +120,8 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
                 ) -> Union[int, float]:
     """Smallest memory limit for which the (discretized) problem is feasible."""
     core = _core()
-    if slots is None:
-        return core.rotor_min_units(discretize(chain, memory, None)[0], allow_all)
+    if slots is None:  # (at least 1: a limit must be positive, even for a chain of zeros)
+        return max(1, core.rotor_min_units(discretize(chain, memory, None)[0], allow_all))
     # however large the limit, every size still takes one slot at least
     ones = tuple([1 if v > 0 else 0 for v in _padded(chain, f)] for f in SIZE_FIELDS)
     fewest = core.rotor_min_units(ones, allow_all)
@@ -138,8 +138,10 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
     # it, then bisect. With integer sizes the exact minimum is a lower bound to start from.
     integer = chain.is_integer
     if integer:
-        lo = core.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1
-        hi = max(memory, lo + 1)
+        lo = max(core.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1, 0)
+        # whole bytes (a fractional hint made the bisection's mid stick at lo for good);
+        # lo >= 0: it never tries a limit of 0
+        hi = max(int(math.ceil(memory)), lo + 1)
     else:
         lo = hi = memory
         while ok(lo) and lo > 1e-12:

@@ -37,6 +37,20 @@ UNPACK = "B"  # a step of the backward: autograd read (unpacked) the variable
 Steps = Tuple[Tuple[int, ...], ...]
 
 
+def _step(i: int, s: Any) -> Tuple[int, ...]:
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
+        raise ValueError(f"VariableSequence.steps[{i}]: expected a sequence of variable ids, "
+                         f"got {s!r}")
+    return tuple(s)
+
+
+def _seconds(i: int, t: Any) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise ValueError(f"VariableSequence.times[{i}]: expected a finite number of seconds "
+                         f">= 0, got {t!r}")
+    return float(t)
+
+
 def _int_tuple(name: str, values: Sequence[Any]) -> Tuple[int, ...]:
     out = []
     for i, v in enumerate(values):
@@ -64,7 +78,7 @@ class VariableSequence:
     times: Tuple[float, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        steps = tuple(tuple(s) for s in self.steps)
+        steps = tuple(_step(i, s) for i, s in enumerate(self.steps))
         sizes = _int_tuple("sizes", self.sizes)
         n, nvars = len(steps), len(sizes)
         last = [-1] * nvars
@@ -93,7 +107,7 @@ class VariableSequence:
             if not lu <= f < n:
                 raise ValueError(f"VariableSequence.free_after[{v}] = {f}: must lie between the "
                                  f"variable's last use ({lu}) and the last step ({n - 1})")
-        times = tuple(float(t) for t in self.times)
+        times = tuple(_seconds(i, t) for i, t in enumerate(self.times))
         if times and len(times) != n:
             raise ValueError(f"VariableSequence.times: length {len(times)}, expected {n}")
         object.__setattr__(self, "steps", steps)
@@ -167,7 +181,16 @@ class VariableSequence:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "VariableSequence":
-        return cls(steps=tuple(tuple(s) for s in d["steps"]), sizes=tuple(d["sizes"]),
+        if not isinstance(d, dict):
+            raise ValueError(f"VariableSequence: expected a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("steps", "sizes") if k not in d]
+        if missing:
+            raise ValueError(f"VariableSequence: missing field(s) {missing} (got fields "
+                             f"{sorted(d)})")
+        if not isinstance(d["steps"], (list, tuple)):
+            raise ValueError(f"VariableSequence.steps: expected a list of steps, got "
+                             f"{d['steps']!r:.80}")
+        return cls(steps=tuple(d["steps"]), sizes=tuple(d["sizes"]),
                    phases=tuple(d.get("phases", "")), free_after=tuple(d.get("free_after", ())),
                    times=tuple(d.get("times", ())))
 

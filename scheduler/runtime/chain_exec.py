@@ -32,6 +32,7 @@ the loop's call (``block_calls``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -141,6 +142,10 @@ class ChainStep:
         self.prev_out: Optional[Tuple[Tuple[weakref.ReferenceType, ...], Tensors]] = None
         self.failed_call: Optional[BlockCall] = None  # the call of the block running now
         self.passed_through: Set[int] = set()         # storages blocks return unchanged
+        # each block's outputs as the loop got them (weakly): alive after the forward, they
+        # are held outside the plan (returned, kept in a list, saved by autograd outside the
+        # blocks), and an offload must not leave them empty (``_restore_escaped``)
+        self.loop_outs: Dict[int, Tuple[weakref.ReferenceType, ...]] = {}
         self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
 
     def abandon(self) -> None:
@@ -285,6 +290,7 @@ class ChainStep:
         outs = tensor_leaves(out)
         held = _detached(outs)
         self.prev_out = (tuple(weakref.ref(t) for t in outs), held)
+        self.loop_outs[s] = self.prev_out[0]
         ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
         self.passed_through |= {accounting.storage_key(t) for t in outs if id(t) in ins}
         if kind == "F_all":
@@ -307,7 +313,40 @@ class ChainStep:
         if s == self.L - 1:
             self._forward_ops_until(None)
             self.prev_out = None
+            self._restore_escaped()
         return out
+
+    def _restore_escaped(self) -> None:
+        """The forward's last block ran: the loop holds none of the earlier blocks' outputs
+        any more, unless the model keeps them (HF's ``output_hidden_states``, deep
+        supervision, a hook) or autograd outside the blocks saved them. An offload released
+        their memory (resized to 0: reading them would crash or read garbage): bring it back
+        now; the plan's memory saving is lost for them, and a warning says so. The last
+        block's input cannot be judged here (the loop passes it to the running block)."""
+        back = []
+        for s, refs in self.loop_outs.items():
+            alive = [t for t in (r() for r in refs) if t is not None]
+            # (the last block's input and output are the loop's own now: not judged)
+            if s >= self.L - 2 or not alive:
+                continue
+            held = {t.untyped_storage()._cdata for t in alive}  # (by storage: T5's block 0
+            f = self.xbars.get(s)                               # returns a bias all keep)
+            copies = list(f.host or ()) if f is not None else []
+            off = self.host.get(s + 1)
+            copies += off.copies if off is not None else []
+            released = [sc for sc in copies if sc.released and sc.storage._cdata in held]
+            for sc in released:
+                self.transfers(sc.storage.device).restore(sc)
+            if released:
+                back.append(s)
+        self.loop_outs.clear()
+        if back:  # (Python's default filter shows it once per message)
+            warnings.warn(
+                f"{self.name}: the outputs of blocks {back} are held outside the blocks (the "
+                "model returns or keeps them, or autograd saved them outside the blocks): the "
+                "plan offloaded them, so their memory came back at the end of the forward and "
+                "the budget may be exceeded; plan without offloading (planner='rotor'), or do "
+                "not keep them", RuntimeWarning, stacklevel=2)
 
     def _previous(self) -> Optional[Tensors]:
         """The last block's outputs for the next call's ``BlockCall``: those the loop still

@@ -25,7 +25,7 @@ from vmalloc.sizes import format_size
 from ..chain import Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan
-from ..plan_cache import PlanCache
+from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate, plan_from_checkpoints)
 from . import accounting, distributed, first_run, fsdp, rng
@@ -39,8 +39,8 @@ from .planning import make_plan
 from .mimose_collector import ShuttlingCollector
 from .offload import Transfers
 from .preserved import PreservedState
-from .options import (ChainArg, PlannerArg, check_planner, default_input_size, parse_budget,
-                      parse_rate)
+from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_measure,
+                      check_planner, default_input_size, parse_budget, parse_rate)
 
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
@@ -132,10 +132,13 @@ class ChainRunner:
                             f"{type(on_chain).__name__}")
         self.on_chain = on_chain
         self.loss = loss
-        self.measure_options = dict(measure_options or {})
-        self.track_memory = bool(track_memory)
+        # checked here: measure_chain would see them only at the first step, deep inside it
+        self.measure_options = check_measure(loss, measure_options, name)
+        self.track_memory = check_bool(track_memory, "track_memory", name)
         self.sequential = sequential
-        self.cache: PlanCache[CompiledPlan] = PlanCache(cache_size)
+        self.cache: PlanCache[CompiledPlan] = PlanCache(capacity_arg(cache_size, name))
+        check_callable(input_size, "input_size", name, "a callable from block 0's arguments "
+                       "to a number (the input size)")
         self.input_size = input_size or default_input_size
         if mimose is not None and (not isinstance(mimose, Mimose) or mimose.n != self.L):
             raise ValueError(f"{name}: mimose= must be a scheduler.planners.mimose.Mimose "

@@ -25,7 +25,7 @@ from torch import nn
 
 from . import fsdp
 from .chain_runner import ChainRunner
-from .options import PlannerArg, check_planner, parse_budget, parse_rate
+from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
 from .tail import TailProbe
@@ -73,8 +73,13 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
     """The block lists to run under plans, as ``(dotted name, list)`` pairs."""
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is not None:
+        if not isinstance(blocks, (str, nn.Module, list, tuple)):
+            raise TypeError(f"{NAME}: blocks must be a ModuleList, a dotted path or a list of "
+                            f"those, got {blocks!r}")
         items = [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
-        out = []
+        if not items:  # else nothing would be checkpointed, without a word
+            raise ValueError(f"{NAME}: blocks must name at least one block list, got {blocks!r}")
+        out: List[Tuple[str, nn.Module]] = []
         for item in items:
             if isinstance(item, str):
                 try:
@@ -100,6 +105,11 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
                 raise TypeError(f"{NAME}: blocks={name!r} holds {type(inner).__name__}s, which "
                                 "the model loops through but never calls; name the lists of "
                                 f"blocks inside it (e.g. blocks=['{name}.0', '{name}.1'])")
+            # a list twice, or inside another's blocks: its blocks would be wrapped twice
+            for other, known in out:
+                if known is mod or name.startswith(other + ".") or other.startswith(name + "."):
+                    raise ValueError(f"{NAME}: blocks names {other!r} and {name!r}, which "
+                                     "overlap; name each block list once")
             out.append((name, mod))
         return out
     hf = [(n, m) for n, m in model.named_modules()
@@ -204,10 +214,10 @@ def _runners_of(model: nn.Module) -> List[ChainRunner]:
     return done.runners if done is not None else []
 
 
-def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "rotor",
+def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
                blocks: BlocksArg = None, **options: Any) -> nn.Module:
-    """Run ``model``'s repeated blocks under an activation-memory ``budget`` (bytes or a size
-    string; ``None``: no limit) with the plans of ``planner`` (``"rotor"``, ``"pofo"``,
+    """Run ``model``'s repeated blocks under an activation-memory ``budget`` (required: bytes
+    or a size string; ``None``: no limit) with the plans of ``planner`` (``"rotor"``, ``"pofo"``,
     ``"periodic"``, ``"mimose"``, ``"none"``, a Plan or a callable ``(chain, budget) -> Plan``);
     returns ``model``, changed in place.
 
@@ -222,6 +232,7 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     calls, and its loss stage on the model's own tail (what runs between the last block's
     return and the model's: final norm, LM head, the loss; ``runtime.tail``; ``loss=``
     keeps ``measure_chain``'s stand-in instead); the plan runs from the next step on.
+    An option ``planner`` would not read raises ``ValueError`` naming both.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{NAME}: model must be an nn.Module, got {type(model).__name__}")
@@ -232,6 +243,7 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
     check_planner(planner, NAME)
     total = parse_budget(budget, NAME)
     parse_rate(bandwidth, NAME)
+    check_options_used(planner, dict(options, bandwidth=bandwidth), NAME)
     refuse_hf_checkpointing(model)
     if planner == "mimose" and options.get("mimose") is not None:
         raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
@@ -259,8 +271,10 @@ def checkpoint(model: nn.Module, budget: Any = "6GiB", planner: PlannerArg = "ro
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
                                           owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
-    # profiling steps as the chain's loss stage, unless loss= says what that stage is
-    tail = TailProbe(model, NAME, _runners_of) if "loss" not in options else None
+    # profiling steps as the chain's loss stage, unless loss= says what that stage is (not
+    # with Mimose, which reads no loss=: its collection steps measure the tail all the same)
+    stand_in = "loss" in options and planner != "mimose"
+    tail = TailProbe(model, NAME, _runners_of) if not stand_in else None
     for runner in runners:
         runner.tail = tail
     # the KV cache off where the blocks' outputs are read: in the modules looping over them

@@ -92,6 +92,11 @@ class HostPool:
         self.cached_bytes -= n
         self.num_evicted += 1
 
+    def resync(self) -> None:
+        """``in_use_bytes`` from the buffers lent: a Ctrl-C between a buffer's entry and its
+        count (acquire, release) must not leave the figure off for good."""
+        self.in_use_bytes = sum(buf.numel() for buf in self._lent.values())
+
     def give_away(self, buf: torch.Tensor) -> None:
         """``buf`` is no longer the pool's: it is freed with whoever holds it now."""
         if self._lent.pop(id(buf), None) is not None:

@@ -29,8 +29,11 @@ from ..chain import Chain
 from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
 from . import distributed
 from .block_calls import block_list
-from .options import default_input_size
+from .options import check_callable, check_measure, default_input_size
 from .preserved import PreservedState
+
+
+NAME = "InputAwareChain"
 
 
 class InputAwareChain:
@@ -47,9 +50,10 @@ class InputAwareChain:
             raise ValueError(f"InputAwareChain: estimator= must be a ChainEstimator of {self.L} "
                              f"stages, got {estimator!r}")
         self.estimator = estimator or ChainEstimator(self.L, samples)
+        check_callable(input_size, "input_size", NAME, "a callable from the inputs to a number")
         self.input_size = input_size or default_input_size
         self.loss = loss
-        self.measure_options = dict(measure_options or {})
+        self.measure_options = check_measure(loss, measure_options, NAME)  # not at a step
         self.measurements = 0
         self.predictions = 0
 

@@ -145,6 +145,19 @@ class Transfers:
         self.pool.give(h.buf, sc.event)
         self.prefetched_bytes += n
 
+    def restore(self, sc: StorageCopy) -> None:
+        """Bring a released storage's bytes back now, on the current stream (something
+        outside the plan reads it); the host buffer stays with ``sc`` until its prefetch,
+        which then copies nothing and hands the buffer back."""
+        if not sc.released:
+            return
+        h = sc.host
+        if self.cuda and h.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(h.event)
+        sc.storage.resize_(h.buf.numel())
+        storage_bytes_view(sc.storage).copy_(h.view())
+        sc.released = False
+
     @staticmethod
     def wait(sc: StorageCopy) -> None:
         """The current stream waits for the prefetch of ``sc`` before using its storage."""

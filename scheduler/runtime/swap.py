@@ -57,6 +57,7 @@ import torch
 from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
 from ..errors import InfeasibleError
+from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
@@ -98,8 +99,9 @@ class SwapContext:
     alone. ``cache_size``: schedules kept (one per sequence signature). ``allocator``: an object
     with ``set_pressure_callback`` (default: vmalloc's registered one when enabled).
     ``planner_options``: ``swapout_threshold``/``swapin_ahead`` (lms, default 1/1),
-    ``bandwidth`` (bytes/s, default ``bandwidth.default_bandwidth()``: measured on a GPU,
-    12e9 on the CPU) and ``slots`` (greedy/dynprog).
+    ``bandwidth`` (bytes/s, ``12e9`` or ``"12GB/s"``, default
+    ``bandwidth.default_bandwidth()``: measured on a GPU, 12e9 on the CPU; greedy/dynprog) and
+    ``slots`` (dynprog); a key the planner does not read raises ``ValueError``.
     """
 
     def __init__(self, window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,
@@ -108,11 +110,17 @@ class SwapContext:
                  planner_options: Optional[Dict[str, Any]] = None):
         self.window = parse_size(window, "window")
         self.budget = parse_optional_size(budget, "budget")
-        self.planner_options = dict(planner_options or {})
-        self._planner = SwapPlanner(planner, self.window, self.budget, self.planner_options)
+        self._planner = SwapPlanner(planner, self.window, self.budget, planner_options)
+        self.planner_options = self._planner.options  # checked, the bandwidth parsed
         self.planner = planner
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes: expected a non-negative int, got {min_bytes!r}")
+        capacity_arg(cache_size, "scheduler.swap")
+        # checked now: at __enter__ a bad one would fail with a bare AttributeError
+        if allocator is not None and not callable(getattr(allocator, "set_pressure_callback",
+                                                          None)):
+            raise TypeError("scheduler.swap: allocator must have a set_pressure_callback method "
+                            f"(e.g. a vmalloc.Allocator), got {allocator!r}")
         self.min_bytes = min_bytes
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,6 +199,8 @@ class SwapContext:
                         self._transfers.hand_over(self._live)
                         self._transfers.pool.reclaim()
                         self._transfers.pool.close()
+                    self._residency.resync()  # (counts an interrupt may have left half done)
+                    self._transfers.pool.resync()
 
     # --------------------------------------------------------------------------- hooks
     def _manageable(self, t: torch.Tensor) -> bool:

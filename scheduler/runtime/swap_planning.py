@@ -13,10 +13,46 @@ from ..planners import lms as lms_planner
 from ..planners import window as window_planner
 from ..planners.offload_follow import chain_from_sequence, schedule_from_plan
 from ..planners.swap_schedule import SwapSchedule, VariableSequence
+from ..units import parse_rate
 from .bandwidth import default_bandwidth
 
 PLANNERS = ("window", "lms", "greedy", "dynprog")
 PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
+WHERE = "scheduler.swap"
+
+# the planner_options each planner reads (the window planner and a callable read none)
+OPTIONS: Dict[str, Tuple[str, ...]] = {"lms": ("swapout_threshold", "swapin_ahead"),
+                                       "greedy": ("bandwidth",),
+                                       "dynprog": ("bandwidth", "slots")}
+
+
+def check_options(planner: PlannerLike, options: Any) -> Dict[str, Any]:
+    """``planner_options`` checked for ``planner`` when the context is made (they are read
+    only at the end of the first backward): every key one it reads, every value valid.
+    Returns them with the bandwidth parsed (``units.parse_rate``: ``12e9``, ``"12GB/s"``)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"{WHERE}: planner_options must be a dict, got {options!r}")
+    name = f"planner={planner!r}" if isinstance(planner, str) else "a callable planner"
+    known = OPTIONS.get(planner, ()) if isinstance(planner, str) else ()
+    out = dict(options)
+    for key, value in options.items():
+        if key not in known:
+            takes = f"it takes {', '.join(known)}" if known else "it takes none"
+            raise ValueError(f"{WHERE}: planner_options key {key!r} is not an option of "
+                             f"{name} ({takes})")
+        shown = f"planner_options[{key!r}]"
+        if key == "bandwidth":
+            out[key] = parse_rate(value, WHERE, name=shown)
+        elif key == "slots":  # dynprog's memory discretisation; None: exact units
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{WHERE}: {shown} must be a positive int or None, got "
+                                 f"{value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:  # lms: steps
+            raise ValueError(f"{WHERE}: {shown} must be a positive int (steps), got {value!r}")
+    return out
 
 
 @dataclass
@@ -51,7 +87,7 @@ class SwapPlanner:
         self.planner = planner
         self.window = window
         self.budget = budget
-        self.options = options
+        self.options = check_options(planner, options)
         self._offload: Any = None
         self._window_warned = False
         if planner in ("greedy", "dynprog"):
@@ -89,11 +125,11 @@ class SwapPlanner:
                 warnings.warn(note, window_planner.WindowWarning, stacklevel=2)
             return sched
         if self.planner == "lms":
-            return lms_planner.schedule(seq, int(opts.get("swapout_threshold", 1)),
-                                        int(opts.get("swapin_ahead", 1)))
+            return lms_planner.schedule(seq, opts.get("swapout_threshold", 1),
+                                        opts.get("swapin_ahead", 1))
         chain, stage_vars = chain_from_sequence(seq)
         # one default for every transferring planner: measured on a GPU, 12e9 on the CPU
-        bandwidth = float(opts["bandwidth"]) if "bandwidth" in opts else default_bandwidth()
+        bandwidth = opts.get("bandwidth") or default_bandwidth()
         solve = getattr(self._offload, self.planner)
         kwargs = {"slots": opts["slots"]} if "slots" in opts and self.planner == "dynprog" else {}
         plan: Plan = solve(chain, self.budget, bandwidth, **kwargs)

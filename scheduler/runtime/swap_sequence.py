@@ -156,6 +156,9 @@ class SwapSequence:
                 self.last_entry = active
                 return
             seq = self._recorded()
+            if seq is None:  # an exception cut a step short: nothing sound to plan from
+                self.counters["plan_mismatches"] += 1
+                return
             self.last_recorded = seq
             key = hash((seq.signature, tuple(events)))
             entry = self.cache.get_or_plan(
@@ -169,12 +172,19 @@ class SwapSequence:
         finally:
             self.counters["iterations"] += 1
             self.residency.end_iteration()
+            self.transfers.pool.resync()
             self.it += 1
             self.new_iteration()
 
-    def _recorded(self) -> VariableSequence:
-        """The iteration's events as the planner's steps (a var read twice by one node: once)."""
+    def _recorded(self) -> Optional[VariableSequence]:
+        """The iteration's events as the planner's steps (a var read twice by one node: once);
+        None when an exception (a failed copy, Ctrl-C) cut a pack short: its event was
+        recorded, its var never made."""
         step_of = self.step_of
+        nvars = len(self.vars)
+        if not len(self.events) == len(step_of) == len(self.times) or \
+                any(e[0] >= nvars for e in self.events):
+            return None
         nsteps = step_of[-1] + 1
         steps: List[List[int]] = [[] for _ in range(nsteps)]
         phases = [""] * nsteps

@@ -28,8 +28,8 @@ class Residency:
         self.order: Dict[Any, None] = {}
 
     def add(self, var: Any) -> None:
-        self.bytes += var.nbytes
         self.order[var] = None
+        self.bytes += var.nbytes
         if self.bytes > self.peak:
             self.peak = self.bytes
         if self.bytes > self.iter_peak:
@@ -40,8 +40,14 @@ class Residency:
         if self.order.pop(var, _MISSING) is not _MISSING:
             self.bytes -= var.nbytes
 
+    def resync(self) -> None:
+        """``bytes`` from ``order``: a Ctrl-C between an entry and its count (add, drop) must
+        not leave phantom bytes charged to the budget for good."""
+        self.bytes = sum(var.nbytes for var in self.order)
+
     def end_iteration(self) -> None:
         self.last_iter_peak = self.iter_peak
+        self.resync()
 
     def new_iteration(self) -> None:
         self.iter_peak = self.bytes

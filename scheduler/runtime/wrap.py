@@ -12,7 +12,9 @@ from ..plan import Plan
 from .block_calls import block_list
 from .chain_exec import as_components
 from .chain_runner import ChainRunner
-from .options import PlannerArg
+from .options import PlannerArg, check_bool, check_options_used, check_planner
+
+WHERE = "scheduler.wrap"
 
 
 class CheckpointedChain(nn.Module):
@@ -31,7 +33,8 @@ class CheckpointedChain(nn.Module):
     budget = property(lambda self: self.runner.budget,
                       lambda self, v: setattr(self.runner, "budget", v))
     track_memory = property(lambda self: self.runner.track_memory,  # from the next step on
-                            lambda self, v: setattr(self.runner, "track_memory", bool(v)))
+                            lambda self, v: setattr(self.runner, "track_memory",
+                                                    check_bool(v, "track_memory", WHERE)))
     planner = property(lambda self: self.runner.planner)
     cache = property(lambda self: self.runner.cache)
     mimose = property(lambda self: self.runner.mimose)
@@ -80,7 +83,8 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     Each block's output is passed to the next as its positional arguments (a tuple is
     unpacked). The same runner as ``scheduler.checkpoint`` (non-reentrant: see README).
     ``sample_input`` (a tensor or a tuple of the block-0 arguments) plans right away, so an
-    infeasible budget raises ``InfeasibleError`` here rather than on the first step.
+    infeasible budget raises ``InfeasibleError`` here rather than on the first step (not with
+    ``"mimose"``, which learns its chains in training: it raises ``ValueError``).
 
     Options: ``chain`` (a ``Chain``, or a callable taking the inputs and returning one,
     instead of measuring), ``track_memory`` (count activation bytes held, see ``stats()``;
@@ -92,7 +96,8 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     (default), "mse", "cross_entropy" or a callable on the chain's output),
     ``measure_options`` (more keyword arguments for ``measure_chain``, e.g. ``{"repeat": 1}``),
     ``on_chain`` (a callable ``Chain -> Chain`` every chain passes through before planning,
-    e.g. so that all ranks plan on one agreed chain).
+    e.g. so that all ranks plan on one agreed chain). An option ``planner`` would not read
+    raises ``ValueError`` naming both.
     """
     unknown = set(options) - set(ChainRunner.OPTIONS)
     if unknown:
@@ -100,8 +105,14 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
         raise TypeError("scheduler.wrap: pass the model as an nn.Sequential or a list of blocks "
                         f"(got a single {type(blocks).__name__})")
+    if not isinstance(blocks, (nn.Module, list, tuple)):
+        raise TypeError("scheduler.wrap: blocks must be an nn.Sequential, an nn.ModuleList or a "
+                        f"list of modules, got {blocks!r}")
+    check_planner(planner, WHERE)
+    check_options_used(planner, dict(options, bandwidth=bandwidth, sample_input=sample_input),
+                       WHERE)
     model = CheckpointedChain(list(blocks), budget, planner, bandwidth, **options)
-    if sample_input is not None and planner != "mimose":
+    if sample_input is not None:
         args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
         model.plan_for(*args)
     return model

@@ -27,13 +27,21 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     device, created on its first allocation).
 
     ``chunk_size`` (default 2 MiB) and ``budget`` (physical bytes; None = no cap) accept sizes like
-    ``"2MiB"``; ``device`` limits the budget to that device (None = every device). Must run before
-    CUDA is initialised - ``VMALLOC=1`` does this for you at ``import torch``. Calling it again
-    with the same settings is a no-op.
+    ``"2MiB"``; ``device`` limits the budget to that device (None = every device). ``backend``
+    must be ``"cuda"`` (the only memory PyTorch's kernels can use; kept as a keyword so a wrong
+    one is refused by name rather than as an unexpected argument). Must run before CUDA is
+    initialised - ``VMALLOC=1`` does this for you at ``import torch``. Calling it again with the
+    same settings is a no-op.
     """
+    if backend != "cuda":  # host memory handed to PyTorch as device memory would fault kernels
+        raise ValueError(f"backend: vmalloc.enable() takes only 'cuda', got {backend!r} "
+                         "(vmalloc.Allocator(backend='host') is the allocator without a GPU)")
     chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
+    if chunk <= 0:
+        raise ValueError(f"chunk_size: must be positive, got {chunk_size!r}")
     cap = parse_optional_size(budget, "budget") or 0
-    if device is not None and (not isinstance(device, int) or device < 0):
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)
+                               or device < 0):
         raise ValueError(f"device: expected a CUDA device index >= 0 or None, got {device!r}")
     cfg = {"chunk_size": chunk, "budget": cap, "device": device, "backend": backend}
     reg = REGISTRY

@@ -29,9 +29,11 @@ class TraceFileError(ValueError):
 
 
 def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
-                 check_head: Optional[Callable[[bytes], None]] = None) -> bytes:
+                 check_head: Optional[Callable[[bytes], None]] = None,
+                 option: str = "vmalloc replay --max-trace-size") -> bytes:
     """The file's bytes, gunzipped when gzip'ed; ``TraceFileError`` beyond ``max_bytes``.
-    ``check_head`` sees the first (decompressed) chunk and may refuse the file at once."""
+    ``check_head`` sees the first (decompressed) chunk and may refuse the file at once;
+    ``option`` is what the too-large message says raises the limit (the caller's own)."""
     if os.path.isdir(path):
         raise TraceFileError(f"{path}: is a directory, not a trace file")
     try:
@@ -60,7 +62,7 @@ def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
                     what = "decompresses to" if gzipped else "holds"
                     raise TraceFileError(
                         f"{path}: {what} more than {max_bytes} bytes, the limit for one trace "
-                        f"(vmalloc replay --max-trace-size raises it)")
+                        f"({option} raises it)")
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise TraceFileError(f"{path}: damaged or truncated gzip data ({exc})") from None
         except OSError as exc:

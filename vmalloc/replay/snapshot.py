@@ -49,7 +49,9 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
     if device is None:  # the busiest device
         device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(traces):
-        raise ValueError(f"device: snapshot has traces for {len(traces)} devices, got {device}")
+        n = len(traces)
+        which = "no device" if n == 0 else "device 0 only" if n == 1 else f"devices 0..{n - 1}"
+        raise ValueError(f"device: the snapshot has traces for {which}, got {device!r}")
     entries = traces[device]
     pre: List[Event] = []            # allocations that predate the recording
     events: List[Event] = []

@@ -1,0 +1,64 @@
+"""pofo offloads block outputs by emptying their storages (offload.py). A block output the
+model keeps beyond the loop (deep supervision, HF's output_hidden_states) must stay readable:
+it comes back at the end of the forward, with a warning, and training matches plain."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import scheduler
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin, self.lin2, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.lin2(self.drop(torch.tanh(self.lin(x)))) + x
+
+
+class DeepSupervision(nn.Module):
+    """Returns block 2's output next to the head's: the caller reads and trains on both."""
+
+    def __init__(self, L=6, d=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(L)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h, mid = self.inp(x), None
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if i == 2:
+                mid = h
+        return self.head(h), mid
+
+
+def run(model, steps=3):
+    out = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+        torch.manual_seed(100 + i)
+        fin, mid = model(x)
+        mid_value = mid.detach().clone()  # read before the backward (was: an empty storage)
+        (nn.functional.cross_entropy(fin, y) + mid.square().mean()).backward()
+        out.append((mid_value, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_a_block_output_the_model_returns_stays_readable_under_pofo():
+    plain = DeepSupervision()
+    model = copy.deepcopy(plain)
+    scheduler.checkpoint(model, "150KB", "pofo", blocks="blocks")
+    with pytest.warns(RuntimeWarning, match=r"outputs of blocks \[2\] are held outside"):
+        got = run(model)
+    for (mid_a, grads_a), (mid_b, grads_b) in zip(got, run(plain)):
+        assert torch.equal(mid_a, mid_b)
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert scheduler.runtime.checkpoint.checkpointed(model).runners[0].stats()["last_offloads"] > 0
