@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
+    import checkout
+    checkout.on_path()
 
 from vmalloc import Allocator, _core  # noqa: E402
 from vmalloc.allocator import granularity  # noqa: E402

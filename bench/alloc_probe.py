@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if os.path.dirname(HERE) not in sys.path:
-    sys.path.append(os.path.dirname(HERE))
+if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
+    import checkout
+    checkout.on_path()
 
 from vmalloc import Allocator, OutOfMemoryError, _core  # noqa: E402
 

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run from a checkout (as bench/common.py)
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run from a checkout (as bench/common.py)
+    import checkout
+    checkout.on_path()
 
 import scheduler  # noqa: E402
 from bench.common import positive_float, positive_int, usage_error  # noqa: E402

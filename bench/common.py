@@ -12,8 +12,9 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:  # run as `python bench/<name>.py` from a checkout
-    sys.path.insert(0, ROOT)
+if __name__ == "common":  # run as `python bench/<name>.py` from a checkout (bench/ is first)
+    import checkout
+    checkout.on_path()
 
 
 def parse_args(description: str, argv: Optional[Sequence[str]] = None,

@@ -64,8 +64,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
+    import checkout
+    checkout.on_path()
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402

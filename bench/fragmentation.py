@@ -25,7 +25,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
+    import checkout
+    checkout.on_path()
 
 from bench.common import trace_files  # noqa: E402
 from vmalloc.replay import TraceFileError, compare, default_contenders, load  # noqa: E402

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as `python bench/mimose.py` from a checkout (as bench/common.py)
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as `python bench/mimose.py` from a checkout (as bench/common.py)
+    import checkout
+    checkout.on_path()
 
 import scheduler  # noqa: E402
 from bench.common import positive_int, torch_device  # noqa: E402

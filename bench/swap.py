@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
+    import checkout
+    checkout.on_path()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

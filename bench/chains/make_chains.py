@@ -19,8 +19,10 @@ from typing import Dict, Iterator, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: bench/checkout.py says where the packages are
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import checkout
+    checkout.on_path()
 
 CNNS = ("resnet18", "resnet50", "resnet101", "resnet152", "resnet1001", "densenet121", "densenet201")
 #: image size -> batch sizes. 1000/1-8 and ResNet-1001 224/1-8: seed 002 Figures 3-4;

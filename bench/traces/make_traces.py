@@ -25,7 +25,10 @@ from typing import Any, Dict, List, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: bench/checkout.py says where the packages are
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import checkout
+    checkout.on_path()
 
 from scheduler import Chain, Plan, simulate  # noqa: E402  (the repository's own scheduler)
 

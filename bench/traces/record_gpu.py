@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a script: bench/checkout.py says where the packages are
+    sys.path.insert(0, str(ROOT / "bench"))
+    import checkout
+    checkout.on_path()
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def refuse_units_in_mixed_precision(blocks: Sequence[nn.Module],
         if mp is not None and getattr(mp, "param_dtype", None) is not None:
             raise RuntimeError(
                 f"{name}: block {s} is an FSDP1 unit with mixed precision, which a chain "
-                "measured on its step would run twice; use scheduler.checkpoint(model) "
+                "measured on its step would run twice; use scheduler.checkpoint(model, budget) "
                 "on the model that loops over the blocks (before or after FSDP wraps it)")
 
 
