@@ -23,7 +23,6 @@ import errno
 import gc
 import os
 import random
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 

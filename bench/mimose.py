@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Any, Dict, List
 

@@ -8,6 +8,7 @@ bytes (streamed transfers; see scheduler.simulate).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING
 
@@ -168,7 +169,8 @@ class Plan:
         if self.transfer_chunk is not None:  # whole transfers: the format stays as it was
             d["transfer_chunk"] = self.transfer_chunk
         if self.bandwidth is not None:  # (likewise for plans without transfers)
-            d["bandwidth"] = self.bandwidth
+            # instantaneous transfers as "inf": strict JSON has no Infinity
+            d["bandwidth"] = "inf" if math.isinf(self.bandwidth) else self.bandwidth
         return d
 
     @classmethod
@@ -183,9 +185,12 @@ class Plan:
         planner = d.get("planner", "")
         if not isinstance(planner, str):
             raise ValueError(f"Plan.planner: expected a string, got {planner!r:.80}")
+        bandwidth = d.get("bandwidth")
+        if bandwidth == "inf":
+            bandwidth = math.inf
         for name in ("predicted_time", "predicted_peak", "memory_limit", "transfer_chunk",
                      "bandwidth"):
-            v = d.get(name)
+            v = bandwidth if name == "bandwidth" else d.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or v != v or v < 0):  # (NaN, a negative time or size)
                 raise ValueError(f"Plan.{name}: expected a number >= 0 or null, got {v!r:.80}")
@@ -196,7 +201,7 @@ class Plan:
                    planner=planner, predicted_time=d.get("predicted_time"),
                    predicted_peak=d.get("predicted_peak"), meta=dict(meta),
                    memory_limit=d.get("memory_limit"),
-                   transfer_chunk=d.get("transfer_chunk"), bandwidth=d.get("bandwidth"))
+                   transfer_chunk=d.get("transfer_chunk"), bandwidth=bandwidth)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -163,7 +163,7 @@ class SimResult:
 
 
 # ---------------------------------------------------------------------------------- input
-def _number(value: Any, name: str, allow_inf: bool = False) -> Optional[float]:
+def _number(value: Any, name: str) -> Optional[float]:
     if value is None:
         return None
     if isinstance(value, str):
@@ -171,8 +171,8 @@ def _number(value: Any, name: str, allow_inf: bool = False) -> Optional[float]:
         return parse_size(value, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
-    if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name}: must be a non-negative {'number' if allow_inf else 'finite number'}, got {value!r}")
+    if math.isnan(value) or value < 0 or math.isinf(value):
+        raise ValueError(f"{name}: must be a non-negative finite number, got {value!r}")
     return value
 
 

@@ -16,15 +16,16 @@ def parse_rate(bandwidth: Any, where: str, *, name: str = "bandwidth",
     if bandwidth is None:
         return None
     rate: Any = bandwidth
+    why = ""
     if isinstance(bandwidth, str):
         from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
         try:
             rate = parse_size(bandwidth.strip().removesuffix("/s"), name)
-        except ValueError:
-            rate = None  # the message below names the entry point and the forms it reads
+        except ValueError as exc:  # the message below names the entry point and the forms
+            rate, why = None, f" ({exc})"
     ok = isinstance(rate, numbers.Real) and not isinstance(rate, bool) and \
         (rate > 0 or (allow_zero and rate == 0))  # (NaN fails both)
     if not ok:
         raise ValueError(f"{where}: {name} must be {'non-negative' if allow_zero else 'positive'}"
-                         f" bytes/s (e.g. 12e9 or '12GB/s'), got {bandwidth!r}")
+                         f" bytes/s (e.g. 12e9 or '12GB/s'), got {bandwidth!r}{why}")
     return float(rate)

@@ -54,3 +54,11 @@ def test_a_plan_carries_its_bandwidth_to_simulate_and_describe():
     for bad in (0, -1.0, float("nan"), True, "12GB"):
         with pytest.raises(ValueError, match=r"Plan\.bandwidth: .* got"):
             Plan([("F_all", 0), ("B", 0)], bandwidth=bad)
+
+
+def test_a_plan_with_instant_transfers_writes_strict_json():
+    import json
+    plan = Plan([("F_all", 0), ("B", 0)], bandwidth=float("inf"))
+    text = plan.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert Plan.from_json(text).bandwidth == float("inf")

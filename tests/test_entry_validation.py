@@ -146,6 +146,8 @@ def test_bandwidth_without_pofo_raises(entry):
             scheduler.checkpoint(Net(), "1GiB", "rotor", bandwidth=1e9)
         else:
             scheduler.wrap(mlp_blocks(3, D), "1GiB", "rotor", bandwidth=1e9)
+    with pytest.raises(ValueError, match="bandwidth=1000000000.0 has no effect with a callable planner"):
+        scheduler.wrap(mlp_blocks(3, D), None, lambda c, b: None, bandwidth=1e9)
     with pytest.raises(ValueError, match="bandwidth=1000000000.0 has no effect with a Plan"):
         scheduler.wrap(mlp_blocks(3, D), None, Plan([("F_all", 0), ("F_all", 1), ("F_all", 2),
                                                      ("F_all", 3), ("B", 3), ("B", 2), ("B", 1),
@@ -153,7 +155,6 @@ def test_bandwidth_without_pofo_raises(entry):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # read: no warning
         scheduler.wrap(mlp_blocks(3, D), "1GiB", "pofo", bandwidth=1e9)
-        scheduler.wrap(mlp_blocks(3, D), "1GiB", lambda c, b: None, bandwidth=1e9)  # simulated
         scheduler.wrap(mlp_blocks(3, D), "1GiB", "mimose", samples=3)
 
 

@@ -2,6 +2,7 @@
 model keeps beyond the loop (deep supervision, HF's output_hidden_states) must stay readable:
 it comes back at the end of the forward, with a warning, and training matches plain."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -20,21 +21,23 @@ class Block(nn.Module):
 
 
 class DeepSupervision(nn.Module):
-    """Returns block 2's output next to the head's: the caller reads and trains on both."""
+    """Returns block 2's output (``keep`` of it: itself, a view, a detached alias) next to the
+    head's: the caller reads and trains on both."""
 
-    def __init__(self, L=6, d=64):
+    def __init__(self, L=6, d=64, keep=lambda h: h):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(d, d)
         self.blocks = nn.ModuleList([Block(d) for _ in range(L)])
         self.head = nn.Linear(d, 10)
+        self.keep = keep
 
     def forward(self, x):
         h, mid = self.inp(x), None
         for i, b in enumerate(self.blocks):
             h = b(h)
             if i == 2:
-                mid = h
+                mid = self.keep(h)
         return self.head(h), mid
 
 
@@ -46,14 +49,17 @@ def run(model, steps=3):
         torch.manual_seed(100 + i)
         fin, mid = model(x)
         mid_value = mid.detach().clone()  # read before the backward (was: an empty storage)
-        (nn.functional.cross_entropy(fin, y) + mid.square().mean()).backward()
+        loss = nn.functional.cross_entropy(fin, y)
+        (loss + mid.square().mean() if mid.requires_grad else loss).backward()
         out.append((mid_value, [p.grad.clone() for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
     return out
 
 
-def test_a_block_output_the_model_returns_stays_readable_under_pofo():
-    plain = DeepSupervision()
+@pytest.mark.parametrize("keep", [lambda h: h, lambda h: h[:, :32], lambda h: h.detach()],
+                         ids=["itself", "a view", "a detached alias"])
+def test_a_block_output_the_model_returns_stays_readable_under_pofo(keep):
+    plain = DeepSupervision(keep=keep)
     model = copy.deepcopy(plain)
     scheduler.checkpoint(model, "150KB", "pofo", blocks="blocks")
     with pytest.warns(RuntimeWarning, match=r"outputs of blocks \[2\] are held outside"):
@@ -61,4 +67,26 @@ def test_a_block_output_the_model_returns_stays_readable_under_pofo():
     for (mid_a, grads_a), (mid_b, grads_b) in zip(got, run(plain)):
         assert torch.equal(mid_a, mid_b)
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert scheduler.runtime.checkpoint.checkpointed(model).runners[0].stats()["last_offloads"] > 0
+
+
+def test_frozen_blocks_are_offloaded_without_a_warning():
+    # a frozen block's input is saved as itself (no autograd history to unlink): the step's
+    # own reference, not the caller's
+    model = DeepSupervision(L=8, keep=lambda h: None)
+    for b in model.blocks[:4]:
+        b.requires_grad_(False)
+    plain = copy.deepcopy(model)
+    scheduler.checkpoint(model, "300KB", "pofo", blocks="blocks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for i in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(i))
+            for m in (model, plain):
+                torch.manual_seed(100 + i)
+                m(x)[0].square().mean().backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in
+                       zip(model.head.parameters(), plain.head.parameters()))
+            model.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
     assert scheduler.runtime.checkpoint.checkpointed(model).runners[0].stats()["last_offloads"] > 0

@@ -236,3 +236,25 @@ def test_counts_an_interrupt_left_half_done_are_redone():
     pool._lent.pop(id(buf))  # release() stopped likewise
     pool.resync()
     assert pool.in_use_bytes == 0
+
+
+def test_a_backward_that_raises_leaves_nothing_resident():
+    # the runtime knew the running node by a strong reference: a failed backward's graph
+    # (and its saved tensors) stayed alive after the program let go of the loss
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 10))
+    ctx = scheduler.swap(window="1MiB", device="cpu", min_bytes=0)
+    with ctx:
+        for i in range(3):
+            h = model[0](torch.randn(16, 32))
+            if i == 1:
+                h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+            loss = model[1:](h).square().mean()
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                assert "injected" in str(e)
+            del loss, h
+            assert ctx.stats()["resident_bytes"] == 0, i
+    assert ctx.stats()["iterations"] == 3 and ctx.stats()["plan_mismatches"] == 0

@@ -489,8 +489,10 @@ def test_the_tensors_one_node_reads_are_one_step_and_stay_until_it_runs(monkeypa
     assert_nothing_left(ctx)
 
 
-def test_a_budget_below_what_one_node_reads_says_the_numbers():
-    ctx = scheduler.swap(window="1MiB", budget=4096, device="cpu", min_bytes=4096)
+@pytest.mark.parametrize("planner", ["window", "lms"])
+def test_a_budget_below_what_one_node_reads_says_the_numbers(planner):
+    ctx = scheduler.swap(window="1MiB", budget=4096, planner=planner, device="cpu",
+                         min_bytes=4096)
     with pytest.raises(InfeasibleError, match=r"budget=4096 bytes is below what one step needs: "
                                               r"step \d+ \(backward\) uses 8192 bytes") as e:
         train(*MODELS["product"], ctx=ctx, steps=1)

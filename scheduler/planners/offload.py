@@ -58,17 +58,14 @@ def _chain(chain: Chain) -> Chain:
     return chain
 
 
-def _positive(value: Union[Number, str], name: str, allow_zero: bool = False,
-              allow_inf: bool = False) -> float:
+def _positive(value: Union[Number, str], name: str) -> float:
     if isinstance(value, str):
         from vmalloc.sizes import parse_size  # torch-free
         value = parse_size(value, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
-    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero) \
-            or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name}: must be a {'non-negative' if allow_zero else 'positive'} "
-                         f"{'number' if allow_inf else 'finite number'}, got {value!r}")
+    if math.isnan(value) or value <= 0 or math.isinf(value):
+        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
     return value
 
 

@@ -275,7 +275,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
                    f"(rotor's), or more slots may fit this limit")
         raise InfeasibleError(f"pofo.solve: no sequence fits memory {memory!r} with "
                               f"slots={slots} ({why})", need)
-    plan, sim, t, name = best
+    plan, sim, _, name = best
     paper_time = sim.makespan
     if improve and beta > 0:
         plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots, delta_step)
@@ -283,9 +283,9 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     # never slower than either
     if whole_best is not None and whole_best[1].makespan < sim.makespan - 1e-12 * sim.makespan:
         plan, sim = whole_best
-        name, t = "pofo-whole", whole_best[1].makespan
+        name = "pofo-whole"
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    # the simulation of the plan returned (t may be an earlier candidate's, replaced since)
+    # the simulation of the plan returned (the DP's value may be an earlier candidate's)
     plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory

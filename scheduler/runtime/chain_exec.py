@@ -323,18 +323,35 @@ class ChainStep:
         their memory (resized to 0: reading them would crash or read garbage): bring it back
         now; the plan's memory saving is lost for them, and a warning says so. The last
         block's input cannot be judged here (the loop passes it to the running block)."""
+        # the step's own tensors on each storage (distinct objects: distinct TensorImpls), and
+        # the bases of its views (a view keeps its base, which holds the storage too)
+        mine: Dict[int, int] = {}
+        ids = set()
+        for t in accounting.tensors_of(self._held_tensors() + [
+                t for off in self.host.values() for t in off.comps]):
+            for u in (t, t._base):
+                if u is not None and id(u) not in ids:
+                    ids.add(id(u))
+                    key = u.untyped_storage()._cdata
+                    mine[key] = mine.get(key, 0) + 1
         back = []
         for s, refs in self.loop_outs.items():
-            alive = [t for t in (r() for r in refs) if t is not None]
-            # (the last block's input and output are the loop's own now: not judged)
-            if s >= self.L - 2 or not alive:
+            if s >= self.L - 2:  # the last block's input and output are the loop's own now
                 continue
-            held = {t.untyped_storage()._cdata for t in alive}  # (by storage: T5's block 0
-            f = self.xbars.get(s)                               # returns a bias all keep)
+            # the loop's own objects, unless the step holds them (a frozen block's input is
+            # saved as itself): the caller kept them; any other tensor on the storage (a
+            # detached alias, autograd outside the blocks) shows in its use count, beyond the
+            # step's tensors and the StorageCopy's storage object
+            kept = {t.untyped_storage()._cdata for t in (r() for r in refs)
+                    if t is not None and id(t) not in ids}
+            f = self.xbars.get(s)
             copies = list(f.host or ()) if f is not None else []
             off = self.host.get(s + 1)
             copies += off.copies if off is not None else []
-            released = [sc for sc in copies if sc.released and sc.storage._cdata in held]
+            released = [sc for sc in copies if sc.released and (
+                sc.storage._cdata in kept or
+                torch._C._storage_Use_Count(sc.storage._cdata) > mine.get(sc.storage._cdata, 0)
+                + 1)]
             for sc in released:
                 self.transfers(sc.storage.device).restore(sc)
             if released:

@@ -131,9 +131,9 @@ class ChainRunner:
             raise TypeError(f"{name}: on_chain= must be a callable Chain -> Chain, got "
                             f"{type(on_chain).__name__}")
         self.on_chain = on_chain
-        self.loss = loss
+        self.loss = "sum" if loss is None else loss  # (None: the default, as for every option)
         # checked here: measure_chain would see them only at the first step, deep inside it
-        self.measure_options = check_measure(loss, measure_options, name)
+        self.measure_options = check_measure(self.loss, measure_options, name)
         self.track_memory = check_bool(track_memory, "track_memory", name)
         self.sequential = sequential
         self.cache: PlanCache[CompiledPlan] = PlanCache(capacity_arg(cache_size, name))

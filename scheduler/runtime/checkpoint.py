@@ -271,9 +271,8 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
                                           owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
-    # profiling steps as the chain's loss stage, unless loss= says what that stage is (not
-    # with Mimose, which reads no loss=: its collection steps measure the tail all the same)
-    stand_in = "loss" in options and planner != "mimose"
+    # profiling steps as the chain's loss stage, unless loss= says what that stage is
+    stand_in = options.get("loss") is not None
     tail = TailProbe(model, NAME, _runners_of) if not stand_in else None
     for runner in runners:
         runner.tail = tail

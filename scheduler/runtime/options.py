@@ -103,18 +103,17 @@ _MEASURING = ("chain", "loss", "measure_options", "on_chain")  # what a chain is
 
 
 def _why_unused(planner: PlannerArg, key: str, given: Dict[str, Any]) -> Optional[str]:
-    """Why ``planner`` would never read option ``key``, or None if it does (a callable's
-    plan with transfers is simulated at ``bandwidth``)."""
+    """Why ``planner`` would never read option ``key``, or None if it does."""
     name = planner if isinstance(planner, str) else None
-    if key == "bandwidth" and name is not None and name != "pofo":
-        return "of the named planners only 'pofo' plans transfers at that rate"
+    if key == "bandwidth" and name != "pofo":
+        return "only planner='pofo' plans transfers at that rate"
     if key in _MIMOSE_ONLY and name != "mimose":
         return "only planner='mimose' reads it"
     if key == "samples" and given.get("mimose") is not None:
         return "the Mimose given as mimose= has its own"
     if key in _MEASURING and name == "mimose":
         return "Mimose measures the blocks itself, in the training step"
-    if (key in _MEASURING or key == "bandwidth") and isinstance(planner, Plan):
+    if key in _MEASURING and isinstance(planner, Plan):
         return "the Plan runs as given, on no chain"
     if key == "sample_input" and name == "mimose":
         return ("Mimose cannot plan before it has learnt the chain on its first `samples` "

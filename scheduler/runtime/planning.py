@@ -39,8 +39,8 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
         raise ValueError(f"scheduler.wrap: planner must be one of {', '.join(PLANNERS)}, a Plan "
                          f"or a callable (chain, budget) -> Plan; got {planner!r}")
     transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    if transfers and bandwidth is None:  # the one its planner planned at, else the device's
-        bandwidth = plan.bandwidth if plan.bandwidth is not None else default_bandwidth()
+    if transfers and bandwidth is None:
+        bandwidth = default_bandwidth()
     if not transfers and plan.predicted_peak is not None and plan.predicted_time is not None:
         # the planners predict with the simulator's own rules (equal to ``simulate``:
         # tests/test_plan_promise.py, test_rotor.py): running it again would only cost a new

@@ -85,6 +85,14 @@ def _find_vmalloc_allocator(device: torch.device) -> Any:
     return device_allocator(device.index, True)
 
 
+def node_identity(node: Any) -> Any:
+    """Which autograd node is running, without owning it (its graph dies with it): the
+    graph task, the node's sequence number and name (a node wrapper takes no weak ref)."""
+    if node is None:
+        return None
+    return (torch._C._current_graph_task_id(), node._sequence_nr(), node.name())
+
+
 class SwapContext:
     """Swap saved tensors between device and host following a per-sequence schedule.
 
@@ -306,7 +314,7 @@ class SwapContext:
                     seq.backward_seen = True
                     # the node reading: its unpacks are one step (it holds them all until it runs)
                     seq.step_begin(var.vid, UNPACK, var.nbytes, var,
-                                   torch._C._current_autograd_node())
+                                   node_identity(torch._C._current_autograd_node()))
                 self._transfers.ensure_resident(var, self.budget)
                 view = handle.view
                 if view is None:  # swapped since: a view of the bytes now on the device

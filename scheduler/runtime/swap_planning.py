@@ -114,6 +114,8 @@ class SwapPlanner:
 
     def plan(self, seq: VariableSequence) -> SwapSchedule:
         opts = self.options
+        if self.budget is not None:  # every planner: a step must fit (lms, a callable too)
+            window_planner.check_budget(seq, self.budget)
         if callable(self.planner):
             return self.planner(seq)
         if self.planner == "window":

@@ -46,7 +46,9 @@ class SwapSequence:
         self.step_of: List[int] = []   # per event: its step (its autograd node's unpacks)
         self.times: List[float] = []
         self.in_use: List[Var] = []    # the running step's vars: autograd holds them
-        self.node: Any = None          # the running step's autograd node (backward only)
+        # the running step's autograd node (backward only), as an identity that does not own
+        # it: a strong reference would keep a failed backward's graph alive
+        self.node: Any = None
         self.t_last = time.perf_counter()
         self.vars: List[Var] = []
         self.free_after: Dict[int, int] = {}
@@ -75,7 +77,8 @@ class SwapSequence:
                    node: Any = None) -> None:
         """Record the event; at the first event of a step, apply the schedule's releases and
         swap-ins planned before the step; keep the budget for what it brings onto the device.
-        ``node``: the autograd node an unpack reads for (its unpacks are one step)."""
+        ``node``: the identity of the autograd node an unpack reads for (its unpacks are one
+        step; ``node_identity``)."""
         t = self.transfers
         t.poll()
         now = time.perf_counter()
@@ -84,7 +87,7 @@ class SwapSequence:
         k = len(self.events)
         event = (vid, phase, nbytes)
         self.events.append(event)
-        same_step = phase == UNPACK and node is not None and node is self.node
+        same_step = phase == UNPACK and node is not None and node == self.node
         if same_step:
             self.step_of.append(self.step_of[-1])
             if var is not None and var not in self.in_use:
@@ -98,6 +101,11 @@ class SwapSequence:
         if entry is not None and self.following:
             if k >= len(entry.expected) or entry.expected[k] != event:
                 entry = self._switch_plan(k)
+            if entry is not None and entry.first_event(k) == same_step:
+                # the same events, grouped otherwise: the schedule's steps are not this
+                # iteration's nodes (acting on them could move a tensor a node holds)
+                self.following, entry = False, None
+                self.counters["plan_mismatches"] += 1
             if entry is not None and entry.first_event(k):
                 sched = entry.schedule
                 j = entry.step_of[k]
