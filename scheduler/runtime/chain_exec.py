@@ -323,6 +323,10 @@ class ChainStep:
         their memory (resized to 0: reading them would crash or read garbage): bring it back
         now; the plan's memory saving is lost for them, and a warning says so. The last
         block's input cannot be judged here (the loop passes it to the running block)."""
+        loop_outs, self.loop_outs = self.loop_outs, {}
+        if not any(sc.released for f in self.xbars.values() for sc in (f.host or ())) and \
+                not any(sc.released for off in self.host.values() for sc in off.copies):
+            return  # nothing offloaded is off the device (rotor's plans: never)
         # the step's own tensors on each storage (distinct objects: distinct TensorImpls), and
         # the bases of its views (a view keeps its base, which holds the storage too)
         mine: Dict[int, int] = {}
@@ -335,7 +339,7 @@ class ChainStep:
                     key = u.untyped_storage()._cdata
                     mine[key] = mine.get(key, 0) + 1
         back = []
-        for s, refs in self.loop_outs.items():
+        for s, refs in loop_outs.items():
             if s >= self.L - 2:  # the last block's input and output are the loop's own now
                 continue
             # the loop's own objects, unless the step holds them (a frozen block's input is
@@ -356,7 +360,6 @@ class ChainStep:
                 self.transfers(sc.storage.device).restore(sc)
             if released:
                 back.append(s)
-        self.loop_outs.clear()
         if back:  # (Python's default filter shows it once per message)
             warnings.warn(
                 f"{self.name}: the outputs of blocks {back} are held outside the blocks (the "
