@@ -292,3 +292,10 @@ def test_cache_size_errors_name_the_entry():
         Mimose(3, cache_size=0)
     with pytest.raises(ValueError, match="PlanCache: capacity must be a positive int, got True"):
         PlanCache(True)  # type: ignore[arg-type]
+
+
+def test_swap_planner_options_take_numpy_ints():
+    import numpy as np
+    ctx = scheduler.swap(planner="dynprog", budget="1MiB", device="cpu",
+                         planner_options={"slots": np.int64(50)})
+    assert ctx.planner_options["slots"] == 50 and type(ctx.planner_options["slots"]) is int

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..plan import Plan
@@ -46,12 +47,15 @@ def check_options(planner: PlannerLike, options: Any) -> Dict[str, Any]:
         if key == "bandwidth":
             out[key] = parse_rate(value, WHERE, name=shown)
         elif key == "slots":  # dynprog's memory discretisation; None: exact units
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
                                       or value < 1):
                 raise ValueError(f"{WHERE}: {shown} must be a positive int or None, got "
                                  f"{value!r}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:  # lms: steps
+            out[key] = None if value is None else int(value)  # (numpy ints too)
+        elif isinstance(value, bool) or not isinstance(value, Integral) or value < 1:  # lms: steps
             raise ValueError(f"{WHERE}: {shown} must be a positive int (steps), got {value!r}")
+        else:
+            out[key] = int(value)
     return out
 
 
