@@ -148,19 +148,6 @@ def existing_file(text: str) -> str:
     return text
 
 
-def names_from(known: Sequence[str], what: str = "name"):
-    """A ``type=`` for a comma-separated list of names, each one of ``known``: the list."""
-    def check(text: str) -> List[str]:
-        names = [n.strip() for n in text.split(",")]
-        bad = [n for n in names if n not in known]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(map(repr, bad)) or repr(text)}; known: {', '.join(known)}")
-        return names
-    check.__name__ = what
-    return check
-
-
 #: What ``vmalloc.replay.load`` reads: contract-2 JSON traces (optionally gzip'ed) and PyTorch
 #: memory snapshots (pickle or JSON).
 TRACE_SUFFIXES = (".json", ".json.gz", ".pickle", ".pkl", ".pickle.gz", ".pkl.gz")

@@ -336,7 +336,7 @@ class ChainStep:
             for u in (t, t._base):
                 if u is not None and id(u) not in ids:
                     ids.add(id(u))
-                    key = u.untyped_storage()._cdata
+                    key = accounting.storage_key(u)
                     mine[key] = mine.get(key, 0) + 1
         back = []
         for s, refs in loop_outs.items():
@@ -346,7 +346,7 @@ class ChainStep:
             # saved as itself): the caller kept them; any other tensor on the storage (a
             # detached alias, autograd outside the blocks) shows in its use count, beyond the
             # step's tensors and the StorageCopy's storage object
-            kept = {t.untyped_storage()._cdata for t in (r() for r in refs)
+            kept = {accounting.storage_key(t) for t in (r() for r in refs)
                     if t is not None and id(t) not in ids}
             f = self.xbars.get(s)
             copies = list(f.host or ()) if f is not None else []

@@ -5,7 +5,7 @@ never those the running step uses (an autograd node holds every tensor it has re
 run: swapping one out would free nothing and copy it for nothing)."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..planners.swap_schedule import DEVICE, IN
 from .swap_stats import Residency
@@ -20,7 +20,8 @@ class Eviction:
         self.residency = residency
         self.counters = counters
         self.budget = budget
-        self.in_use: Sequence[Var] = ()  # the vars of the step running: never evicted
+        # the vars of the step running (SwapSequence keeps this list): never evicted
+        self.in_use: List[Var] = []
 
     def make_room(self, incoming: int, keep: Optional[Var]) -> None:
         """Keep the budget: free resident bytes until ``incoming`` more fit."""

@@ -45,7 +45,6 @@ class SwapSequence:
         self.events: List[Tuple[int, str, int]] = []
         self.step_of: List[int] = []   # per event: its step (its autograd node's unpacks)
         self.times: List[float] = []
-        self.in_use: List[Var] = []    # the running step's vars: autograd holds them
         # the running step's autograd node (backward only), as an identity that does not own
         # it: a strong reference would keep a failed backward's graph alive
         self.node: Any = None
@@ -57,13 +56,12 @@ class SwapSequence:
         self.callback_queued = False
         self.residency.new_iteration()
         self.following = self.active is not None
-        self.eviction.in_use = self.in_use
+        self.eviction.in_use.clear()  # the running step's vars: autograd holds them
 
     def end_step(self) -> None:
         """No step runs any more (the context exits): nothing in use, no node held."""
-        self.in_use = []
+        self.eviction.in_use.clear()
         self.node = None
-        self.eviction.in_use = self.in_use
 
     def freed(self, var: Var) -> None:
         """``var`` was freed after the last recorded step (once: a drain cut short by an
@@ -88,15 +86,15 @@ class SwapSequence:
         event = (vid, phase, nbytes)
         self.events.append(event)
         same_step = phase == UNPACK and node is not None and node == self.node
+        in_use = self.eviction.in_use
         if same_step:
             self.step_of.append(self.step_of[-1])
-            if var is not None and var not in self.in_use:
-                self.in_use.append(var)
+            if var is not None and var not in in_use:
+                in_use.append(var)
         else:
             self.step_of.append(self.step_of[-1] + 1 if self.step_of else 0)
-            self.in_use = [var] if var is not None else []
+            in_use[:] = [var] if var is not None else []
             self.node = node
-            self.eviction.in_use = self.in_use
         entry = self.active
         if entry is not None and self.following:
             if k >= len(entry.expected) or entry.expected[k] != event:
@@ -123,8 +121,8 @@ class SwapSequence:
     def step_end(self, var: Optional[Var] = None) -> None:
         """The event ran (``var``: a pack's var, created during it); at its step's last event,
         issue the swap-outs planned after the step."""
-        if var is not None and not self.in_use:
-            self.in_use.append(var)
+        if var is not None and not self.eviction.in_use:
+            self.eviction.in_use.append(var)
         k = len(self.events) - 1
         entry = self.active
         if entry is not None and self.following and entry.last_event(k):
