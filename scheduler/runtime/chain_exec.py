@@ -75,7 +75,9 @@ def _detached(ts: Sequence[torch.Tensor]) -> Tensors:
 
 @dataclass
 class RunStats:
-    peak_bytes: int = 0          # peak of activation bytes held (tracked runs only)
+    # peak of activation bytes held; None when the run did not track memory (a 0 would read
+    # as a measured peak of nothing)
+    peak_bytes: Optional[int] = None
     recomputed_forwards: int = 0
     offloaded: int = 0
     prefetched: int = 0
@@ -244,7 +246,7 @@ class ChainStep:
         if not self.track:
             return
         b = accounting.tensors_bytes(self._held_tensors(), self.state_storages)
-        if b > self.stats.peak_bytes:
+        if self.stats.peak_bytes is None or b > self.stats.peak_bytes:
             self.stats.peak_bytes = b
 
     # -------------------------------------------------------------------------- forward
