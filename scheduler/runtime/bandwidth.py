@@ -23,9 +23,14 @@ def _probe(index: int) -> float:
 
     with torch.cuda.device(index):
         host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
         stream = torch.cuda.Stream(index)
+        # the probe may run mid-step (a planner's first plan, an autograd final callback),
+        # with kernels still queued on the current stream: its buffer is allocated on the
+        # probe's own stream (never a block those kernels still read, under either allocator)
+        # and the probe waits for them, so its copies overwrite nothing in use
+        stream.wait_stream(torch.cuda.current_stream(index))
         with torch.cuda.stream(stream):
+            dev = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
             dev.copy_(host, non_blocking=True)  # warm-up (first-touch, lazy init)
             times = []
             for src, dst in ((host, dev), (dev, host)):
