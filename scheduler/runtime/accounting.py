@@ -1,5 +1,6 @@
 """Activation bytes as autograd really holds them, counted per storage, with the profilers'
-definitions (``scheduler.profile._trace``: storage keys, saved-tensor recording, ``xbar``).
+definitions (``scheduler.profile.storage``: storage keys, ``xbar``; ``autograd_graph``:
+saved-tensor recording).
 
 Two uses: the Mimose collector measures what a block's forward keeps for its backward, and
 the chain runner reports the peak of activation memory it held while following a plan, to
@@ -14,10 +15,10 @@ from typing import Iterable, List, Sequence, Set
 
 import torch
 
-from ..profile import _trace
+from ..profile import autograd_graph, storage
 
-storage_key = _trace.storage_key
-SavedTensors = _trace.SavedTensors
+storage_key = storage.storage_key
+SavedTensors = autograd_graph.SavedTensors
 
 
 def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:
@@ -26,14 +27,14 @@ def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:
 
 def tensors_bytes(values: Iterable[object], exclude: Set[int] = frozenset()) -> int:
     """Bytes of the distinct storages behind the tensors among ``values``."""
-    return _trace.storage_bytes(tensors_of(values), exclude)
+    return storage.storage_bytes(tensors_of(values), exclude)
 
 
 def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Sequence[object],
                inputs: Sequence[object], state_keys: Set[int]) -> int:
     """What a block's forward keeps for backward, output included (DESIGN.md ``xbar``)."""
-    return _trace.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
-                             state_keys)
+    return storage.xbar_bytes(saved, tuple(tensors_of(outputs)), tuple(tensors_of(inputs)),
+                              state_keys)
 
 
 def check_unchanged(t: torch.Tensor, saved_version: int, where: str,

@@ -235,11 +235,7 @@ class ChainRunner:
         return chain
 
     def _measure(self, stages: List[nn.Module], x0: Tuple[Any, ...]) -> Chain:
-        try:
-            from ..profile import measure_chain  # issue 4: rotor's parameter estimation
-        except ImportError as e:
-            raise RuntimeError(f"{self.name}: no chain given and scheduler.profile."
-                               "measure_chain is not available in this build") from e
+        from ..profile import measure_chain  # issue 4: rotor's parameter estimation
         self.measurements += 1
         keep = PreservedState(self.blocks, x0)
         grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
-from ..profile._trace import hooks_silenced
+from ..profile.autograd_graph import hooks_silenced
 from . import accounting, buffers, rng
 from .block_calls import tensor_leaves
 

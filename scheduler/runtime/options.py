@@ -70,12 +70,10 @@ _MEASURE_OWN = ("model_blocks", "sample_input", "loss", "input_grad")
 def check_measure(loss: Any, measure_options: Any, where: str) -> Dict[str, Any]:
     """``loss`` and ``measure_options`` for ``measure_chain``, checked now rather than at the
     first measurement (deep in a training step); returns the options as a dict."""
-    try:
-        from ..profile import _trace, measure  # torch-importing, as this module
-    except ImportError:  # a build without the profiler: the runner says so if it measures
-        return dict(measure_options or {})
-    if not callable(loss) and loss not in _trace.LOSSES:
-        raise ValueError(f"{where}: loss must be one of {', '.join(map(repr, _trace.LOSSES))} or "
+    from ..profile import measure  # torch-importing, as this module
+    from ..profile.losses import LOSSES
+    if not callable(loss) and loss not in LOSSES:
+        raise ValueError(f"{where}: loss must be one of {', '.join(map(repr, LOSSES))} or "
                          f"a callable on the last block's output, got {loss!r}")
     if measure_options is None:
         return {}

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Sequence, Set
 
 import torch
 
-from ..profile import _trace as T
+from ..profile.autograd_graph import graph_nodes
+from ..profile.storage import storage_bytes, storage_key
 from .block_calls import tensor_leaves
 from .frames import Frame
 
@@ -55,16 +56,16 @@ def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int])
     first tensor argument (what ``BlockCall`` takes as ``x[0]``)."""
     leaves = list(tensor_leaves((tuple(args), kwargs)))
     firsts = list(tensor_leaves(tuple(args)))[:1] or leaves[:1]
-    x0 = {T.storage_key(t) for t in firsts}
-    held: List[torch.Tensor] = [t for t in leaves if T.storage_key(t) not in x0]
+    x0 = {storage_key(t) for t in firsts}
+    held: List[torch.Tensor] = [t for t in leaves if storage_key(t) not in x0]
     params: Set[int] = set()
     Frame.inspecting += 1  # another chain's saved tensors (T5's encoder, seen from its
     try:                   # decoder) are that chain's: never unpacked (recomputed) here
-        for node in T.graph_nodes([t.grad_fn for t in leaves]):
+        for node in graph_nodes([t.grad_fn for t in leaves]):
             if type(node).__name__ == "AccumulateGrad":
-                params.add(T.storage_key(node.variable))
+                params.add(storage_key(node.variable))
             else:
                 held.extend(_saved_by(node))
     finally:
         Frame.inspecting -= 1
-    return Outside(T.storage_bytes(held, exclude=not_ours | x0), params)
+    return Outside(storage_bytes(held, exclude=not_ours | x0), params)

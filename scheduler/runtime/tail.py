@@ -12,7 +12,7 @@ thread, between two points of one call of the model (both balanced, so no hook o
 outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward hook):
 
 - when the last block of a profiling step returns (``begin``): saved-tensor pack hooks (what
-  autograd saves in the tail) and, on the CPU, the op tracer ``_trace.OpTracer`` (which
+  autograd saves in the tail) and, on the CPU, the op tracer ``op_tracer.OpTracer`` (which
   storages the tail creates, and their eager-free peak) are pushed; on CUDA the allocator's
   ``memory_allocated`` is read and its peak statistics reset;
 - when the model's forward returns (``finish``): they are popped (only if on top of their
@@ -35,6 +35,9 @@ called outside the model's forward, saved-tensor hooks or dispatch modes already
 model's call, a model whose output does not depend on the last block's output with a gradient,
 module backward hooks in the model (the replay would call them), a forward that raised. A loss
 computed *after* the model returns (no ``labels=``) is outside the tail measured here.
+
+The stacks' side (what is pushed, popped, left stale) is ``hook_stack``'s; the questions about
+the tail's autograd graph before the replay are ``tail_graph``'s.
 """
 from __future__ import annotations
 
@@ -48,12 +51,16 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 
 import torch
 from torch import nn
-from torch.utils import _python_dispatch as dispatch
 
 from ..chain import Chain, add_outside
-from ..profile import _trace as T
+from ..profile.autograd_graph import differentiable
+from ..profile.op_tracer import OpTracer, _mark_nodes
+from ..profile.storage import storage_bytes, storage_key
 from .block_calls import tensor_leaves
+# (``_stale`` is hook_stack's one list: the tests read it as ``tail._stale``)
+from .hook_stack import _Hooks, _pop_hooks, _pop_tracer, _stacks_clean, _stale, _sweep, _TailTracer
 from .outside import Outside, head_census
+from .tail_graph import _read_by_tail, _tail_graph, has_backward_hooks
 from .weak import WeakFields
 
 _warned: Set[str] = set()
@@ -63,80 +70,6 @@ def _warn_once(reason: Hashable, message: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(message, stacklevel=3)
-
-
-def _top_hooks() -> Any:
-    return torch._C._autograd._top_saved_tensors_default_hooks(True)
-
-
-def _stacks_clean() -> bool:
-    """No saved-tensor hooks and no dispatch mode active (ours would shadow them)."""
-    return _top_hooks() is None and dispatch._get_current_dispatch_mode() is None
-
-
-class _TailTracer(T.OpTracer):
-    """The op tracer, inert once its recording is over (if it could not be popped at once)."""
-
-    active = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.active:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _Hooks:
-    """The pack/unpack pair pushed for the tail. Packs keep what autograd would keep (the
-    tensor, unlinked from its history as ``chain_exec`` does: no reference cycle) and, while
-    recording, note it."""
-
-    def __init__(self) -> None:
-        self.saved: List[torch.Tensor] = []
-        self.recording = True
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # noted unlinked too: with its history, a noted tensor would lead back to the nodes
-        # that keep this hook (a cycle through the C++ graph) until ``saved`` is cleared
-        t = T.unlinked(t)
-        if self.recording:
-            self.saved.append(t)
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
-# pushed entries that were not on top of their stack when their call ended: popped as soon as
-# they are (each is inert meanwhile: the hooks pass tensors through, the tracer records nothing)
-_stale: List[Tuple[str, Any]] = []
-
-
-def _pop_hooks(h: _Hooks) -> bool:
-    top = _top_hooks()
-    if top is not None and getattr(top[0], "__self__", None) is h:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        return True
-    return False
-
-
-def _pop_tracer(tr: _TailTracer) -> bool:
-    if dispatch._get_current_dispatch_mode() is tr:
-        tr.__exit__(None, None, None)
-        return True
-    return False
-
-
-def _sweep() -> None:
-    """Pop stale entries that are on top of their stacks now."""
-    changed = True
-    while changed and _stale:
-        changed = False
-        for item in list(_stale):
-            kind, obj = item
-            if (_pop_hooks(obj) if kind == "hooks" else _pop_tracer(obj)):
-                _stale.remove(item)
-                changed = True
 
 
 class _Recording:
@@ -212,7 +145,7 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             self.clean, self.handling = [], []
             # the caller's tensors existed before the step: never counted as its memory
-            self.given = {T.storage_key(t) for t in tensor_leaves((args, kwargs))}
+            self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         _sweep()
         self.depth += 1
         self.clean.append(_stacks_clean())
@@ -262,7 +195,7 @@ class TailProbe(WeakFields):
         around it (reading what the head saved would run their unpack hooks)."""
         if self.depth == 0 or not (self.clean and self.clean[-1] and _stacks_clean()):
             return None
-        state = {T.storage_key(t) for t in
+        state = {storage_key(t) for t in
                  list(self.model.parameters()) + list(self.model.buffers())}
         out = head_census(args, kwargs, state | self.given)
         out.bytes += runner_bytes
@@ -293,7 +226,7 @@ class TailProbe(WeakFields):
                        "chain keeps measure_chain's stand-in loss stage")
             return False
         lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
-                 T.storage_key(t) not in step.passed_through]
+                 storage_key(t) not in step.passed_through]
         if not lasts:
             _warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
                        "the model's tail (stage L) is not measured")
@@ -385,14 +318,14 @@ class TailProbe(WeakFields):
         if cuda:  # the allocator's view: all the tail allocated and still holds, its peak
             xbar, fw_tmp = max(held, 0), max(peak - held, 0)
         else:
-            state = {T.storage_key(t) for t in
+            state = {storage_key(t) for t in
                      list(self.model.parameters()) + list(self.model.buffers())}
-            xbar, fw_tmp = _cpu_forward(rec, outs, state | {T.storage_key(t) for t in rec.lasts})
+            xbar, fw_tmp = _cpu_forward(rec, outs, state | {storage_key(t) for t in rec.lasts})
         # what the tail saved, bar what outlives its backward (weights, the last block's
         # output, what the model returned): the real backward frees it node by node
-        kept = {T.storage_key(t) for t in list(self.model.parameters()) +
+        kept = {storage_key(t) for t in list(self.model.parameters()) +
                 list(self.model.buffers()) + rec.lasts + outs}
-        saved = {T.storage_key(t) for t in rec.hooks.saved} - kept
+        saved = {storage_key(t) for t in rec.hooks.saved} - kept
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
         bw = _replay(self.model, outs, rec, saved)
@@ -422,7 +355,7 @@ class TailProbe(WeakFields):
         return add_outside(chain, 0, tied) if tied else chain
 
 
-def _born(tracer: T.OpTracer) -> Set[int]:
+def _born(tracer: OpTracer) -> Set[int]:
     """Storages the traced ops created (first seen as an op's output, not as an input)."""
     known: Set[int] = set()
     born: Set[int] = set()
@@ -441,19 +374,10 @@ def _cpu_forward(rec: _Recording, outs: Sequence[torch.Tensor], skip: Set[int]
     backward, or returned), and its eager-free peak above that."""
     tr = rec.tracer
     born = _born(tr) - skip
-    kept = [t for t in list(rec.hooks.saved) + list(outs) if T.storage_key(t) in born]
-    xbar = T.storage_bytes(kept)
-    peak = tr.peak_live(skip=skip, keep={T.storage_key(t) for t in kept})
+    kept = [t for t in list(rec.hooks.saved) + list(outs) if storage_key(t) in born]
+    xbar = storage_bytes(kept)
+    peak = tr.peak_live(skip=skip, keep={storage_key(t) for t in kept})
     return xbar, max(peak - xbar, 0)
-
-
-def has_backward_hooks(model: nn.Module) -> bool:
-    """Module backward hooks (global, or on ``model``'s modules) that a replay of its
-    backward would call once more (also ``mimose_collector``'s check)."""
-    from torch.nn.modules import module as M
-    if M._global_backward_hooks or M._global_backward_pre_hooks:
-        return True
-    return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
 def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
@@ -465,7 +389,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     the last block's output. ``saved``: storages the tail saved that its real backward frees
     once the node that reads them has run (the replay keeps the graph: on the CPU, the
     estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot)."""
-    roots = [t for t in outs if t.requires_grad and T.differentiable(t)]
+    roots = [t for t in outs if t.requires_grad and differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
     lasts = _read_by_tail(roots, rec.lasts)
@@ -488,8 +412,8 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
         torch.cuda.reset_peak_memory_stats(dev)
         m0 = torch.cuda.memory_allocated(dev)
     else:
-        tracer = T.OpTracer()
-        marks = T._mark_nodes(roots, tracer, [t.grad_fn for t in lasts])
+        tracer = OpTracer()
+        marks = _mark_nodes(roots, tracer, [t.grad_fn for t in lasts])
     t0 = time.perf_counter()
     rec.step.replaying = True
     try:
@@ -509,11 +433,11 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     # bw_tmp[L]: the peak less delta[L] (which the simulator counts for the whole op), the
     # gradients counted from when they are made, as ``measure_chain`` does
     if tracer is not None:
-        made_keys = {T.storage_key(g) for g in made}
+        made_keys = {storage_key(g) for g in made}
         bw_tmp = max(tracer.peak_live(skip=set(), keep=made_keys, by_node=True,
-                                      release=saved - made_keys) - T.storage_bytes(made), 0)
+                                      release=saved - made_keys) - storage_bytes(made), 0)
     else:
-        bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - T.storage_bytes(made), 0)
+        bw_tmp = max(torch.cuda.max_memory_allocated(dev) - m0 - storage_bytes(made), 0)
     # the replay asks for the last block's outputs only, so autograd skips the tail's weight
     # gradients (the LM head's: vocab x hidden); in training each is made and added into
     # .grad: count the largest as transient, as measure_chain does for a block (its time,
@@ -521,76 +445,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     # input embedding) is different: autograd holds its tail gradient until the head's
     # gradient joins it, after B 0, so it stays for the whole backward of the chain
     head = rec.outside.params if rec.outside is not None else set()
-    tied = [p for p in params if T.storage_key(p) in head]
-    untied = [p for p in params if T.storage_key(p) not in head]
-    return (bw, bw_tmp + max((T.storage_bytes([p]) for p in untied), default=0),
-            T.storage_bytes(tied))
-
-
-def _read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
-                  ) -> List[torch.Tensor]:
-    """The last block's outputs whose gradients the replay asks for: those the tail reads
-    itself, less those another output is computed from by ops that saved tensors (BLOOM's
-    attention probabilities, transformers 4's MoE router logits, which the tail's
-    load-balancing loss reads too): asking for their gradient would run the block's own
-    backward. An output that is only a view of another is kept (a view's backward reads
-    nothing saved), as is a leaf output (no graph to enter). If that leaves nothing, every
-    output the tail reads: the replay then says why it cannot measure."""
-    stops = [t.grad_fn for t in lasts]  # held: their ids are theirs for the whole walk
-    edge = {(id(fn), t.output_nr): k for k, (fn, t) in enumerate(zip(stops, lasts))
-            if fn is not None}
-    read = {k for k, t in enumerate(lasts) if t.grad_fn is None or any(r is t for r in roots)}
-    for node in T.graph_nodes([t.grad_fn for t in roots], stops):
-        read.update(k for k in (edge.get((id(fn), nr)) for fn, nr in node.next_functions)
-                    if k is not None)
-    inner = _computed_from(stops, edge)
-    kept = [t for k, t in enumerate(lasts) if k in read and k not in inner]
-    return kept or [t for k, t in enumerate(lasts) if k in read]
-
-
-def _computed_from(stops: Sequence[Any], edge: Dict[Tuple[int, int], int]) -> Set[int]:
-    """The outputs (``edge`` keys: node id, output number) that another output's graph reaches
-    through a node that saved tensors (its backward would unpack them)."""
-    found: Set[int] = set()
-    held = list(stops)  # nodes seen stay alive: their ids stay theirs (see T.graph_nodes)
-    saves: Dict[int, bool] = {}
-    seen: Set[Tuple[int, bool]] = set()
-    todo = [(fn, False) for fn in stops if fn is not None]
-    while todo:
-        node, saving = todo.pop()
-        if id(node) not in saves:
-            saves[id(node)] = _saves(node)
-            held.append(node)
-        saving = saving or saves[id(node)]
-        if (id(node), saving) in seen:
-            continue
-        seen.add((id(node), saving))
-        for fn, nr in node.next_functions:
-            if fn is None:
-                continue
-            k = edge.get((id(fn), nr))
-            if k is not None and saving:
-                found.add(k)
-            todo.append((fn, saving))
-    return found
-
-
-def _saves(node: Any) -> bool:
-    """Whether an autograd node's backward reads tensors saved in the forward."""
-    return any(name.startswith("_raw_saved_") for name in dir(node))
-
-
-def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
-                ) -> Tuple[List[torch.Tensor], bool]:
-    """The parameters the tail's backward reaches (``AccumulateGrad`` nodes) from ``roots``
-    without going past the last block's outputs, and whether it runs a custom autograd
-    Function (its backward could have side effects a replay would repeat)."""
-    params: List[torch.Tensor] = []
-    custom = False
-    for node in T.graph_nodes([t.grad_fn for t in roots], [t.grad_fn for t in lasts]):
-        if type(node).__name__ == "AccumulateGrad":
-            params.append(node.variable)
-        else:
-            custom |= isinstance(node, torch.autograd.function.BackwardCFunction)
-    return params, custom
-
+    tied = [p for p in params if storage_key(p) in head]
+    untied = [p for p in params if storage_key(p) not in head]
+    return (bw, bw_tmp + max((storage_bytes([p]) for p in untied), default=0),
+            storage_bytes(tied))

@@ -1,0 +1,48 @@
+"""Sizes of tensors as memory holds them: counted per *storage*, so views and in-place results
+are never counted twice, and what a stage keeps for its backward (``xbar``) in those terms.
+
+A storage is identified by its ``StorageImpl`` address (``untyped_storage()._cdata``), which
+works on the ``meta`` device too (there every data pointer is 0). An address is only an
+identity while its storage lives: whoever compares keys across time keeps the tensors alive.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Sequence, Set, Tuple
+
+import torch
+
+Tensors = Tuple[torch.Tensor, ...]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, leaving out the keys in ``exclude``."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()  # its key (``storage_key``) and size from one lookup
+        if s._cdata not in exclude:
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def dense_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def grad_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Size of the gradient with respect to ``tensors``: dense, one per differentiable tensor."""
+    return sum(dense_bytes(t) for t in tensors if t.requires_grad)
+
+
+def xbar_bytes(saved: Sequence[torch.Tensor], outputs: Tensors, inputs: Tensors,
+               state_keys: Set[int]) -> int:
+    """What the forward of a stage keeps for its backward, output included (DESIGN.md ``xbar``):
+    the distinct storages autograd saved plus those of the outputs, less the stage's input
+    (stored as ``x[s]``, or inside ``xbar[s-1]``) and less parameters and buffers (weights are not
+    activations). The outputs count even when they alias the input, so ``xbar[s] >= x[s+1]``."""
+    out_keys = {storage_key(t) for t in outputs}
+    exclude = ({storage_key(t) for t in inputs} | state_keys) - out_keys
+    return storage_bytes(list(saved) + list(outputs), exclude)
