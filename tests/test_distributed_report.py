@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-R = importlib.import_module("vmalloc.report")  # the module (vmalloc.report is also a function)
+from vmalloc import report_process as P
+from vmalloc.pluggable import live_report as L
+from vmalloc.report import load, to_text
 
 
 @pytest.mark.parametrize("target,env,want", [
@@ -21,23 +23,23 @@ R = importlib.import_module("vmalloc.report")  # the module (vmalloc.report is a
     ("stderr", {"RANK": "1"}, "stderr"),
 ])
 def test_report_path(target, env, want):
-    assert R.report_path(target, env, pid=77) == want
+    assert P.report_path(target, env, pid=77) == want
 
 
 def test_a_training_process_that_imports_the_elastic_agent_is_no_launcher(monkeypatch):
     """HF's Trainer (through accelerate) imports torch's elastic agent in every training
     process: that must not be taken for torchrun's launcher (its report would be lost)."""
-    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+    importlib.import_module("torch.distributed.elastic.agent.server.local_elastic_agent")
     monkeypatch.setattr(sys, "argv", ["train.py"])
-    assert not R.is_launcher({}) and R.report_path("frag.json", {}, pid=1) == "frag.json"
+    assert not P.is_launcher({}) and P.report_path("frag.json", {}, pid=1) == "frag.json"
     monkeypatch.setattr(sys, "argv", ["/usr/bin/torchrun", "train.py"])
-    assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
+    assert P.is_launcher({}) and P.report_path("frag.json", {}) is None
     monkeypatch.setattr(sys, "argv", ["/usr/bin/accelerate", "launch", "train.py"])
-    assert R.is_launcher({})
+    assert P.is_launcher({})
 
 
 def _child_path(q):
-    q.put(R.report_path("frag.json", {}, pid=5))
+    q.put(P.report_path("frag.json", {}, pid=5))
 
 
 def test_a_multiprocessing_child_without_rank_gets_its_pid():
@@ -52,8 +54,8 @@ def test_a_multiprocessing_child_without_rank_gets_its_pid():
 
 
 def _ranked_child_path(q):
-    q.put([R.report_path("frag.json", {"RANK": "0"}, pid=5),
-           R.report_path("r{rank}.json", {"RANK": "0"}, pid=5)])
+    q.put([P.report_path("frag.json", {"RANK": "0"}, pid=5),
+           P.report_path("r{rank}.json", {"RANK": "0"}, pid=5)])
 
 
 def test_a_multiprocessing_child_of_a_rank_does_not_take_the_ranks_report():
@@ -67,17 +69,17 @@ def test_a_multiprocessing_child_of_a_rank_does_not_take_the_ranks_report():
         paths = q.get(timeout=120)
     finally:
         p.join(timeout=120)
-    assert paths[0] != R.report_path("frag.json", {"RANK": "0"}, pid=5) == "frag.rank0.json"
-    assert paths[1] != R.report_path("r{rank}.json", {"RANK": "0"}, pid=5) == "r0.json"
+    assert paths[0] != P.report_path("frag.json", {"RANK": "0"}, pid=5) == "frag.rank0.json"
+    assert paths[1] != P.report_path("r{rank}.json", {"RANK": "0"}, pid=5) == "r0.json"
     assert paths == ["frag.rank0.pid5.json", "r0.pid5.json"]
 
 
 def test_the_launcher_writes_none_and_a_rank_is_never_the_launcher(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/usr/bin/torchrun", "--nproc-per-node", "2", "t.py"])
-    assert R.is_launcher({}) and R.report_path("frag.json", {}) is None
-    assert not R.is_launcher({"RANK": "0"})
+    assert P.is_launcher({}) and P.report_path("frag.json", {}) is None
+    assert not P.is_launcher({"RANK": "0"})
     monkeypatch.setattr("sys.argv", ["train.py"])
-    assert not R.is_launcher({})
+    assert not P.is_launcher({})
 
 
 def test_a_lone_script_that_imported_the_elastic_agent_still_writes_its_report(monkeypatch):
@@ -87,23 +89,23 @@ def test_a_lone_script_that_imported_the_elastic_agent_still_writes_its_report(m
     monkeypatch.setattr("sys.argv", ["train.py"])
     monkeypatch.setitem(sys.modules, "torch.distributed.elastic.agent.server.local_elastic_agent",
                         types.ModuleType("local_elastic_agent"))
-    assert not R.is_launcher({})
-    assert R.report_path("frag.json", {}) == "frag.json"
+    assert not P.is_launcher({})
+    assert P.report_path("frag.json", {}) == "frag.json"
 
 
 def test_every_report_names_its_process():
-    rep = R.collect()
+    rep = L.collect()
     p = rep["process"]
     assert p["pid"] == os.getpid() and "rank" in p and "device" in p and p["host"]
-    text = R.to_text(rep)
+    text = to_text(rep)
     assert f"pid {os.getpid()}" in text.splitlines()[1]
 
 
 def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    R.write_exit_report(str(tmp_path / "frag.json"))
-    rep = R.load(str(tmp_path / "frag.rank1.json"))
+    L.write_exit_report(str(tmp_path / "frag.json"))
+    rep = load(str(tmp_path / "frag.rank1.json"))
     assert (rep["process"]["rank"], rep["process"]["world_size"]) == (1, 2)
     assert not (tmp_path / "frag.json").exists()
 
@@ -116,14 +118,14 @@ def test_a_forked_child_does_not_write_its_parents_report(tmp_path):
     pid = os.fork()
     if pid == 0:   # the child: the hook as atexit would call it, with the parent's pid
         try:
-            R.write_exit_report(target, owner_pid=os.getppid())
+            L.write_exit_report(target, owner_pid=os.getppid())
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not os.path.exists(target) and not list(tmp_path.iterdir())
-    R.write_exit_report(target, owner_pid=os.getpid())   # the owner writes it
-    assert R.load(target)["process"]["pid"] == os.getpid()
+    L.write_exit_report(target, owner_pid=os.getpid())   # the owner writes it
+    assert load(target)["process"]["pid"] == os.getpid()
 
 
 def test_agree_chain_without_a_process_group_is_the_chain_itself():

@@ -332,11 +332,11 @@ def test_device_is_refused_for_a_json_trace(tmp_path, capsys):
 
 
 def test_the_table_notes_a_smallest_budget_that_is_only_an_upper_bound():
-    from vmalloc.cli import _table
+    from vmalloc.cli_replay import table
     t = Trace([Event(*e) for e in NON_MONOTONE])
     rows = compare(t, default_contenders(chunk_sizes=()))
     cmp = {"trace": "t", "meta": {}, "rows": [r.to_json() for r in rows]}
-    assert "note:" not in _table(cmp)
+    assert "note:" not in table(cmp)
     cmp["rows"][0]["min_budget_exact"] = False
     assert "note: pytorch caching (model): smallest budget 90.00 MiB is an upper bound" \
-        in _table(cmp)
+        in table(cmp)

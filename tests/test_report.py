@@ -6,6 +6,7 @@ import pytest
 import vmalloc
 from vmalloc import report as _report_fn  # the function
 from vmalloc.cli import main
+from vmalloc.pluggable import live_report
 from vmalloc.replay import Event, Trace, compare
 from vmalloc.replay.run import Contender, caching_factory
 
@@ -114,12 +115,12 @@ def test_live_report_without_cuda_and_sections():
         vmalloc.add_report_section("broken", lambda: 1 / 0)
         assert "ZeroDivisionError" in _report_fn(format="json")["broken"]["error"]
     finally:
-        rpt.remove_section("swap")
-        rpt.remove_section("broken")
+        live_report.remove_section("swap")
+        live_report.remove_section("broken")
     with pytest.raises(ValueError, match="format"):
         _report_fn(format="xml")
     with pytest.raises(TypeError, match="provider"):
-        rpt.add_section("x", 42)
+        live_report.add_section("x", 42)
 
 
 def test_torch_native_rows_line_up():
@@ -147,7 +148,7 @@ def test_cli_demo_replays_traces_without_a_gpu(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["cache", "process", "memory", "history", "comparison"])
 def test_add_section_refuses_the_reports_own_keys(name):
     with pytest.raises(ValueError, match=f"'{name}' is one of the report's own keys"):
-        rpt.add_section(name, lambda: {"hit_rate": 0.9})
+        live_report.add_section(name, lambda: {"hit_rate": 0.9})
     rep = _report_fn(format="json")          # vmalloc's own figures are still there
     assert set(rep["cache"]) >= {"num_malloc", "hits"} and "pid" in rep["process"]
     assert "vmalloc report" in rpt.to_text(rep)
@@ -155,11 +156,11 @@ def test_add_section_refuses_the_reports_own_keys(name):
 
 def test_exit_report_with_a_non_json_section_is_complete_and_says_which(tmp_path, capsys):
     path = tmp_path / "frag.json"
-    rpt.add_section("setty", lambda: {"window_bytes": 1 << 30, "streams": {1, 2}})
+    live_report.add_section("setty", lambda: {"window_bytes": 1 << 30, "streams": {1, 2}})
     try:
-        rpt.write_exit_report(str(path))        # no traceback
+        live_report.write_exit_report(str(path))        # no traceback
     finally:
-        rpt.remove_section("setty")
+        live_report.remove_section("setty")
     saved = json.loads(path.read_text())        # the whole file, valid JSON
     assert "memory" in saved and "set is not JSON serializable" in saved["setty"]["error"]
     err = capsys.readouterr().err.strip().splitlines()

@@ -15,10 +15,10 @@ pytest.importorskip("torch")
 
 # the public torch functions reach the shims; CUDA seen initialised on device 0
 SETUP = HOST_REGISTRY + r"""
-import importlib, pickle, warnings
+import pickle, warnings
 import torch, torch.cuda.memory as M
+from vmalloc.pluggable import live_report as R
 from vmalloc.replay import from_snapshot
-R = importlib.import_module("vmalloc.report")
 MiB = 1 << 20
 a = core._torch_allocator(0, True)
 ta.install_shims(torch)

@@ -69,13 +69,13 @@ def _tiny_trace(tmp_path):
 @pytest.fixture
 def no_replay(monkeypatch):
     """Fails the test if a replay or the demo's planning starts."""
-    import vmalloc.cli
+    import vmalloc.cli_demo
     import vmalloc.replay
 
     def work(*a, **k):
         raise AssertionError("the work started before the bad option was refused")
     monkeypatch.setattr(vmalloc.replay, "compare", work)
-    monkeypatch.setattr(vmalloc.cli, "_plan_and_replay", work)
+    monkeypatch.setattr(vmalloc.cli_demo, "_plan_and_replay", work)
 
 
 @pytest.mark.parametrize("flag", ["--json", "--png"])

@@ -3,17 +3,80 @@
 Physical memory comes in fixed-size chunks mapped through the CUDA driver's VMM API into
 contiguous virtual ranges (seed 003, section 4). ``VMALLOC=1`` turns it on with no code
 change; see the README for every knob.
-"""
-from .allocator import Allocator
-from .errors import DriverShutDownError, OutOfMemoryError
-from .report import add_section as add_report_section
-from .report import report
-from .sizes import format_size, parse_size
-from .torch_allocator import enable, is_enabled, pool, stats
 
-# `vmalloc.report` is the function (DESIGN.md); let `vmalloc.report.add_section(...)` work too
-report.add_section = add_report_section  # type: ignore[attr-defined]
+The public names are loaded on first use (PEP 562): the torch-free planners import
+``vmalloc.sizes`` and ``vmalloc._core``, which must not load the allocator, the report or the
+PyTorch hooks through this file.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any, List
 
 __all__ = ["Allocator", "DriverShutDownError", "OutOfMemoryError", "add_report_section", "enable",
            "format_size", "is_enabled", "parse_size", "pool", "report", "stats"]
 __version__ = "0.1.0"
+
+# public name -> (module that defines it, its name there)
+_LAZY = {
+    "Allocator": (".allocator", "Allocator"),
+    "DriverShutDownError": (".errors", "DriverShutDownError"),
+    "OutOfMemoryError": (".errors", "OutOfMemoryError"),
+    "add_report_section": (".pluggable.live_report", "add_section"),
+    "enable": (".torch_allocator", "enable"),
+    "format_size": (".sizes", "format_size"),
+    "is_enabled": (".torch_allocator", "is_enabled"),
+    "parse_size": (".sizes", "parse_size"),
+    "pool": (".torch_allocator", "pool"),
+    "report": (".pluggable.live_report", "report"),
+    "stats": (".torch_allocator", "stats"),
+}
+# submodules that `import vmalloc` loaded before it was lazy: `vmalloc.torch_allocator.x` after
+# a bare `import vmalloc` keeps working
+_SUBMODULES = ("_core", "allocator", "errors", "pluggable", "sizes", "torch_allocator")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module, __name__), attr)
+        if name == "report":
+            # `vmalloc.report` is the function (DESIGN.md); `vmalloc.report.add_section(...)`
+            # works too (README)
+            value.add_section = importlib.import_module(module, __name__).add_section
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            # vmalloc._core not built: an attribute the package lacks (hasattr() says False)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({exc})") from None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    # what dir() showed before this file was lazy: the module's own dunders, the public names
+    # and the submodules (those `import vmalloc` loaded then, and any imported since)
+    own = {n for n in globals() if n.startswith("__") and n not in ("__getattr__", "__dir__")}
+    loaded = {n for n, v in globals().items()
+              if isinstance(v, types.ModuleType) and v.__name__ == f"{__name__}.{n}"}
+    return sorted(own | set(__all__) | set(_SUBMODULES) | loaded)
+
+
+class _Package(types.ModuleType):
+    """This package's module type. Importing the submodule ``vmalloc.report`` binds it as the
+    package's attribute ``report`` (the import system does), which would hide the function
+    ``vmalloc.report``; that one binding is dropped, and the function is found on first use."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "report" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -64,7 +64,15 @@ def _size(env: Mapping[str, str], name: str, allow_zero: bool) -> Optional[int]:
     return n
 
 
-REPORT_STREAMS = ("-", "stderr")  # VMALLOC_REPORT values that are not paths
+#: ``VMALLOC_REPORT`` values that name a stream, not a path: ``-`` (stdout) and ``stderr``
+#: (in any case, as :func:`is_report_stream` compares them)
+REPORT_STREAMS = ("-", "stderr")
+
+
+def is_report_stream(target: str) -> bool:
+    """True when the report destination ``target`` is one of :data:`REPORT_STREAMS`; the one
+    check of the start-up validation and of where the exit report goes."""
+    return target.lower() in REPORT_STREAMS
 
 
 def check_report_target(target: str, name: str = "VMALLOC_REPORT") -> None:
@@ -72,7 +80,7 @@ def check_report_target(target: str, name: str = "VMALLOC_REPORT") -> None:
     the path must not be a directory nor a read-only file. Checked at start-up, since the report
     is written at exit (too late to say). The directory is what is checked, so the per-rank
     names the report derives beside the path stay valid."""
-    if target in REPORT_STREAMS:
+    if is_report_stream(target):
         return
     check_output_path(target, name)
 

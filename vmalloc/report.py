@@ -13,17 +13,20 @@ sentence around it.) For the whole allocator, IF is ``mapped - requested`` (the 
 reported beside it so vmalloc and PyTorch's caching allocator compare on one scale.
 
 A report is a plain dict (the JSON form); :func:`to_text` renders it, :func:`side_by_side`
-renders several allocators' rows on one trace. Sections (e.g. ``"swap"`` from the swap runtime,
-contract 3) are added with :func:`add_section` and live on the per-device registry.
+renders several allocators' rows on one trace. This module builds, renders and files reports
+from figures it is given; the live report of the running process (``vmalloc.report()``, its
+sections such as ``"swap"`` from the swap runtime, contract 3, and the exit report) is
+:mod:`vmalloc.pluggable.live_report`, and which process writes which report
+:mod:`vmalloc.report_process`.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from .atomic_file import write_atomic
 from .sizes import format_size
 
 REPORT_VERSION = 1
@@ -149,6 +152,24 @@ def _pct(x: Optional[float]) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
 
 
+def _who(rep: Mapping[str, Any]) -> str:
+    """The report's ``"process"`` key in one line (rank, local rank, pid, host, device)."""
+    p = rep.get("process") or {}
+    parts = []
+    if p.get("rank") is not None:
+        ws = p.get("world_size")
+        parts.append(f"rank {p['rank']}" + (f"/{ws}" if ws is not None else ""))
+    if p.get("local_rank") is not None:
+        parts.append(f"local rank {p['local_rank']}")
+    if p.get("pid") is not None:
+        parts.append(f"pid {p['pid']}")
+    if p.get("host"):
+        parts.append(f"host {p['host']}")
+    dev = p.get("device")
+    parts.append("device " + (f"cuda:{dev}" if dev is not None else "none"))
+    return ", ".join(parts)
+
+
 def to_text(rep: Mapping[str, Any]) -> str:
     """Human-readable form of one report (or of a saved comparison)."""
     if "comparison" in rep:
@@ -260,9 +281,10 @@ def save(rep: Mapping[str, Any], path: str) -> None:
     """Write a report: JSON when the name ends in ``.json``, else text; a PNG beside it,
     ``path + ".png"``, when matplotlib is installed and the report has a timeline.
 
-    The whole text is made before the file is opened, so a report that cannot be written leaves
-    the file as it was. A section that is not JSON (a set, an object) is written as
-    ``{"error": ...}`` and named in one line on stderr; the rest of the report is kept."""
+    The whole text is made first and written whole or not at all (:func:`write_atomic`), so a
+    report that cannot be rendered or written leaves the file as it was. A section that is not
+    JSON (a set, an object) is written as ``{"error": ...}`` and named in one line on stderr;
+    the rest of the report is kept."""
     if path.endswith(".json"):
         try:
             text = json.dumps(rep, indent=1, sort_keys=True)
@@ -270,8 +292,7 @@ def save(rep: Mapping[str, Any], path: str) -> None:
             text = json.dumps(_json_sections(rep), indent=1, sort_keys=True)
     else:
         text = to_text(rep) + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    write_atomic(path, text)
     if rep.get("timeline"):
         # the full name + .png: frag.txt and frag.json (or a report named x.png) keep apart
         plot_timeline(rep, path + ".png")
@@ -345,193 +366,3 @@ def draw_replay_timelines(ax: Any, timelines: Mapping[str, Mapping[str, Any]],
     ax.set_xlabel("event")
     ax.set_ylabel(unit_name)
     ax.legend(fontsize=7)
-
-
-# ---------------------------------------------------------------------------------------------
-# the live report
-
-
-def add_section(name: str, provider: Callable[[], Mapping[str, Any]], device: Optional[int] = None
-                ) -> None:
-    """Show ``provider()`` under ``name`` in this device's report (e.g. the swap runtime's
-    ``stats()`` under ``"swap"``). Stored on the per-device registry; ``device=None`` = every
-    device's report. Adding a name again replaces it."""
-    if not isinstance(name, str):  # a section is a key of the JSON report: a str
-        raise TypeError(f"name: expected a non-empty str, got {name!r}")
-    if not name.strip():           # an empty heading in the text report
-        raise ValueError(f"name: expected a non-empty str, got {name!r}")
-    if not callable(provider):
-        raise TypeError(f"provider: expected a callable returning a mapping, got {provider!r}")
-    if name in RESERVED_SECTION_NAMES:
-        # the section would replace vmalloc's own figures of that name (to_text then fails)
-        raise ValueError(f"name: {name!r} is one of the report's own keys "
-                         f"({', '.join(sorted(RESERVED_SECTION_NAMES))}); choose another name")
-    from . import torch_allocator
-    torch_allocator.registry().section_providers(device)[name] = provider
-
-
-def remove_section(name: str, device: Optional[int] = None) -> None:
-    from . import torch_allocator
-    torch_allocator.registry().section_providers(device).pop(name, None)
-
-
-def collect(device: Optional[int] = None) -> Dict[str, Any]:
-    """The live report of ``device`` as a dict (see :func:`report`), naming the process that
-    made it (rank, pid, host, device: several ranks' reports stay apart)."""
-    from . import torch_allocator
-    rep = torch_allocator.live_report(device)
-    rep["process"] = process_identity(rep.get("device"))
-    return rep
-
-
-def report(format: str = "text", device: Optional[int] = None) -> Any:
-    """The fragmentation report of the running process.
-
-    With vmalloc enabled: its stats, Eq. 1/2, cache hits, map/unmap counts and driver time, the
-    allocation-size histogram (when the history is recorded, e.g. ``VMALLOC_REPORT`` set), and
-    added sections such as ``"swap"``. Otherwise, when PyTorch's native allocator holds CUDA
-    memory: the same rows from ``torch.cuda.memory_stats()``. ``format`` is ``"text"`` (a str)
-    or ``"json"`` (a dict).
-    """
-    if format not in ("text", "json"):
-        raise ValueError(f"format: expected 'text' or 'json', got {format!r}")
-    rep = collect(device)
-    return rep if format == "json" else to_text(rep)
-
-
-# ---------------------------------------------------------------------------------------------
-# one report per process (issue 15: torchrun starts a launcher and one process per rank, and
-# every one of them inherits VMALLOC_REPORT)
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
-    raw = environ.get(name, "").strip()
-    return int(raw) if raw.lstrip("-").isdigit() else None
-
-
-def process_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """This process's rank: ``RANK`` (torchrun, torch.distributed, most MPI launchers), else
-    ``LOCAL_RANK``; ``None`` when neither is set."""
-    env = os.environ if environ is None else environ
-    rank = _env_int(env, "RANK")
-    return rank if rank is not None else _env_int(env, "LOCAL_RANK")
-
-
-def is_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True in torchrun's own process (the elastic agent that starts the ranks): it has no rank
-    of its own, runs ``torch.distributed.run``/``launch`` as its main program, and trains
-    nothing, yet imports torch (so the autoload's exit report would run there too)."""
-    if process_rank(environ) is not None:
-        return False  # every worker torchrun starts has RANK set
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name in ("torch.distributed.run", "torch.distributed.launch"):
-        return True   # python -m torch.distributed.run ...
-    argv = sys.argv or [""]
-    prog = os.path.basename(argv[0])
-    if prog in ("torchrun", "torchrun.exe"):
-        return True   # the torchrun console script
-    # `accelerate launch` drives the same elastic agent. (Whether the agent's module is merely
-    # imported says nothing: HF's Trainer imports it in every training process.)
-    return prog in ("accelerate", "accelerate.exe") and argv[1:2] == ["launch"]
-
-
-def _is_child_process() -> bool:
-    """A ``multiprocessing`` child (spawn/fork workers): it shares its parent's environment."""
-    try:
-        import multiprocessing
-        return multiprocessing.parent_process() is not None
-    except Exception:  # noqa: BLE001 - old Pythons, odd embeddings: treat as a lone process
-        return False
-
-
-def process_identity(device: Optional[int] = None,
-                     environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
-    """Who writes a report: rank, local rank and world size (``None`` outside a distributed
-    launch), pid, host and device."""
-    env = os.environ if environ is None else environ
-    import socket
-    return {"rank": process_rank(env), "local_rank": _env_int(env, "LOCAL_RANK"),
-            "world_size": _env_int(env, "WORLD_SIZE"), "pid": os.getpid(),
-            "host": socket.gethostname(), "device": device}
-
-
-def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
-                pid: Optional[int] = None) -> Optional[str]:
-    """Where this process writes the ``VMALLOC_REPORT`` exit report; ``None``: write none.
-
-    - ``-`` / ``stderr``: unchanged (each report names its rank and pid on its second line, "process: ...");
-    - the launcher (:func:`is_launcher`) writes no report;
-    - a path with ``{rank}`` or ``{pid}`` in it: filled in (``{rank}`` is the pid's
-      ``pid<N>`` when there is no rank);
-    - under a distributed launch (``RANK`` or ``LOCAL_RANK`` set) the rank goes before the
-      extension: ``frag.json`` -> ``frag.rank0.json``, ``frag.txt`` -> ``frag.rank1.txt``;
-    - in a ``multiprocessing`` child, the pid too: ``frag.pid4242.json``, and under a rank
-      ``frag.rank0.pid4242.json`` (a spawned DataLoader worker inherits its rank's ``RANK``:
-      it must not overwrite that rank's report with its own);
-    - a lone process writes the path as given.
-    """
-    env = os.environ if environ is None else environ
-    if is_launcher(env):
-        return None
-    if target == "-" or target.lower() == "stderr":
-        return target
-    pid = os.getpid() if pid is None else pid
-    rank = process_rank(env)
-    child = _is_child_process()
-    if "{rank}" in target or "{pid}" in target:
-        path = target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
-                     .replace("{pid}", str(pid))
-        if not child or "{pid}" in target or rank is None:
-            return path
-        root, ext = os.path.splitext(path)
-        return f"{root}.pid{pid}{ext}"
-    tags = ([f"rank{rank}"] if rank is not None else []) + ([f"pid{pid}"] if child else [])
-    if not tags:
-        return target
-    root, ext = os.path.splitext(target)
-    return f"{root}.{'.'.join(tags)}{ext}"
-
-
-def _who(rep: Mapping[str, Any]) -> str:
-    p = rep.get("process") or {}
-    parts = []
-    if p.get("rank") is not None:
-        ws = p.get("world_size")
-        parts.append(f"rank {p['rank']}" + (f"/{ws}" if ws is not None else ""))
-    if p.get("local_rank") is not None:
-        parts.append(f"local rank {p['local_rank']}")
-    if p.get("pid") is not None:
-        parts.append(f"pid {p['pid']}")
-    if p.get("host"):
-        parts.append(f"host {p['host']}")
-    dev = p.get("device")
-    parts.append("device " + (f"cuda:{dev}" if dev is not None else "none"))
-    return ", ".join(parts)
-
-
-def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
-    """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path made
-    per process by :func:`report_path` (nothing from torchrun's launcher). ``owner_pid``: the
-    process that registered the hook; a child forked from it (which inherits the hook and
-    exits through it) writes nothing: the allocators are its parent's, and so is the file."""
-    if owner_pid is not None and os.getpid() != owner_pid:
-        return
-    try:
-        path = report_path(target)
-        if path is None:
-            return
-        rep = collect(None)
-    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
-        print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
-        return
-    try:
-        if path == "-":
-            print(to_text(rep), flush=True)
-        elif path.lower() == "stderr":
-            print(to_text(rep), file=sys.stderr, flush=True)
-        else:
-            save(rep, path)
-    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
-        print(f"vmalloc: could not write the exit report to {path!r}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)

@@ -9,18 +9,13 @@ from .pluggable.history import (drain_history, history_info, history_snapshot,
                                 set_trace_capacity, snapshot_from_events, start_recording)
 from .pluggable.live_report import live_report, register_exit_report
 from .pluggable.register import enable, pool
-from .pluggable.registry import (ALL_DEVICES, REGISTRY, TRACE_CAPACITY, core, device_allocator,
-                                 device_index, devices, is_enabled, registry, stats)
+from .pluggable.registry import (ALL_DEVICES, TRACE_CAPACITY, core, device_allocator, devices,
+                                 is_enabled, registry, stats)
 from .pluggable.shims import install_shims, torch_memory_stats
 
-# the names other modules and tests used before the split
-_REGISTRY = REGISTRY
-_core = core
-_device_index = device_index
-_drain_history = drain_history
-_install_shims = install_shims
+_core = core   # the native module, as tests/test_torch_registry_budget.py reaches it
 
-__all__ = ["ALL_DEVICES", "TRACE_CAPACITY", "device_allocator", "devices", "enable",
-           "history_info", "history_snapshot", "set_trace_capacity",
-           "is_enabled", "live_report", "pool", "register_exit_report", "registry",
+__all__ = ["ALL_DEVICES", "TRACE_CAPACITY", "core", "device_allocator", "devices", "drain_history",
+           "enable", "history_info", "history_snapshot", "install_shims", "is_enabled",
+           "live_report", "pool", "register_exit_report", "registry", "set_trace_capacity",
            "snapshot_from_events", "start_recording", "stats", "torch_memory_stats"]

@@ -48,8 +48,8 @@ iteration the new sequence gets its own schedule.
 """
 from __future__ import annotations
 
-import importlib
 import threading
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -428,11 +428,11 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
     ctx = SwapContext(w, b)
     ctx.__enter__()
     try:  # the vmalloc report's "swap" section (vmalloc.report.add_section, issue 3)
-        add = getattr(importlib.import_module("vmalloc.report"), "add_section", None)
-        if add is not None:
-            add("swap", ctx.stats)
-    except Exception:  # noqa: BLE001 - the report is optional; swapping is not
-        pass
+        from vmalloc.pluggable.live_report import add_section
+        add_section("swap", ctx.stats)
+    except Exception as exc:  # noqa: BLE001 - the report is optional; swapping is not
+        warnings.warn(f"VMALLOC_WINDOW: swapping is on, but the report will have no 'swap' "
+                      f"section: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
     return ctx
 
 
@@ -442,9 +442,8 @@ def uninstall_global() -> Optional[SwapContext]:
     if ctx is not None:
         ctx.__exit__(None, None, None)
         try:
-            remove = getattr(importlib.import_module("vmalloc.report"), "remove_section", None)
-            if remove is not None:
-                remove("swap")
+            from vmalloc.pluggable.live_report import remove_section
+            remove_section("swap")
         except Exception:  # noqa: BLE001
             pass
     return ctx

@@ -1,20 +1,23 @@
-"""``vmalloc.report()``'s figures from the live allocators: vmalloc's when it is registered,
-else PyTorch's native allocator's."""
+"""The live report of the running process: ``vmalloc.report()``, its added sections (e.g. the
+swap runtime's ``"swap"``, kept on the per-device registry) and the ``VMALLOC_REPORT`` exit
+report. The figures are vmalloc's when it is registered, else PyTorch's native allocator's;
+:mod:`vmalloc.report` builds and renders them, :mod:`vmalloc.report_process` says which process
+writes which file."""
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import sys
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, save, to_text
+from ..report_process import process_identity, report_path
 from .history import drain_history, history_info
 from .registry import REGISTRY, device_index, stats
 
 
 def live_report(device: Optional[int] = None) -> Dict[str, Any]:
     """Report dict for ``vmalloc.report()``: vmalloc's figures when enabled, else PyTorch's."""
-    rpt = importlib.import_module("vmalloc.report")
     reg = REGISTRY
     if reg.mode is not None:
         d = device_index(device)
@@ -29,20 +32,20 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
         sections = reg.sections_for(d)
         if reg.recording:
             sections["history"] = info
-        return rpt.build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
-                         sections=sections,
-                         title=f"vmalloc ({reg.mode}) on cuda:{d}")
+        return build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
+                     sections=sections,
+                     title=f"vmalloc ({reg.mode}) on cuda:{d}")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         d = device_index(device)
-        s = rpt.from_torch_stats(torch.cuda.memory_stats(d))
-        return rpt.build(s, source="torch-native", device=d, sections=reg.sections_for(d),
-                         title=f"PyTorch native allocator on cuda:{d}")
+        s = from_torch_stats(torch.cuda.memory_stats(d))
+        return build(s, source="torch-native", device=d, sections=reg.sections_for(d),
+                     title=f"PyTorch native allocator on cuda:{d}")
     d = 0 if device is None else int(device)
     empty = {k: 0 for k in ("requested_current", "requested_peak", "mapped_current", "mapped_peak",
                             "physical_current", "physical_peak", "num_malloc", "num_free")}
-    return rpt.build(empty, source="none", device=None, sections=reg.sections_for(d),
-                     title="no CUDA allocator in use (vmalloc not enabled, CUDA not initialised)")
+    return build(empty, source="none", device=None, sections=reg.sections_for(d),
+                 title="no CUDA allocator in use (vmalloc not enabled, CUDA not initialised)")
 
 
 def _max_live(events: List[Mapping[str, Any]], live_now: int) -> Optional[int]:
@@ -60,6 +63,87 @@ def _max_live(events: List[Mapping[str, Any]], live_now: int) -> Optional[int]:
     return peak
 
 
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+def add_section(name: str, provider: Callable[[], Mapping[str, Any]], device: Optional[int] = None
+                ) -> None:
+    """Show ``provider()`` under ``name`` in this device's report (e.g. the swap runtime's
+    ``stats()`` under ``"swap"``). Stored on the per-device registry; ``device=None`` = every
+    device's report. Adding a name again replaces it."""
+    if not isinstance(name, str):  # a section is a key of the JSON report: a str
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    if not name.strip():           # an empty heading in the text report
+        raise ValueError(f"name: expected a non-empty str, got {name!r}")
+    if not callable(provider):
+        raise TypeError(f"provider: expected a callable returning a mapping, got {provider!r}")
+    if name in RESERVED_SECTION_NAMES:
+        # the section would replace vmalloc's own figures of that name (to_text then fails)
+        raise ValueError(f"name: {name!r} is one of the report's own keys "
+                         f"({', '.join(sorted(RESERVED_SECTION_NAMES))}); choose another name")
+    REGISTRY.section_providers(device)[name] = provider
+
+
+def remove_section(name: str, device: Optional[int] = None) -> None:
+    """Take the section ``name`` out of the report (of ``device``; None: every device's)."""
+    REGISTRY.section_providers(device).pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the report of this process, now and at exit
+
+
+def collect(device: Optional[int] = None) -> Dict[str, Any]:
+    """The live report of ``device`` as a dict (see :func:`report`), naming the process that
+    made it (rank, pid, host, device: several ranks' reports stay apart)."""
+    rep = live_report(device)
+    rep["process"] = process_identity(rep.get("device"))
+    return rep
+
+
+def report(format: str = "text", device: Optional[int] = None) -> Any:
+    """The fragmentation report of the running process.
+
+    With vmalloc enabled: its stats, Eq. 1/2, cache hits, map/unmap counts and driver time, the
+    allocation-size histogram (when the history is recorded, e.g. ``VMALLOC_REPORT`` set), and
+    added sections such as ``"swap"``. Otherwise, when PyTorch's native allocator holds CUDA
+    memory: the same rows from ``torch.cuda.memory_stats()``. ``format`` is ``"text"`` (a str)
+    or ``"json"`` (a dict).
+    """
+    if format not in ("text", "json"):
+        raise ValueError(f"format: expected 'text' or 'json', got {format!r}")
+    rep = collect(device)
+    return rep if format == "json" else to_text(rep)
+
+
+def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
+    """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path made
+    per process by :func:`report_path` (nothing from torchrun's launcher). ``owner_pid``: the
+    process that registered the hook; a child forked from it (which inherits the hook and
+    exits through it) writes nothing: the allocators are its parent's, and so is the file."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
+    try:
+        path = report_path(target)
+        if path is None:
+            return
+        rep = collect(None)
+    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
+        print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
+        return
+    try:
+        if path == "-":
+            print(to_text(rep), flush=True)
+        elif path.lower() == "stderr":
+            print(to_text(rep), file=sys.stderr, flush=True)
+        else:
+            save(rep, path)
+    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
+        print(f"vmalloc: could not write the exit report to {path!r}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def register_exit_report(target: str) -> None:
-    rpt = importlib.import_module("vmalloc.report")
-    atexit.register(rpt.write_exit_report, target, os.getpid())
+    """Write this process's report to ``target`` at exit (:func:`write_exit_report`)."""
+    atexit.register(write_exit_report, target, os.getpid())

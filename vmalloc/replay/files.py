@@ -1,10 +1,11 @@
-"""Reading trace files: bounded, streamed, and every bad file answered with one ``TraceFileError``
-naming the file and the problem.
+"""Finding and reading trace files: bounded, streamed, and every bad file answered with one
+``TraceFileError`` naming the file and the problem.
 
-A file is read in chunks (decompressed on the fly when gzip'ed) and refused as soon as it holds
-more than ``max_bytes`` (default ``DEFAULT_MAX_BYTES``; ``vmalloc replay --max-trace-size``
-raises it): a gzip bomb or ``/dev/zero`` costs at most that much memory. The content is then a
-contract-2 JSON trace or a PyTorch snapshot (JSON or a pickle of plain containers only).
+:func:`trace_files_in` lists a folder's traces. A file is read in chunks (decompressed on the
+fly when gzip'ed) and refused as soon as it holds more than ``max_bytes`` (default
+``DEFAULT_MAX_BYTES``; ``vmalloc replay --max-trace-size`` raises it): a gzip bomb or
+``/dev/zero`` costs at most that much memory. The content is then a contract-2 JSON trace or a
+PyTorch snapshot (JSON or a pickle of plain containers only).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import os
 import pickle
 import zlib
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 from .snapshot import from_snapshot
 from .trace import Trace, from_json
@@ -22,10 +23,24 @@ from .trace import Trace, from_json
 PathLike = Union[str, "os.PathLike[str]"]
 DEFAULT_MAX_BYTES = 256 << 20  # decompressed bytes read from one trace file
 _CHUNK = 1 << 20
+#: What :func:`load` reads, by file name: contract-2 JSON traces (optionally gzip'ed) and PyTorch
+#: memory snapshots (pickle or JSON, optionally gzip'ed)
+TRACE_SUFFIXES = (".json", ".json.gz", ".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
+JSON_TRACE_SUFFIXES = (".json", ".json.gz")   # the project's own traces (bench/traces)
 
 
 class TraceFileError(ValueError):
     """A trace file that cannot be used; the message starts with the file's name."""
+
+
+def trace_files_in(directory: PathLike, suffixes: Sequence[str] = TRACE_SUFFIXES) -> List[str]:
+    """The trace files of ``directory``, sorted: its files whose names end in one of
+    ``suffixes`` (hidden ones left out); empty when it holds none or is no directory."""
+    if not os.path.isdir(directory):
+        return []
+    names = (n for n in os.listdir(directory)
+             if n.endswith(tuple(suffixes)) and not n.startswith("."))
+    return sorted(p for p in (os.path.join(directory, n) for n in names) if os.path.isfile(p))
 
 
 def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,

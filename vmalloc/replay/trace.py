@@ -9,14 +9,15 @@ PyTorch snapshots are read by ``snapshot.py``, files (bounded, gzip or not) by `
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
+import io
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
+from ..atomic_file import write_atomic
 from ..sizes import SIZE_LIMIT
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -82,21 +83,13 @@ class Trace:
         or not at all (written beside it, then renamed: a kill mid-write leaves no truncated
         trace for a replay to choke on)."""
         data = json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
-        tmp = f"{os.fspath(path)}.part"
-        try:
-            if str(path).endswith(".gz"):
-                # mtime=0: the same trace gives the same bytes (reproducible bundled files)
-                with open(tmp, "wb") as raw, \
-                        gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
-                    f.write(data)
-            else:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        if str(path).endswith(".gz"):
+            # mtime=0: the same trace gives the same bytes (reproducible bundled files)
+            buf = io.BytesIO()
+            with gzip.GzipFile(filename="", fileobj=buf, mode="wb", mtime=0) as f:
+                f.write(data)
+            data = buf.getvalue()
+        write_atomic(path, data)
 
 
 def checked_int(value: Any, where: str, lo: int = 0, hi: int = SIZE_LIMIT) -> int:

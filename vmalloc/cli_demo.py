@@ -1,0 +1,138 @@
+"""The ``vmalloc demo`` command, the README's main job: without a GPU, plan a bundled chain with
+every planner, simulate the plans, replay the fastest plan's allocation trace, then replay the
+bundled traces (``bench/traces``); with one, train a small model under ``VMALLOC=1`` and a budget.
+
+This is the one vmalloc module that uses the ``scheduler`` package (its planners and
+``scheduler.demo``): the demo sits above both packages, like the autoload hook, and imports the
+scheduler lazily, only when it plans.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .cli_replay import replay_one, table
+from .sizes import format_size, parse_size
+
+
+def bundled_traces(directory: Optional[str] = None) -> List[str]:
+    """The bundled traces: ``directory``, else ``bench/traces`` of the working directory or of
+    the source checkout this package runs from."""
+    from .replay.files import JSON_TRACE_SUFFIXES, trace_files_in
+    here = Path(__file__).resolve().parent.parent
+    for d in ([directory] if directory else [os.path.join(os.getcwd(), "bench", "traces"),
+                                              str(here / "bench" / "traces")]):
+        found = trace_files_in(d, JSON_TRACE_SUFFIXES)
+        if found:
+            return found
+    if directory:
+        raise FileNotFoundError(f"--traces {directory}: no traces (*.json, *.json.gz) there")
+    raise FileNotFoundError("no bundled traces found (looked in ./bench/traces and the source "
+                            "checkout); run from the repository root or pass --traces DIR")
+
+
+_GPU_DEMO = textwrap.dedent("""
+    import vmalloc._autoload as auto
+    auto.install()            # what the installed .pth does at start-up when VMALLOC=1
+    import torch, vmalloc
+    if not vmalloc.is_enabled():   # never a demo of PyTorch's own allocator passing for ours
+        raise SystemExit("vmalloc demo: VMALLOC=1 did not make vmalloc PyTorch's allocator "
+                         "(see the warnings above)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU())
+                                  for _ in range(12)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(20):
+        x = torch.randn(4096, 2048, device="cuda")
+        loss = model(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    print(f"loss {loss.item():.5f}; vmalloc enabled: {vmalloc.is_enabled()}")
+    print(vmalloc.report())
+""")
+
+
+def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
+    """Steps 1-2 of the CPU demo: plan a bundled chain with every planner, simulate, and
+    replay the fastest plan's allocation trace (the scheduler is imported here, lazily: see
+    the module doc)."""
+    from scheduler import demo
+
+    from .replay.trace import from_json
+    chain = demo.find_chain(args.chain)
+    print(f"[1/3] planning {chain.name} under {args.fraction:.0%} of what storing every "
+          "activation needs, with each planner, and simulating every plan ...", flush=True)
+    memory, rows = demo.plan_all(chain, args.fraction)
+    print(demo.table(chain, memory, rows) + "\n")
+    best = demo.fastest_fitting(memory, rows)
+    if best is None:
+        print("no planner fits that limit; skipping the replay of a planned trace\n")
+        return
+    trace = from_json(best.result.alloc_trace, name=f"{chain.name} planned by {best.planner}")
+    print(f"[2/3] replaying the allocation trace of the fastest plan ({best.planner}, "
+          f"{len(trace.events)} events) through vmalloc and the caching-allocator model ...",
+          flush=True)
+    print(table(replay_one(trace, chunks, not args.no_bisect, None)) + "\n")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``vmalloc demo``: train on the GPU when there is one, else plan and replay."""
+    parse_size(args.budget, "--budget")  # bad on the CPU too: say so now, not on a GPU later
+    # a --traces that is no directory fails now, not after the planning steps (an existing one
+    # without traces is said at step 3, as before: tests/test_demo.py stops the demo that way)
+    if args.traces and not os.path.isdir(args.traces):
+        raise ValueError(f"--traces {args.traces}: no such directory")
+    gpu = False
+    if not args.replay_only:
+        try:
+            import torch
+            gpu = torch.cuda.is_available()
+        except ImportError:
+            gpu = False
+    if gpu:
+        env = dict(os.environ, VMALLOC="1", VMALLOC_BUDGET=args.budget)
+        here = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+        print(f"vmalloc demo: training a 12-layer MLP on the GPU with VMALLOC=1, "
+              f"VMALLOC_BUDGET={args.budget}\n")
+        return subprocess.call([sys.executable, "-c", _GPU_DEMO], env=env)
+    chunks = [2 << 20, 20 << 20]
+    if not args.replay_only:
+        _plan_and_replay(args, chunks)
+    traces = bundled_traces(args.traces)
+    print(f"[3/3] replaying the {len(traces)} bundled allocation traces through vmalloc "
+          "(host-lazy backend: real page mappings that take no RAM, since a replay never writes) and "
+          "a model of PyTorch's caching allocator.\n"
+          "phys/req = peak physical / peak requested; frag = 1 - requested/physical (GMLake's "
+          "metric); smallest budget = least physical memory the whole trace replays in; IF = "
+          "internal fragmentation (seed 003 Eq. 1) and its Eq. 2 bound N_max x chunk.\n",
+          flush=True)
+    summary = []
+    for path in traces:
+        cmp = replay_one(path, chunks, not args.no_bisect, None, max_bytes=args.max_size)
+        print(table(cmp))
+        print()
+        rows = {r["allocator"]: r for r in cmp["rows"]}
+        summary.append((cmp["trace"], rows))
+    key = "physical_peak" if args.no_bisect else "min_budget"
+    what = "peak physical without a cap" if args.no_bisect else "smallest budget that runs"
+    print(f"summary ({what}, vs the caching model):")
+    model = "pytorch caching (model)"
+    for name, rows in summary:
+        base = rows.get(model, {}).get(key)
+        parts = []
+        for alloc, r in rows.items():
+            v = r.get(key)
+            if v and base and alloc != model:
+                d = 100 * (v - base) / base
+                parts.append(f"{alloc}: {format_size(v)} ({abs(d):.1f}% {'less' if d < 0 else 'more'})")
+        parts.append(f"caching model: {format_size(base) if base else 'n/a'}")
+        print(f"  {name}: " + "; ".join(parts))
+    return 0
