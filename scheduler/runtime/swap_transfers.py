@@ -5,10 +5,14 @@ when device memory may be let go.
 * Swap-out: the out stream waits for the stream that saved the tensor, copies into a pooled
   (pinned) host buffer, records an event. The device storage is kept (``Var.inflight``) until
   that event completed, not ``record_stream``-ed: the runtime then knows exactly when memory
-  comes back. A var freed while its copy is in flight has its storage parked until the event.
+  comes back. A swap-out called off while its copy runs keeps the storage too (``copying``),
+  and a var freed while a copy is in flight has its storage parked until the event.
 * Swap-in: the in stream copies into memory allocated while it is current, records an event; at
-  the use the compute stream waits on it only if it has not completed, and the memory is
-  ``record_stream``-ed on the compute stream (autograd decides when it is freed).
+  each use from a stream that has not read the copy yet (autograd runs a backward node on its
+  forward op's stream: one saved tensor may be read from several), that stream waits on the
+  event only if it has not completed, and the memory is ``record_stream``-ed on it (autograd
+  decides when it is freed). A swap-in whose var is swapped out again before its first use (a
+  host copy exists: no copy) is still waited for at that use.
 * Interrupts: a host buffer is tied to its var only once its copy was issued; if the copy
   raises (a Ctrl-C), the buffer goes back to the pool. ``HostPool.reclaim`` returns whatever an
   interrupt still left lent out when the context exits.
@@ -42,6 +46,8 @@ class Transfers:
         self._streams: Dict[Any, Tuple[Any, Any]] = {}
         self.pending: Dict[Var, None] = {}    # swap-outs not released yet, oldest first
         self.deferred: Dict[Var, None] = {}   # releases waiting on a copy (non-blocking)
+        # swap-outs called off while their copy was in flight: ``inflight`` kept until it ends
+        self.copying: Dict[Var, None] = {}
         self.parked: List[Tuple[Any, Any]] = []  # (event, storage) of freed vars, copy in flight
         self.gpu_stalls: List[Tuple[Any, Any]] = []
         # keeps the budget before an on-demand swap-in (set by the eviction policy)
@@ -94,6 +100,7 @@ class Transfers:
         var.inflight = storage
         var.state = OUT
         self.pending[var] = None
+        self.copying.pop(var, None)  # (``release`` waits for the copy now)
 
     def release(self, var: Var, blocking: bool) -> None:
         """Free the device copy of a swapped-out variable once its copy is complete."""
@@ -116,7 +123,7 @@ class Transfers:
     def _drop_device(self, var: Var) -> None:
         var.set_storage(None)
         var.inflight = None
-        var.in_tensor = None
+        var.in_tensor = var.in_readers = None
         for h in var.live_handles():
             if h.view is not None:
                 v = h.view
@@ -137,13 +144,11 @@ class Transfers:
         counter of its own): one copy to the host, on this path only."""
         reading = var.in_event  # a swap-in that may still read the host copy
         if var.state == OUT:
-            self.pending.pop(var, None)
-            self.deferred.pop(var, None)
-            var.inflight = None
+            self._call_off(var)
         elif var.state == HOST:
             self.residency.add(var)
         if var.storage is not storage:  # on the host, or a copy swapped back in
-            var.in_tensor = var.in_event = None
+            var.in_tensor = var.in_event = var.in_readers = None
             var.set_storage(storage)
         var.state = DEVICE
         host = var.host
@@ -151,6 +156,8 @@ class Transfers:
             return
         if var.out_event is not None:  # (the copy may still be under way)
             var.out_event.synchronize()
+        self.copying.pop(var, None)  # (done now)
+        var.inflight = None
         dev = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
         if not torch.equal(dev.cpu(), host):
             for h in var.live_handles():
@@ -162,9 +169,7 @@ class Transfers:
     def swap_in(self, var: Var) -> None:
         """Issue the host-to-device copy ahead of use (or cancel a swap-out still pending)."""
         if var.state == OUT:  # the device copy is still there: keep it
-            self.pending.pop(var, None)
-            self.deferred.pop(var, None)
-            var.inflight = None
+            self._call_off(var)
             # (if it came from a swap-in still copying, its use must still wait for that)
             var.state = IN if var.in_tensor is not None else DEVICE
             return
@@ -179,6 +184,7 @@ class Transfers:
             # goes: those bytes may have changed through ``.data`` meanwhile (no counter moves)
             var.set_storage(held)
             var.state = DEVICE
+            var.in_readers = None
             self._drop_host(var)
             self.counters["reattached_bytes"] += var.nbytes
             self.residency.add(var)
@@ -197,6 +203,7 @@ class Transfers:
                 event = torch.cuda.Event()
                 event.record(in_stream)
             var.in_event = event
+            var.in_readers = []
         else:
             dst = torch.empty(n, dtype=torch.uint8, device=var.device)
             copy_bytes(dst, host, False)
@@ -207,7 +214,7 @@ class Transfers:
         self.residency.add(var)
 
     def ensure_resident(self, var: Var, budget: Optional[int]) -> None:
-        """At a use: the variable's bytes on the device, the compute stream ordered after the
+        """At a use: the variable's bytes on the device, the reading stream ordered after the
         copy (waiting only if the copy is still running)."""
         if var.state == HOST:  # not swapped in ahead: on demand, and wait
             self.counters["on_demand_swap_ins"] += 1
@@ -218,30 +225,63 @@ class Transfers:
             if self.cuda and var.state == IN:  # (not re-attached)
                 var.in_event.synchronize()
             self.counters["stall_seconds"] += time.perf_counter() - t0
-        if var.state == IN:
-            if self.cuda:
-                compute = torch.cuda.current_stream(var.device)
-                event = var.in_event
-                if not event.query():
-                    self.counters["late_swap_ins"] += 1
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record(compute)
-                    compute.wait_event(event)
-                    end.record(compute)
-                    self.gpu_stalls.append((start, end))
-                if var.in_tensor is not None:
-                    var.in_tensor.record_stream(compute)
+        readers = var.in_readers
+        if readers is not None:  # the bytes are a swap-in's copy (CUDA)
+            compute = torch.cuda.current_stream(var.device)
+            # (one comparison on the common path: the stream that read the copy first)
+            if not readers or (compute != readers[0] and compute not in readers):
+                self._read_after_copy(var, compute)
+        # the first use since the swap-in, whatever the state: a swap-out issued since (no
+        # copy: the host copy exists) leaves the var OUT, its bytes this copy all the same
+        if var.in_tensor is not None:
             var.in_tensor = None
-            var.state = DEVICE
+            if var.state == IN:
+                var.state = DEVICE
+
+    def _read_after_copy(self, var: Var, stream: Any) -> None:
+        """``stream`` reads ``var``'s swapped-in bytes: after the copy (a wait, if it still
+        runs), and the caching allocator told (``record_stream``) so that it does not hand
+        the memory out again while ``stream`` may still read it."""
+        event = var.in_event
+        if not event.query():
+            self.counters["late_swap_ins"] += 1
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            stream.wait_event(event)
+            end.record(stream)
+            self.gpu_stalls.append((start, end))
+        t = var.in_tensor
+        if t is None:  # (read before from another stream: a tensor on the same bytes)
+            t = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(var.storage)
+        t.record_stream(stream)
+        var.in_readers.append(stream)
 
     # ------------------------------------------------------------------ completion
+    def _call_off(self, var: Var) -> None:
+        """Cancel ``var``'s swap-out (it stays on the device). Its copy may still read the
+        storage: kept (``inflight``) until ``poll`` sees the copy done, for all the handles
+        may die before (their keeper would free the storage under the copy)."""
+        self.pending.pop(var, None)
+        self.deferred.pop(var, None)
+        event = var.out_event
+        if var.inflight is not None and event is not None and not event.query():
+            self.copying[var] = None
+        else:
+            var.inflight = None
+
     def poll(self) -> None:
-        """Non-blocking: release deferred swap-outs and parked storages whose copies finished."""
+        """Non-blocking: release deferred swap-outs and parked storages whose copies finished,
+        and let go of the storages of called-off swap-outs whose copies finished."""
         if self.deferred:
             for var in list(self.deferred):
                 if var.state != OUT or var.out_event is None or var.out_event.query():
                     self.release(var, True)
+        if self.copying:
+            for var in list(self.copying):
+                if var.out_event is None or var.out_event.query():
+                    del self.copying[var]
+                    var.inflight = None
         if self.parked:
             self.parked = [(e, s) for e, s in self.parked if e is not None and not e.query()]
 
@@ -249,14 +289,17 @@ class Transfers:
         """``var`` was freed by autograd: drop its device bytes (parked while a copy still reads
         them) and hand its host buffer back."""
         if var.state in (DEVICE, OUT, IN):
-            if var.state == OUT and var.out_event is not None and not var.out_event.query():
-                self.parked.append((var.out_event, var.inflight))  # the copy still reads it
+            # a copy still reads it (a swap-out pending or called off)
+            if var.inflight is not None and var.out_event is not None and \
+                    not var.out_event.query():
+                self.parked.append((var.out_event, var.inflight))
             var.set_storage(None)
             var.inflight = None
-            var.in_tensor = None
+            var.in_tensor = var.in_readers = None
             self.residency.drop(var)
         self.pending.pop(var, None)
         self.deferred.pop(var, None)
+        self.copying.pop(var, None)
         self._drop_host(var)
         var.state = FREED
 
@@ -273,6 +316,7 @@ class Transfers:
         later drain would free. Swap-outs in flight complete (their device bytes go); host
         copies of vars whose bytes are on the device anyway go back to the pool; those of vars
         only on the host move into their keepers, to die with the graph's handles."""
+        self._copies_done()  # (first: dropping a host copy forgets its copy's event)
         for var in vars:
             if var.state == OUT:
                 self.release(var, True)
@@ -287,6 +331,14 @@ class Transfers:
                     keeper.host = host
                     self.pool.give_away(host)
                     var.host = None
+
+    def _copies_done(self) -> None:
+        """Wait for the copies of parked storages and called-off swap-outs, and let those go."""
+        for var in self.copying:
+            if var.out_event is not None:
+                var.out_event.synchronize()
+            var.inflight = None
+        self.copying.clear()
         for event, _ in self.parked:
             if event is not None:
                 event.synchronize()
@@ -306,10 +358,7 @@ class Transfers:
     def shutdown(self) -> None:
         """Nothing is saved any more: wait for copies, drop parked storages, return every host
         buffer (an interrupted swap may have left one lent) and drop the cached ones."""
-        for event, _ in self.parked:
-            if event is not None:
-                event.synchronize()
-        self.parked.clear()
+        self._copies_done()
         self.resolve_gpu_stalls(wait=True)
         self.pool.reclaim()
         self.pool.close()

@@ -96,8 +96,8 @@ class Var:
     """One saved storage: where its bytes are and who still needs them."""
 
     __slots__ = ("vid", "it", "nbytes", "state", "keeper_ref", "inflight", "storage_ref", "ptr",
-                 "device", "stream", "host", "out_event", "in_event", "in_tensor", "handles",
-                 "copied_version")
+                 "device", "stream", "host", "out_event", "in_event", "in_tensor", "in_readers",
+                 "handles", "copied_version")
 
     def __init__(self, vid: int, it: int, storage: Any, nbytes: int, ptr: int, device: Any):
         self.vid = vid
@@ -105,7 +105,9 @@ class Var:
         self.nbytes = nbytes
         self.state = DEVICE
         self.keeper_ref: Any = None       # weak: the handles own the keeper
-        self.inflight: Any = None         # the device storage while a swap-out copy reads it
+        # the device storage while a swap-out copy reads it (a swap-out called off too: its
+        # copy still runs, and the handles may all die before it ends)
+        self.inflight: Any = None
         self.storage_ref = weakref.ref(storage)
         self.ptr = ptr
         self.device = device
@@ -114,6 +116,10 @@ class Var:
         self.out_event: Any = None        # completion of the device-to-host copy
         self.in_event: Any = None         # completion of the host-to-device copy
         self.in_tensor: Optional[torch.Tensor] = None  # swapped-in memory until first use
+        # CUDA, while the device bytes are a swap-in's copy: the streams that read them so far,
+        # each ordered after the copy (``in_event``) and ``record_stream``-ed (autograd runs a
+        # node on its forward op's stream: nodes on two streams may read one saved tensor)
+        self.in_readers: Optional[List[Any]] = None
         self.handles: List[HandleRef] = []
         # the version counter of its saved tensors when the host copy was made (None: unknown),
         # to tell whether the bytes a new save hands over changed since (``Transfers.save_again``)
