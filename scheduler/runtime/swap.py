@@ -25,10 +25,11 @@ How things are kept correct whatever the schedule says (the schedule only decide
   honouring ``record_stream``. A variable freed by autograd while its copy is in flight has its
   storage parked until the event completes.
 * Swap-in: a host-to-device copy on a second side stream into memory allocated while that
-  stream is current, with an event. At the use, the compute stream waits on that event only if
-  it has not completed yet, and the fresh memory is ``record_stream``-ed on the compute stream:
-  autograd, not us, decides when it is freed, and the caching allocator must then know the
-  compute stream used it.
+  stream is current, with an event. At the use, the reading stream waits on that event only if
+  it has not completed yet, and the fresh memory is ``record_stream``-ed on it: autograd, not
+  us, decides when it is freed, and the caching allocator must then know that stream used it.
+  (Autograd runs a backward node on its forward op's stream: each stream that reads the copy
+  waits and is recorded at its first read.)
 * A use of a variable that is only on the host (an unexpected sequence, a pressure eviction)
   swaps it in on demand and waits: slower, never wrong. Gradients are bit-identical.
 * On the CPU the same code runs with a separate host pool standing in for the device and
