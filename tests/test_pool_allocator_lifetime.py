@@ -45,6 +45,7 @@ def use_mem_pool(pool, device=None):
 
 torch._C._cuda_customAllocator = lambda *a: None
 torch.cuda.is_available = lambda: True
+torch.cuda._is_compiled, torch.cuda._device_count_nvml = (lambda: True), (lambda: 1)
 torch.cuda.memory.CUDAPluggableAllocator = PluggableAllocator
 torch.cuda.MemPool, torch.cuda.use_mem_pool = MemPool, use_mem_pool
 

@@ -49,7 +49,8 @@ def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
         torch_allocator.start_recording()
         torch_allocator.register_exit_report(cfg.report)
     if cfg.enabled:
-        if torch.cuda.is_available():
+        from .pluggable.register import cuda_present  # (no cuInit: forking stays possible)
+        if cuda_present(torch):
             torch_allocator.enable(chunk_size=cfg.chunk_size, budget=cfg.budget)
         else:
             _warn_at_import("vmalloc: VMALLOC=1 but torch sees no CUDA device; PyTorch's "

@@ -8,19 +8,19 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, save, to_text
 from ..report_process import process_identity, report_path
 from .history import drain_history, history_info
-from .registry import REGISTRY, device_index, stats
+from .registry import REGISTRY, device_index, devices, stats
 
 
 def live_report(device: Optional[int] = None) -> Dict[str, Any]:
     """Report dict for ``vmalloc.report()``: vmalloc's figures when enabled, else PyTorch's."""
     reg = REGISTRY
     if reg.mode is not None:
-        d = device_index(device)
+        d, others = _report_device(device)
         drain_history()   # first: the stats below then count no allocation the events miss
         s = stats(d)
         events = list(reg.history.get(d, ()))
@@ -32,9 +32,11 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
         sections = reg.sections_for(d)
         if reg.recording:
             sections["history"] = info
+        also = (f" (also used: {', '.join(f'cuda:{o}' for o in others)}; "
+                f"vmalloc.report(device=...) for each)") if others else ""
         return build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
                      sections=sections,
-                     title=f"vmalloc ({reg.mode}) on cuda:{d}")
+                     title=f"vmalloc ({reg.mode}) on cuda:{d}{also}")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         d = device_index(device)
@@ -46,6 +48,20 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
                             "physical_current", "physical_peak", "num_malloc", "num_free")}
     return build(empty, source="none", device=None, sections=reg.sections_for(d),
                  title="no CUDA allocator in use (vmalloc not enabled, CUDA not initialised)")
+
+
+def _report_device(device: Optional[int]) -> Tuple[int, List[int]]:
+    """The device a report is about, and the other devices vmalloc allocated on. ``None``: the
+    current device, unless vmalloc never allocated there and did elsewhere (a process that
+    used only ``cuda:1``, without ``set_device``): then the first device it did allocate on;
+    a report of the zeros of an unused device would say nothing, without a word."""
+    if device is not None:
+        return device_index(device), []
+    used = devices()
+    d = device_index(None)
+    if used and d not in used:
+        d = used[0]
+    return d, [u for u in used if u != d]
 
 
 def _max_live(events: List[Mapping[str, Any]], live_now: int) -> Optional[int]:

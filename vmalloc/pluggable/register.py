@@ -99,11 +99,38 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
     cap = parse_optional_size(budget, "budget") or 0
     native._torch_configure("cuda", chunk, cap, -1 if device is None else device)
-    mem_pool = torch.cuda.MemPool(_pool_allocator(torch, native).allocator())
+    allocator = _pool_allocator(torch, native).allocator()
+    # a MemPool registers its allocator on the device current when it is made (MemPool.cpp):
+    # made on another one, `device`'s allocations inside the block would silently get a
+    # private pool of PyTorch's own, with no vmalloc and no budget
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        mem_pool = torch.cuda.MemPool(allocator)
     REGISTRY.mode = "pool"
     REGISTRY.config = {"chunk_size": chunk, "budget": cap, "device": device, "backend": "cuda"}
-    with torch.cuda.use_mem_pool(mem_pool, device=device):
-        yield mem_pool
+    _trim_on_empty_cache(torch)
+    try:
+        with torch.cuda.use_mem_pool(mem_pool, device=device):
+            yield mem_pool
+    finally:
+        native._torch_trim()   # what PyTorch gave back meanwhile goes back to the driver
+
+
+def _trim_on_empty_cache(torch: Any) -> None:
+    """In pool mode PyTorch's caching allocator gives the pool's free segments back to vmalloc
+    (``torch.cuda.empty_cache()``), which would keep them cached: memory neither PyTorch's own
+    allocator nor another process could use. ``empty_cache`` then also trims vmalloc's cache.
+    (Global mode replaces ``empty_cache`` altogether: ``shims.install_shims``.)"""
+    C = torch._C
+    original = getattr(C, "_cuda_emptyCache", None)
+    if original is None or "_cuda_emptyCache" in REGISTRY.patched:
+        return
+
+    def empty_cache() -> None:
+        original()
+        core()._torch_trim()
+
+    REGISTRY.patched["_cuda_emptyCache"] = original
+    C._cuda_emptyCache = empty_cache
 
 
 def _pool_allocator(torch: Any, native: Any) -> Any:
@@ -125,20 +152,55 @@ def _require_cuda(torch: Any, who: str) -> None:
     if not hasattr(torch._C, "_cuda_customAllocator"):
         raise RuntimeError(f"{who}: this PyTorch ({torch.__version__}) is built without CUDA; "
                            "vmalloc.Allocator(backend='host') works without one")
-    if not torch.cuda.is_available():
+    if not cuda_present(torch):
         raise RuntimeError(f"{who}: no CUDA device is available (torch.cuda.is_available() is "
                            "False); vmalloc.Allocator(backend='host') works without one")
+
+
+def cuda_present(torch: Any) -> bool:
+    """Whether PyTorch sees a CUDA device, asked without starting the driver where possible.
+    ``torch.cuda.is_available()`` runs ``cuInit``, after which a ``fork()``ed child cannot use
+    CUDA; registering an allocator needs no driver, so ``VMALLOC=1`` must not take that from a
+    program that imports torch and then forks CUDA workers. NVML counts the devices without
+    ``cuInit`` (as ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes PyTorch do); where NVML cannot
+    answer, ``is_available()`` does."""
+    cuda = torch.cuda
+    if cuda.is_initialized():
+        return cuda.device_count() > 0
+    compiled = getattr(cuda, "_is_compiled", None)
+    if compiled is not None and not compiled():
+        return False
+    nvml = getattr(cuda, "_device_count_nvml", None)
+    if nvml is not None:
+        try:
+            n = int(nvml())
+        except Exception:  # noqa: BLE001 - NVML missing or broken: ask CUDA instead
+            n = -1
+        if n >= 0:
+            return n > 0
+    return cuda.is_available()
 
 
 def _wire_hooks(native: Any, raw: Any) -> None:
     for setter, symbol in HOOKS.items():
         fn = getattr(raw, setter, None)
+        if fn is None and setter == "set_record_stream_fn":
+            # without it, memory another stream still reads (NCCL's buffers, the swap runtime's
+            # and pofo's copies) would be handed out again under that stream: wrong data
+            raise RuntimeError(f"vmalloc: this PyTorch ({torch_version()}) has no "
+                               "CUDAAllocator.set_record_stream_fn, so Tensor.record_stream "
+                               "cannot reach vmalloc; it needs torch >= 2.4")
         if fn is None:  # a torch without this hook: say which feature is missing, keep going
             warnings.warn(f"vmalloc: this PyTorch has no CUDAAllocator.{setter}; "
                           f"{symbol.replace('vmalloc_torch_', '')} will not reach vmalloc",
                           RuntimeWarning, stacklevel=3)
             continue
         fn(entry_point(native, symbol))
+
+
+def torch_version() -> str:
+    import torch
+    return str(getattr(torch, "__version__", "?"))
 
 
 def _native_reserved(torch: Any) -> int:

@@ -2,6 +2,7 @@
 queries on it (``stats``, ``device_allocator``, ``devices``)."""
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Set
@@ -107,8 +108,12 @@ def device_index(device: Any) -> int:
             device = device.index
         if device is not None:
             return int(device)
+    torch = sys.modules.get("torch")
     try:
-        import torch
+        # asking before CUDA started would start it (a context on device 0): an exit report
+        # of a process that never used CUDA, a DataLoader worker's, must not
+        if torch is None or not torch.cuda.is_initialized():
+            return 0
         return torch.cuda.current_device()
     except Exception:  # noqa: BLE001
         return 0
