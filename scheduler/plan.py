@@ -4,17 +4,23 @@
 ``B``, ``offload``, ``prefetch``; ``s`` a stage index. ``offload s`` / ``prefetch s`` move
 what is stored as the input of stage ``s``, whole, or in chunks of ``Plan.transfer_chunk``
 bytes (streamed transfers; see scheduler.simulate).
+
+:func:`checkpoint_plan` builds the plan ``torch.utils.checkpoint`` runs for a set of
+checkpointed blocks (Mimose's plans, the runtimes' store-all and every-block plans).
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chain import Chain
 
+# The order matters: the C++ DPs emit ops as indices into this tuple (csrc/dp/rotor.hpp's
+# RotorKind: 0 F_all, 1 F_ck, 2 F_none, 3 B; csrc/dp/pofo_dp.hpp's Op::kind: the same, then
+# 4 offload, 5 prefetch), and the planners decode them with it.
 KINDS = ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
 FORWARD_KINDS = ("F_all", "F_ck", "F_none")
 TRANSFER_KINDS = ("offload", "prefetch")
@@ -128,6 +134,11 @@ class Plan:
     def count(self, kind: str) -> int:
         return sum(1 for op in self.ops if op.kind == kind)
 
+    @property
+    def has_transfers(self) -> bool:
+        """Whether any op is an offload or a prefetch (the plan needs a transfer channel)."""
+        return any(op.kind in TRANSFER_KINDS for op in self.ops)
+
     def describe(self, chain: Optional["Chain"] = None, bandwidth: Any = _OWN) -> str:
         """One line per op; with a chain, the memory in use after each op and its end time
         (simulated at ``bandwidth``, by default the plan's own)."""
@@ -214,3 +225,19 @@ class Plan:
             raise ValueError(f"Plan.from_json: not JSON ({exc})") from None
         return cls.from_dict(d)
 
+
+def checkpoint_plan(L: int, checkpointed: Iterable[int], planner: str = "mimose") -> Plan:
+    """The plan ``torch.utils.checkpoint`` runs on a chain of ``L`` blocks and the loss
+    (stage ``L``): checkpointed blocks ``F_ck`` in the forward, ``F_all`` right before their
+    ``B``; the other blocks ``F_all``. No checkpointed block: the store-all plan."""
+    ck = set(checkpointed)
+    bad = [s for s in ck if not (isinstance(s, int) and 0 <= s < L)]
+    if bad:
+        raise ValueError(f"plan_from_checkpoints: checkpointed blocks {bad} not in 0..{L - 1}")
+    ops: List[Any] = [("F_ck" if s in ck else "F_all", s) for s in range(L)]
+    ops += [("F_all", L), ("B", L)]
+    for s in range(L - 1, -1, -1):
+        if s in ck:
+            ops.append(("F_all", s))
+        ops.append(("B", s))
+    return Plan(ops=ops, planner=planner, meta={"checkpointed": sorted(ck)})

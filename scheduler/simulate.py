@@ -108,8 +108,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .chain import Chain
 from .errors import InvalidPlanError
-from .plan import FORWARD_KINDS, Plan
-from .units import parse_rate
+from .plan import FORWARD_KINDS, TRANSFER_KINDS, Plan
+from .units import parse_memory, parse_rate
 
 Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
 COMPUTE_STREAM, TRANSFER_STREAM = 0, 1
@@ -163,19 +163,6 @@ class SimResult:
 
 
 # ---------------------------------------------------------------------------------- input
-def _number(value: Any, name: str) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        from vmalloc.sizes import parse_size  # vmalloc.sizes is torch-free
-        return parse_size(value, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {value!r}")
-    if math.isnan(value) or value < 0 or math.isinf(value):
-        raise ValueError(f"{name}: must be a non-negative finite number, got {value!r}")
-    return value
-
-
 def _bytes(v: float) -> str:
     """A byte count in a message: whole numbers in full (1e+10 hides the byte that matters)."""
     return str(int(v)) if float(v).is_integer() and abs(v) < 2 ** 63 else f"{v:.10g}"
@@ -270,7 +257,7 @@ def _plan_data_flow(chain: Chain, plan: Plan, bandwidth: Optional[float],
         kind, s = op.kind, op.stage
         if s > L:
             fail(i, f"stage {s} is out of range (the chain has stages 0..{L})")
-        if kind in ("offload", "prefetch"):
+        if kind in TRANSFER_KINDS:
             if bandwidth is None:
                 fail(i, "transfers need a bandwidth (simulate(..., bandwidth=bytes per second))")
             if bandwidth == 0:
@@ -376,7 +363,8 @@ def simulate(chain: Chain, plan: Plan,
         raise ValueError(f"plan: expected a scheduler.Plan, got {type(plan).__name__}")
     bw = parse_rate(plan.bandwidth if bandwidth is PLAN_BANDWIDTH else bandwidth, "simulate",
                     allow_zero=True)  # (the one parser: "12GB/s" too)
-    limit = _number(plan.memory_limit if memory is PLAN_LIMIT else memory, "memory")
+    limit = parse_memory(plan.memory_limit if memory is PLAN_LIMIT else memory, "memory",
+                         allow_zero=True, allow_none=True)
     flow = _plan_data_flow(chain, plan, bw, complete)
     ops = plan.ops
     n = len(ops)

@@ -1,11 +1,20 @@
-"""Transfer rates as every entry point takes them: ``scheduler.wrap``/``checkpoint``'s
-``bandwidth``, the swap runtime's ``planner_options["bandwidth"]``, and the offload, pofo and
-best planners. One parser, so they all accept and reject the same things. Torch-free: the
-planners import it (sizes are ``vmalloc.sizes``', also torch-free)."""
+"""Rates and memory sizes as the entry points take them, one parser each, so they all
+accept and reject the same things.
+
+* :func:`parse_rate`: transfer rates: ``scheduler.wrap``/``checkpoint``'s ``bandwidth``, the
+  swap runtime's ``planner_options["bandwidth"]``, the offload, pofo and best planners.
+* :func:`parse_memory`: memory sizes in bytes: the simulator's ``memory``, the planners'
+  limits (``planners.args.memory_arg``) and transfer chunks.
+
+Torch-free: the planners import it (sizes are ``vmalloc.sizes``', also torch-free).
+"""
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional
+
+from .chain import Number
 
 
 def parse_rate(bandwidth: Any, where: str, *, name: str = "bandwidth",
@@ -29,3 +38,21 @@ def parse_rate(bandwidth: Any, where: str, *, name: str = "bandwidth",
         raise ValueError(f"{where}: {name} must be {'non-negative' if allow_zero else 'positive'}"
                          f" bytes/s (e.g. 12e9 or '12GB/s'), got {bandwidth!r}{why}")
     return float(rate)
+
+
+def parse_memory(value: Any, name: str, *, allow_zero: bool = False,
+                 allow_none: bool = False) -> Optional[Number]:
+    """Bytes as a number (ints stay ints) from a number or a size string (``"16GiB"``, read by
+    ``vmalloc.sizes.parse_size``). Finite and positive (``allow_zero``: 0 too); ``None``
+    passes where ``allow_none`` (the caller's default)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        from vmalloc.sizes import parse_size  # torch-free; lazily, as parse_rate does
+        value = parse_size(value, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}: must be a {'non-negative' if allow_zero else 'positive'} "
+                         f"finite number of bytes, got {value!r}")
+    return value

@@ -27,7 +27,7 @@ def chain_json(**change):
      r"memory=1e-300 \(exact units\)"),
     (lambda: rotor.solve(HUGE, 2**63, slots=None), ValueError,
      r"slots=None \(exact units\): Chain\.x\[0\]=\d+ is too large"),
-    (lambda: rotor.solve(CHAIN, 0), ValueError, r"memory: expected a positive"),
+    (lambda: rotor.solve(CHAIN, 0), ValueError, r"memory: must be a positive finite number of bytes"),
     (lambda: rotor.solve(CHAIN, 100, slots=0), ValueError, r"slots: expected a positive int"),
     (lambda: Op("bogus", 1), ValueError, r"Op: unknown kind 'bogus'"),
     (lambda: Op("B", -1), ValueError, r"Op: stage must be a non-negative int, got -1"),

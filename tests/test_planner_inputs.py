@@ -11,8 +11,8 @@ from scheduler.planners.swap_schedule import VariableSequence
 
 
 @pytest.mark.parametrize("memory, match", [
-    (math.nan, "memory: expected a positive finite number of bytes, got nan"),
-    (-1, "memory: expected a positive finite number of bytes, got -1"),
+    (math.nan, "memory: must be a positive finite number of bytes, got nan"),
+    (-1, "memory: must be a positive finite number of bytes, got -1"),
     ("abc", "memory: cannot read 'abc' as a byte size"),
 ])
 def test_periodic_best_names_a_bad_memory(memory, match):
@@ -82,7 +82,7 @@ def test_every_planner_takes_its_least_limit_on_a_chain_of_zeros():
                          (offload.min_memory(c), lambda m: offload.greedy(c, m, 1))):
         assert least == 1
         assert simulate(c, solve(least)).peak_memory == 0
-        with pytest.raises(ValueError, match="memory: must be a positive finite number, got 0"):
+        with pytest.raises(ValueError, match="memory: must be a positive finite number of bytes, got 0"):
             solve(0)  # (was a ZeroDivisionError in the slot grids)
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from ..chain import Chain
+from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Plan
 from ..simulate import simulate
 from . import offload, pofo, rotor
-from .offload import Number, bandwidth_arg, memory_arg
+from .args import bandwidth_arg, check_chain, memory_arg
 
 __all__ = ["solve", "PLANNERS"]
 
@@ -51,8 +51,7 @@ def solve(chain: Chain, memory: Union[Number, str],
     bytes/s (None or 0: no transfer channel, remat-only). ``planners``: restrict to these
     names (default: all of :data:`PLANNERS`). Raises ``InfeasibleError`` with the smallest
     limit any of them reported when none fits."""
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
+    check_chain(chain)
     memory = memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where="best.solve")
     names = [n for n, _, _ in PLANNERS]

@@ -76,7 +76,7 @@ def improve_transfers(chain: Chain, plan: Plan, memory: Optional[float],
     ops = list(plan.ops)
     chunk = plan.transfer_chunk
     sim = simulate(chain, Plan(ops, transfer_chunk=chunk), bandwidth, memory=memory)
-    if not any(op.kind in TRANSFER_KINDS for op in ops):
+    if not plan.has_transfers:
         return plan, sim, 1
     budget = default_budget(plan) if budget is None else budget
     spent = 1

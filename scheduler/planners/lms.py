@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import List
 
-from .swap_schedule import PACK, SwapSchedule, VariableSequence, replay
+from .swap_schedule import PACK, SwapSchedule, VariableSequence, record_replay
 
 NAME = "lms"
 
@@ -55,8 +55,4 @@ def schedule(sequence: VariableSequence, swapout_threshold: int,
                           tuple(map(tuple, rel)), blocking_release=False, planner=NAME,
                           meta={"swapout_threshold": swapout_threshold,
                                 "swapin_ahead": swapin_ahead})
-    predicted = replay(sequence, result)  # also validates the schedule
-    result.meta.update(predicted_peak=predicted.peak,
-                       swapped_out_bytes=predicted.swapped_out_bytes,
-                       swapped_in_bytes=predicted.swapped_in_bytes)
-    return result
+    return record_replay(sequence, result)  # (also validates the schedule)

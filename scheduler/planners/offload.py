@@ -10,6 +10,9 @@ as the input of stage i*: ``x[0]`` for i = 0, ``xbar[i-1]`` after; ``offload i``
   schedule with its decisions.
 * :func:`vdnn` — the VDNN heuristic of section 6.1.
 
+Shared with pofo: :func:`with_prefetches` (a compute-and-offload sequence made a plan by
+placing its prefetches) and :func:`stamp` (a finished plan's prediction from its simulation).
+
 What is exact and what is not
 -----------------------------
 Algorithm 1 solves the *fractional communications* relaxation (memory released/reserved
@@ -38,67 +41,19 @@ import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ..chain import Chain
+from .._native import core
+from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
-from ..plan import Op, Plan
+from ..plan import TRANSFER_KINDS, Op, Plan
 from ..simulate import SimResult, simulate
-from ..units import parse_rate
 from . import rotor
-
-Number = Union[int, float]
+# the argument checks live in planners.args; bandwidth_arg & co. stay importable from here
+from .args import bandwidth_arg, check_chain, chunk_arg, memory_arg, slots_arg
+from .improve import improve_transfers
 
 __all__ = ["lower_bound", "greedy", "dynprog", "vdnn", "min_memory", "peak_memory",
-           "schedule", "activations"]
-
-
-# ------------------------------------------------------------------------------ inputs
-def _chain(chain: Chain) -> Chain:
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
-    return chain
-
-
-def _positive(value: Union[Number, str], name: str) -> float:
-    if isinstance(value, str):
-        from vmalloc.sizes import parse_size  # torch-free
-        value = parse_size(value, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {value!r}")
-    if math.isnan(value) or value <= 0 or math.isinf(value):
-        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
-    return value
-
-
-def memory_arg(memory: Union[Number, str]) -> Number:
-    """A memory limit: positive bytes, as for rotor (a limit of 0 divided by zero in the
-    slot grids; ``min_memory`` is at least 1 for the same reason)."""
-    return _positive(memory, "memory")
-
-
-def bandwidth_arg(bandwidth: Union[Number, str, None], allow_zero: bool = False,
-                  where: str = "planner") -> float:
-    """Bytes/s as ``units.parse_rate`` reads them (the runtimes' parser: ``"12GB/s"`` too);
-    ``None`` is 0 (no transfer channel) where ``allow_zero``."""
-    if bandwidth is None:
-        if allow_zero:
-            return 0.0
-        raise ValueError(f"{where}: bandwidth must be bytes per second, got None")
-    rate = parse_rate(bandwidth, where, allow_zero=allow_zero)
-    assert rate is not None
-    return rate
-
-
-def chunk_arg(chunk: Union[Number, str, None]) -> Optional[float]:
-    """``transfer_chunk``: None (whole-activation transfers) or a positive size in bytes."""
-    return None if chunk is None else _positive(chunk, "transfer_chunk")
-
-
-def slots_arg(slots: Optional[int]) -> Optional[int]:
-    if slots is None:
-        return None
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots: expected a positive int or None, got {slots!r}")
-    return slots
+           "schedule", "activations", "with_prefetches", "stamp", "Number", "bandwidth_arg",
+           "chunk_arg", "memory_arg", "slots_arg"]
 
 
 # ------------------------------------------------------------------ the seed-000 view
@@ -114,7 +69,7 @@ def _grads(chain: Chain) -> List[Number]:
 
 def peak_memory(chain: Chain) -> Number:
     """M_peak of seed 000 section 3.2: the store-all schedule's peak (data on both devices)."""
-    act, grad = activations(_chain(chain)), _grads(chain)
+    act, grad = activations(check_chain(chain)), _grads(chain)
     peak, stored = 0, 0
     for i in range(chain.L + 1):
         stored += act[i] if i == 0 else 0
@@ -127,7 +82,7 @@ def peak_memory(chain: Chain) -> Number:
 def min_memory(chain: Chain) -> Number:
     """The smallest limit an offloading schedule can meet: each op with only its own input
     and output on the GPU (all else offloaded, waiting as long as it takes)."""
-    act, grad = activations(_chain(chain)), _grads(chain)
+    act, grad = activations(check_chain(chain)), _grads(chain)
     return max(1, max(max(act[i] + act[i + 1] + chain.fw_tmp[i],
                           act[i] + act[i + 1] + grad[i] + grad[i + 1] + chain.bw_tmp[i])
                       for i in range(chain.L + 1)))
@@ -145,7 +100,7 @@ def _check_feasible(chain: Chain, memory: Number, who: str) -> None:
 def lower_bound(chain: Chain, memory: Union[Number, str],
                 bandwidth: Union[Number, str]) -> float:
     """Proposition 3: max(sum of compute times, 2 (M_peak - M) / bandwidth)."""
-    chain, memory = _chain(chain), memory_arg(memory)
+    chain, memory = check_chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where="offload.lower_bound")
     _check_feasible(chain, memory, "offload.lower_bound")
     extra = peak_memory(chain) - memory      # Proposition 2: data any schedule must offload
@@ -197,7 +152,7 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
         plan = Plan(ops, planner=planner, transfer_chunk=chunk)
         return plan, simulate(chain, plan, bandwidth if bandwidth > 0 else None, memory=memory)
     starts = _nominal_starts(chain, ops)
-    compute_idx = [i for i, op in enumerate(ops) if op.kind not in ("offload", "prefetch")]
+    compute_idx = [i for i, op in enumerate(ops) if op.kind not in TRANSFER_KINDS]
     sizes = [_item_size(chain, ops, s, i) for s, i in prefetches]
 
     # ALAP positions: walk the prefetches from the last one
@@ -308,15 +263,26 @@ def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: 
     return with_prefetches(chain, ops, prefetches, memory, bandwidth, earliest, planner, chunk)
 
 
-def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, bandwidth: float,
-            **meta) -> Plan:
+def stamp(plan: Plan, sim: SimResult, chain: Chain, memory: Number, bandwidth: float,
+          planner: Optional[str] = None) -> Plan:
+    """Record on ``plan`` (returned) what it was planned for and what its simulation ``sim``
+    says: the chain, the limit, the bandwidth its transfers were timed at (None without
+    transfers, or with no channel), the simulated time and peak as its prediction, and
+    ``planner`` when given. Shared by the offload and pofo planners."""
     plan.memory_limit = memory
     # the rate its transfers were timed at: simulate() and describe() default to it
-    transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
-    plan.bandwidth = bandwidth if transfers and bandwidth > 0 else None
+    plan.bandwidth = bandwidth if plan.has_transfers and bandwidth > 0 else None
     plan.predicted_time = sim.makespan
     plan.predicted_peak = sim.peak_memory
     plan.chain = chain
+    if planner is not None:
+        plan.planner = planner
+    return plan
+
+
+def _finish(plan: Plan, sim: SimResult, chain: Chain, memory: Number, bandwidth: float,
+            **meta) -> Plan:
+    stamp(plan, sim, chain, memory, bandwidth)
     plan.meta.update(meta)
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
@@ -345,7 +311,7 @@ def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwi
 
 def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
            who: str) -> Tuple[Chain, Number, float]:
-    chain, memory = _chain(chain), memory_arg(memory)
+    chain, memory = check_chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where=who)
     _check_feasible(chain, memory, who)
     if beta == 0 and peak_memory(chain) > memory:
@@ -383,11 +349,6 @@ def greedy(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
 
 
 # ----------------------------------------------------------------------------- DYNPROG
-def _core():
-    from vmalloc import _core  # the native module; built by scripts/dev-build
-    return _core
-
-
 def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int],
                nearest: bool = False):
     """Algorithm 1's arguments in memory units: rotor's discretisation (sizes rounded up to
@@ -414,7 +375,7 @@ def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequ
     schedule offloading ``offloaded`` (None: infeasible). For testing the DP's search."""
     args, _ = _dp_inputs(chain, memory, bandwidth, slots)
     flags = [1 if i in set(offloaded) else 0 for i in range(chain.L + 1)]
-    ok, idle, _, _ = _core().offload_evaluate(*args, flags)
+    ok, idle, _, _ = core().offload_evaluate(*args, flags)
     return idle if ok else None
 
 
@@ -466,7 +427,7 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     got = None
     for sl, nearest in attempts:
         args, _ = _dp_inputs(chain, memory, beta, sl, nearest)
-        ok, idle, flags, states = _core().offload_dynprog(*args)
+        ok, idle, flags, states = core().offload_dynprog(*args)
         if not ok:
             continue
         chosen = [i for i, f in enumerate(flags) if f]
@@ -513,7 +474,6 @@ def _improved(chain: Chain, plan: Plan, sim: SimResult, memory: Number, beta: fl
               variant: str, slots: Optional[int], chunk: Optional[float]
               ) -> Tuple[Plan, SimResult, str]:
     """dynprog's own step on top of the paper (see its docstring)."""
-    from .improve import improve_transfers
     short = slots is not None and chain.L <= DERATED_MAX_L
     cands: List[Tuple[str, Plan, SimResult]] = [(variant, plan, sim)]
     if variant == "dp":
@@ -627,7 +587,7 @@ def _search_sets(chain: Chain, start: Sequence[int], memory: Number, beta: float
 def _dp_set(chain: Chain, memory: Number, beta: float, slots: int) -> Optional[List[int]]:
     """Algorithm 1's offload decisions with sizes rounded up (None if it finds none)."""
     args, _ = _dp_inputs(chain, memory, beta, slots, False)
-    ok, _, flags, _ = _core().offload_dynprog(*args)
+    ok, _, flags, _ = core().offload_dynprog(*args)
     return [i for i, f in enumerate(flags) if f] if ok else None
 
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..chain import Chain
-from ..plan import Plan
-from .swap_schedule import PACK, UNPACK, SwapSchedule, VariableSequence, replay
+from ..plan import TRANSFER_KINDS, Plan
+from .swap_schedule import (PACK, UNPACK, SwapSchedule, VariableSequence,
+                            record_replay)
 
 BYTES_PER_SECOND_IF_UNTIMED = 1e9
 
@@ -118,18 +119,18 @@ def schedule_from_plan(sequence: VariableSequence, plan: Plan,
     last = -1
     for op in ops:
         before.append(last)
-        if op.kind not in ("offload", "prefetch"):
+        if op.kind not in TRANSFER_KINDS:
             last = where[("B" if op.kind == "B" else "F", min(op.stage, L))]
     after: List[int] = [n] * len(ops)
     nxt = n
     for idx in range(len(ops) - 1, -1, -1):
         after[idx] = nxt
         op = ops[idx]
-        if op.kind not in ("offload", "prefetch"):
+        if op.kind not in TRANSFER_KINDS:
             nxt = where[("B" if op.kind == "B" else "F", min(op.stage, L))]
     pairs: Dict[int, List[List[Optional[int]]]] = {}
     for idx, op in enumerate(ops):
-        if op.kind not in ("offload", "prefetch") or op.stage >= L:
+        if op.kind not in TRANSFER_KINDS or op.stage >= L:
             continue
         v = stage_vars[op.stage]
         if op.kind == "offload":
@@ -165,8 +166,4 @@ def schedule_from_plan(sequence: VariableSequence, plan: Plan,
                           planner=plan.planner or "plan",
                           meta={"plan_predicted_time": plan.predicted_time,
                                 "plan_predicted_peak": plan.predicted_peak})
-    predicted = replay(sequence, result)  # also validates the schedule
-    result.meta.update(predicted_peak=predicted.peak,
-                       swapped_out_bytes=predicted.swapped_out_bytes,
-                       swapped_in_bytes=predicted.swapped_in_bytes)
-    return result
+    return record_replay(sequence, result)  # (also validates the schedule)

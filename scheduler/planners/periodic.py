@@ -21,7 +21,7 @@ from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan
 from ..simulate import simulate
-from .rotor import check_memory
+from .args import check_chain, memory_arg
 
 
 def segments_of(L: int, segments: int) -> List[Tuple[int, int]]:
@@ -32,9 +32,7 @@ def segments_of(L: int, segments: int) -> List[Tuple[int, int]]:
 
 def solve(chain: Chain, segments: int) -> Plan:
     """The plan of ``checkpoint_sequential(stages 0..L-1, segments)`` followed by the loss."""
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
-    L = chain.L
+    L = check_chain(chain).L
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(L, 1):
         raise ValueError(f"segments: expected an int in 1..{max(L, 1)} (the chain has {L} stages "
                          f"before the loss), got {segments!r}")
@@ -60,7 +58,7 @@ def best(chain: Chain, memory: Optional[float] = None) -> Plan:
     ``checkpoint_sequential``'s ``segments`` by hand would settle on. Raises
     ``InfeasibleError`` with the smallest peak any segment count reaches."""
     if memory is not None:
-        memory = check_memory(memory)
+        memory = memory_arg(memory)
     plans = [solve(chain, k) for k in range(1, max(chain.L, 1) + 1)]
     fitting = [p for p in plans if memory is None or p.predicted_peak <= memory]
     if not fitting:

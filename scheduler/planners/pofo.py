@@ -1,4 +1,8 @@
-"""Rematerialization + offloading (seed 001): pofo, autocapper, opportunist.
+"""Rematerialization + offloading (seed 001): pofo's dynamic program and :func:`solve`.
+
+The section 5.1 heuristics (capper, autocapper, opportunist) live in
+:mod:`~scheduler.planners.pofo_heuristics`, the memory bounds (:func:`min_memory`,
+:func:`max_memory`) in :mod:`~scheduler.planners.pofo_bounds`; both are re-exported here.
 
 :func:`solve` runs the Appendix B dynamic program (C++, ``csrc/dp/pofo_dp.cpp``): the
 forward phase OC_x with states (A, Delta_F, Delta_B) and the F_all / F_ck cases, the loss,
@@ -49,72 +53,31 @@ that needs it. Then:
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
-from ..chain import Chain
+from .._native import core
+from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
-from ..plan import Op, Plan
+from ..plan import KINDS, Op, Plan, checkpoint_plan
 from ..simulate import SimResult, simulate
-from . import rotor
-from .offload import Number, bandwidth_arg, memory_arg, slots_arg, with_prefetches
+from . import offload, rotor
+from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
+from .improve import improve_transfers
+from .offload import stamp, with_prefetches
+from .pofo_bounds import _rotor_min, max_memory, min_memory
+from .pofo_heuristics import autocapper, capper, opportunist
 
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
            "dp", "auto_delta_step"]
 
-_KINDS = ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
 WHOLE_MAX_L = 16        # solve() runs the whole-activation DP (ours) up to this length
 WHOLE_MAX_UNITS = 1023  # ... and memory units (its state packs 10-bit sizes)
 AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to this length
 REMAT_MAX_L = 16        # ... and tries recomputation instead of each offload up to this one
 REMAT_SOLVES = 24       # DP solves that move may spend
 DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # ... and weighs the DP's plans for these slower links
-
-
-def _chain(chain: Chain) -> Chain:
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
-    return chain
-
-
-def _core():
-    from vmalloc import _core
-    return _core
-
-
-def min_memory(chain: Chain, bandwidth: float = 1.0) -> Number:
-    """The smallest limit a pofo sequence can meet. With offloading: everything but the
-    current stage's input on the host, each stage checkpointed with F_ck and recomputed
-    alone (F_all s, B s). Without (``bandwidth`` 0): rotor's minimum, keeping x[0] and
-    recomputing from it (what the DP finds; here computed by the DP in exact units when
-    the chain is integer, else the offloading bound). A bound in exact units: ``solve`` at
-    its default ``slots=50`` rounds sizes up and may need a little more (its
-    ``InfeasibleError`` then names a limit that works)."""
-    c = _chain(chain)
-    if bandwidth_arg(bandwidth, allow_zero=True, where="pofo.min_memory") == 0 and c.is_integer:
-        return rotor.min_memory(c)
-    L = c.L
-    x = list(c.x) + [0]
-    d = list(c.delta) + [0]
-    need = 0
-    for s in range(L + 1):
-        # stage s runs some forward before B s: F_ck, or F_all where fck_tmp is the larger
-        fwd = x[s] + (min(x[s + 1] + c.fck_tmp[s], c.xbar[s] + c.fw_tmp[s]) if s < L
-                      else c.xbar[s] + c.fw_tmp[s])
-        rec = x[s] + c.xbar[s] + d[s + 1] + c.fw_tmp[s]
-        bwd = x[s] + c.xbar[s] + d[s + 1] + d[s] + c.bw_tmp[s]
-        need = max(need, fwd, rec, bwd)
-    # the store-all sequence is a pofo sequence too: where recomputing a stage needs more (its
-    # xbar held with the gradient from above) than keeping everything, the limit is that peak
-    # (and a limit is positive: 1 for a chain of zeros)
-    return max(1, min(need, max_memory(c)))
-
-
-def max_memory(chain: Chain) -> Number:
-    """M^high of seed 001 section 5.2: the store-all sequence's peak (no recomputation,
-    no offloading)."""
-    c = _chain(chain)
-    ops = [Op("F_all", s) for s in range(c.L + 1)] + [Op("B", s) for s in range(c.L, -1, -1)]
-    return simulate(c, Plan(ops)).peak_memory
+# the DP emits (kind, stage) with kind an index into plan.KINDS (csrc/dp/pofo_dp.hpp, Op::kind)
+assert KINDS == ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
 
 
 # ------------------------------------------------------------------------------- the DP
@@ -141,14 +104,14 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
                          f"has L={chain.L}; the whole-activation DP takes at most "
                          f"{WHOLE_MAX_UNITS} units and L <= 63 (pass fewer slots)")
     beta = bandwidth / unit if bandwidth > 0 else 0.0
-    ok, t, ops, pre, nf, nb = _core().pofo_solve(
+    ok, t, ops, pre, nf, nb = core().pofo_solve(
         x, xbar, delta, fw_tmp, bw_tmp, [float(v) for v in chain.fw],
         [float(v) for v in chain.bw], M, beta, offload, recompute, float(budget),
         int(delta_step), [int(s in set(no_offload)) for s in range(chain.L + 1)], whole,
         fck_tmp)
     if not ok:
         return None
-    return t, [Op(_KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
+    return t, [Op(KINDS[k], s) for k, s in ops], [tuple(p) for p in pre], \
         {"states_fwd": nf, "states_bwd": nb, "slots": slots}
 
 
@@ -190,7 +153,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     is that value either way)."""
     if model not in ("whole", "paper"):
         raise ValueError(f"model: expected 'whole' or 'paper', got {model!r}")
-    chain, memory = _chain(chain), memory_arg(memory)
+    chain, memory = check_chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.solve")
     slots = slots_arg(slots)
     if delta_step is None:
@@ -230,7 +193,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
             continue
         if is_whole:   # its value counts only with the plan that reaches it
             whole_time = got[0]
-        if not got[2] and not any(op.kind in ("offload", "prefetch") for op in plan.ops):
+        if not got[2] and not plan.has_transfers:
             exact_time = min(exact_time, sim.makespan)
         plan.meta.update(got[3])
         if is_whole:
@@ -240,8 +203,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     # storing everything, when it fits in the real sizes, is optimal (no idle, no
     # recomputation); slot rounding can hide that from the DPs
     if best is None or best[1].makespan > chain.total_compute():
-        store_all = Plan([Op("F_all", s) for s in range(chain.L + 1)]
-                         + [Op("B", s) for s in range(chain.L, -1, -1)], planner="pofo")
+        store_all = Plan(checkpoint_plan(chain.L, ()).ops, planner="pofo")
         sim = simulate(chain, store_all)
         if sim.peak_memory <= memory:
             best = (store_all, sim, sim.makespan, "store-all")
@@ -284,18 +246,14 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     if whole_best is not None and whole_best[1].makespan < sim.makespan - 1e-12 * sim.makespan:
         plan, sim = whole_best
         name = "pofo-whole"
-    transfers = any(op.kind in ("offload", "prefetch") for op in plan.ops)
     # the simulation of the plan returned (the DP's value may be an earlier candidate's)
-    plan.predicted_time = sim.makespan
-    plan.predicted_peak = sim.peak_memory
-    plan.chain, plan.planner, plan.memory_limit = chain, "pofo", memory
-    plan.bandwidth = beta if transfers and beta > 0 else None
+    stamp(plan, sim, chain, memory, beta, "pofo")
     # the whole-activation DP's value (ours) is reached by its own plan; the paper's may not be
     dp_value = min(whole_time, exact_time) if math.isfinite(whole_time) else dp_time
     plan.meta.update(dp_time=dp_time, dp_value=dp_value, paper_dp_value=dp_time,
                      whole_dp_value=whole_time if math.isfinite(whole_time) else None,
                      dp_model="whole" if math.isfinite(whole_time) else "paper",
-                     variant=name, exact=not transfers,
+                     variant=name, exact=not plan.has_transfers,
                      delta_step=delta_step, simulated_time=sim.makespan,
                      paper_time=paper_time, improve=improve)
     return plan
@@ -321,8 +279,6 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
     (every persistent sequence x offload subset, whole-activation transfers; tests/_oracle.py)
     is itself up to 1.17x the DP's value (``bench/pofo.py --random``): that part of the gap
     is the relaxation's, and no conversion or placement can close it."""
-    from . import offload
-    from .improve import improve_transfers
     # the same units as this solve: exact (slots=None) or each planner's default grid
     exact = {"slots": None} if slots is None else {}
     short = chain.L <= AUTOCAPPER_MAX_L   # where the extra candidates are cheap
@@ -345,7 +301,7 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
         csim = simulate(chain, cand, beta, memory=memory)
         if csim.makespan < sim.makespan - 1e-12 * sim.makespan:
             plan, sim, name = cand, csim, who
-    if any(op.kind in ("offload", "prefetch") for op in plan.ops):
+    if plan.has_transfers:
         better, bsim, _ = improve_transfers(chain, plan, memory, beta)
         if bsim.makespan < sim.makespan:
             plan, sim, name = better, bsim, name + "+placement"
@@ -378,7 +334,6 @@ def _recompute_instead(chain: Chain, plan: Plan, sim: SimResult, name: str, memo
     converted plan, with its transfers re-placed, replaces the current one when it
     simulates faster. Greedy, until no single stage helps or ``REMAT_SOLVES`` DP solves
     are spent (a count, so ranks agree on plans)."""
-    from .improve import improve_transfers
     banned: Tuple[int, ...] = ()
     solves = 0
     tol = 1e-12 * sim.makespan
@@ -396,7 +351,7 @@ def _recompute_instead(chain: Chain, plan: Plan, sim: SimResult, name: str, memo
                 cand, csim = _plan_of(chain, got, memory, beta, "pofo")
             except InvalidPlanError:
                 continue
-            if any(op.kind in ("offload", "prefetch") for op in cand.ops):
+            if cand.has_transfers:
                 cand, csim, _ = improve_transfers(chain, cand, memory, beta)
             cand.meta.update(got[3])
             if csim.makespan < sim.makespan - tol and (best is None
@@ -408,263 +363,3 @@ def _recompute_instead(chain: Chain, plan: Plan, sim: SimResult, name: str, memo
         banned += (s,)
         name = f"pofo+recompute{list(banned)}"
     return plan, sim, name
-
-
-def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:
-    """Smallest limit for rematerialization only (rotor's, same discretisation)."""
-    return rotor.min_memory(chain, slots if chain.is_integer or slots else 500, memory)
-
-
-# ----------------------------------------------------------------- section 5.1 heuristics
-def capper(chain: Chain, memory: Number, bandwidth: float, cap: Number,
-           slots: Optional[int] = 50, _cache: Optional[dict] = None
-           ) -> Optional[Tuple[Plan, SimResult]]:
-    """Seed 001 section 5.1's capper: rotor's sequence for the larger limit ``cap``; while
-    its peak (simulated, transfers included) exceeds ``memory``, offload the lowest-indexed
-    activation in GPU memory at the peak and not used by the peak op (the copy starts right
-    before its last use before the peak; the prefetch comes before its next use). None if
-    it cannot get under ``memory``."""
-    try:
-        base = rotor.solve(chain, cap, slots=slots)
-    except InfeasibleError:
-        return None
-    ops: List[Op] = list(base.ops)
-    key = tuple(ops)
-    if _cache is not None and key in _cache:
-        return _cache[key]
-    offloaded: List[Tuple[int, int, int]] = []   # (stage, offload position, consumer)
-    result = None
-    for _ in range(chain.L + 2):
-        plan, sim = _transfer_plan(chain, ops, offloaded, bandwidth)
-        if sim is None:
-            break
-        if sim.peak_memory <= memory:   # runs under the limit without ever waiting
-            result = _best_placement(chain, ops, offloaded, memory, bandwidth, plan)
-            break
-        if bandwidth <= 0:
-            break
-        peak = max((st for st in sim.steps if st.kind not in ("offload", "prefetch")),
-                   key=lambda st: st.peak).index
-        cand = _lowest_stored(chain, ops, offloaded, _ops_index(plan, peak), bandwidth)
-        if cand is None:
-            break
-        offloaded.append(cand)
-    if _cache is not None:
-        _cache[key] = result
-    return result
-
-
-def _ops_index(plan: Plan, plan_index: int) -> int:
-    """Index in the compute-and-offload list (capper's ``ops``) of a plan op."""
-    return sum(1 for op in plan.ops[:plan_index] if op.kind not in ("offload", "prefetch"))
-
-
-def _readers(ops: Sequence[Op], s: int) -> List[int]:
-    """Indices of the ops that use the input of stage s (F_* s, B s; B s-1 uses xbar[s-1])."""
-    return [i for i, op in enumerate(ops)
-            if (op.stage == s and op.kind in ("F_all", "F_ck", "F_none", "B"))
-            or (op.kind == "B" and op.stage == s - 1)]
-
-
-def _lowest_stored(chain: Chain, ops: List[Op], offloaded, peak: int, bandwidth: float):
-    """The lowest stage whose input is in GPU memory while op ``peak`` runs, not used by it:
-    (stage, offload position, prefetch consumer), or None."""
-    taken = {s for s, _, _ in offloaded}
-    for s in range(chain.L + 1):
-        if s in taken:
-            continue
-        readers = _readers(ops, s)
-        before = [i for i in readers if i < peak]
-        after = [i for i in readers if i > peak]
-        if (not before and s > 0) or not after or peak in readers:
-            continue
-        pos = before[-1] if before else 0
-        # stored from its last use before the peak until its next use? ask the simulator:
-        # offloading it there is valid exactly when nothing in between consumes it
-        trial = list(ops[:pos]) + [Op("offload", s)] + list(ops[pos:after[0]])
-        try:
-            simulate(chain, Plan(trial), bandwidth, complete=False)
-        except InvalidPlanError:
-            continue
-        return (s, pos, after[0])
-    return None
-
-
-def _merge(ops: Sequence[Op], offloaded) -> Tuple[List[Op], List[Tuple[int, int]]]:
-    """Insert the offloads; the new op list and the (stage, consumer) prefetch pairs in
-    consumer order, re-indexed."""
-    at: dict = {}
-    for s, pos, _ in offloaded:
-        at.setdefault(pos, []).append(s)
-    merged: List[Op] = []
-    index = {}
-    for i, op in enumerate(ops):
-        for s in sorted(at.get(i, [])):
-            merged.append(Op("offload", s))
-        index[i] = len(merged)
-        merged.append(op)
-    return merged, sorted(((s, index[c]) for s, _, c in offloaded), key=lambda p: p[1])
-
-
-def _transfer_plan(chain: Chain, ops, offloaded, bandwidth: float):
-    """The sequence with its offloads and each prefetch right before its consumer,
-    simulated without a limit (to find its peak)."""
-    merged, pre = _merge(ops, offloaded)
-    cons: dict = {}
-    for s, c in pre:
-        cons.setdefault(c, []).append(s)
-    out: List[Op] = []
-    for i, op in enumerate(merged):
-        out.extend(Op("prefetch", s) for s in cons.get(i, []))
-        out.append(op)
-    plan = Plan(out, planner="autocapper")
-    try:
-        return plan, simulate(chain, plan, bandwidth if offloaded else None)
-    except InvalidPlanError:
-        return plan, None
-
-
-def _best_placement(chain: Chain, ops, offloaded, memory: Number, bandwidth: float,
-                    fallback: Plan) -> Optional[Tuple[Plan, SimResult]]:
-    """The capped sequence under the limit: the better of the prefetch placements of
-    :func:`with_prefetches` and the prefetch-right-before-use one (which fits as is)."""
-    merged, pre = _merge(ops, offloaded)
-    cands = []
-    try:
-        cands.append((fallback, simulate(chain, fallback, bandwidth if pre else None,
-                                         memory=memory)))
-    except InvalidPlanError:
-        pass
-    if pre:
-        earliest = min(i for i, op in enumerate(merged) if op.kind == "offload") + 1
-        try:
-            cands.append(with_prefetches(chain, merged, pre, memory, bandwidth, earliest,
-                                         "autocapper"))
-        except InvalidPlanError:
-            pass
-    return min(cands, key=lambda ps: ps[1].makespan) if cands else None
-
-
-def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
-               levels: int = 40, slots: Optional[int] = 50) -> Plan:
-    """Seed 001 section 5.1: capper with ``levels`` limits M' evenly spaced between
-    ``memory`` and M^high (the store-all peak); each resulting sequence is simulated and
-    the fastest kept. Without recomputation it is GREEDY-like (seed 000)."""
-    chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.autocapper")
-    slots = slots_arg(slots)
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels: expected a positive int, got {levels!r}")
-    high = max_memory(chain)
-    caps = [memory + (high - memory) * k / max(1, levels - 1) for k in range(levels)] \
-        if high > memory else [memory]
-    best: Optional[Tuple[Plan, SimResult]] = None
-    cache: dict = {}
-    for cap in caps:
-        got = capper(chain, memory, beta, cap, slots, cache)
-        if got is not None and (best is None or got[1].makespan < best[1].makespan):
-            best = got
-    if best is None:
-        need = min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory)
-        raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
-                              need)
-    plan, sim = best
-    plan.planner, plan.memory_limit = "autocapper", memory
-    plan.bandwidth = beta if beta > 0 and plan.count("offload") else None
-    plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
-    plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
-    return plan
-
-
-# ------------------------------------------------------------------------- opportunist
-def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str],
-                slots: Optional[int] = 50) -> Plan:
-    """Seed 001 section 5.1: F_all a stage and offload its input and output; F_none the
-    next stages while the channel is busy (at least one); repeat until the rest of the
-    chain runs storing everything; then the backward of each group between two F_all by
-    rematerialization (rotor on the group), with the two prefetches before it."""
-    chain, memory = _chain(chain), memory_arg(memory)
-    beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.opportunist")
-    slots = slots_arg(slots)
-    L = chain.L
-    fwd: List[Op] = []
-    groups: List[Tuple[int, int]] = []           # (head h, last F_none e)
-    k = 0
-    while True:
-        got = _opportunist_plan(chain, fwd, groups, k, memory, beta, slots)
-        if got is not None:
-            plan, sim = got
-            break
-        if beta <= 0 or k >= L - 1:
-            raise InfeasibleError(f"pofo.opportunist: no sequence fits memory {memory:g}",
-                                  None)
-        # a new group: F_all k with its input (x[k]) and output (xbar[k]) offloaded
-        h = k
-        fwd += [Op("offload", h), Op("F_all", h), Op("offload", h + 1)]
-        k = h + 1
-        while k < L:
-            fwd.append(Op("F_none", k))
-            k += 1
-            r = simulate(chain, Plan(fwd), beta, complete=False)
-            last = max(st.end for st in r.steps if st.kind not in ("offload", "prefetch"))
-            if r.makespan <= last:              # the channel is idle: next group
-                break
-        groups.append((h, k - 1))
-    plan.planner, plan.memory_limit = "opportunist", memory
-    plan.bandwidth = beta if beta > 0 and plan.count("offload") else None
-    plan.predicted_time, plan.predicted_peak, plan.chain = sim.makespan, sim.peak_memory, chain
-    plan.meta["groups"] = groups
-    return plan
-
-
-def _group_backward(chain: Chain, h: int, e: int, memory: Number,
-                    slots: Optional[int]) -> Optional[List[Op]]:
-    """Rotor's sequence for stages h+1..e of a group (input xbar[h] on the GPU, x[h] and
-    delta[e+1] held beside it), stages renumbered back; then B h."""
-    if e == h:
-        return [Op("B", h)]
-    idx = range(h + 1, e + 1)
-    sub = Chain(fw=[chain.fw[s] for s in idx], bw=[chain.bw[s] for s in idx],
-                x=[chain.xbar[h]] + [chain.x[s] for s in range(h + 2, e + 1)],
-                xbar=[chain.xbar[s] for s in idx], delta=[chain.delta[s] for s in idx],
-                fw_tmp=[chain.fw_tmp[s] for s in idx], bw_tmp=[chain.bw_tmp[s] for s in idx],
-                fck_tmp=[chain.fck_tmp[s] for s in idx], name=f"{chain.name}[{h + 1}..{e}]")
-    budget = memory - chain.x[h] - chain.delta[e + 1]
-    if budget <= 0:
-        return None
-    try:
-        p = rotor.solve(sub, budget, slots=slots if slots or not sub.is_integer else 500)
-    except InfeasibleError:
-        return None
-    return [Op(op.kind, op.stage + h + 1) for op in p.ops] + [Op("B", h)]
-
-
-def _opportunist_plan(chain: Chain, fwd: List[Op], groups, k: int, memory: Number,
-                      beta: float, slots: Optional[int]):
-    """The full sequence with stages k..L stored entirely (F_all, then B), or None."""
-    L = chain.L
-    ops = list(fwd) + [Op("F_all", s) for s in range(k, L + 1)] \
-        + [Op("B", s) for s in range(L, k - 1, -1)]
-    try:   # cheap necessary check: the forward groups and the stored tail fit
-        simulate(chain, Plan(ops), beta if groups else None, memory=memory, complete=False)
-    except InvalidPlanError:
-        return None
-    loss = ops.index(Op("F_all", L))
-    pre: List[Tuple[int, int]] = []
-    for h, e in reversed(groups):
-        back = _group_backward(chain, h, e, memory, slots)
-        if back is None:
-            return None
-        pre.append((h + 1, len(ops)))             # xbar[h], for the group's first op
-        pre.append((h, len(ops) + len(back) - 1))  # x[h], for B h
-        ops += back
-    if not pre:
-        plan = Plan(ops, planner="opportunist")
-        try:
-            return plan, simulate(chain, plan, None, memory=memory)
-        except InvalidPlanError:
-            return None
-    try:
-        return with_prefetches(chain, ops, pre, memory, beta, loss + 1, "opportunist")
-    except InvalidPlanError:
-        return None

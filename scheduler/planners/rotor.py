@@ -33,44 +33,24 @@ from fractions import Fraction
 from itertools import accumulate
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from .._native import core
 from ..chain import Chain
 from ..errors import InfeasibleError
-from ..plan import Op, Plan
+from ..plan import KINDS, Op, Plan
+from .args import check_chain, memory_arg, slots_arg
 
-KIND_NAMES = ("F_all", "F_ck", "F_none", "B")
+# the DP emits (kind, stage) with kind an index into plan.KINDS (csrc/dp/rotor.hpp RotorKind)
+assert KINDS[:4] == ("F_all", "F_ck", "F_none", "B")
 _OPS: Dict[Tuple[int, int], Op] = {}  # (kind, stage) from the DP -> its Op, made once
+SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
+_SLOTS_HINT = " (exact units)"  # what rotor's slots message says None means
 
 
 def _op(kind_stage: Tuple[int, int]) -> Op:
     op = _OPS.get(kind_stage)
     if op is None:
-        op = _OPS[kind_stage] = Op(KIND_NAMES[kind_stage[0]], kind_stage[1])
+        op = _OPS[kind_stage] = Op(KINDS[kind_stage[0]], kind_stage[1])
     return op
-SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
-
-
-def _core():
-    from vmalloc import _core  # the extension module (scripts/dev-build or pip install)
-    return _core
-
-
-def check_memory(memory: Any, name: str = "memory") -> Union[int, float]:
-    """A positive memory limit in bytes: a number or a size string ('16GiB')."""
-    if isinstance(memory, str):
-        from vmalloc.sizes import parse_size
-        memory = parse_size(memory, name)
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) \
-            or memory <= 0:
-        raise ValueError(f"{name}: expected a positive finite number of bytes, got {memory!r}")
-    return memory
-
-
-def check_slots(slots: Any) -> Optional[int]:
-    if slots is None:
-        return None
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots: expected a positive int or None (exact units), got {slots!r}")
-    return slots
 
 
 def _padded(chain: Chain, name: str) -> Tuple[Any, ...]:
@@ -119,12 +99,12 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int],
 def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: float
                 ) -> Union[int, float]:
     """Smallest memory limit for which the (discretized) problem is feasible."""
-    core = _core()
+    ext = core()
     if slots is None:  # (at least 1: a limit must be positive, even for a chain of zeros)
-        return max(1, core.rotor_min_units(discretize(chain, memory, None)[0], allow_all))
+        return max(1, ext.rotor_min_units(discretize(chain, memory, None)[0], allow_all))
     # however large the limit, every size still takes one slot at least
     ones = tuple([1 if v > 0 else 0 for v in _padded(chain, f)] for f in SIZE_FIELDS)
-    fewest = core.rotor_min_units(ones, allow_all)
+    fewest = ext.rotor_min_units(ones, allow_all)
     if fewest > slots:
         raise ValueError(f"slots={slots} is too few for this chain at any memory: every stored "
                          f"item takes one slot at least and a schedule holds {fewest} at once; "
@@ -132,13 +112,13 @@ def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: flo
 
     def ok(m: float) -> bool:
         units, budget, _ = discretize(chain, m, slots)
-        return core.rotor_min_units(units, allow_all) <= budget
+        return ext.rotor_min_units(units, allow_all) <= budget
 
     # feasibility is monotone in the limit (sizes in slots only shrink as it grows): bracket
     # it, then bisect. With integer sizes the exact minimum is a lower bound to start from.
     integer = chain.is_integer
     if integer:
-        lo = max(core.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1, 0)
+        lo = max(ext.rotor_min_units(discretize(chain, 1, None)[0], allow_all) - 1, 0)
         # whole bytes (a fractional hint made the bisection's mid stick at lo for good);
         # lo >= 0: it never tries a limit of 0
         hi = max(int(math.ceil(memory)), lo + 1)
@@ -179,14 +159,13 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
     ``refine`` (slots only): win back the rounding from one wider table (module docstring).
     ``whole_table``: the DP tabulates every cell below the limit, not only those its answer
     reads (the same plan, slower: for tests)."""
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
-    memory = check_memory(memory)
-    slots = check_slots(slots)
+    check_chain(chain)
+    memory = memory_arg(memory)
+    slots = slots_arg(slots, hint=_SLOTS_HINT)
     extra = rounding_headroom(chain, memory) if check_refine(refine) and slots is not None else 0
     units, budget, unit = discretize(chain, memory, slots, headroom=extra)
     # (the extension converts the exact sizes and times to double itself, as float() does)
-    feasible, time, peak, min_units, ops, used, tried, steps = _core().rotor_solve(
+    feasible, time, peak, min_units, ops, used, tried, steps = core().rotor_solve(
         chain.fw, chain.bw, units, tuple(_padded(chain, f) for f in SIZE_FIELDS), budget, allow_all,
         slots is None,  # exact units: a double table; slots: float (twice as fast)
         extra, float(memory), whole_table)
@@ -226,8 +205,8 @@ def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float
     """The least memory limit (bytes, x[0] included) for which ``solve`` finds a plan:
     exact with ``slots=None``; else for that slot count (the slot size scales with the
     limit), searched from ``memory`` (a hint; any positive value works)."""
-    if not isinstance(chain, Chain):
-        raise ValueError(f"chain: expected a scheduler.Chain, got {type(chain).__name__}")
-    slots = check_slots(slots)
-    hint = check_memory(memory) if memory is not None else max(1.0, float(sum(chain.xbar)))
+    check_chain(chain)
+    slots = slots_arg(slots, hint=_SLOTS_HINT)
+    hint = memory_arg(memory) if memory is not None \
+        else max(1.0, float(sum(chain.xbar)))
     return _min_memory(chain, slots, _allow_all, hint)

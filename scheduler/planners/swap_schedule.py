@@ -5,7 +5,8 @@ Seed 003, section 3: a *variable sequence* is the ordered uses of the tensors au
 which device copies to release, which swap-ins to issue before the step and which swap-outs to
 issue after it. ``replay`` executes a schedule on a sequence and returns the saved-tensor bytes
 resident on the device at every step: the window and LMS planners, the offload-plan follower,
-the tests and the runtime's own figures all use this one function. No torch here.
+the tests and the runtime's own figures all use this one function (the planners through
+``record_replay``, which also records its prediction in the schedule). No torch here.
 
 State of a variable during a replay (one of):
 
@@ -350,6 +351,17 @@ def replay(sequence: VariableSequence, schedule: SwapSchedule) -> Replay:
                 host -= sizes[v]
             state[v] = FREED
     return Replay(tuple(resident), tuple(host_after), out_b, in_b, n_out, n_in)
+
+
+def record_replay(sequence: VariableSequence, schedule: SwapSchedule) -> SwapSchedule:
+    """A planner's last step: :func:`replay` ``schedule`` on ``sequence`` (which validates it)
+    and record what it predicts in ``schedule.meta`` (``predicted_peak``,
+    ``swapped_out_bytes``, ``swapped_in_bytes``). Returns ``schedule``."""
+    predicted = replay(sequence, schedule)
+    schedule.meta.update(predicted_peak=predicted.peak,
+                         swapped_out_bytes=predicted.swapped_out_bytes,
+                         swapped_in_bytes=predicted.swapped_in_bytes)
+    return schedule
 
 
 def random_sequence(num_vars: int, seed: int = 0, max_size: int = 10, reuse: float = 0.3,

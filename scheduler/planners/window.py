@@ -43,7 +43,7 @@ from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
 from ..errors import InfeasibleError
 from .swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNBORN, SwapSchedule,
-                            VariableSequence, replay)
+                            VariableSequence, record_replay, replay)
 
 NAME = "window"
 
@@ -260,8 +260,4 @@ def schedule(sequence: VariableSequence, window: SizeLike,
     result = SwapSchedule(tuple(map(tuple, sw_in)), tuple(map(tuple, sw_out)),
                           tuple(map(tuple, rel)), blocking_release=budget is not None,
                           planner=NAME, meta=meta)
-    predicted = replay(sequence, result)  # also validates the schedule
-    result.meta.update(predicted_peak=predicted.peak,
-                       swapped_out_bytes=predicted.swapped_out_bytes,
-                       swapped_in_bytes=predicted.swapped_in_bytes)
-    return result
+    return record_replay(sequence, result)  # (also validates the schedule)
