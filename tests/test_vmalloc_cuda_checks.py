@@ -127,3 +127,21 @@ def test_pool_makes_its_mempool_on_its_device_and_trims_at_exit(monkeypatch):
             log.append(("body",))
             raise KeyError("the block raised")    # the trim runs all the same
     assert log == [("mempool on", 1), ("use", 1), ("body",), ("trim",)]
+
+
+def test_graph_capture_is_refused_before_its_stream_is_entered(monkeypatch):
+    from vmalloc.pluggable import shims
+    entered = []
+    graph = torch.cuda.graphs.graph
+    monkeypatch.setattr(graph, "__enter__", lambda self: entered.append("stream + capture"))
+    monkeypatch.setattr(registry.REGISTRY, "patched", {})
+    monkeypatch.setattr(registry.REGISTRY, "mode", "global")
+    shims.refuse_graph_capture_early(torch)
+    shims.refuse_graph_capture_early(torch)   # once: no wrapper around the wrapper
+    dummy = object.__new__(graph)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        graph.__enter__(dummy)
+    assert entered == []   # the side stream never became current
+    monkeypatch.setattr(registry.REGISTRY, "mode", "pool")   # PyTorch's allocator captures
+    graph.__enter__(dummy)
+    assert entered == ["stream + capture"]

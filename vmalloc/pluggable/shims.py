@@ -162,6 +162,7 @@ def install_shims(torch: Any) -> None:
         setattr(C, name, fn)
     if reg.cache_info_missing != "":
         guard_cudnn_benchmark(torch, reg.cache_info_missing or "not installed")
+    refuse_graph_capture_early(torch)
 
 
 def budget_fraction(s: Mapping[str, Any], total_memory: int) -> float:
@@ -206,6 +207,34 @@ def guard_cudnn_benchmark(torch: Any, why: str) -> None:
         prop.setter = set_benchmark
     if getattr(C, "_get_cudnn_benchmark", lambda: False)():
         set_benchmark(True)
+
+
+GRAPH_CAPTURE_REFUSED = (
+    "vmalloc: CUDA graph capture (torch.cuda.graph, make_graphed_callables, "
+    "torch.compile(mode=\"reduce-overhead\")) needs a private memory pool no other tensor may "
+    "reuse, and vmalloc has none: it refuses rather than let a replay write into other tensors. "
+    "Use torch.compile's default mode, or run without vmalloc (VMALLOC=0) for graph capture.")
+
+
+def refuse_graph_capture_early(torch: Any) -> None:
+    """Refuse ``torch.cuda.graph`` on entry. vmalloc refuses the capture's private pool
+    anyway (``vmalloc_torch_begin_allocate_to_pool``), but that comes after the context
+    made its side stream current, and a raising ``__enter__`` gets no ``__exit__``: a caller
+    that catches the error and falls back to eager would go on queuing work on that stream,
+    unordered with the rest."""
+    graph = getattr(getattr(getattr(torch, "cuda", None), "graphs", None), "graph", None)
+    original = getattr(graph, "__enter__", None)
+    if original is None or getattr(original, "vmalloc_refuses", False):
+        return
+
+    def __enter__(self: Any) -> Any:
+        if REGISTRY.mode == "global":
+            raise RuntimeError(GRAPH_CAPTURE_REFUSED)
+        return original(self)
+
+    __enter__.vmalloc_refuses = True  # type: ignore[attr-defined]
+    REGISTRY.patched.setdefault("graph.__enter__", original)
+    graph.__enter__ = __enter__
 
 
 _WARNED: set = set()
