@@ -41,7 +41,7 @@ if __name__ == "__main__":  # run from a checkout (as bench/common.py)
 import scheduler  # noqa: E402
 from bench.common import positive_float, positive_int, usage_error  # noqa: E402
 from bench.models import build  # noqa: E402
-from scheduler.planners.mimose import plan_from_checkpoints  # noqa: E402
+from scheduler.plan import checkpoint_plan  # noqa: E402
 from scheduler.profile import measure_chain  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -151,7 +151,7 @@ def bench_model(key: str, spec: Dict[str, Any], device: str, steps: int, bandwid
         probe = scheduler.wrap(blocks, None, planner="none", track_memory=True, chain=chain)
         res["peak"] = cpu_peak(probe, x, params)
     record("plain", res,
-           predicted_peak=scheduler.simulate(chain, plan_from_checkpoints(L, [])).peak_memory)
+           predicted_peak=scheduler.simulate(chain, checkpoint_plan(L, [])).peak_memory)
 
     # torch's checkpoint_sequential, every segment count (the budgets for the others)
     seq = torch.nn.Sequential(*blocks)

@@ -185,9 +185,9 @@ def checkpointed(model: torch.nn.Module, budget: int, planner: Any) -> torch.nn.
 def every_block(chain: Any, budget: Any) -> Any:
     """The plan of HF checkpointing (every block checkpointed), as a ``planner=`` callable:
     the runner with HF's own recomputation, and HF's peak on the runner's measured chain."""
-    from scheduler.planners.mimose import plan_from_checkpoints
+    from scheduler.plan import checkpoint_plan
     L = len(chain) - 1
-    plan = plan_from_checkpoints(L, range(L), planner="every-block")
+    plan = checkpoint_plan(L, range(L), planner="every-block")
     plan.predicted_peak = scheduler.simulate(chain, plan).peak_memory
     every_block.peaks.append(plan.predicted_peak)  # type: ignore[attr-defined]
     every_block.chain = chain  # type: ignore[attr-defined]
@@ -204,8 +204,8 @@ def plan_at(chain: Any, budget: int) -> Dict[str, Any]:
     faster than HF's plan by running fewer forwards, so this says whether a goal is reachable
     on this model at all, apart from the runtimes' own overheads."""
     from scheduler.planners import rotor
-    from scheduler.planners.mimose import plan_from_checkpoints
-    hf_plan = plan_from_checkpoints(chain.L, range(chain.L))
+    from scheduler.plan import checkpoint_plan
+    hf_plan = checkpoint_plan(chain.L, range(chain.L))
     hf_sim = scheduler.simulate(chain, hf_plan, memory=None)
     out: Dict[str, Any] = {"budget": budget, "every_block_forwards": sum(
         o.kind != "B" for o in hf_plan.ops), "every_block_predicted_s": hf_sim.makespan,

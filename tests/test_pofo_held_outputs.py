@@ -1,4 +1,4 @@
-"""pofo offloads block outputs by emptying their storages (offload.py). A block output the
+"""pofo offloads block outputs by emptying their storages (chain_transfers.py). A block output the
 model keeps beyond the loop (deep supervision, HF's output_hidden_states) must stay readable:
 it comes back at the end of the forward, with a warning, and training matches plain."""
 import copy

@@ -24,7 +24,7 @@ from scheduler import InvalidPlanError, Plan, simulate
 from scheduler.planners import offload as offload_planners
 from scheduler.planners import pofo
 from scheduler.profile import meta_chain
-from scheduler.runtime import offload
+from scheduler.runtime import chain_transfers
 
 from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 from wrap_models import mlp_blocks, plain_step, random_rotor_plan, twins, wrapped_step
@@ -42,7 +42,7 @@ class _CopyInFlight:
 
     def land(self) -> None:
         if not self.done:
-            offload.storage_bytes_view(self.storage).copy_(self.data)
+            chain_transfers.storage_bytes_view(self.storage).copy_(self.data)
             self.done = True
 
     def query(self) -> bool:  # the pinned pool reuses the buffer once the copy is done
@@ -56,7 +56,7 @@ class _CopyInFlight:
 def deferred_copies(monkeypatch):
     """Prefetches behave as on a GPU: the data is there only once waited for. Returns the
     list of (storage bytes before, whether it copied) of every prefetch the runtime issued."""
-    prefetch, seen = offload.Transfers.prefetch_storage, []
+    prefetch, seen = chain_transfers.Transfers.prefetch_storage, []
 
     def prefetch_storage(self, sc):
         before, copied = sc.storage.nbytes(), self.prefetched_bytes
@@ -64,7 +64,7 @@ def deferred_copies(monkeypatch):
         copied = self.prefetched_bytes > copied
         seen.append((before, copied))
         if copied:  # the copy is in flight: the memory holds garbage until the wait
-            view = offload.storage_bytes_view(sc.storage)
+            view = chain_transfers.storage_bytes_view(sc.storage)
             sc.event = _CopyInFlight(sc.storage, view.clone())
             view.fill_(GARBAGE)
 
@@ -73,8 +73,8 @@ def deferred_copies(monkeypatch):
             sc.event.land()
             sc.event = None
 
-    monkeypatch.setattr(offload.Transfers, "prefetch_storage", prefetch_storage)
-    monkeypatch.setattr(offload.Transfers, "wait", staticmethod(wait))
+    monkeypatch.setattr(chain_transfers.Transfers, "prefetch_storage", prefetch_storage)
+    monkeypatch.setattr(chain_transfers.Transfers, "wait", staticmethod(wait))
     return seen
 
 

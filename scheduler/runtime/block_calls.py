@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 Tensors = Tuple[torch.Tensor, ...]
+Comps = Tuple[Any, ...]  # the components of a value passed between blocks
 
 
 def tensor_leaves(value: Any) -> Tensors:
@@ -88,6 +89,19 @@ class BlockCall:
         """Leaf positions of tensor arguments modified in place since the call (a
         recomputation would read values the first run never saw)."""
         return [j for j, v in self.kept_versions if self.kept[j]._version != v]
+
+
+def as_components(value: Any, stage: int) -> Tuple[Comps, bool]:
+    """A block's return value as components (a bare chain passes them to the next block as
+    its positional arguments), and whether it was a tuple."""
+    if isinstance(value, torch.Tensor):
+        return (value,), False
+    if isinstance(value, tuple):
+        return tuple(value), True
+    raise TypeError(
+        f"scheduler.wrap: block {stage} returned {type(value).__name__}; blocks must return a "
+        "tensor or a tuple of tensors (and constants), which is passed to the next block as "
+        "positional arguments")
 
 
 def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Any:

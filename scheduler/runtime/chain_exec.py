@@ -35,37 +35,27 @@ import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterator, List, Optional,
+                    Sequence, Set, Tuple)
 
 import torch
 from torch import nn
 
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS
+from ..profile.autograd_graph import differentiable
 from . import accounting, buffers, first_run, fsdp, rng
 from .block_calls import BlockCall, tensor_leaves
+from .chain_transfers import StorageCopy, Transfers
 from .compiled_plan import CompiledPlan
 from .frames import Frame, Tensors
 from .hf_outputs import outputs_not_captured
-from .offload import StorageCopy, Transfers
 
-Comps = Tuple[Any, ...]  # the components of a value passed between blocks
+if TYPE_CHECKING:
+    from .outside import Outside
 
-
-def _is_diff(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def as_components(value: Any, stage: int) -> Tuple[Comps, bool]:
-    """A block's return value as components, and whether it was a tuple."""
-    if isinstance(value, torch.Tensor):
-        return (value,), False
-    if isinstance(value, tuple):
-        return tuple(value), True
-    raise TypeError(
-        f"scheduler.wrap: block {stage} returned {type(value).__name__}; blocks must return a "
-        "tensor or a tuple of tensors (and constants), which is passed to the next block as "
-        "positional arguments")
+# how the two errors of a forward that did not call every block end
+LAYERDROP = "a model that skips blocks at random, LayerDrop, needs its layerdrop set to 0"
 
 
 # ------------------------------------------------------------------------------------ state
@@ -149,6 +139,12 @@ class ChainStep:
         # blocks), and an offload must not leave them empty (``_restore_escaped``)
         self.loop_outs: Dict[int, Tuple[weakref.ReferenceType, ...]] = {}
         self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
+        # set by the runner: the plan key a profiling step measures its chain for, the input
+        # size of a Mimose collection step, and what a profiling or collection step holds
+        # outside the chain (``tail.outside`` at block 0, when the model's tail is measured)
+        self.profile_key: Hashable = None
+        self.input_size: Optional[float] = None
+        self.outside: Optional["Outside"] = None
 
     def abandon(self) -> None:
         """The forward failed half way: drop every reference to values and to the partial
@@ -257,8 +253,7 @@ class ChainStep:
             raise RuntimeError(
                 f"{self.name}: block {s} was called but block {self.next} was expected: the "
                 f"model must call each of its {self.L} blocks once, in order, per forward "
-                "(name the list its loop walks with blocks=; a model that skips blocks at "
-                "random, LayerDrop, needs its layerdrop set to 0)")
+                f"(name the list its loop walks with blocks=; {LAYERDROP})")
         call = BlockCall(args, kwargs, self._previous(), all_inputs=all_inputs)
         self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
@@ -408,7 +403,7 @@ class ChainStep:
             raise RuntimeError(
                 f"{self.name}: backward reached block {target} but the forward called only "
                 f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
-                "(a model that skips blocks at random, LayerDrop, needs its layerdrop set to 0)")
+                f"({LAYERDROP})")
         if self.b_reached is not None:  # autograd ran that B since: what it read may go
             self._after(self.b_reached)
             self.b_reached = None
@@ -477,7 +472,7 @@ class ChainStep:
                 f"argument position(s) {changed}) were modified in place after the block ran "
                 "and before the backward recomputed it; do not change a block's arguments "
                 "(masks, position tables) in place until the backward is done")
-        leaves = tuple(t.detach().requires_grad_(rg and _is_diff(t))
+        leaves = tuple(t.detach().requires_grad_(rg and differentiable(t))
                        for t, rg in zip(inp, call.rg))
         args, kwargs = call.bind(leaves)
         block = self.blocks[s]

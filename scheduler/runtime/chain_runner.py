@@ -24,21 +24,21 @@ from vmalloc.sizes import format_size
 
 from ..chain import Chain, add_outside
 from ..errors import InfeasibleError
-from ..plan import Plan
+from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
-                               chain_from_estimate, plan_from_checkpoints)
+                               chain_from_estimate)
 from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
-from .block_calls import BlockCall, signature, tensor_leaves
+from .block_calls import signature, tensor_leaves
 from .chain_exec import ChainStep, RunStats
+from .chain_transfers import Transfers
 from .compiled_plan import CompiledPlan
 from .hf_outputs import outputs_not_captured
 from .input_aware import InputAwareChain
+from .measuring import BoundBlock, measure_preserved
 from .planning import make_plan
 from .mimose_collector import ShuttlingCollector
-from .offload import Transfers
-from .preserved import PreservedState
 from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_measure,
                       check_planner, default_input_size, parse_budget, parse_rate)
 
@@ -66,30 +66,7 @@ def _collected(step: ChainStep) -> Estimate:
 def _with_outside(chain: Chain, step: ChainStep) -> Chain:
     """``chain`` with what ``step`` held outside it (masks, the head's saved tensors, random
     states: ``tail.outside`` at block 0 of a profiling or collection step), when measured."""
-    outside = getattr(step, "outside", None)
-    return chain if outside is None else add_outside(chain, outside.bytes)
-
-
-class _BoundBlock(nn.Module):
-    """Block ``s`` as a chain stage for ``measure_chain``: called on the chain's value, with
-    the other arguments of the loop's call; returns the tensors of its output."""
-
-    def __init__(self, block: nn.Module, call: BlockCall, anchored: bool,
-                 counted_outside: bool = False):
-        super().__init__()
-        self.block = block
-        self.call = call
-        self.anchored = anchored
-        # the call's other tensors (masks, rotary embeddings), when the step's memory outside
-        # the chain counts them once: ``measure_chain`` leaves them out of the stage's own
-        # numbers, as weights (else every stage that saves them would count them again)
-        self.held_outside = call.shared_tensors() if counted_outside else []
-
-    def forward(self, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        if self.anchored:  # the loop changed the value between blocks: use what it passed
-            xs = tuple(t.detach().requires_grad_(r) for t, r in zip(self.call.x, self.call.rg))
-        args, kwargs = self.call.bind(xs)
-        return tensor_leaves(self.block(*args, **kwargs))
+    return chain if step.outside is None else add_outside(chain, step.outside.bytes)
 
 
 # ------------------------------------------------------------------------------ runner
@@ -235,25 +212,19 @@ class ChainRunner:
         return chain
 
     def _measure(self, stages: List[nn.Module], x0: Tuple[Any, ...]) -> Chain:
-        from ..profile import measure_chain  # issue 4: rotor's parameter estimation
+        """The chain of ``stages`` measured on ``x0``, block calls going straight through."""
         self.measurements += 1
-        keep = PreservedState(self.blocks, x0)
-        grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
         was, self.passthrough = self.passthrough, True
         try:
-            with outputs_not_captured():  # inside the model's forward: not its outputs
-                return measure_chain(stages, x0[0] if len(x0) == 1 else x0, loss=self.loss,
-                                     input_grad=grad_in, **self.measure_options)
+            return measure_preserved(self.blocks, stages, x0, self.loss, self.measure_options)
         finally:
             self.passthrough = was
-            keep.restore()
 
     def _measure_step(self, step: ChainStep) -> Tuple[Chain, Hashable]:
         """The chain measured on the calls of a forward that just ran (a profiling step), not
         yet checked, and what it was measured for (``_check_chain``'s ``agree_on``)."""
         calls = [f.call for f in step.frames]
-        outside = getattr(step, "outside", None)
-        stages = [_BoundBlock(b, c, c.anchored and s > 0, outside is not None)
+        stages = [BoundBlock(b, c, c.anchored and s > 0, step.outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
         chain = _with_outside(self._measure(stages, x0), step)
@@ -279,7 +250,7 @@ class ChainRunner:
             return
         chain = self._check_chain(chain, agree_on=agree_on)
         self._remember(key, chain)
-        self.cache.get_or_plan(key, lambda: self._make(chain, device))
+        self.cache.get_or_plan(key, lambda: self._plan_on(chain, device))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
@@ -295,7 +266,9 @@ class ChainRunner:
         return (signature(args, kwargs), self._budget, self.blocks[0].training,
                 rng.autocast_state())
 
-    def _make(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
+    def _plan_on(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
+        """The compiled plan the planner makes on ``chain`` (a share's infeasibility says
+        what the whole budget would need)."""
         try:
             plan = make_plan(chain, self._budget, self.planner,
                              self._rate(device) if self._transfers_planned else self.bandwidth)
@@ -323,7 +296,7 @@ class ChainRunner:
         if isinstance(self.planner, Plan):
             return self._compile(self.planner), None
         if self._budget is None and not callable(self.planner):
-            return self._compile(plan_from_checkpoints(self.L, [], planner="none")), None
+            return self._compile(checkpoint_plan(self.L, [], planner="none")), None
         key = self._key(args, kwargs)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
@@ -334,10 +307,9 @@ class ChainRunner:
             if chain is not None and self.chain_source is None:  # measured (a bare chain)
                 self._remember(key, chain)
         if chain is None:  # checkpoint every block while the chain is measured on this step
-            return self._compile(plan_from_checkpoints(self.L, range(self.L),
-                                                       planner="profile")), key
+            return self._compile(checkpoint_plan(self.L, range(self.L), planner="profile")), key
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
-        return self.cache.get_or_plan(key, lambda: self._make(chain, dev)), None
+        return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev)), None
 
     def _remember(self, key: Hashable, chain: Chain) -> None:
         """Keep a measured chain for its shape (the plan key less the budget); at the
@@ -369,12 +341,12 @@ class ChainRunner:
         if collect:  # sheltered execution: shuttle
             key = ("shuttle", self.L)
             cplan = self.cache.get_or_plan(key, lambda: self._compile(
-                plan_from_checkpoints(self.L, range(self.L), planner="mimose-collect")))
+                checkpoint_plan(self.L, range(self.L), planner="mimose-collect")))
             # the blocks' transients too (their backward once more), but not under FSDP,
             # whose backward hooks must fire once per step
             return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
         if self._budget is None:
-            return self._compile(plan_from_checkpoints(self.L, [], planner="none")), None
+            return self._compile(checkpoint_plan(self.L, [], planner="none")), None
         return self._compile(m.plan(size, self._budget)), None
 
     def plan_for(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Plan:
@@ -421,14 +393,14 @@ class ChainRunner:
             # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
             # measure forward-only during this step instead (as Mimose's collector does)
             step.collector = ShuttlingCollector(self.L)
-        step.profile_key = profile_key  # type: ignore[attr-defined]
-        step.input_size = self.input_size(args) if collector is not None else None  # type: ignore[attr-defined]
+        step.profile_key = profile_key
+        step.input_size = self.input_size(args) if collector is not None else None
         self.last_stats = step.stats
         self.last_plan = cplan.plan
         return step
 
     def _end_forward(self, step: ChainStep, out: Any) -> None:
-        key = getattr(step, "profile_key", None)
+        key = step.profile_key
         if key is not None:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
@@ -436,7 +408,7 @@ class ChainRunner:
                 chain = self._check_chain(_with_outside(chain_from_estimate(
                     _collected(step), name="forward-measured"), step), agree_on=key)
                 self._remember(key, chain)
-                self.cache.get_or_plan(key, lambda: self._make(chain, dev))
+                self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev))
                 return
             chain, agree_on = self._measure_step(step)
             if self.tail is not None and \
@@ -541,14 +513,13 @@ class ChainRunner:
                                                          self.name)
             self.current = self._begin(args, kwargs) if step_now else None
             if self.current is not None and self.tail is not None and \
-                    (getattr(self.current, "profile_key", None) is not None or
+                    (self.current.profile_key is not None or
                      self.current.collector is not None):  # profiling / Mimose collection
                 # what the step holds outside the chain (masks, the head's saved tensors)
-                self.current.outside = self.tail.outside(  # type: ignore[attr-defined]
+                self.current.outside = self.tail.outside(
                     args, kwargs, self._rng_bytes(args, kwargs))
                 if self.mimose is not None:  # a collection step: the masks counted there
-                    self.current.collector.outside_counted = \
-                        self.current.outside is not None  # type: ignore[attr-defined]
+                    self.current.collector.outside_counted = self.current.outside is not None
         step = self.current
         if step is None:  # no gradient wanted (no_grad, eval loops, frozen model): plain
             out = run_first(args, kwargs)

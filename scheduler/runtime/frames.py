@@ -14,7 +14,7 @@ from . import rng
 from .accounting import check_unchanged
 from .block_calls import BlockCall
 from .first_run import FirstRun
-from .offload import StorageCopy
+from .chain_transfers import StorageCopy
 
 if TYPE_CHECKING:  # the step owns its frames; a frame calls back into it
     from .chain_exec import ChainStep

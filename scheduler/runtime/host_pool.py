@@ -1,4 +1,5 @@
-"""Reusable host buffers for swapped-out tensors.
+"""Reusable host buffers for swapped-out tensors (the swap runtime) and offloaded activations
+(the chain runtime's pofo transfers, ``chain_transfers``).
 
 On a GPU the buffers are pinned (page-locked) so device-to-host and host-to-device copies run
 asynchronously on side streams; pinning is slow, so buffers are kept and reused across

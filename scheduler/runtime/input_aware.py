@@ -6,12 +6,12 @@ new input shape, instead of profiling every shape again.
 
 ``InputAwareChain`` is a chain source for the runner's ``chain=`` option (a callable taking
 the inputs and returning a ``Chain``). For the first ``samples`` distinct input sizes it
-measures the chain (``scheduler.profile.measure_chain``, with the blocks' random state,
-buffers and gradients put back, as the runner does) and teaches it to a
-``scheduler.planners.mimose.ChainEstimator``; after that every new size gets the estimator's
-prediction (every chain field per stage, order-2 in the input size), which is a few numpy
-operations: the runner then plans it (rotor, pofo, ...) and caches the plan per signature as
-for a measured chain. ``measurements`` and ``predictions`` count what it did.
+measures the chain (``measuring.measure_preserved``: ``scheduler.profile.measure_chain`` with
+the blocks' random state, buffers and gradients put back, as the runner measures) and teaches
+it to a ``scheduler.planners.mimose.ChainEstimator``; after that every new size gets the
+estimator's prediction (every chain field per stage, order-2 in the input size), which is a
+few numpy operations: the runner then plans it (rotor, pofo, ...) and caches the plan per
+signature as for a measured chain. ``measurements`` and ``predictions`` count what it did.
 
 The input size is Mimose's: the element count of the first input tensor (``input_size=`` to
 change it). In a process group the measured chains are agreed across ranks before the
@@ -20,17 +20,16 @@ predicts the same chains.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from ..chain import Chain
 from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
 from . import distributed
 from .block_calls import block_list
+from .measuring import measure_preserved
 from .options import check_callable, check_measure, default_input_size
-from .preserved import PreservedState
 
 
 NAME = "InputAwareChain"
@@ -72,15 +71,8 @@ class InputAwareChain:
         self.estimator.observe(size, chain)
         return chain
 
-    def _measure(self, args: Sequence[Any]) -> Chain:
-        from ..profile import measure_chain
-        keep = PreservedState(self.blocks, args)
-        grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        try:
-            return measure_chain(self.blocks, args[0] if len(args) == 1 else args,
-                                 loss=self.loss, input_grad=grad_in, **self.measure_options)
-        finally:
-            keep.restore()
+    def _measure(self, args: Tuple[Any, ...]) -> Chain:
+        return measure_preserved(self.blocks, self.blocks, args, self.loss, self.measure_options)
 
     def stats(self) -> Dict[str, Any]:
         return {"measurements": self.measurements, "predictions": self.predictions,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..chain import Chain
-from ..plan import Plan
-from ..planners.mimose import plan_from_checkpoints
+from ..plan import Plan, checkpoint_plan
 from ..simulate import simulate
 from .bandwidth import default_bandwidth
 from .compiled_plan import transfer_timing
@@ -23,7 +22,7 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
     if callable(planner):
         return planner(chain, budget)
     if budget is None or planner == "none":
-        plan = plan_from_checkpoints(chain.L, [], planner="none")
+        plan = checkpoint_plan(chain.L, [], planner="none")
     elif planner == "rotor":
         from ..planners import rotor
         plan = rotor.solve(chain, budget)

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from ..plan import Plan
-from .block_calls import block_list
-from .chain_exec import as_components
+from .block_calls import as_components, block_list
 from .chain_runner import ChainRunner
 from .options import PlannerArg, check_bool, check_options_used, check_planner
 

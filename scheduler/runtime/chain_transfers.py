@@ -1,48 +1,32 @@
-"""Offload and prefetch of stored activations for pofo plans (seed 001, section 3).
+"""The chain runner's offload and prefetch of stored activations for pofo plans (seed 001,
+section 3).
 
-Everything moves per *storage*: the bytes go to a pinned host buffer (from a reusable pool,
-keyed by size) and the device storage is resized to zero; a prefetch resizes it back and
-copies the bytes in. Every tensor object that points at the storage (the value the runner
-holds, the tensors a recorded graph saved) stays valid, so what ``F_all`` kept (xbar) and a
-checkpoint that a graph saved as its input both really leave the device (the technique FSDP
-uses to free parameters it keeps referenced).
+Everything moves per *storage*: the bytes go to a pinned host buffer (from the swap runtime's
+``host_pool.HostPool``: reused by exact size once its last copy is done, what it caches capped)
+and the device storage is resized to zero; a prefetch resizes it back and copies the bytes in.
+Every tensor object that points at the storage (the value the runner holds, the tensors a
+recorded graph saved) stays valid, so what ``F_all`` kept (xbar) and a checkpoint that a graph
+saved as its input both really leave the device (the technique FSDP uses to free parameters
+it keeps referenced).
 
 On CUDA the device-to-host copies run on one side stream, host-to-device copies on a
 second, each with an event: ``record_stream`` on the copy stream keeps the caching allocator
 from reusing an offloaded storage while its copy still reads it; the compute stream waits
-on a prefetch's event only when the data is used. On CPU (tests, CI) the same bookkeeping
-runs with plain copies.
+on a prefetch's event only when the data is used. That wait orders only the stream current
+when the data is read (for autograd's backward of a block: when it starts), so a block whose
+forward itself runs ops on other CUDA streams would have those ops' backward read prefetched
+bytes unordered; the runtime cannot see which streams a block's forward used. On CPU (tests,
+CI) the same bookkeeping runs with plain copies.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 
-
-class PinnedPool:
-    """Pinned host buffers reused by exact byte size. A buffer goes back to the pool with the
-    event of the last copy that reads it, and is handed out again only once that event is done."""
-
-    def __init__(self) -> None:
-        self._free: Dict[int, List[Tuple[torch.Tensor, Optional[object]]]] = {}
-        self.bytes_allocated = 0
-
-    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        bucket = self._free.get(nbytes, [])
-        for i, (buf, event) in enumerate(bucket):
-            if event is None or event.query():
-                del bucket[i]
-                return buf
-        self.bytes_allocated += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-    def give(self, buf: torch.Tensor, event: Optional[object] = None) -> None:
-        self._free.setdefault(buf.numel(), []).append((buf, event))
-
-    def clear(self) -> None:
-        self._free.clear()
+from .host_pool import HostPool
 
 
 @dataclass
@@ -73,6 +57,9 @@ class StorageCopy:
     host: HostCopy
     event: Optional[object] = None      # of the prefetch, once issued
     released: bool = False              # its device memory was freed (``Transfers.release``)
+    # hands the host buffer to ``Transfers.orphans`` if this copy is dropped before its
+    # prefetch (``Transfers.offload_storage``); detached once the buffer went back
+    orphaned: Optional[weakref.finalize] = field(default=None, repr=False, compare=False)
 
 
 class Transfers:
@@ -81,7 +68,11 @@ class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pool = PinnedPool()
+        self.pool = HostPool(pin_memory=self.cuda)
+        # host buffers of copies dropped before their prefetch (a forward that raised, a
+        # graph dropped without its backward): the pool lets them go at the next offload.
+        # (A finalizer only queues them: it may run in the middle of a pool call.)
+        self.orphans: List[torch.Tensor] = []
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
@@ -90,7 +81,9 @@ class Transfers:
 
     def offload(self, t: torch.Tensor) -> HostCopy:
         nbytes = t.numel() * t.element_size()
-        buf = self.pool.take(nbytes, pin=self.cuda)
+        while self.orphans:
+            self.pool.give_away(self.orphans.pop())
+        buf = self.pool.acquire(nbytes)
         host = buf.view(t.dtype).view(t.shape) if nbytes else buf.view(t.dtype).reshape(t.shape)
         event = None
         if self.cuda:
@@ -112,7 +105,15 @@ class Transfers:
         if not storage.resizable():
             raise RuntimeError("scheduler.wrap: cannot offload a tensor whose storage is not "
                                "resizable (created from external memory)")
-        return StorageCopy(storage, self.offload(storage_bytes_view(storage)))
+        sc = StorageCopy(storage, self.offload(storage_bytes_view(storage)))
+        sc.orphaned = weakref.finalize(sc, self.orphans.append, sc.host.buf)
+        return sc
+
+    def _give_back(self, sc: StorageCopy, event: Optional[object]) -> None:
+        """``sc``'s host buffer goes back to the pool, reused once ``event`` is done."""
+        if sc.orphaned is not None:
+            sc.orphaned.detach()
+        self.pool.release(sc.host.buf, event)
 
     @staticmethod
     def release(sc: StorageCopy) -> None:
@@ -127,7 +128,7 @@ class Transfers:
         if not sc.released:
             # it never left (a value later blocks still read): resizing a live CUDA storage
             # would reallocate it on the copy stream under its readers' feet
-            self.pool.give(h.buf, h.event)
+            self._give_back(sc, h.event)
             return
         n = h.buf.numel()
         if self.cuda:
@@ -142,7 +143,7 @@ class Transfers:
             sc.storage.resize_(n)
             storage_bytes_view(sc.storage).copy_(h.view())
         sc.released = False
-        self.pool.give(h.buf, sc.event)
+        self._give_back(sc, sc.event)
         self.prefetched_bytes += n
 
     def restore(self, sc: StorageCopy) -> None:
