@@ -29,7 +29,7 @@
 // Streams: a range or block is reused on the stream it was freed on without waiting (stream
 // order covers it); another stream gets it only after events recorded on every stream that used it
 // are complete. record_stream adds streams. On the host backend events are trivially complete but
-// the bookkeeping is the same.
+// the bookkeeping is the same. Those events are RangeEvents' (range_events.hpp).
 //
 // Failures (every driver error, not only out-of-memory): each operation either completes or leaves
 // the allocator as it was, with every chunk it holds counted once, in a place trim()/close() reach:
@@ -68,8 +68,11 @@
 #include <pthread.h>
 
 #include "alloc/cache_buckets.hpp"
+#include "alloc/format_bytes.hpp"
 #include "alloc/ptr_map.hpp"
+#include "alloc/quiet.hpp"
 #include "alloc/range.hpp"
+#include "alloc/range_events.hpp"
 #include "alloc/small_bins.hpp"
 #include "alloc/trace_ring.hpp"
 #include "alloc/va_space.hpp"
@@ -94,25 +97,19 @@ void install_fork_handler() {
   std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
 }
 
-// Streams whose handle names "the default stream of the current context" (CUDA's 0 and legacy
-// handles): they never die, so events on them may be recorded late. Not the per-thread handle
-// (2): it names the calling thread's stream, so an event recorded late from another thread would
-// land on another stream; its events are recorded at free, from the freeing thread.
-inline bool is_default_stream(uintptr_t s) { return s == 0 || s == 1; }
-constexpr uintptr_t kPerThreadStream = 2;
-
-std::string human(size_t bytes) {
-  char buf[64];
-  if (bytes >= (size_t(1) << 30))
-    std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
-  else if (bytes >= (size_t(1) << 20))
-    std::snprintf(buf, sizeof buf, "%.2f MiB", double(bytes) / double(size_t(1) << 20));
-  else if (bytes >= 1024)
-    std::snprintf(buf, sizeof buf, "%.2f KiB", double(bytes) / 1024.0);
-  else
-    return std::to_string(bytes) + " bytes";
-  return std::string(buf) + " (" + std::to_string(bytes) + " bytes)";
-}
+// A byte count with its peak: PyTorch's CUDACachingAllocator Stat, less the allocated/freed
+// totals, which nothing here reports. The peak follows the current value up, and comes down to it
+// only at reset_peak().
+struct Stat {
+  size_t current = 0;
+  size_t peak = 0;
+  void add(size_t n) {
+    current += n;
+    peak = std::max(peak, current);
+  }
+  void sub(size_t n) { current -= n; }
+  void reset_peak() { peak = current; }
+};
 
 std::string hex(uintptr_t p) {
   char buf[32];
@@ -125,6 +122,14 @@ inline uintptr_t tag_block(Block* b) { return reinterpret_cast<uintptr_t>(b) | 1
 inline bool is_block(uintptr_t v) { return v & 1u; }
 inline Block* as_block(uintptr_t v) { return reinterpret_cast<Block*>(v & ~uintptr_t(1)); }
 inline Range* as_range(uintptr_t v) { return reinterpret_cast<Range*>(v); }
+
+// What a public call needs besides the lock (Allocator::Impl::Guard).
+enum class Need {
+  lock,    // the lock only (works on a closed allocator)
+  open,    // not closed
+  driver,  // not closed, and the driver not shutting down (malloc, record_stream): the cache would
+           // otherwise serve them without a driver call
+};
 
 }  // namespace
 
@@ -147,12 +152,17 @@ struct Allocator::Impl {
   size_t slab_chunks = 0;
   size_t peak_in_use_chunks = 0;               // peak of chunks backing live ranges and slabs
   PtrMap live;                                 // address -> Range* | tagged Block*
+  RangeEvents events;                          // what freed memory waits for before reuse
 
-  Stats st;
+  // The reported byte counts with a peak: stats() copies them into the Stats keys of the same
+  // names (st's own fields of those names stay unused).
+  struct Sizes {
+    Stat requested;  // asked for by live allocations
+    Stat mapped;     // VA handed to live allocations
+    Stat physical;   // physical chunks held: chunks_held * chunk
+  } bytes;
+  Stats st;          // every other counter
   bool closed = false;
-  bool seen_stream = false;
-  uintptr_t first_stream = 0;
-  bool multistream = false;  // more than one stream seen: record owner events eagerly at free
   std::thread::id per_thread_caller;  // the first thread that passed the per-thread handle
   bool warned_per_thread = false;
 
@@ -178,12 +188,7 @@ struct Allocator::Impl {
   }
 
   void note_stream(uintptr_t s) {
-    if (!seen_stream) {
-      seen_stream = true;
-      first_stream = s;
-    } else if (s != first_stream) {
-      multistream = true;
-    }
+    events.note_stream(s);
     if (s == kPerThreadStream) note_per_thread_caller();
   }
   // The per-thread handle names a different stream in each thread, and vmalloc keys streams by
@@ -219,14 +224,13 @@ struct Allocator::Impl {
   void on_chunk_created() {
     ++chunks_held;
     ++st.num_chunks_created;
-    st.physical_current = chunks_held * chunk;
-    st.physical_peak = std::max(st.physical_peak, st.physical_current);
+    bytes.physical.add(chunk);
   }
   void release_chunk(ChunkHandle h) {
     timed([&] { drv->release(h); });
     --chunks_held;
     ++st.num_chunks_released;
-    st.physical_current = chunks_held * chunk;
+    bytes.physical.sub(chunk);
   }
   bool budget_allows_one_more() const { return cfg.budget == 0 || (chunks_held + 1) * chunk <= cfg.budget; }
   bool device_allows_one_more() const { return device_limit == 0 || (chunks_held + 1) * chunk <= device_limit; }
@@ -248,101 +252,7 @@ struct Allocator::Impl {
     cached_range_chunks -= r->k;
   }
 
-  // Drop completed record_stream events; true when none is left.
-  bool prune_extra(Range* r) {
-    auto& ev = r->extra_events;
-    for (size_t i = 0; i < ev.size();) {
-      if (drv->event_done(ev[i])) {
-        drv->event_destroy(ev[i]);
-        ev[i] = ev.back();
-        ev.pop_back();
-      } else {
-        ++i;
-      }
-    }
-    return ev.empty();
-  }
-  // Every use on every stream complete? Records the owner's event lazily when it was not recorded
-  // at free (single-stream phase): an event recorded later covers the earlier work too.
-  bool fully_ready(Range* r) {
-    if (r->all_ready) return true;
-    bool extras_done = prune_extra(r);
-    if (!r->has_owner_event) {
-      r->owner_event = drv->record_event(r->stream);
-      r->has_owner_event = true;
-    }
-    if (!extras_done || !drv->event_done(r->owner_event)) {
-      ++st.num_stream_waits;
-      return false;
-    }
-    drv->event_destroy(r->owner_event);
-    r->has_owner_event = false;
-    r->all_ready = true;
-    return true;
-  }
-  bool ready_for(Range* r, uintptr_t stream) {
-    if (r->all_ready) return true;
-    if (r->stream == stream && stream != kPerThreadStream) {  // 2: maybe another thread's stream
-      if (prune_extra(r)) return true;
-      ++st.num_stream_waits;
-      return false;
-    }
-    return fully_ready(r);
-  }
-  void wait_ready(Range* r) {
-    if (r->all_ready) return;
-    if (!r->has_owner_event) {
-      r->owner_event = drv->record_event(r->stream);
-      r->has_owner_event = true;
-    }
-    drv->event_wait(r->owner_event);
-    for (auto e : r->extra_events) drv->event_wait(e);
-    fully_ready(r);
-  }
-  void drop_events(Range* r) {
-    if (r->has_owner_event) drv->event_destroy(r->owner_event);
-    r->has_owner_event = false;
-    for (auto e : r->extra_events) drv->event_destroy(e);
-    r->extra_events.clear();
-    r->all_ready = false;
-  }
-
-  // Record one event per stream of `streams` into `into`; all or nothing (a failure destroys the
-  // events it recorded and leaves `into` as it was).
-  void record_on(const std::vector<uintptr_t>& streams, std::vector<EventHandle>& into) {
-    size_t before = into.size();
-    into.reserve(before + streams.size());
-    try {
-      for (uintptr_t s : streams) into.push_back(drv->record_event(s));
-    } catch (...) {
-      for (size_t i = before; i < into.size(); ++i) quiet([&] { drv->event_destroy(into[i]); });
-      into.resize(before);
-      throw;
-    }
-  }
-  // The owner's event is recorded at free when another stream may take the memory (several
-  // streams seen) or when the owner is a stream that may be destroyed later (any handle but the
-  // default ones): recording later on a dead stream is an error, or worse, another stream.
-  bool owner_event_now(uintptr_t stream) const { return multistream || !is_default_stream(stream); }
-
-  // free() of a large range, first half: record the events its reuse must wait for. Throws with
-  // nothing changed (the range stays live).
-  void record_free_events(Range* r) {
-    record_on(r->extra_streams, r->extra_events);
-    if (owner_event_now(r->stream)) {
-      try {
-        r->owner_event = drv->record_event(r->stream);
-        r->has_owner_event = true;
-      } catch (...) {
-        for (size_t i = r->extra_events.size() - r->extra_streams.size(); i < r->extra_events.size(); ++i)
-          quiet([&] { drv->event_destroy(r->extra_events[i]); });
-        r->extra_events.resize(r->extra_events.size() - r->extra_streams.size());
-        throw;
-      }
-    }
-    r->extra_streams.clear();
-  }
-  // Second half (cannot fail on a driver error): cache it, still mapped.
+  // free() of a large range, second half (cannot fail on a driver error): cache it, still mapped.
   void cache_retired(Range* r) {
     r->all_ready = false;
     r->requested = 0;
@@ -350,28 +260,10 @@ struct Allocator::Impl {
     r->is_slab = false;
     cache_insert(r);
   }
-  // An emptied slab leaves use. If its owner event cannot be recorded now it is recorded lazily
-  // (fully_ready), as on a default stream: the slab is cached either way, never lost.
+  // An emptied slab leaves use: cached as a one-chunk range, never lost.
   void retire_slab(Range* r) {
-    if (!r->has_owner_event && owner_event_now(r->stream)) {
-      try {
-        r->owner_event = drv->record_event(r->stream);
-        r->has_owner_event = true;
-      } catch (...) {
-      }
-    }
+    events.record_slab_owner_event(r);
     cache_retired(r);
-  }
-
-  // True when f returned.
-  template <class F>
-  static bool quiet(F&& f) noexcept {
-    try {
-      f();
-      return true;
-    } catch (...) {  // best effort (close, rollback): the driver may already be shutting down
-      return false;
-    }
   }
 
   // Unmap the last m chunks of a cached, fully ready range (last first); appends their handles to
@@ -410,8 +302,8 @@ struct Allocator::Impl {
     size_t got = 0;
     for (Range* r = lru_head; r && got < need;) {
       Range* next = r->lru_next;
-      if (wait) wait_ready(r);
-      if (fully_ready(r)) {
+      if (wait) events.wait_ready(r);
+      if (events.fully_ready(r)) {
         size_t m = std::min(need - got, r->k);
         take_tail(r, m, out);
         got += m;
@@ -430,9 +322,9 @@ struct Allocator::Impl {
       if (!device_allows_one_more()) {
         device_full = true;
         failure = chunk > device_limit ? "one chunk is larger than the " + std::string(drv->name()) +
-                                             " backend's memory (" + human(device_limit) + ")"
+                                             " backend's memory (" + format_bytes_exact(device_limit) + ")"
                                        : "the " + std::string(drv->name()) + " backend's memory (" +
-                                             human(device_limit) + ") is full";
+                                             format_bytes_exact(device_limit) + ") is full";
         break;
       }
       try {
@@ -510,7 +402,8 @@ struct Allocator::Impl {
       for (auto h : handles) free_chunks.push_back(h);
       // No address space left is running out of memory, whatever the backend calls it.
       missing = k * chunk;
-      failure = std::string("cannot reserve ") + human(k * chunk) + " of virtual address space (" + e.what() + ")";
+      failure = std::string("cannot reserve ") + format_bytes_exact(k * chunk) + " of virtual address space (" +
+                e.what() + ")";
       return nullptr;
     }
     try {
@@ -570,9 +463,9 @@ struct Allocator::Impl {
     if (std::vector<Range*>* bucket = cache.find(k)) {
       for (size_t i = bucket->size(), scanned = 0; i-- > 0 && scanned < 16; ++scanned) {
         Range* r = (*bucket)[i];
-        if (!r->no_access && ready_for(r, stream)) {
+        if (!r->no_access && events.ready_for(r, stream)) {
           cache_remove(r);
-          drop_events(r);
+          events.drop_events(r);
           ++st.num_cache_hits;
           return r;
         }
@@ -585,7 +478,7 @@ struct Allocator::Impl {
         std::vector<Range*>& bucket = *cache.find(kk);
         for (size_t i = bucket.size(); i-- > 0 && scanned < 16; ++scanned) {
           Range* r = bucket[i];
-          if (r->no_access || !ready_for(r, stream)) continue;
+          if (r->no_access || !events.ready_for(r, stream)) continue;
           cache_remove(r);
           Range* tail = new Range;
           tail->addr = r->addr + k * chunk;
@@ -600,7 +493,7 @@ struct Allocator::Impl {
           r->has_owner_event = false;
           r->k = k;
           r->chunks.resize(k);
-          drop_events(r);
+          events.drop_events(r);
           cache_insert(tail);
           ++st.num_cache_hits;
           ++st.num_splits;
@@ -614,34 +507,18 @@ struct Allocator::Impl {
 
   void on_alloc_stats(size_t requested, size_t mapped) {
     ++st.num_malloc;
-    st.requested_current += requested;
-    st.mapped_current += mapped;
-    st.requested_peak = std::max(st.requested_peak, st.requested_current);
-    st.mapped_peak = std::max(st.mapped_peak, st.mapped_current);
+    bytes.requested.add(requested);
+    bytes.mapped.add(mapped);
   }
   void on_free_stats(size_t requested, size_t mapped) {
     ++st.num_free;
-    st.requested_current -= requested;
-    st.mapped_current -= mapped;
+    bytes.requested.sub(requested);
+    bytes.mapped.sub(mapped);
   }
 
   void poll_small_pending(bool wait) {
     std::vector<Range*> released;
-    small.poll_pending(
-        [&](Block* b) {
-          for (size_t i = 0; i < b->events.size();) {
-            if (wait) drv->event_wait(b->events[i]);
-            if (drv->event_done(b->events[i])) {
-              drv->event_destroy(b->events[i]);
-              b->events[i] = b->events.back();
-              b->events.pop_back();
-            } else {
-              ++i;
-            }
-          }
-          return b->events.empty();
-        },
-        released);
+    small.poll_pending([&](Block* b) { return events.prune(b->events, wait); }, released);
     for (Range* r : released) {
       slab_chunks -= r->k;
       retire_slab(r);
@@ -687,7 +564,8 @@ struct Allocator::Impl {
     if (device_limit != 0 && k * chunk > device_limit) {  // could never fit: fail now, commit nothing
       missing = k * chunk - device_limit;
       device_full = true;
-      failure = "larger than the " + std::string(drv->name()) + " backend's memory (" + human(device_limit) + ")";
+      failure = "larger than the " + std::string(drv->name()) + " backend's memory (" +
+                format_bytes_exact(device_limit) + ")";
       return nullptr;
     }
     Range* r = acquire(k, stream, missing, device_full);
@@ -712,6 +590,24 @@ struct Allocator::Impl {
           "vmalloc: this allocator belongs to the process that created it; a forked child cannot use "
           "it (its memory is not mapped in the child): create a new Allocator in the child");
   }
+
+  // The prologue of the public calls that take the lock (close() and closed() have their own: they
+  // also work in a forked child): refuse in a forked child, then hold the lock, then what `need`
+  // adds.
+  class Guard {
+   public:
+    explicit Guard(const Impl& m, Need need = Need::lock) : lock_(unforked_mutex(m)) {
+      if (need != Need::lock) m.check_open();
+      if (need == Need::driver) m.drv->check_not_shut_down();
+    }
+
+   private:
+    static std::mutex& unforked_mutex(const Impl& m) {
+      m.check_not_forked();
+      return m.mu;
+    }
+    std::lock_guard<std::mutex> lock_;
+  };
 
   // Release cached physical memory until physical <= target; returns bytes released. A driver
   // failure on one range or chunk does not stop the others: what is releasable is released, the
@@ -747,9 +643,9 @@ struct Allocator::Impl {
     for (Range* r = lru_head; r; r = r->lru_next) ++to_visit;
     for (Range* r = lru_head; r && to_visit > 0 && chunks_held * chunk > target; --to_visit) {
       Range* next = r->lru_next;
-      if (wait) attempt([&] { wait_ready(r); });
+      if (wait) attempt([&] { events.wait_ready(r); });
       bool ready = false;
-      attempt([&] { ready = fully_ready(r); });
+      attempt([&] { ready = events.fully_ready(r); });
       if (ready) {
         std::vector<ChunkHandle> hs;
         attempt([&] { take_tail(r, r->k, hs); });  // on failure r stays cached with the rest
@@ -765,7 +661,7 @@ struct Allocator::Impl {
 
   // Unmap a range chunk by chunk and release its chunks; every driver call on its own (close).
   void unmap_release(Range* r) noexcept {
-    quiet([&] { drop_events(r); });
+    quiet([&] { events.drop_events(r); });
     for (size_t i = 0; i < r->k; ++i) {
       quiet([&] { drv->unmap(r->addr + i * chunk, chunk); });
       ++st.num_unmap;
@@ -790,9 +686,8 @@ struct Allocator::Impl {
     // device's stream, record_stream) are still waited for, which is free for this device's.
     bool synced = quiet([&] { drv->synchronize(); });
     auto wait = [&](Range* r) {
-      if (!synced) return wait_ready(r);
-      if (r->has_owner_event) drv->event_wait(r->owner_event);
-      for (auto e : r->extra_events) drv->event_wait(e);
+      if (!synced) return events.wait_ready(r);
+      events.wait_recorded(r);
     };
     live.for_each([&](uintptr_t, uintptr_t v) {
       if (!is_block(v)) unmap_release(as_range(v));
@@ -824,7 +719,8 @@ struct Allocator::Impl {
     cached_range_chunks = slab_chunks = 0;
     va->release_all();
     drv->shutdown();
-    st.physical_current = st.mapped_current = st.requested_current = 0;
+    // the peaks stay: they are history
+    bytes.physical.current = bytes.mapped.current = bytes.requested.current = 0;
     st.small_requested_current = 0;
   }
 };
@@ -837,13 +733,14 @@ Allocator::Allocator(const Config& cfg) : impl_(std::make_unique<Impl>()) {
   if (cfg.device < 0) throw std::invalid_argument("device: must be >= 0, got " + std::to_string(cfg.device));
   m.drv = driver::make_driver(cfg.backend, cfg.device);
   m.gran = m.drv->granularity();
+  m.events = RangeEvents(*m.drv);
   if (cfg.chunk_size == 0 || cfg.chunk_size % m.gran != 0)
     throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) +
                                 " bytes is not a positive multiple of the " + cfg.backend +
                                 " backend's allocation granularity (" + std::to_string(m.gran) + " bytes)");
   if (cfg.chunk_size > kMaxChunk)
-    throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) +
-                                " bytes is larger than any address space (" + human(kMaxChunk) + ")");
+    throw std::invalid_argument("chunk_size: " + std::to_string(cfg.chunk_size) + " bytes is larger than any " +
+                                "address space (" + format_bytes_exact(kMaxChunk) + ")");
   if (cfg.budget != 0 && cfg.budget < cfg.chunk_size)
     throw std::invalid_argument("budget: " + std::to_string(cfg.budget) + " bytes is smaller than one chunk (" +
                                 std::to_string(cfg.chunk_size) + " bytes)");
@@ -875,14 +772,11 @@ Allocator::~Allocator() {
 // callers hold a lock the callback may need).
 static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bool use_pressure) {
   if (nbytes == 0) throw std::invalid_argument("nbytes: must be a positive byte count, got 0");
-  m.check_not_forked();
   for (int attempt = 0;; ++attempt) {
     size_t missing = 0;
     std::function<bool(size_t)> cb;
     {
-      std::lock_guard<std::mutex> g(m.mu);
-      m.check_open();
-      m.drv->check_not_shut_down();  // the cache would otherwise serve it without a driver call
+      Allocator::Impl::Guard g(m, Need::driver);
       m.note_stream(stream);
       m.failure.clear();
       bool device_full = false;
@@ -891,7 +785,7 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
         missing = nbytes;
         device_full = true;
         m.failure = "larger than the " + std::string(m.drv->name()) + " backend's memory (" +
-                    human(m.device_limit) + ")";
+                    format_bytes_exact(m.device_limit) + ")";
       }
       else if (nbytes < m.small_limit)
         p = m.malloc_small(nbytes, stream, missing, device_full);
@@ -909,24 +803,25 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
         size_t k = nbytes / m.chunk + (nbytes % m.chunk != 0);
         std::string why = !m.failure.empty() ? m.failure
                           : m.cfg.budget != 0 && !device_full
-                              ? "budget " + human(m.cfg.budget)
+                              ? "budget " + format_bytes_exact(m.cfg.budget)
                               : "the device is full (" + std::string(m.drv->name()) + " backend)";
-        throw OutOfMemory("vmalloc: out of memory: requested " + human(nbytes) + " (" + std::to_string(k) +
-                              " chunk(s) of " + human(m.chunk) + "), in use " + human(m.st.physical_current) +
-                              " physical (" + human(m.st.requested_current) +
-                              " requested by live allocations), " + why + "; " + human(missing) + " missing",
-                          nbytes, m.st.physical_current, m.cfg.budget);
+        throw OutOfMemory("vmalloc: out of memory: requested " + format_bytes_exact(nbytes) + " (" +
+                              std::to_string(k) + " chunk(s) of " + format_bytes_exact(m.chunk) + "), in use " +
+                              format_bytes_exact(m.bytes.physical.current) + " physical (" +
+                              format_bytes_exact(m.bytes.requested.current) + " requested by live allocations), " +
+                              why + "; " + format_bytes_exact(missing) + " missing",
+                          nbytes, m.bytes.physical.current, m.cfg.budget);
       }
     }
     // Outside the lock: the callback may free memory through this allocator.
     if (!cb(missing)) {
       std::lock_guard<std::mutex> g(m.mu);
       ++m.st.num_oom;
-      throw OutOfMemory("vmalloc: out of memory: requested " + human(nbytes) + ", in use " +
-                            human(m.st.physical_current) + " physical, budget " +
-                            (m.cfg.budget ? human(m.cfg.budget) : std::string("none")) + "; " + human(missing) +
-                            " missing and the pressure callback freed nothing",
-                        nbytes, m.st.physical_current, m.cfg.budget);
+      throw OutOfMemory("vmalloc: out of memory: requested " + format_bytes_exact(nbytes) + ", in use " +
+                            format_bytes_exact(m.bytes.physical.current) + " physical, budget " +
+                            (m.cfg.budget ? format_bytes_exact(m.cfg.budget) : std::string("none")) + "; " +
+                            format_bytes_exact(missing) + " missing and the pressure callback freed nothing",
+                        nbytes, m.bytes.physical.current, m.cfg.budget);
     }
   }
 }
@@ -943,9 +838,7 @@ void* Allocator::try_malloc(size_t nbytes, uintptr_t stream) {
 
 void Allocator::free(void* p) {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
-  m.check_open();
+  Impl::Guard g(m, Need::open);
   auto addr = reinterpret_cast<uintptr_t>(p);
   uintptr_t v = 0;
   if (!m.live.take(addr, v))
@@ -960,12 +853,12 @@ void Allocator::free(void* p) {
     if (is_block(v)) {
       Block* b = as_block(v);
       if (!b->extra_streams.empty()) {
-        m.record_on(b->extra_streams, b->events);
+        m.events.record_on(b->extra_streams, b->events);
         m.small.reserve_pending();
       }
     } else {
       Range* r = as_range(v);
-      if (!r->extra_streams.empty() || m.owner_event_now(r->stream)) m.record_free_events(r);
+      if (!r->extra_streams.empty() || m.events.owner_event_now(r->stream)) m.events.record_free_events(r);
     }
   } catch (const driver::DriverShutDown&) {
     m.live.insert(addr, v);
@@ -1000,10 +893,7 @@ void Allocator::free(void* p) {
 
 void Allocator::record_stream(void* p, uintptr_t stream) {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
-  m.check_open();
-  m.drv->check_not_shut_down();
+  Impl::Guard g(m, Need::driver);
   auto addr = reinterpret_cast<uintptr_t>(p);
   const uintptr_t* found = m.live.find(addr);
   if (!found) throw std::invalid_argument("ptr: " + hex(addr) + " is not a live allocation of this allocator");
@@ -1017,9 +907,14 @@ void Allocator::record_stream(void* p, uintptr_t stream) {
 
 Stats Allocator::stats() const {
   const Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
+  Impl::Guard g(m);
   Stats s = m.st;
+  s.requested_current = m.bytes.requested.current;
+  s.requested_peak = m.bytes.requested.peak;
+  s.mapped_current = m.bytes.mapped.current;
+  s.mapped_peak = m.bytes.mapped.peak;
+  s.physical_current = m.bytes.physical.current;
+  s.physical_peak = m.bytes.physical.peak;
   s.internal_fragmentation = s.mapped_current - s.requested_current;
   s.cached_bytes = (m.free_chunks.size() + m.cached_range_chunks) * m.chunk;
   s.num_live = m.live.size();
@@ -1028,23 +923,22 @@ Stats Allocator::stats() const {
   s.num_va_reserve = m.va->num_reserves();
   s.budget = m.cfg.budget;
   s.num_trace_dropped = m.trace.dropped();
+  s.num_stream_waits = m.events.num_waits();
   return s;
 }
 
 void Allocator::reset_peak() {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
+  Impl::Guard g(m);
   // Only the reported peaks: the growth policy's own peak (peak_in_use_chunks) is history it needs.
-  m.st.requested_peak = m.st.requested_current;
-  m.st.mapped_peak = m.st.mapped_current;
-  m.st.physical_peak = m.st.physical_current;
+  m.bytes.requested.reset_peak();
+  m.bytes.mapped.reset_peak();
+  m.bytes.physical.reset_peak();
 }
 
 size_t Allocator::trim() {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
+  Impl::Guard g(m);
   if (m.closed) return 0;
   m.drv->check_not_shut_down();
   size_t released = m.shrink_to(0, /*wait=*/true);
@@ -1059,9 +953,7 @@ size_t Allocator::trim() {
 
 void Allocator::set_budget(size_t bytes) {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
-  m.check_open();
+  Impl::Guard g(m, Need::open);
   if (bytes != 0 && bytes < m.chunk)
     throw std::invalid_argument("budget: " + std::to_string(bytes) + " bytes is smaller than one chunk (" +
                                 std::to_string(m.chunk) + " bytes)");
@@ -1075,28 +967,24 @@ void Allocator::set_budget(size_t bytes) {
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
   // The old callback is destroyed after the lock is released: destroying it may take other locks
   // (the Python binding's holder takes the GIL).
-  impl_->check_not_forked();
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    Impl::Guard g(*impl_);
     impl_->pressure.swap(cb);
   }
 }
 
 void Allocator::set_trace(bool on) {
-  impl_->check_not_forked();
-  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl::Guard g(*impl_);
   impl_->trace_on = on;
 }
 
 std::vector<TraceEvent> Allocator::take_trace() {
-  impl_->check_not_forked();
-  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl::Guard g(*impl_);
   return impl_->trace.take();
 }
 
 void Allocator::set_trace_capacity(size_t events) {
-  impl_->check_not_forked();
-  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl::Guard g(*impl_);
   impl_->trace.set_capacity(events);
   impl_->cfg.trace_capacity = events;
 }
@@ -1117,9 +1005,7 @@ bool Allocator::forked() const { return impl_->forked(); }
 
 bool Allocator::add_peer(int device) {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
-  m.check_open();
+  Impl::Guard g(m, Need::open);
   if (device == m.cfg.device) return m.drv->add_peer(device);  // nothing to re-grant
   bool known = m.drv->has_peer(device);
   if (!m.drv->add_peer(device)) return false;
@@ -1144,16 +1030,13 @@ bool Allocator::add_peer(int device) {
 }
 
 void Allocator::inject_fault(const std::string& call, uint64_t nth, int err, uint64_t count) {
-  impl_->check_not_forked();
-  std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->check_open();
+  Impl::Guard g(*impl_, Need::open);
   impl_->drv->inject_fault(call, nth, err, count);
 }
 
 Allocator::DebugState Allocator::debug_state() const {
   const Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
+  Impl::Guard g(m);
   DebugState d;
   auto u = m.drv->usage();
   d.committed_bytes = u.committed_bytes;
@@ -1179,8 +1062,7 @@ bool Allocator::closed() const {
 
 size_t Allocator::allocation_size(const void* p) const {
   const Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);
+  Impl::Guard g(m);
   const uintptr_t* v = m.live.find(reinterpret_cast<uintptr_t>(p));
   if (!v) return 0;
   return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
@@ -1188,10 +1070,9 @@ size_t Allocator::allocation_size(const void* p) const {
 
 std::vector<std::pair<uintptr_t, size_t>> Allocator::live_allocations() const {
   const Impl& m = *impl_;
-  m.check_not_forked();
   std::vector<std::pair<uintptr_t, size_t>> out;
   {
-    std::lock_guard<std::mutex> g(m.mu);
+    Impl::Guard g(m);
     out.reserve(m.live.size());
     m.live.for_each([&](uintptr_t addr, uintptr_t v) {
       out.emplace_back(addr, is_block(v) ? as_block(v)->requested : as_range(v)->requested);
@@ -1205,9 +1086,7 @@ size_t Allocator::total_memory() const { return impl_->drv->total_memory(); }
 
 size_t Allocator::largest_available() {
   Impl& m = *impl_;
-  m.check_not_forked();
-  std::lock_guard<std::mutex> g(m.mu);  // also against close() dropping the driver's context
-  m.check_open();
+  Impl::Guard g(m, Need::open);  // the lock also against close() dropping the driver's context
   // a snapshot (microseconds), less 1/64 for what others (NCCL, other processes) may take
   // before the caller allocates
   size_t room = m.timed([&] { return m.drv->free_memory(); });

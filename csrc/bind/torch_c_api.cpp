@@ -51,6 +51,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "alloc/allocator.hpp"
+#include "alloc/format_bytes.hpp"
 #include "bind/torch_cache_info.hpp"
 #include "bind/torch_oom.hpp"
 
@@ -151,16 +152,6 @@ size_t largest_block(int device) noexcept {
   return 0;
 }
 
-std::string fmt_bytes(size_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) { v /= 1024; ++u; }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f %s", v, units[u]);
-  return buf;
-}
-
 }  // namespace
 
 // ---- the entry points ----------------------------------------------------------------------
@@ -171,9 +162,10 @@ VMALLOC_EXPORT void* vmalloc_torch_malloc(size_t size, int device, void* stream)
   try {
     return a->malloc(size, reinterpret_cast<uintptr_t>(stream));
   } catch (const vmalloc::OutOfMemory& e) {
-    vmalloc::throw_torch_oom("CUDA out of memory (vmalloc). Tried to allocate " + fmt_bytes(e.requested) +
-              ". GPU " + std::to_string(device) + ": vmalloc holds " + fmt_bytes(e.in_use) +
-              " of physical memory" + (e.budget ? " with a budget of " + fmt_bytes(e.budget) : "") +
+    using vmalloc::format_bytes;
+    vmalloc::throw_torch_oom("CUDA out of memory (vmalloc). Tried to allocate " + format_bytes(e.requested) +
+              ". GPU " + std::to_string(device) + ": vmalloc holds " + format_bytes(e.in_use) +
+              " of physical memory" + (e.budget ? " with a budget of " + format_bytes(e.budget) : "") +
               ". Free tensors (or raise VMALLOC_BUDGET / set_per_process_memory_fraction) and "
               "retry; vmalloc stays usable. Detail: " + e.what());
   }
