@@ -725,3 +725,32 @@ def test_dropped_values_are_really_freed():
     torch.manual_seed(1)
     ref(x).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+# ------------------------------------------------------------------ input-aware chains
+def test_input_aware_chain_under_checkpoint_learns_on_profiling_steps():
+    """``chain=InputAwareChain(...)`` under scheduler.checkpoint (what the runner recommends for
+    dynamic padding): the blocks take the model's keyword arguments, so the source cannot run
+    them itself; the runner measures each new size on a profiling step (with the model's
+    tail) and teaches it to the source, which predicts every size after ``samples``. Gradients
+    stay bit-identical, before and after the estimator is fitted."""
+    from scheduler.runtime.input_aware import InputAwareChain
+    ref, _ = make("gpt2")
+    model = copy.deepcopy(ref)
+    src = InputAwareChain(model.transformer.h, samples=3, measure_options=FAST)
+    hi = budgets("gpt2")[1]
+    scheduler.checkpoint(model, budget=hi, planner="rotor", chain=src)
+    (r,) = runners(model)
+    lengths = [6, 8, 10, 12, 14, 9]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # no "measured N shapes" advice
+        warnings.filterwarnings("ignore", message=".*(use_cache|loss_type).*")
+        for i, n in enumerate(lengths):
+            ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(i))
+            batch = {"input_ids": ids, "labels": ids}
+            assert_same(ref, model, step(ref, batch, i), step(model, batch, i), f"length {n}")
+    st = src.stats()
+    assert st["measurements"] == 3 and not st["collecting"], st
+    assert st["predictions"] == len(lengths) - 3, st     # every later size predicted
+    assert r.profiling_steps == 3                         # and none of them profiled
+    assert r.last_plan.chain.meta["source"] == "ChainEstimator"   # planned on a prediction

@@ -132,6 +132,8 @@ class ChainRunner:
         self.profiling_steps = 0
         self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
+        # profiling steps whose chain an InputAwareChain learns: profile key -> input size
+        self._learning: Dict[Hashable, float] = {}
         self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
         self.calls = 0  # block calls through the runner (a list its model never calls: 0)
         self.said_uncalled = False  # tail.TailProbe's warning that they never were, given
@@ -175,6 +177,14 @@ class ChainRunner:
         src = self.chain_source
         if isinstance(src, Chain):
             chain = src
+        elif isinstance(src, InputAwareChain) and not self.sequential:
+            # blocks the model's loop calls (scheduler.checkpoint: keyword arguments, the
+            # model's tail as the loss stage): a size still to learn is measured on a
+            # profiling step, as without chain=, and taught to the source at its end
+            # (``_plan_measured``); a known size or a fitted estimator answers now
+            chain = src.known(args)
+            if chain is None:
+                return None
         elif callable(src):
             if isinstance(src, InputAwareChain) and src.collecting and \
                     fsdp.units(self.blocks, self.entries):
@@ -248,8 +258,14 @@ class ChainRunner:
                                  [out[k] for k in OUTSIDE_FIELDS]
                                  if measured and isinstance(out, dict) else None)
             return
+        size = self._learning.pop(key, None)
+        if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
+            if agree_on is not None:
+                chain, agree_on = distributed.agree_chain(chain, key=agree_on), None
+            self.chain_source.learn(size, chain)
         chain = self._check_chain(chain, agree_on=agree_on)
-        self._remember(key, chain)
+        if self.chain_source is None:
+            self._remember(key, chain)
         self.cache.get_or_plan(key, lambda: self._plan_on(chain, device))
 
     def _compile(self, plan: Plan) -> CompiledPlan:
@@ -395,6 +411,10 @@ class ChainRunner:
             step.collector = ShuttlingCollector(self.L)
         step.profile_key = profile_key
         step.input_size = self.input_size(args) if collector is not None else None
+        if profile_key is not None and isinstance(self.chain_source, InputAwareChain):
+            if len(self._learning) > self.cache.capacity:  # (steps that never ended)
+                self._learning.clear()
+            self._learning[profile_key] = self.chain_source.input_size(args)
         self.last_stats = step.stats
         self.last_plan = cplan.plan
         return step

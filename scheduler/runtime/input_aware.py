@@ -62,14 +62,29 @@ class InputAwareChain:
         return not self.estimator.ready
 
     def __call__(self, *args: Any) -> Chain:
+        chain = self.known(args)
+        if chain is None:
+            size = self.input_size(args)
+            chain = distributed.agree_chain(self._measure(args), key=("input-aware", float(size)))
+            self.learn(size, chain)
+        return chain
+
+    def known(self, args: Sequence[Any]) -> Optional[Chain]:
+        """The chain of block 0's arguments ``args`` without measuring anything: the one
+        measured for their size, or the estimator's prediction once it is fitted; None while
+        their size is still to be measured."""
         size = self.input_size(args)
         if self.estimator.has(size) or self.estimator.ready:
             self.predictions += 0 if self.estimator.has(size) else 1
             return self.estimator.predict(size)
-        chain = distributed.agree_chain(self._measure(args), key=("input-aware", float(size)))
+        return None
+
+    def learn(self, size: float, chain: Chain) -> None:
+        """A chain measured for input size ``size`` (by this source, or by the runner on a
+        profiling step: ``scheduler.checkpoint``'s blocks take the model's keyword arguments
+        and are measured with the model's tail there), agreed across ranks."""
         self.measurements += 1
         self.estimator.observe(size, chain)
-        return chain
 
     def _measure(self, args: Tuple[Any, ...]) -> Chain:
         return measure_preserved(self.blocks, self.blocks, args, self.loss, self.measure_options)
