@@ -233,7 +233,7 @@ def checkpoint_plan(L: int, checkpointed: Iterable[int], planner: str = "mimose"
     ck = set(checkpointed)
     bad = [s for s in ck if not (isinstance(s, int) and 0 <= s < L)]
     if bad:
-        raise ValueError(f"plan_from_checkpoints: checkpointed blocks {bad} not in 0..{L - 1}")
+        raise ValueError(f"checkpoint_plan: checkpointed blocks {bad} not in 0..{L - 1}")
     ops: List[Any] = [("F_ck" if s in ck else "F_all", s) for s in range(L)]
     ops += [("F_all", L), ("B", L)]
     for s in range(L - 1, -1, -1):

@@ -101,7 +101,7 @@ class HFLlama(nn.Module):
 
 HF_MODELS = ("llama",)
 HF_RUNTIMES = ("plain", "checkpoint-rotor", "checkpoint-pofo", "checkpoint-periodic",
-               "checkpoint-mimose", "checkpoint-rotor-on-wrapper")
+               "checkpoint-mimose", "checkpoint-rotor-on-wrapper", "checkpoint-rotor-input-aware")
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -194,6 +194,20 @@ def _checkpoint(planner: str) -> Callable[[Net, int], nn.Module]:
     return prepare
 
 
+SOURCES: List[Any] = []  # the InputAwareChain of the current case, if any
+
+
+def _checkpoint_input_aware(net: Net, budget: int) -> nn.Module:
+    """scheduler.checkpoint with chain=InputAwareChain: the runner measures each size still to
+    learn on a profiling step (the model's keyword arguments; FSDP's forward-only measurement)
+    and teaches it to the source."""
+    from scheduler.runtime.input_aware import InputAwareChain
+    path = getattr(net, "block_path", "blocks")
+    SOURCES.append(InputAwareChain(net.get_submodule(path), samples=3))
+    return scheduler.checkpoint(net, budget, planner="rotor", blocks=path, chain=SOURCES[-1],
+                                on_chain=lambda c: CHAINS.append(c) or c)
+
+
 def _checkpoint_wrapped(wrapped: nn.Module, net: Net, budget: int) -> None:
     """scheduler.checkpoint called on the parallel wrapper (DDP, the FSDP1 root), after it
     wrapped the model: HF's blocks found through the wrapper (FSDP1 units in their list or
@@ -214,6 +228,7 @@ RUNTIMES: Dict[str, Runtime] = {
     **{f"checkpoint-{p}": Runtime(_checkpoint(p))
        for p in ("rotor", "pofo", "periodic", "mimose")},
     "checkpoint-rotor-on-wrapper": Runtime(lambda net, budget: net, after=_checkpoint_wrapped),
+    "checkpoint-rotor-input-aware": Runtime(_checkpoint_input_aware),
 }
 
 
@@ -304,6 +319,7 @@ def grad_digest(model: nn.Module) -> Dict[str, Any]:
 def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) -> Dict[str, Any]:
     rt = RUNTIMES[runtime]
     CHAINS.clear()
+    SOURCES.clear()
     net = build(model)
     wrapped = PARALLEL[parallel](rt.prepare(net, budget))
     if rt.after is not None:
@@ -331,6 +347,8 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["plan"] = hashlib.sha256(repr(plan.ops).encode()).hexdigest()
         chain = plan.chain
         rec["agreed_over_ranks"] = None if chain is None else chain.meta.get("agreed_over_ranks")
+    if SOURCES:
+        rec["input_aware"] = SOURCES[-1].stats()
     if CHAINS:   # what the step held beside the chain, as the last planned-on chain counts it
         rec["outside"] = CHAINS[-1].meta.get("outside")
     # what the last step (a planned one) did: scheduler.checkpoint's runners, or the chain's

@@ -68,9 +68,11 @@ def test_probe_copies_only_into_its_own_streams_memory_after_waiting(monkeypatch
                         lambda *a: type("S", (), {"name": cur[0]})())
     monkeypatch.setattr(bandwidth, "PROBE_BYTES", 1024)
     assert bandwidth._probe(0) > 0
-    dev_writes = [(t, s) for k, t, s in log if k == "write" and t in alloc_stream]
-    assert dev_writes, log
-    # the device buffer belongs to the probe's stream, which waited for the caller's first
-    assert all(s == alloc_stream[t] != "default" for t, s in dev_writes), log
-    first_alloc = next(i for i, e in enumerate(log) if e[0] == "alloc")
-    assert ("wait", alloc_stream[dev_writes[0][0]], "default") in log[:first_alloc], log
+    writes = [(i, t, s) for i, (k, t, s) in enumerate(log) if k == "write" and t in alloc_stream]
+    assert writes, log
+    # every write into device memory from another stream than the one it was allocated on
+    # comes after that stream waited for the allocating one (whose queued kernels may still
+    # read the block)
+    for i, t, s in writes:
+        a = alloc_stream[t]
+        assert s == a or ("wait", s, a) in log[:i], (i, log)

@@ -39,7 +39,8 @@ LAUNCH_TIMEOUT_S = 300
 MODELS = ("cnn", "transformer", "llama")
 MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
                  "wrap-rotor-input-aware", "checkpoint-rotor", "checkpoint-pofo",
-                 "checkpoint-periodic", "checkpoint-mimose", "checkpoint-rotor-on-wrapper")
+                 "checkpoint-periodic", "checkpoint-mimose", "checkpoint-rotor-on-wrapper",
+                 "checkpoint-rotor-input-aware")
 WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
 
 # (runtime, parallel) pairs that cannot work yet, each with the reason (strict xfail: fixing one
@@ -182,6 +183,9 @@ def test_gradients_match_plain_per_rank_and_step(runs, model, runtime, parallel)
             # at the first step) recomputes or offloads (Mimose still collects)
             assert rec["recomputed"] + rec["offloaded"] > 0, f"rank {rank}: the plan kept all"
             assert "profile" not in rec["last_planners"], f"rank {rank}: {rec['last_planners']}"
+        if runtime == "checkpoint-rotor-input-aware":   # each input size learnt once
+            sizes = 1 if model == "cnn" else len(set(W.SEQ_LENS))
+            assert rec["input_aware"]["measurements"] == sizes, rec["input_aware"]
 
 
 def test_plans_agree_across_ranks(runs):

@@ -82,12 +82,15 @@ def test_pool_mode_empty_cache_also_trims_vmalloc(monkeypatch):
     monkeypatch.setattr(registry.REGISTRY, "patched", {})
     monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: calls.append("torch"),
                         raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_emptyCache", lambda: calls.append("acc"),
+                        raising=False)
     monkeypatch.setattr(register, "core",
                         lambda: types.SimpleNamespace(_torch_trim=lambda: calls.append("trim")))
     register._trim_on_empty_cache(torch)
     register._trim_on_empty_cache(torch)   # once only: no wrapper around the wrapper
     torch._C._cuda_emptyCache()
-    assert calls == ["torch", "trim"]
+    torch._C._accelerator_emptyCache()
+    assert calls == ["torch", "trim", "acc", "trim"]
 
 
 def test_pool_makes_its_mempool_on_its_device_and_trims_at_exit(monkeypatch):
@@ -112,7 +115,7 @@ def test_pool_makes_its_mempool_on_its_device_and_trims_at_exit(monkeypatch):
 
     native = types.SimpleNamespace(_torch_configure=lambda *a: None,
                                    _torch_trim=lambda: log.append(("trim",)))
-    monkeypatch.setattr(registry.REGISTRY, "patched", {"_cuda_emptyCache": None})
+    monkeypatch.setattr(registry.REGISTRY, "patched", {"_cuda_emptyCache": None, "_accelerator_emptyCache": None})
     monkeypatch.setattr(registry.REGISTRY, "mode", None)
     monkeypatch.setattr(registry.REGISTRY, "config", {})
     monkeypatch.setattr(register, "_require_cuda", lambda torch, who: None)

@@ -42,10 +42,6 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(module, __name__), attr)
-        if name == "report":
-            # `vmalloc.report` is the function (DESIGN.md); `vmalloc.report.add_section(...)`
-            # works too (README)
-            value.add_section = importlib.import_module(module, __name__).add_section
         globals()[name] = value
         return value
     if name in _SUBMODULES:

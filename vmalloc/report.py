@@ -366,3 +366,20 @@ def draw_replay_timelines(ax: Any, timelines: Mapping[str, Mapping[str, Any]],
     ax.set_xlabel("event")
     ax.set_ylabel(unit_name)
     ax.legend(fontsize=7)
+
+
+# names this module had before the live report and the per-process paths got modules of their
+# own (``pluggable.live_report``, ``report_process``): resolved on use, so importing this module
+# still loads neither (that import order was a cycle)
+_MOVED = {"add_section": "pluggable.live_report", "remove_section": "pluggable.live_report",
+          "collect": "pluggable.live_report", "report": "pluggable.live_report",
+          "write_exit_report": "pluggable.live_report", "report_path": "report_process",
+          "process_rank": "report_process", "is_launcher": "report_process",
+          "process_identity": "report_process"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+        return getattr(importlib.import_module(f"vmalloc.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

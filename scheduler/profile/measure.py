@@ -66,7 +66,7 @@ def _check_count(value: Any, name: str, low: int) -> int:
 @contextlib.contextmanager
 def _preserved(block: nn.Module, device: torch.device) -> Iterator[None]:
     """Run measurements without a trace on the block's buffers or on the RNG streams, and
-    without calling its gradient and backward hooks (``_trace.hooks_silenced``)."""
+    without calling its gradient and backward hooks (``autograd_graph.hooks_silenced``)."""
     saved = [(b, b.detach().clone()) for b in block.buffers()]
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), T.hooks_silenced(block):
@@ -105,7 +105,7 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     intermediate of the stage alive at once, two or three times the stage's own peak, on a
     device that may have no room for it). ``dead_output``: the bytes of the stage's output its
     own graph does not save, held here through the backward but not in a real step's ``B s``
-    (``_trace.saved_sizes``)."""
+    (``autograd_graph.saved_sizes``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -137,7 +137,7 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     old = [(p, p.grad) for p in params]
     peak_b = made = 0
     # (the parameters' post-accumulate-grad hooks, an optimizer stepping in the backward as
-    # torchtune's, are silent here: the callers measure under ``_trace.hooks_silenced``)
+    # torchtune's, are silent here: the callers measure under ``autograd_graph.hooks_silenced``)
     try:
         for p in params:
             p.grad = torch.zeros_like(p)

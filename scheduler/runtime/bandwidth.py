@@ -25,12 +25,14 @@ def _probe(index: int) -> float:
         host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
         stream = torch.cuda.Stream(index)
         # the probe may run mid-step (a planner's first plan, an autograd final callback),
-        # with kernels still queued on the current stream: its buffer is allocated on the
-        # probe's own stream (never a block those kernels still read, under either allocator)
-        # and the probe waits for them, so its copies overwrite nothing in use
+        # with kernels still queued on the current stream, and its buffer may be a block those
+        # kernels still read (freed in stream order): the probe's stream waits for them before
+        # it writes. The buffer belongs to the current stream (allocated there), so the caching
+        # allocator can hand it to the step again afterwards: the copies are done by then
+        # (each is synchronized), so nothing on the probe's stream still uses it.
+        dev = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
         stream.wait_stream(torch.cuda.current_stream(index))
         with torch.cuda.stream(stream):
-            dev = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{index}")
             dev.copy_(host, non_blocking=True)  # warm-up (first-touch, lazy init)
             times = []
             for src, dst in ((host, dev), (dev, host)):

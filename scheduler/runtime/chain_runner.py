@@ -152,8 +152,13 @@ class ChainRunner:
         on: another device measures again); not what lives on this process's devices or is
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
-        state.update(_compiled={}, _transfers={}, current=None, passthrough=False)
+        state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
+                     _learning={})
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_learning", {})  # (a runner pickled before it existed)
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -409,6 +414,8 @@ class ChainRunner:
             # FSDP: measure_chain's own backward passes would fire FSDP's backward hooks;
             # measure forward-only during this step instead (as Mimose's collector does)
             step.collector = ShuttlingCollector(self.L)
+        for t in self._transfers.values():  # copies a failed step dropped: their buffers go
+            t.drain_orphans()
         step.profile_key = profile_key
         step.input_size = self.input_size(args) if collector is not None else None
         if profile_key is not None and isinstance(self.chain_source, InputAwareChain):
@@ -425,10 +432,9 @@ class ChainRunner:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
             if step.collector is not None:  # FSDP: measured forward-only (``_begin``)
-                chain = self._check_chain(_with_outside(chain_from_estimate(
-                    _collected(step), name="forward-measured"), step), agree_on=key)
-                self._remember(key, chain)
-                self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev))
+                chain = _with_outside(chain_from_estimate(_collected(step),
+                                                          name="forward-measured"), step)
+                self._plan_measured(key, chain, key, dev)
                 return
             chain, agree_on = self._measure_step(step)
             if self.tail is not None and \

@@ -79,23 +79,35 @@ class Transfers:
         self.offloaded_bytes = 0
         self.prefetched_bytes = 0
 
-    def offload(self, t: torch.Tensor) -> HostCopy:
-        nbytes = t.numel() * t.element_size()
+    def drain_orphans(self) -> None:
+        """Let the host buffers of copies dropped before their prefetch go (the runner calls
+        this at every step; offloads and prefetches too)."""
         while self.orphans:
             self.pool.give_away(self.orphans.pop())
+
+    def offload(self, t: torch.Tensor) -> HostCopy:
+        nbytes = t.numel() * t.element_size()
+        self.drain_orphans()
         buf = self.pool.acquire(nbytes)
-        host = buf.view(t.dtype).view(t.shape) if nbytes else buf.view(t.dtype).reshape(t.shape)
-        event = None
-        if self.cuda:
-            compute = torch.cuda.current_stream(t.device)
-            self.d2h.wait_stream(compute)  # the tensor is complete before we read it
-            with torch.cuda.stream(self.d2h):
-                host.copy_(t, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.d2h)
-            t.record_stream(self.d2h)  # no reuse of t's memory until the copy is done
-        else:
-            host.copy_(t)
+        try:
+            host = buf.view(t.dtype).view(t.shape) if nbytes else \
+                buf.view(t.dtype).reshape(t.shape)
+            event = None
+            if self.cuda:
+                compute = torch.cuda.current_stream(t.device)
+                self.d2h.wait_stream(compute)  # the tensor is complete before we read it
+                with torch.cuda.stream(self.d2h):
+                    host.copy_(t, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.d2h)
+                t.record_stream(self.d2h)  # no reuse of t's memory until the copy is done
+            else:
+                host.copy_(t)
+        except BaseException:
+            # (a Ctrl-C mid-copy): not reused, since a copy may still write it; freed with
+            # its last holder (PyTorch's pinned allocator waits for the copy's own event)
+            self.pool.give_away(buf)
+            raise
         self.offloaded_bytes += nbytes
         return HostCopy(buf, t.shape, t.dtype, t.device, t.requires_grad, event)
 
@@ -124,6 +136,7 @@ class Transfers:
 
     def prefetch_storage(self, sc: StorageCopy) -> None:
         """Give ``storage`` its memory back and copy the bytes in (on the copy stream)."""
+        self.drain_orphans()
         h = sc.host
         if not sc.released:
             # it never left (a value later blocks still read): resizing a live CUDA storage

@@ -133,6 +133,10 @@ def report(format: str = "text", device: Optional[int] = None) -> Any:
     return rep if format == "json" else to_text(rep)
 
 
+# ``vmalloc.report`` is this function (DESIGN.md); ``vmalloc.report.add_section(...)`` works too
+report.add_section = add_section  # type: ignore[attr-defined]
+
+
 def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
     """The ``VMALLOC_REPORT`` exit hook: ``-`` = stdout, ``stderr`` = stderr, else a path made
     per process by :func:`report_path` (nothing from torchrun's launcher). ``owner_pid``: the

@@ -117,20 +117,25 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
 
 def _trim_on_empty_cache(torch: Any) -> None:
     """In pool mode PyTorch's caching allocator gives the pool's free segments back to vmalloc
-    (``torch.cuda.empty_cache()``), which would keep them cached: memory neither PyTorch's own
-    allocator nor another process could use. ``empty_cache`` then also trims vmalloc's cache.
-    (Global mode replaces ``empty_cache`` altogether: ``shims.install_shims``.)"""
+    (``torch.cuda.empty_cache()``, ``torch.accelerator.empty_cache()``), which would keep them
+    cached: memory neither PyTorch's own allocator nor another process could use. Both then
+    also trim vmalloc's cache. (In global mode PyTorch's ``empty_cache`` reaches vmalloc's
+    trim through ``set_reset_fn``, and ``shims.install_shims`` answers the accelerator one.)"""
     C = torch._C
-    original = getattr(C, "_cuda_emptyCache", None)
-    if original is None or "_cuda_emptyCache" in REGISTRY.patched:
-        return
+    for name in ("_cuda_emptyCache", "_accelerator_emptyCache"):
+        original = getattr(C, name, None)
+        if original is None or name in REGISTRY.patched:
+            continue
+        REGISTRY.patched[name] = original
+        setattr(C, name, _then_trim(original))
 
-    def empty_cache() -> None:
-        original()
+
+def _then_trim(original: Any) -> Any:
+    def empty_cache(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
         core()._torch_trim()
-
-    REGISTRY.patched["_cuda_emptyCache"] = original
-    C._cuda_emptyCache = empty_cache
+        return out
+    return empty_cache
 
 
 def _pool_allocator(torch: Any, native: Any) -> Any:
@@ -163,7 +168,9 @@ def cuda_present(torch: Any) -> bool:
     CUDA; registering an allocator needs no driver, so ``VMALLOC=1`` must not take that from a
     program that imports torch and then forks CUDA workers. NVML counts the devices without
     ``cuInit`` (as ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes PyTorch do); where NVML cannot
-    answer, ``is_available()`` does."""
+    answer, ``is_available()`` does. A GPU NVML sees but CUDA cannot use (a driver older than
+    this PyTorch's CUDA) gets vmalloc registered, and PyTorch's first CUDA call says why it
+    fails."""
     cuda = torch.cuda
     if cuda.is_initialized():
         return cuda.device_count() > 0
