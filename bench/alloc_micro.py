@@ -20,7 +20,10 @@ plus the fast path once a second stream was seen (``vmalloc_fast_2chunks_two_str
 free then records an event, one cuEventRecord per pair; the fake driver's test shows it is the
 only driver call there).
 
-Writes bench/results/alloc_micro.json (``--out DIR``: DIR/alloc_micro.json) and prints a table.
+Writes bench/results/alloc_micro.json (``--out DIR``: DIR/alloc_micro.json) and prints a table:
+once the host section is done, again with the cuda one. A cuda measurement that fails is an
+error entry for its row (``{"error": message}``, and listed in ``cuda.errors``); the other
+rows and the host section are still written.
 """
 from __future__ import annotations
 
@@ -200,6 +203,9 @@ def policy_table(quick: bool) -> Dict[str, object]:
 
 
 def cuda_section(quick: bool, runs: int) -> Dict[str, object]:
+    """The cuda rows; one that fails (a driver error, cudaMalloc refusing, an exception) is
+    ``{"error": message}`` under its name (the remap/fresh lists keep the k that ran) and
+    listed in ``errors``: the other rows are still measured and written."""
     try:
         import torch
     except ImportError:
@@ -207,46 +213,84 @@ def cuda_section(quick: bool, runs: int) -> Dict[str, object]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine: the cuda backend, cudaMalloc and the "
                            "PyTorch caching allocator were not measured"}
-    g = granularity("cuda")
-    pairs = 20_000 if quick else 200_000
-    out: Dict[str, object] = {"device": torch.cuda.get_device_name(0), "granularity": g}
-    out["vmalloc_fast_2chunks"] = fast_path("cuda", g, 2 * g, pairs, runs)
-    out["vmalloc_fast_small_4KiB"] = fast_path("cuda", g, 4 * KiB, pairs, runs)
-    side = torch.cuda.Stream(device=0).cuda_stream   # a pooled stream: never destroyed
-    out["vmalloc_fast_2chunks_two_streams"] = fast_path("cuda", g, 2 * g, pairs, runs, side_stream=side)
-    out["vmalloc_remap"] = [remap_path("cuda", g, k, 200 if quick else 1000, runs) for k in (2, 8, 32)]
-    out["vmalloc_fresh"] = [fresh_path("cuda", g, k, 50 if quick else 200, runs) for k in (1, 8)]
+    out: Dict[str, object] = {"device": torch.cuda.get_device_name(0)}
+    errors: Dict[str, str] = {}
 
-    torch.zeros(1, device="cuda")
+    def row(name: str, fn: Callable[[], object]) -> Optional[object]:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the rest
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"cuda {name}: failed: {errors[name]}", file=sys.stderr)
+            return None
+
+    def keyed(name: str, fn: Callable[[], object]) -> None:
+        got = row(name, fn)
+        out[name] = {"error": errors[name]} if got is None else got
+
+    g = row("granularity", lambda: granularity("cuda"))
+    if g is None:   # nothing of vmalloc's cuda backend can run
+        out["errors"] = errors
+        return out
+    out["granularity"] = g
+    pairs = 20_000 if quick else 200_000
+    keyed("vmalloc_fast_2chunks", lambda: fast_path("cuda", g, 2 * g, pairs, runs))
+    keyed("vmalloc_fast_small_4KiB", lambda: fast_path("cuda", g, 4 * KiB, pairs, runs))
+    # a pooled stream: never destroyed
+    keyed("vmalloc_fast_2chunks_two_streams", lambda: fast_path(
+        "cuda", g, 2 * g, pairs, runs, side_stream=torch.cuda.Stream(device=0).cuda_stream))
+    remap = [row(f"vmalloc_remap k={k}", lambda k=k: remap_path("cuda", g, k, 200 if quick else 1000, runs))
+             for k in (2, 8, 32)]
+    out["vmalloc_remap"] = [r for r in remap if r is not None]
+    fresh = [row(f"vmalloc_fresh k={k}", lambda k=k: fresh_path("cuda", g, k, 50 if quick else 200, runs))
+             for k in (1, 8)]
+    out["vmalloc_fresh"] = [r for r in fresh if r is not None]
+
+    row("torch init", lambda: torch.zeros(1, device="cuda"))
     rt = _cudart()
     if rt is not None:
         for n in (4 * KiB, 2 * g, 32 * g):
-            iters = 200 if quick else 2000
-            p = ctypes.c_void_p()
-
-            def loop() -> float:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n)) == 0
-                    assert rt.cudaFree(p) == 0
-                return time.perf_counter() - t0
-
-            secs = best_of(runs, loop)
-            out[f"cudaMalloc_cudaFree_{n}"] = {"pairs_per_s": iters / secs, "us_per_pair": secs / iters * 1e6}
+            keyed(f"cudaMalloc_cudaFree_{n}", lambda n=n: _cuda_malloc_pairs(
+                rt, n, 200 if quick else 2000, runs))
     for n in (4 * KiB, 2 * g, 32 * g):
-        iters = 2000 if quick else 20000
-
-        def tloop() -> float:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                t = torch.empty(n, dtype=torch.uint8, device="cuda")
-                del t
-            return time.perf_counter() - t0
-
-        tloop()
-        secs = best_of(runs, tloop)
-        out[f"torch_caching_empty_del_{n}"] = {"pairs_per_s": iters / secs, "us_per_pair": secs / iters * 1e6}
+        keyed(f"torch_caching_empty_del_{n}", lambda n=n: _torch_pairs(
+            torch, n, 2000 if quick else 20000, runs))
+    if errors:
+        out["errors"] = errors
     return out
+
+
+def _cuda_malloc_pairs(rt: ctypes.CDLL, n: int, iters: int, runs: int) -> Dict[str, float]:
+    """cudaMalloc + cudaFree pairs of ``n`` bytes per second."""
+    p = ctypes.c_void_p()
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            rc = rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n))
+            if rc != 0:
+                raise RuntimeError(f"cudaMalloc({n}) returned cudaError {rc}")
+            rc = rt.cudaFree(p)
+            if rc != 0:
+                raise RuntimeError(f"cudaFree returned cudaError {rc}")
+        return time.perf_counter() - t0
+
+    secs = best_of(runs, loop)
+    return {"pairs_per_s": iters / secs, "us_per_pair": secs / iters * 1e6}
+
+
+def _torch_pairs(torch: object, n: int, iters: int, runs: int) -> Dict[str, float]:
+    """torch.empty + del pairs of ``n`` bytes per second (PyTorch's caching allocator)."""
+    def tloop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = torch.empty(n, dtype=torch.uint8, device="cuda")  # type: ignore[attr-defined]
+            del t
+        return time.perf_counter() - t0
+
+    tloop()
+    secs = best_of(runs, tloop)
+    return {"pairs_per_s": iters / secs, "us_per_pair": secs / iters * 1e6}
 
 
 def _cudart() -> Optional[ctypes.CDLL]:
@@ -293,13 +337,25 @@ def main(argv: Optional[List[str]] = None) -> None:
             "fresh": [fresh_path("host", chunk, k, 100 if args.quick else 500, runs) for k in (1, 8)],
             "policies": policy_table(args.quick),
         },
-        "cuda": cuda_section(args.quick, runs),
+        # written so until the cuda section ends: a crash there (the process killed) keeps the host
+        "cuda": {"skipped": "the cuda section did not finish (the process ended during it)"},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2) + "\n")
+    write(path, res)
+    try:
+        res["cuda"] = cuda_section(args.quick, runs)
+    except Exception as exc:  # noqa: BLE001 - the host section is kept either way
+        res["cuda"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    write(path, res)
     print_table(res)
     print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
 
+
+def write(path: Path, res: Dict[str, object]) -> None:
+    """The JSON, written then renamed (a kill leaves the last whole file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.part")
+    tmp.write_text(json.dumps(res, indent=2) + "\n")
+    tmp.replace(path)
 
 def print_table(res: Dict[str, object]) -> None:
     h = res["host"]

@@ -16,7 +16,11 @@ small inputs, peaks from the runner's activation accounting) that keeps the scri
         [--steps 5] [--bandwidth 12e9] [--threads 1] [--out DIR]
 
 Writes bench/results/checkpoint_real-<device>.json (+ .png); ``--out DIR`` writes them there
-instead (a smoke run that should leave the committed results alone).
+instead (a smoke run that should leave the committed results alone). The file is written after
+every model, and one failure loses nothing else: a configuration that raises (out of memory, a
+pofo or stream error) is a row of its own (``status`` ``oom`` or ``error``, ``note`` the
+message) and the rest goes on; a model that fails before its rows (building it, measuring its
+chain) is recorded with its ``error``, the other models still run, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -76,6 +80,11 @@ def pinned_bandwidth(device: str) -> float:
     return 5 * n / (time.perf_counter() - t0)
 
 
+def error_row(exc: BaseException) -> Dict[str, Any]:
+    """A configuration that raised: its row says so, with the message."""
+    return {"status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 class Runner:
     """Times training steps of one configuration and measures its peak."""
 
@@ -106,6 +115,8 @@ class Runner:
             return {"status": "ok", "step_s": statistics.median(times), "peak": max(peaks)}
         except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
             return {"status": "oom", "note": str(e)[:200]}
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not end the run
+            return error_row(e)
         finally:
             for p in params:
                 p.grad = None
@@ -148,8 +159,11 @@ def bench_model(key: str, spec: Dict[str, Any], device: str, steps: int, bandwid
     res = runner.run(plain_step, params, None, x0_bytes)
     if device != "cuda" and res["status"] == "ok":
         # CPU: the peak of plain training is what the runner holds with an all-F_all plan
-        probe = scheduler.wrap(blocks, None, planner="none", track_memory=True, chain=chain)
-        res["peak"] = cpu_peak(probe, x, params)
+        try:
+            probe = scheduler.wrap(blocks, None, planner="none", track_memory=True, chain=chain)
+            res["peak"] = cpu_peak(probe, x, params)
+        except Exception as e:  # noqa: BLE001
+            res = error_row(e)
     record("plain", res,
            predicted_peak=scheduler.simulate(chain, checkpoint_plan(L, [])).peak_memory)
 
@@ -167,31 +181,40 @@ def bench_model(key: str, spec: Dict[str, Any], device: str, steps: int, bandwid
             if row["status"] == "ok":
                 budgets.append(int(row["peak"]))
         else:  # CPU: run the same periodic plan through the runner to get its held peak
-            plan = scheduler.planners.periodic.solve(chain, segs)
+            try:
+                plan = scheduler.planners.periodic.solve(chain, segs)
+            except Exception as e:  # noqa: BLE001
+                record(f"checkpoint_sequential({segs})", error_row(e), segments=segs)
+                continue
             budgets.append(int(plan.predicted_peak))
     budgets = sorted(set(budgets), reverse=True)
 
     # our runtime: periodic / rotor / pofo at each budget
+    def wrapped(planner: str, budget: int) -> None:
+        """One row of our runtime: ``planner`` at ``budget`` (raises what planning raises)."""
+        model = scheduler.wrap(blocks, budget, planner=planner, chain=chain,
+                               bandwidth=bandwidth if planner == "pofo" else None,
+                               sample_input=x)
+        plan = model.last_plan or model.plan_for(x)
+        peak = cpu_peak(model, x, params) if device != "cuda" else None
+        model.track_memory = False  # time without the accounting
+        res = runner.run(lambda: loss_fn(model(x)).backward(), params, None, x0_bytes)
+        if peak is not None and res["status"] == "ok":
+            res["peak"] = peak
+        record(f"wrap:{planner}", res, budget=budget, predicted_peak=plan.predicted_peak,
+               predicted_time=plan.predicted_time,
+               offloads=plan.count("offload"), recomputes=sum(
+                   1 for op in plan if op.kind in ("F_all", "F_ck", "F_none")) - (L + 1))
+
     for budget in budgets:
         for planner in ("periodic", "rotor", "pofo"):
             try:
-                model = scheduler.wrap(blocks, budget, planner=planner, chain=chain,
-                                       bandwidth=bandwidth if planner == "pofo" else None,
-                                       sample_input=x)
+                wrapped(planner, budget)
             except scheduler.InfeasibleError as e:
                 record(f"wrap:{planner}", {"status": "infeasible", "note": str(e)[:200]},
                        budget=budget)
-                continue
-            plan = model.last_plan or model.plan_for(x)
-            peak = cpu_peak(model, x, params) if device != "cuda" else None
-            model.track_memory = False  # time without the accounting
-            res = runner.run(lambda: loss_fn(model(x)).backward(), params, None, x0_bytes)
-            if peak is not None and res["status"] == "ok":
-                res["peak"] = peak
-            record(f"wrap:{planner}", res, budget=budget, predicted_peak=plan.predicted_peak,
-                   predicted_time=plan.predicted_time,
-                   offloads=plan.count("offload"), recomputes=sum(
-                       1 for op in plan if op.kind in ("F_all", "F_ck", "F_none")) - (L + 1))
+            except Exception as e:  # noqa: BLE001 - planning or a stream error: this row only
+                record(f"wrap:{planner}", error_row(e), budget=budget)
     return {"model": key, "L": L, "batch": batch, "chain": chain.to_dict(), "rows": rows,
             "budgets": budgets}
 
@@ -253,7 +276,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
                     label=name, ms=4)
         ax.set(xlabel="peak memory (MiB)", ylabel="samples / s",
                title=f"{m['model']} (batch {m['batch']}, {result['meta']['device']})")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:   # (a model that failed has no points)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -298,27 +322,45 @@ def main(argv: Optional[List[str]] = None) -> None:
                           "activation bytes held by the chain runner (CPU accounting); "
                           "checkpoint_sequential rows: not run on CPU")},
         "models": []}
+    tag = "cpu" if device == "cpu" else gpu.replace(" ", "_")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"checkpoint_real-{tag}.json")
+    failed = []
     for key in keys:
-        if key not in table:
-            raise SystemExit(f"--models: {key!r} not in {sorted(table)}")
         print(f"{key}:")
-        result["models"].append(bench_model(key, table[key], device, steps, bandwidth,
-                                            args.quick))
-    result["summary"] = summarize(result)
+        try:
+            result["models"].append(bench_model(key, table[key], device, steps, bandwidth,
+                                                args.quick))
+        except Exception as e:  # noqa: BLE001 - the other models still run
+            failed.append(key)
+            print(f"  {key}: failed before its rows: {type(e).__name__}: {e}", file=sys.stderr)
+            result["models"].append(failed_model(key, e))
+        write_result(result, path)   # after every model: a later failure loses nothing
     for k, v in result["summary"].items():
         rv = v["rotor_vs_best_periodic_mean_gain"]
         pv = v["pofo_vs_rotor_mean_gain"]
         print(f"{k}: rotor vs best periodic at equal memory "
               f"{'n/a' if rv is None else f'{100 * rv:+.1f}%'}; pofo vs rotor "
               f"{'n/a' if pv is None else f'{100 * pv:+.1f}%'} ({v['budgets']} budgets)")
-    tag = "cpu" if device == "cpu" else gpu.replace(" ", "_")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"checkpoint_real-{tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
     plot(result, path.replace(".json", ".png"))
     print(f"wrote {path}")
+    if failed:
+        raise SystemExit(f"checkpoint_real: {', '.join(failed)} failed (recorded in {path})")
 
+
+def failed_model(key: str, exc: BaseException) -> Dict[str, Any]:
+    """A model that failed before any row (building it, measuring its chain): recorded so."""
+    return {"model": key, "L": None, "batch": None, "rows": [], "budgets": [],
+            "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def write_result(result: Dict[str, Any], path: str) -> None:
+    """The summary of the models so far, and the file (written then renamed: a kill leaves
+    the last whole file)."""
+    result["summary"] = summarize(result)
+    with open(path + ".part", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".part", path)
 
 if __name__ == "__main__":
     main()

@@ -7,19 +7,31 @@ allocator, with and without ``expandable_segments``), ``save_on_cpu``, torchtune
 runtime (native allocator and vmalloc), the DYNPROG offload plan, rotor and pofo.
 
     python bench/e2e.py --smoke     # CPU, tiny models, simulated budget: CI runs this (< 1 min)
-    python bench/e2e.py --quick     # GPU, minutes
+    python bench/e2e.py --quick     # GPU, minutes: every method at each model's smallest batch
     python bench/e2e.py             # GPU, the full grid of the issue
     python bench/e2e.py --coexist 64   # + two processes sharing one GPU, half the budget each
+    python bench/e2e.py --coexist-only [--coexist 512]   # that pair alone, no model grid
     python bench/e2e.py --resume R.json --stop-at EPOCH   # a grid spread over several sessions
 
 ``--stop-at EPOCH`` (seconds since the epoch): no job (one method at one batch size; plain
 training's reference run counts as one) starts once fewer than max(60 s, the longest job so
-far in that process) are left before EPOCH; GPU workers obey it too. Jobs not started are not
-written: the file's ``meta`` says ``"incomplete": true`` and ``"not_run": N``, the exit status
-stays 0. ``--resume FILE`` keeps FILE's rows whose status is not ``error`` and runs only the
-other jobs (``error`` rows run again); the output defaults to FILE, and ``meta`` gets
+far in that process, the longest job recorded at its model and batch: each row's ``seconds``)
+are left before EPOCH; GPU workers obey it too. Jobs not started are not written: the file's
+``meta`` says ``"incomplete": true`` and ``"not_run": N``, the exit status stays 0.
+``--resume FILE`` keeps FILE's rows whose status is not ``error`` and runs only the other jobs
+(``error`` rows run again; ``crashed``, ``timeout`` and ``unavailable`` rows are kept, as they
+would crash, hang or fail to import again); the output defaults to FILE, and ``meta`` gets
 ``"resumed_from": <rows kept>``. A missing FILE starts from nothing, so every session can pass
 the same command until the file is complete.
+
+On a GPU the parent watches each worker: one silent for ``--job-timeout`` seconds (default
+180; a worker prints a line after every training step) is killed, the job it was in gets a
+``timeout`` row, and a new worker goes on with the next job. A method whose optional package
+does not import (torchtune) gets ``unavailable`` rows, the import error in ``note`` and
+``error``. Workers get the parent's environment less ``VMALLOC*`` and
+``PYTORCH_CUDA_ALLOC_CONF`` (the method sets its allocator), and plain training's reference
+runs with the process's cap lifted. bert-dyn on a GPU warms up over every sequence length of
+the run, then times at least one more full cycle of them (``step_counts``).
 
 Each allocator needs its own process (PyTorch's allocator is chosen before CUDA starts), so
 on a GPU the parent runs one worker process per allocator and collects their JSON lines.
@@ -39,7 +51,11 @@ set-up (the chain runtime's measurement of the blocks at ``wrap``).
 On a GPU a job whose largest operator cannot fit the budget (``scheduler.profile.op_floor``:
 its tensors plus weights, gradients and momentum; e.g. ResNet-50 at batch 2048 needs 18.4 GiB
 for the first BatchNorm's backward alone, GPT-2 at 32 x 1024 tokens 18.4 GiB for the loss's
-log-softmax backward) is not run: its row says ``infeasible`` and why, for every method.
+log-softmax backward) is not run: its row says ``infeasible`` and why, for every method. So is
+a job of an offloading method (save_on_cpu, torchtune, the swap runtimes, pofo) whose pinned
+host memory would pass 0.8 x the host's MemAvailable (``host_floor_note``: the saved
+activations it offloads, each rounded up to a power of two as PyTorch's pinned cache does):
+it would end its worker, and with it the rest of that worker's jobs.
 
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.
@@ -52,16 +68,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import json
 import math
 import os
 import platform
+import queue
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
@@ -214,18 +235,28 @@ class JobResult:
     unit: str
     peak_bytes: Optional[int]
     budget_bytes: Optional[int]
-    # ok | oom | error | infeasible (below the op floor: not run) | crashed (its worker died
-    # during it: the host's OOM killer, a segfault; kept by --resume, which would only crash
-    # the next worker at the same job and leave the rest of the grid undone for good)
+    # ok | oom | error | infeasible (below the op floor or the host-memory floor: not run) |
+    # crashed (its worker died during it: the host's OOM killer, a segfault) | timeout (its
+    # worker went silent for --job-timeout and was killed) | unavailable (the method's optional
+    # package does not import: torchtune). --resume runs only ``error`` rows again: the others
+    # would only fail, crash or hang the same way, and leave the rest of the grid undone
     status: str
     note: str = ""
     detail: Dict[str, Any] = field(default_factory=dict)   # what the runtime did
     losses: List[float] = field(default_factory=list)
+    seconds: Optional[float] = None   # the job's wall time (the --stop-at margin of its batch)
+    error: Optional[str] = None       # an ``unavailable`` row's import error (also in note)
 
     def row(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("losses")
+        if d["error"] is None:   # only unavailable rows carry it: the other rows keep their shape
+            d.pop("error")
         return d
+
+
+class MethodUnavailable(Exception):
+    """A method's optional package (torchtune) does not import: its row says ``unavailable``."""
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -249,7 +280,10 @@ def method_context(method: Method, wl: Workload, budget: Optional[int], device: 
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             yield seq, none
     elif method.kind == "torchtune":
-        from torchtune.training import OffloadActivations  # ImportError -> row 'error'
+        try:
+            from torchtune.training import OffloadActivations
+        except ImportError as exc:   # not installed, or a peer of its own missing (torchao)
+            raise MethodUnavailable(f"{type(exc).__name__}: {exc}") from exc
         with OffloadActivations(use_streams=device.type == "cuda"):
             yield seq, none
     elif method.kind == "ckpt_seq":
@@ -331,13 +365,29 @@ def _static_bytes(params: List[torch.Tensor], opt: torch.optim.Optimizer,
                                                      for p in params)
 
 
+def step_counts(n_inputs: int, warmup: int, steps: int, gpu: bool) -> Tuple[int, int]:
+    """(warm-up steps, timed steps) for a workload cycling through ``n_inputs`` inputs. On a
+    GPU a dynamic workload (bert-dyn: a new sequence length each step) warms up over every
+    input once or more (a whole number of cycles: rotor, pofo and the swap runtimes profile
+    and plan each new shape, Mimose collects its samples) and times at least one full cycle
+    again, so its throughput is the steady state over the run's lengths, not the learning.
+    The CPU smoke keeps its few steps (it checks that the methods run, not their speed)."""
+    if not gpu or n_inputs <= 1:
+        return warmup, steps
+    return -(-max(warmup, n_inputs) // n_inputs) * n_inputs, max(steps, n_inputs)
+
+
 def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional[int],
             device: torch.device, steps: int, warmup: int, seed: int,
-            segments: Optional[int] = None) -> JobResult:
-    """Train ``steps`` SGD steps after ``warmup`` ones; time them; never raise."""
+            segments: Optional[int] = None,
+            beat: Optional[Callable[[], None]] = None) -> JobResult:
+    """Train ``steps`` SGD steps after ``warmup`` ones (``step_counts``); time them; never
+    raise. ``beat()``: called after every step (a GPU worker's heartbeat)."""
     wl: Optional[Workload] = None
+    beat = beat or (lambda: None)
     try:
         wl = wl_factory()
+        warmup, steps = step_counts(len(wl.inputs), warmup, steps, device.type == "cuda")
         _reset_peak(device)
         # dict: tied weights (GPT-2's embedding and head) are one parameter
         params = list({id(p): p for b in wl.blocks for p in b.parameters()}.values())
@@ -365,6 +415,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
                 loss.backward()
                 opt.step()
                 losses.append(loss.detach())  # (.item() here would sync every step)
+                beat()
             _sync(device)
             elapsed = time.perf_counter() - t0
             st = stats()
@@ -374,22 +425,18 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,
                          _peak(device, st), budget, "ok", detail=detail,
                          losses=[float(v) for v in losses])
+    except MethodUnavailable as exc:
+        return JobResult(wl.model if wl else "?", method.name, wl.batch if wl else 0, None,
+                         wl.unit if wl else "", None, budget, "unavailable", str(exc),
+                         error=str(exc))
     except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
         model = wl.model if wl else "?"
         status = "oom" if _is_oom(exc) else "error"
         note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return JobResult(model, method.name, wl.batch if wl else 0, None,
                          wl.unit if wl else "", None, budget, status, note)
-    finally:
-        del wl
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            # pinned host memory (save_on_cpu's, the swap pool's) is cached by PyTorch, rounded
-            # up to a power of two, for the worker's life: give it back between jobs, or a
-            # grid's jobs add up past the host's RAM
-            host_empty = getattr(torch._C, "_host_emptyCache", None)
-            if host_empty is not None:
-                host_empty()
+    # (the caches are emptied by the caller, release_memory, once this frame and its
+    # references to the job's model and pools are gone)
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -411,46 +458,71 @@ STOP_MARGIN = 60.0   # seconds: no job starts with less than this (or the longes
 class Plan:
     """Which jobs are left, and whether the next may start: one rule for the CPU path, the GPU
     parent and its workers. ``done``: jobs whose rows an earlier run wrote (``--resume``);
-    ``stop_at``: ``--stop-at``. Once it refuses a job it refuses every later one."""
+    ``stop_at``: ``--stop-at``; ``durations``: (model, batch, seconds) of jobs run before (the
+    rows' ``seconds``, this session's and earlier ones'). A job starts only with more than
+    max(60 s, the longest job this process ran, the longest job recorded at its model and
+    batch) left: an offloading job at a large batch takes minutes, whichever job ran before
+    it in this process. Once it refuses a job it refuses every later one."""
 
-    def __init__(self, stop_at: Optional[float] = None, done: Sequence[Sequence[Any]] = ()):
+    def __init__(self, stop_at: Optional[float] = None, done: Sequence[Sequence[Any]] = (),
+                 durations: Sequence[Sequence[Any]] = ()):
         self.stop_at = stop_at
         self.done = {(str(m), str(n), int(b)) for m, n, b in done}
         self.longest = 0.0          # seconds, the longest job this process has run
+        self.last = 0.0             # seconds, the last job's
+        self.durations: Dict[Tuple[str, int], float] = {}
+        for m, b, sec in durations:
+            self.note(str(m), int(b), float(sec))
         self.stopped = False
         self.left: List[Key] = []   # jobs not started because of stop_at
 
     @classmethod
     def of(cls, grid: "Grid") -> "Plan":
-        return cls(grid.stop_at, grid.done)
+        return cls(grid.stop_at, grid.done, grid.durations)
 
     def pending(self, model: str, method: str, batch: int) -> bool:
         return (model, method, batch) not in self.done
 
-    def may_start(self) -> bool:
+    def note(self, model: str, batch: int, seconds: Optional[float]) -> None:
+        """A job at (model, batch) took ``seconds``: the margin of the next at that batch."""
+        if seconds is not None:
+            key = (model, int(batch))
+            self.durations[key] = max(self.durations.get(key, 0.0), float(seconds))
+
+    def duration_list(self) -> List[Tuple[str, int, float]]:
+        return [(m, b, sec) for (m, b), sec in sorted(self.durations.items())]
+
+    def margin(self, model: Optional[str] = None, batch: Optional[int] = None) -> float:
+        same = self.durations.get((model, batch), 0.0) if model is not None else 0.0
+        return max(STOP_MARGIN, self.longest, same)
+
+    def may_start(self, model: Optional[str] = None, batch: Optional[int] = None) -> bool:
         if self.stop_at is not None and not self.stopped:
-            self.stopped = clock() > self.stop_at - max(STOP_MARGIN, self.longest)
+            self.stopped = clock() > self.stop_at - self.margin(model, batch)
         return not self.stopped
 
     @contextlib.contextmanager
-    def job(self) -> Iterator[None]:
-        """Time one job (its length raises the margin for the next)."""
+    def job(self, model: Optional[str] = None, batch: Optional[int] = None) -> Iterator[None]:
+        """Time one job (its length raises the margin for the next, and for its batch's)."""
         t0 = clock()
         try:
             yield
         finally:
-            self.longest = max(self.longest, clock() - t0)
+            self.last = clock() - t0
+            self.longest = max(self.longest, self.last)
+            if model is not None and batch is not None:
+                self.note(model, batch, self.last)
 
 
 FULL_BATCHES = {"resnet50": [64, 128, 256, 512, 928, 1120, 1248, 1440, 2048],
                 "gpt2-s1024": [4, 8, 16, 32, 64], "gpt2-s2048": [2, 4, 8, 16, 32],
                 "bert-dyn": [16, 32, 64, 128]}
-# --quick fits the lent GPU machines' 128 GiB of host memory: what the offloading methods hold
-# there is the saved activations beyond the budget, pinned (PyTorch's pinned-memory cache rounds
-# blocks up to powers of two), and a worker killed for host memory loses its later jobs.
-# ResNet-50 saves 85 MiB per 224px image (meta_chain): batch 512 is 42 GiB, 1440 is 119 GiB and
-# 2048 is 169 GiB; GPT-2 at 1024 tokens saves 2.25 GiB per sequence (batch 32: 72 GiB).
-QUICK_BATCHES = {"resnet50": [64, 256, 512], "gpt2-s1024": [8, 32]}
+# --quick checks that every method trains (bit-equal losses) on the GPU before the full grid:
+# each model's smallest full-grid batch only (one job per method; the full grid's larger
+# batches are its own steps, not repeated here). ResNet-50 saves 85 MiB per 224px image
+# (meta_chain: batch 1440 is 119 GiB, past the 128 GiB hosts once pinned and rounded up to
+# powers of two: host_floor_note), GPT-2 at 1024 tokens 2.25 GiB per sequence.
+QUICK_BATCHES = {"resnet50": [64], "gpt2-s1024": [8]}
 SMOKE_BATCHES = {"resnet18": [4, 8], "gpt2-s32": [2], "bert-dyn": [2]}
 
 
@@ -465,6 +537,7 @@ class Grid:
     budgets: Dict[str, int] = field(default_factory=dict)   # per-model override (CPU)
     stop_at: Optional[float] = None          # --stop-at (epoch seconds)
     done: List[Key] = field(default_factory=list)           # jobs an earlier run did (--resume)
+    durations: List[Tuple[str, int, float]] = field(default_factory=list)  # (model, batch, s)
     references: List[str] = field(default_factory=list)     # models whose plain-training
     # reference this process runs even with no job of theirs left (the native worker's, which
     # the other allocators' references are compared with)
@@ -485,17 +558,24 @@ def _progress(i: int, n: int, text: str) -> None:
 def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
              report: Optional[Callable[[str, Any], None]] = None,
              floor: Optional[Callable[[str, int, Optional[int]], str]] = None,
-             plan: Optional[Plan] = None
+             plan: Optional[Plan] = None,
+             host_floor: Optional[Callable[[str, Method, int, Optional[int]], str]] = None,
+             uncapped: Optional[Callable[[], ContextManager[Any]]] = None,
+             beat: Optional[Callable[[], None]] = None
              ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """Every method at every batch size under the budget, in this process. At the smallest
     batch each run's losses are compared with plain training's (same seed, no budget), which
     is also returned so runs under other allocators can be compared with it. ``report(kind,
     payload)`` hears each result as it is made (a GPU worker prints it at once: a worker that
     dies later, killed for host memory say, keeps what it finished). ``floor(model, batch,
-    budget)``: why no method can fit (``op_floor_note``), or ""; such jobs become
-    ``infeasible`` rows without running. ``plan`` (default: from ``grid.stop_at`` and
-    ``grid.done``) skips the jobs done before and stops starting jobs at ``--stop-at``; those
-    it did not start are in ``plan.left`` and told as one ``LEFT`` list."""
+    budget)``: why no method can fit (``op_floor_note``), or ""; ``host_floor(model, method,
+    batch, budget)``: why the method's pinned host memory cannot fit (``host_floor_note``), or
+    ""; such jobs become ``infeasible`` rows without running. ``uncapped()``: a context lifting
+    the process's budget, for plain training's reference (no budget: its losses are the
+    check's, whatever the cap). ``beat()``: called after every training step (a GPU worker's
+    heartbeat, which the parent's watchdog hears). ``plan`` (default: from ``grid.stop_at``
+    and ``grid.done``) skips the jobs done before and stops starting jobs at ``--stop-at``;
+    those it did not start are in ``plan.left`` and told as one ``LEFT`` list."""
     tell = report or (lambda kind, payload: None)
     plan = plan or Plan.of(grid)
     rows: List[JobResult] = []
@@ -518,9 +598,10 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
             skip(model, todo[model])
             continue
         _progress(done, total, f"{model}: plain training, the reference")
-        with plan.job():
+        with plan.job(), (uncapped or contextlib.nullcontext)():
             ref = run_job(BY_NAME["native"], _factory(model, smallest, device, grid), None,
-                          device, grid.steps, grid.warmup, grid.seed)
+                          device, grid.steps, grid.warmup, grid.seed, beat=beat)
+            release_memory(device)   # (under no cap: what it cached goes before the cap is back)
         done += 1
         references[model] = ref.losses
         tell(REF, {model: ref.losses})
@@ -528,20 +609,25 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
         # leave the weights out, so none is checked there
         below_floor: Dict[int, str] = {}
         for i, (m, b) in enumerate(todo[model]):
-            if not plan.may_start():
+            if not plan.may_start(model, b):
                 skip(model, todo[model][i:])
                 break
             _progress(done, total, f"{model} {m.name} b={b}")
             tell(START, [model, m.name, b])
-            with plan.job():
+            with plan.job(model, b):
+                budget = grid.budget_for(model)
                 if b not in below_floor:
-                    below_floor[b] = (floor or (lambda *a: ""))(model, b, grid.budget_for(model))
-                if below_floor[b]:
-                    r = JobResult(model, m.name, b, None, "", None, grid.budget_for(model),
-                                  "infeasible", below_floor[b])
+                    below_floor[b] = (floor or (lambda *a: ""))(model, b, budget)
+                why = below_floor[b] or (host_floor or (lambda *a: ""))(model, m, b, budget)
+                if why:
+                    r = JobResult(model, m.name, b, None, "", None, budget, "infeasible", why)
                 else:
-                    r = run_job(m, _factory(model, b, device, grid), grid.budget_for(model),
-                                device, grid.steps, grid.warmup, grid.seed)
+                    r = run_job(m, _factory(model, b, device, grid), budget, device,
+                                grid.steps, grid.warmup, grid.seed, beat=beat)
+                    # after run_job returned: nothing of the job (its wrapped model, pinned
+                    # pool) is referenced any more, so the caches can give it all back
+                    release_memory(device)
+            r.seconds = round(plan.last, 3)
             r.model, r.batch_size = model, b   # also when the workload failed to build
             done += 1
             if b == smallest and r.status == "ok":
@@ -556,6 +642,19 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
     else:
         _progress(total, total, "done")
     return rows, references
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what a finished job left cached: cycles first (a wrapped model and its pinned
+    host pool may sit in one), then the device cache and PyTorch's pinned host cache, which
+    keeps every block (rounded up to a power of two) for the process's life: a grid's jobs
+    would otherwise add up past the host's RAM, and the next job's peak would count them."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
 
 
 def stopped_note(n: int) -> str:
@@ -591,6 +690,107 @@ def op_floor_note(model: str, batch: int, budget: Optional[int]) -> str:
             f"{format_size(budget)}")
 
 
+# ------------------------------------------------------------ the host-memory floor
+HOST_FRACTION = 0.8   # of MemAvailable the pinned offload may take (the rest: the process, page cache)
+
+
+def pinned_size(nbytes: int) -> int:
+    """What PyTorch's pinned-memory cache holds for a block of ``nbytes``: it rounds every
+    block up to a power of two (CachingHostAllocator), and keeps it for the process's life."""
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+@lru_cache(maxsize=None)
+def saved_activations(model: str, batch: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """What one training step of ``model`` at ``batch`` saves for its backward, from the
+    full-size model on the meta device (as ``op_floor_note`` builds it; a dynamic model at its
+    longest input): (bytes of every saved tensor, as ``save_on_cpu`` copies each one, weights
+    included; bytes of each distinct saved storage that is not a parameter or buffer, as the
+    swap and chain runtimes offload them; the parameters' bytes)."""
+    from bench.models import build
+    from scheduler.profile import _trace as T
+    from scheduler.profile.meta import _check_dtypes, _input_shapes
+
+    name, _, _, kw = zoo_spec(model, smoke=False)
+    zm = build(name, batch=batch, device="meta", **kw)
+    state = [t for b in zm.blocks for t in list(b.parameters()) + list(b.buffers())]
+    exclude = {T.storage_key(t) for t in state}
+    in_shapes = _input_shapes(zm.input_shape)
+    dtypes = _check_dtypes(zm.input_dtype, len(in_shapes))
+    every: List[int] = []
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        every.append(t.numel() * t.element_size())
+        key = T.storage_key(t)
+        if key not in exclude:
+            storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    values: Any = tuple(torch.empty(sh, dtype=d, device="meta") for sh, d in zip(in_shapes, dtypes))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for i, block in enumerate(zm.blocks):
+            values = T.call_block(block, values, i)
+        T.make_loss("cross_entropy")(*values)
+    params = T.storage_bytes([q for b in zm.blocks for q in b.parameters()])
+    return tuple(every), tuple(storages.values()), params
+
+
+def pinned_need(model: str, method: Method, batch: int, budget: Optional[int]) -> int:
+    """Pinned host bytes ``method`` would hold training ``model`` at ``batch`` (0: it offloads
+    nothing). ``save_on_cpu`` and torchtune copy every saved tensor to its own pinned block;
+    the swap runtimes and pofo offload the saved storages beyond the activation budget (taken
+    in proportion: which ones stay is the planner's choice), each in its own block; with
+    dynamic shapes their host pool also caches up to ``CACHE_FACTOR`` x its peak for the sizes
+    of past steps. Every block rounded up to a power of two (``pinned_size``)."""
+    offloads = method.kind in ("save_on_cpu", "torchtune", "swap") or method.planner == "pofo"
+    if not offloads:
+        return 0
+    every, storages, params = saved_activations(model, batch)
+    if method.kind in ("save_on_cpu", "torchtune"):
+        return sum(pinned_size(n) for n in every)
+    raw = sum(storages)
+    if raw == 0:
+        return 0
+    kept = activation_budget(budget, 3 * params) if budget is not None else 0
+    need = sum(pinned_size(n) for n in storages) * max(0, raw - kept) // raw
+    if parse_model(model)[2]:
+        from scheduler.runtime.host_pool import CACHE_FACTOR
+        need *= 1 + CACHE_FACTOR
+    return need
+
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> Optional[int]:
+    """The host's MemAvailable in bytes, or None where ``meminfo`` cannot say (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "MemAvailable":
+                number, _, unit = value.strip().partition(" ")
+                return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def host_floor_note(model: str, method: Method, batch: int, budget: Optional[int],
+                    meminfo: Path = Path("/proc/meminfo")) -> str:
+    """Why ``method`` cannot train ``model`` at ``batch`` in this host's memory, or "": the
+    pinned bytes it would offload (``pinned_need``) exceed ``HOST_FRACTION`` of MemAvailable
+    (read just before the job, after the previous one's pinned cache was given back). Such a
+    job would end its worker (the host's OOM killer, or a failed ``cudaHostAlloc``) and, the
+    grid being method-major, the rest of that worker's jobs for the session."""
+    need = pinned_need(model, method, batch, budget)
+    if not need:
+        return ""
+    available = mem_available(meminfo)
+    if available is None or need <= HOST_FRACTION * available:
+        return ""
+    return (f"host memory: offloads ~{format_size(need)} pinned (saved activations, each "
+            f"rounded up to a power of two) > {HOST_FRACTION:g} x MemAvailable "
+            f"{format_size(available)}")
+
+
 def _factory(model: str, batch: int, device: torch.device, grid: Grid) -> Callable[[], Workload]:
     return lambda: build_workload(model, batch, device, device.type == "cpu", grid.seed)
 
@@ -604,8 +804,33 @@ def _set_allocator(allocator: str, budget: Optional[int]) -> None:
     elif budget is not None:
         if allocator == "expandable":
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _set_cap(allocator, budget)
+
+
+def _set_cap(allocator: str, budget: Optional[int]) -> None:
+    """The process's cap on device memory, once its allocator is chosen (None: none)."""
+    if allocator == "vmalloc":
+        from vmalloc import _core
+        _core._torch_set_budget(0, budget or 0)   # 0: no cap
+    else:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+        torch.cuda.set_per_process_memory_fraction(1.0 if budget is None
+                                                   else min(1.0, budget / total))
+
+
+@contextlib.contextmanager
+def uncapped(allocator: str, budget: Optional[int]) -> Iterator[None]:
+    """No cap inside (plain training's reference trains without a budget: under the grid's
+    cap, gpt2-s2048 at batch 2 could run out and leave that model with no loss check); the
+    cap ``budget`` again after."""
+    if budget is None:
+        yield
+        return
+    _set_cap(allocator, None)
+    try:
+        yield
+    finally:
+        _set_cap(allocator, budget)
 
 
 def deterministic_kernels() -> None:
@@ -623,15 +848,66 @@ def worker_main(args: argparse.Namespace) -> int:
     grid.methods = [BY_NAME[n] for n in grid.methods]  # type: ignore[index]
     deterministic_kernels()
     _set_allocator(args.worker, grid.budget)
-    run_grid(grid, grid.methods, torch.device("cuda"),
-             lambda kind, payload: print(f"{kind} {json.dumps(payload)}", flush=True),
-             floor=op_floor_note)
+
+    def tell(kind: str, payload: Any) -> None:
+        print(f"{kind} {json.dumps(payload)}", flush=True)
+
+    run_grid(grid, grid.methods, torch.device("cuda"), tell, floor=op_floor_note,
+             host_floor=host_floor_note,
+             uncapped=lambda: uncapped(args.worker, grid.budget),
+             beat=lambda: tell(BEAT, None))
     return 0
 
 
 ROW, REF = "E2E-ROW", "E2E-REF"   # the lines a worker prints for the parent
 LEFT = "E2E-LEFT"                 # the jobs it did not start (--stop-at)
 START = "E2E-START"               # the job it starts now (a worker dying in it: crashed)
+BEAT = "E2E-BEAT"                 # a training step done (the parent's watchdog hears it)
+JOB_TIMEOUT = 180                 # seconds a worker may stay silent before it is killed
+COEXIST_BATCH = 512               # --coexist-only's batch when --coexist names none
+# a worker's environment: the parent's, less what would pick or configure an allocator behind
+# the method's back (a VMALLOC=1 left in the shell would put vmalloc under "native")
+WORKER_ENV_DROP = ("VMALLOC", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def worker_env(allocator: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(WORKER_ENV_DROP)}
+    if allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
+
+
+class Watch:
+    """A worker's stdout lines as they come, with a watchdog: once none came for ``timeout``
+    seconds (a hung kernel, a deadlock: every step prints a ``BEAT``) the worker is killed,
+    the lines stop and ``timed_out`` is set. A reader thread feeds a queue, so the wait for a
+    line can time out."""
+
+    def __init__(self, proc: Any, timeout: float):
+        self.proc, self.timeout, self.timed_out = proc, timeout, False
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        except (OSError, ValueError):   # the pipe closed under it (the worker was killed)
+            pass
+        finally:
+            self._lines.put(None)
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                line = self._lines.get(timeout=self.timeout)
+            except queue.Empty:
+                self.timed_out = True
+                self.proc.kill()
+                return
+            if line is None:
+                return
+            yield line
 
 
 def _start_worker(allocator: str, spec: Dict[str, Any],
@@ -663,12 +939,15 @@ def worker_output(stdout: str, left: Optional[List[Key]] = None,
 
 
 def run_workers(grid: Grid, plan: Optional[Plan] = None,
-                report: Optional[Callable[[str, Any], None]] = None) -> List[JobResult]:
+                report: Optional[Callable[[str, Any], None]] = None,
+                job_timeout: float = JOB_TIMEOUT) -> List[JobResult]:
     """One process per allocator. Plain training must give the same losses under each: a
     worker's rows of a model whose reference differs from the native worker's are errors.
     ``plan`` (default: from ``grid``): the jobs done before are not run, and no worker starts
     at ``--stop-at`` (each worker obeys it too); the jobs not started go to ``plan.left``.
-    ``report(ROW, row)`` hears each row, checked, as its worker prints it."""
+    ``report(ROW, row)`` hears each row, checked, as its worker prints it. A worker silent for
+    ``job_timeout`` seconds is killed (``Watch``): the job it was in gets a ``timeout`` row
+    (kept by --resume) and a new worker for the same allocator goes on with the next job."""
     plan = plan or Plan.of(grid)
     tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
@@ -684,75 +963,107 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
             continue
         todo = [(model, m.name, b) for model, m, b in pending if m.allocator == allocator]
         refs = need_ref if allocator == "native" else []
-        if not todo and not refs:
-            continue
-        if not plan.may_start():
-            plan.left += todo
-            continue
-        spec = dict(grid.__dict__, methods=[m.name for m in methods], references=refs,
-                    done=sorted(plan.done))
-        env = dict(os.environ)
-        if allocator == "expandable":
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
-        left: List[Key] = []
-        started: List[Key] = []
-        got: List[JobResult] = []
         ref = references.setdefault(allocator, {})
-        base = references.get("native", {})
-        proc = _start_worker(allocator, spec, env)
-        for line in proc.stdout:   # as the worker prints it (each model's reference first)
-            new, new_ref = worker_output(line, left, started)
-            ref.update(new_ref)
-            for r in new:
-                if r.model in ref and r.model in base and ref[r.model] != base[r.model]:
-                    r.status = "error"
-                    r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
-                              f"allocator gives {ref[r.model]}, native {base[r.model]}")
-                elif allocator != "native" and r.model not in base and r.note:
-                    r.note += ("; not compared across allocators: plain training under the "
-                               "native one did not run in this call")
-                got.append(r)
-                tell(ROW, r.row())
-        proc.wait()
-        plan.left += left
-        if left:   # the worker stopped at --stop-at: no later worker starts either
-            plan.stopped = True
-        finished = {row_key(r) for r in got} | set(left)
-        unfinished = [k for k in todo if k not in finished]
-        running = started[-1] if started else None
-        if proc.returncode != 0 and running in unfinished:
-            # the job it was running crashed it (or the host's OOM killer took it): marked so,
-            # and kept by --resume; the jobs after it never started, and run again (a worker
-            # that died before any job, at its start or in a reference run, blames none)
-            unfinished.remove(running)
-            model, name, b = running
-            got.append(JobResult(model, name, b, None, "", None, grid.budget_for(model),
-                                 "crashed", f"worker for the {allocator} allocator exited "
-                                 f"{proc.returncode} during this job"))
-        # the jobs it did not finish, in its order
-        got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
-                          f"worker for the {allocator} allocator exited {proc.returncode} "
-                          "before this job started")
-                for model, name, b in unfinished]
-        rows += got
+        done = set(plan.done)
+        while todo or refs:
+            if not plan.may_start():
+                plan.left += todo
+                break
+            got, unfinished, again = _one_worker(grid, plan, allocator, methods, todo, refs,
+                                                 done, ref, references.get("native", {}),
+                                                 tell, job_timeout)
+            rows += got
+            if not again:
+                break
+            # a job timed out: the next worker goes on with the jobs after it (the references
+            # it already gave are not run again, unless its own jobs need them)
+            done |= {row_key(r) for r in got}
+            todo, refs = unfinished, [m for m in refs if m not in ref]
     return rows
 
 
-def run_coexist(grid: Grid, batch: int) -> List[JobResult]:
+def _one_worker(grid: Grid, plan: Plan, allocator: str, methods: Sequence[Method],
+                todo: List[Key], refs: List[str], done: set, ref: Dict[str, List[float]],
+                base: Dict[str, List[float]], tell: Callable[[str, Any], None],
+                job_timeout: float) -> Tuple[List[JobResult], List[Key], bool]:
+    """Run one worker process over ``todo``: (its rows, the jobs it left unfinished, whether
+    a new worker should go on with those: it timed out in a job, now a ``timeout`` row)."""
+    spec = dict(grid.__dict__, methods=[m.name for m in methods], references=refs,
+                done=sorted(done), durations=plan.duration_list())
+    print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
+    left: List[Key] = []
+    started: List[Key] = []
+    got: List[JobResult] = []
+    proc = _start_worker(allocator, spec, worker_env(allocator))
+    watch = Watch(proc, job_timeout)
+    for line in watch:   # as the worker prints it (each model's reference first)
+        new, new_ref = worker_output(line, left, started)
+        ref.update(new_ref)
+        for r in new:
+            if r.model in ref and r.model in base and ref[r.model] != base[r.model]:
+                r.status = "error"
+                r.note = (f"LOSS MISMATCH: plain training under the {allocator} "
+                          f"allocator gives {ref[r.model]}, native {base[r.model]}")
+            elif allocator != "native" and r.model not in base and r.note:
+                r.note += ("; not compared across allocators: plain training under the "
+                           "native one did not run in this call")
+            plan.note(r.model, r.batch_size, r.seconds)
+            got.append(r)
+            tell(ROW, r.row())
+    proc.wait()
+    plan.left += left
+    if left:   # the worker stopped at --stop-at: no later worker starts either
+        plan.stopped = True
+    finished = {row_key(r) for r in got} | set(left)
+    unfinished = [k for k in todo if k not in finished]
+    running = started[-1] if started else None
+    how = (f"worker for the {allocator} allocator killed after {job_timeout:g} s without "
+           "output" if watch.timed_out else
+           f"worker for the {allocator} allocator exited {proc.returncode}")
+    if running in unfinished and (watch.timed_out or proc.returncode != 0):
+        # the job it was running hung it, or crashed it (or the host's OOM killer took it):
+        # marked so, and kept by --resume (run again, it would do the same every session); a
+        # worker that died or hung before any job, at its start or in a reference run,
+        # blames none
+        unfinished.remove(running)
+        model, name, b = running
+        status = "timeout" if watch.timed_out else "crashed"
+        row = JobResult(model, name, b, None, "", None, grid.budget_for(model), status,
+                        f"{how} during this job")
+        plan.note(model, b, job_timeout if watch.timed_out else None)
+        got.append(row)
+        tell(ROW, row.row())
+        if watch.timed_out and unfinished:
+            return got, unfinished, True
+    # the jobs it did not finish, in its order
+    got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
+                      f"{how} before this job started")
+            for model, name, b in unfinished]
+    return got, unfinished, False
+
+
+def run_coexist(grid: Grid, batch: int, job_timeout: float = JOB_TIMEOUT) -> List[JobResult]:
     """Two processes on one GPU at once, each with half the budget and its own vmalloc
-    allocator (one per process and device): per-process allocators coexist."""
+    allocator (one per process and device): per-process allocators coexist. Each is watched
+    as the grid's workers are: one silent for ``job_timeout`` seconds gets a ``timeout`` row."""
     if grid.budget is None:
         raise SystemExit("--coexist needs a budget")
     # its own one-job grid: none of the main grid's resume list, references or deadline
     spec = dict(grid.__dict__, methods=["window+vmalloc"], models={"resnet50": [batch]},
-                budget=grid.budget // 2, budgets={}, done=[], references=[], stop_at=None)
+                budget=grid.budget // 2, budgets={}, done=[], references=[], stop_at=None,
+                durations=[])
     print(f"-- coexist: 2 processes, {format_size(grid.budget // 2)} each", file=sys.stderr)
-    procs = [_start_worker("vmalloc", spec) for _ in range(2)]   # at the same time
+    procs = [_start_worker("vmalloc", spec, worker_env("vmalloc")) for _ in range(2)]
+    watches = [Watch(proc, job_timeout) for proc in procs]   # both read from now on
     rows: List[JobResult] = []
-    for i, proc in enumerate(procs):
-        got, _ = worker_output(proc.communicate()[0])
-        if proc.returncode != 0 or not got:
+    for i, (proc, watch) in enumerate(zip(procs, watches)):
+        got, _ = worker_output("".join(watch))
+        proc.wait()
+        if watch.timed_out:
+            got = [JobResult("resnet50", "window+vmalloc", batch, None, "", None,
+                             grid.budget // 2, "timeout",
+                             f"killed after {job_timeout:g} s without output")]
+        elif proc.returncode != 0 or not got:
             got = [JobResult("resnet50", "window+vmalloc", batch, None, "", None,
                              grid.budget // 2, "error", f"process exited {proc.returncode}")]
         for r in got:
@@ -841,6 +1152,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--coexist", type=nonnegative_int, default=0, metavar="BATCH",
                    help="GPU: also train ResNet-50 at BATCH in two processes at once, each under "
                         "half the budget with its own vmalloc allocator")
+    p.add_argument("--coexist-only", action="store_true",
+                   help="GPU: run only the --coexist pair (batch --coexist, default "
+                        f"{COEXIST_BATCH}), not the model grid")
+    p.add_argument("--job-timeout", type=positive_int, default=JOB_TIMEOUT, metavar="SECONDS",
+                   help="GPU: a worker silent this long (no step, no row) is killed; its job "
+                        f"gets a 'timeout' row, kept by --resume (default {JOB_TIMEOUT})")
     p.add_argument("--out", default=None, metavar="FILE", help="results file (default: the --resume file, "
                    "else bench/results/e2e-<gpu>-<date>.json)")
     p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH",
@@ -849,8 +1166,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "left for --resume and the file's meta says incomplete")
     p.add_argument("--resume", default=None, metavar="FILE",
                    help="keep FILE's rows (an earlier results file) except status 'error' and "
-                        "run only the other jobs; the output defaults to FILE; a missing FILE "
-                        "starts from nothing")
+                        "run only the other jobs (ok, oom, infeasible, crashed, timeout and "
+                        "unavailable rows are kept); the output defaults to FILE; a missing "
+                        "FILE starts from nothing")
     p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
     p.add_argument("--worker-grid", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -929,7 +1247,9 @@ def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -
 
 def load_resume(path: Path) -> List[JobResult]:
     """The rows of an earlier results file to keep: every one whose status is not ``error``
-    (those run again). A missing file keeps nothing; a file we cannot read is an error."""
+    (those run again): ``ok``, ``oom``, ``infeasible``, and ``crashed``, ``timeout`` and
+    ``unavailable``, which would only crash, hang or fail to import again. A missing file
+    keeps nothing; a file we cannot read is an error."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -968,6 +1288,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not cuda and not args.smoke:
         print("no CUDA device: running the CPU smoke mode (--smoke)", file=sys.stderr)
         args.smoke = True
+    if args.coexist_only and not args.coexist:
+        args.coexist = COEXIST_BATCH
     if args.coexist and not cuda:
         raise SystemExit("--coexist: needs a GPU (two processes sharing one device)")
     command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -975,6 +1297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     grid = make_grid(args, cuda)
     grid.stop_at = args.stop_at
     grid.done = sorted({row_key(r) for r in kept})
+    grid.durations = [(r.model, r.batch_size, r.seconds) for r in kept if r.seconds is not None]
     plan = Plan.of(grid)
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda and grid.budget is None:
@@ -1001,15 +1324,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_results(out, {**info, "incomplete": True},
                           [r.row() for r in kept] + made)
 
-    rows = (run_workers(grid, plan, checkpoint) if cuda
-            else run_grid(grid, grid.methods, device, checkpoint, plan=plan)[0])
+    if args.coexist_only:   # the pair alone: none of the model grid's jobs (gpu-check's own step)
+        rows = []
+    elif cuda:
+        rows = run_workers(grid, plan, checkpoint, job_timeout=args.job_timeout)
+    else:
+        rows = run_grid(grid, grid.methods, device, checkpoint, plan=plan)[0]
     if args.coexist:
         names = {f"window+vmalloc (process {i} of 2, half budget)" for i in (1, 2)}
         if not names <= {r.method for r in kept if r.batch_size == args.coexist}:
             kept = [r for r in kept if r.method not in names]   # both processes run again
             if plan.may_start():
                 with plan.job():
-                    rows += run_coexist(grid, args.coexist)
+                    rows += run_coexist(grid, args.coexist, job_timeout=args.job_timeout)
             else:
                 plan.left.append(("resnet50", "window+vmalloc (coexist)", args.coexist))
     new = rows

@@ -1,6 +1,6 @@
 """Hugging Face models under a memory budget (issue 13, Benchmark): GPT-2, BERT (masked LM and
-sequence classification, the fine-tuning case) and Llama from small configs (random
-weights), step time and peak activation memory for
+sequence classification, the fine-tuning case) and Llama (random weights), step time and
+peak activation memory for
 
 - ``plain``: no checkpointing;
 - ``hf-ckpt``: the model's own ``gradient_checkpointing_enable()`` (every layer checkpointed,
@@ -26,11 +26,22 @@ five once read HF checkpointing's BERT step at 596 ms where it costs 350), on th
 process's CPU time with one thread (``--threads``) so that a shared machine's load enters
 the figures as little as it can.
 
+Configs: on the CPU small ones (6 layers, hidden 128, 4 heads, vocabulary 512, sequence 256,
+batch 4); on CUDA GPT-2-small-sized ones, so that the figures measure recomputation rather
+than Python and kernel-launch overhead: 12 layers, hidden 768, 12 heads, sequence 1024,
+batch 8, each model's own vocabulary (GPT-2 50257, BERT 30522, Llama 32000; BERT's and
+bert-cls's FFN 3072, Llama's 2304 with 6 key-value heads). ``--quick`` keeps tiny ones on
+either device (2 layers, hidden 64, sequence 32).
+
     python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,bert-cls,llama]
                        [--steps N] [--threads N] [--out DIR]
 
 Writes bench/results/hf-<device>.json and .png; the README section comes from
 ``bench/readme_results.py``. ``--quick`` (CI smoke, seconds) writes nothing unless ``--out``.
+The file is written after every model: a model that fails (in its own process, or raising
+here) is recorded with its ``error`` (and the process's ``returncode``), the other models'
+rows are kept, and the exit status is 1. A method's row that raises is a row with status
+``error`` (``oom`` when CUDA runs out of memory).
 """
 from __future__ import annotations
 
@@ -58,32 +69,39 @@ GOAL = ("at HF checkpointing's peak rotor is faster; at HF checkpointing's step 
 
 
 # ------------------------------------------------------------------------------ models
-def configs(quick: bool) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple[int, int]]]:
-    """name -> (model factory, (batch, sequence length)), small configs, random weights.
+def configs(quick: bool, device: str = "cpu"
+            ) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Tuple[int, int]]]:
+    """name -> (model factory, (batch, sequence length)), random weights: small configs on
+    the CPU, GPT-2-small-sized ones on CUDA (a small model there is launch-bound: its step
+    time would be Python overhead, not recomputation), tiny ones with ``quick``.
     The language models' tails (LM head and loss over the vocabulary) hold more than a
     block's input; bert-cls's (pooler, classifier) holds almost nothing."""
     import transformers as T
-    layers, hidden, heads, seq = (2, 64, 4, 32) if quick else (6, 128, 4, 256)
-    vocab = 512
+    gpu = device == "cuda" and not quick
+    layers, hidden, heads, seq = (2, 64, 4, 32) if quick else \
+        (12, 768, 12, 1024) if gpu else (6, 128, 4, 256)
+    batch = 8 if gpu else 4
+    vocab = {"gpt2": 50257, "bert": 30522, "llama": 32000} if gpu else \
+        {"gpt2": 512, "bert": 512, "llama": 512}
     # use_cache=False: every method trains without the KV cache (checkpointing turns it off;
     # plain training with it on would also hold the cache's copies of keys and values)
     common = dict(attn_implementation="eager", use_cache=False)
     return {
         "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
-            n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
-            **common)), (4, seq)),
+            n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab["gpt2"],
+            n_positions=seq, **common)), (batch, seq)),
         "bert": (lambda: T.BertForMaskedLM(T.BertConfig(
             num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-            intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq,
-            **common)), (4, seq)),
+            intermediate_size=4 * hidden, vocab_size=vocab["bert"], max_position_embeddings=seq,
+            **common)), (batch, seq)),
         "bert-cls": (lambda: T.BertForSequenceClassification(T.BertConfig(
             num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-            intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=seq,
-            num_labels=CLASSES, **common)), (4, seq)),
+            intermediate_size=4 * hidden, vocab_size=vocab["bert"], max_position_embeddings=seq,
+            num_labels=CLASSES, **common)), (batch, seq)),
         "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(
             num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-            num_key_value_heads=heads // 2, intermediate_size=3 * hidden, vocab_size=vocab,
-            max_position_embeddings=seq, **common)), (4, seq)),
+            num_key_value_heads=heads // 2, intermediate_size=3 * hidden,
+            vocab_size=vocab["llama"], max_position_embeddings=seq, **common)), (batch, seq)),
     }
 
 
@@ -246,6 +264,11 @@ def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Calla
     except scheduler.InfeasibleError as exc:
         row.update(status="infeasible", note=str(exc)[:200],
                    min_budget=getattr(exc, "min_memory", None))
+    except Exception as exc:  # noqa: BLE001 - one failed row must not end the model's run
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError)  # type: ignore[attr-defined]
+        row.update(status="oom" if oom else "error", note=f"{type(exc).__name__}: {exc}"[:300])
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return row
 
 
@@ -335,7 +358,8 @@ def plot(results: Dict[str, Any], out: str, name: str) -> Optional[str]:
                 ax.plot(*zip(*pts), "o-" if len(pts) > 1 else "s", label=method)
         ax.set(title=f"{m['model']} (batch {m['batch']}, seq {m['seq_len']})",
                xlabel="peak activation memory (MiB)", ylabel="step time (ms)")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:   # (a model that failed has no points)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = save_png(fig, name, out)
     plt.close(fig)
@@ -347,20 +371,39 @@ def argv_of(args: Any) -> List[str]:
         (["--steps", str(args.steps)] if args.steps else [])
 
 
-def in_subprocess(name: str, argv: List[str]) -> Dict[str, Any]:
+def in_subprocess(name: str, argv: List[str], shape: Tuple[int, int]) -> Dict[str, Any]:
     """One model's rows from a fresh process: every model starts from the same allocator
     and interpreter state, and one model's leftovers (allocator caches, a leak) cannot
-    change the next model's figures or exhaust the machine."""
+    change the next model's figures or exhaust the machine. A process that fails gives
+    :func:`failed_model`'s entry with its exit status (what it recorded itself, if anything),
+    so the other models go on."""
     import json
     import subprocess
     import sys
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, __file__, "--models", name, "--out", tmp, *argv],
-                       check=True)
-        with open(next(os.path.join(tmp, f) for f in os.listdir(tmp)
-                       if f.endswith(".json"))) as f:
-            return json.load(f)["models"][0]
+        proc = subprocess.run([sys.executable, __file__, "--models", name, "--out", tmp, *argv],
+                              stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr)   # (stdout went straight through: the model's table)
+        try:
+            with open(next(os.path.join(tmp, f) for f in os.listdir(tmp)
+                           if f.endswith(".json"))) as f:
+                model = json.load(f)["models"][0]
+        except (StopIteration, OSError, ValueError, IndexError, KeyError):
+            model = None
+    if proc.returncode == 0 and model is not None:
+        return model
+    tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+    if model is None or "error" not in model:
+        model = failed_model(name, shape, f"the model's process failed: {tail[0]}"[:300])
+    model["returncode"] = proc.returncode
+    return model
+
+
+def failed_model(name: str, shape: Tuple[int, int], error: str) -> Dict[str, Any]:
+    """A model whose run failed before it had rows to give: recorded with its error."""
+    return {"model": name, "batch": shape[0], "seq_len": shape[1], "rows": [],
+            "status": "error", "error": error}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -374,6 +417,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                        help="timed steps per method (default 7; 1 with --quick)")
         p.add_argument("--threads", type=positive_int, default=1, metavar="N",
                        help="CPU intra-op threads (default 1: steadier on a shared machine)")
+        p.add_argument("--resume", action="store_true",
+                       help="keep the models the results file already has without an error "
+                            "(same device and settings) and run the others: a run cut off at a "
+                            "time limit goes on where it stopped")
     args = parse_args(__doc__.split("\n")[0], argv, extra)
     unknown = [n for n in args.models.split(",") if n not in MODELS.split(",")]
     if unknown:   # before any model runs
@@ -384,7 +431,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.set_num_threads(args.threads)
     steps = args.steps or (1 if quick else 7)
     fractions = QUICK_FRACTIONS if quick else FRACTIONS
-    zoo = configs(quick)
+    zoo = configs(quick, device)
     command = "python bench/hf.py" + (" --quick" if quick else "") + \
         (f" --models {args.models}" if args.models != MODELS else "")
     results: Dict[str, Any] = {"meta": {**run_meta(command, device), "bench": "hf",
@@ -392,32 +439,68 @@ def main(argv: Optional[List[str]] = None) -> None:
                                         "checkpoint_available": checkpoint_missing() is None,
                                         "budget_fractions_of_plain_peak": list(fractions)},
                                "models": []}
-    for name in args.models.split(","):
-        if name not in zoo:
-            raise SystemExit(f"--models: unknown model {name!r} (known: {', '.join(zoo)})")
-        make, shape = zoo[name]
+    write = not (quick and args.out == RESULTS)   # CI smoke: no results written over the real ones
+    name = f"hf-{results['meta']['device_tag']}"
+    failed = []
+    done = resumed(os.path.join(args.out, name + ".json"), results["meta"]) \
+        if args.resume and write else {}
+    for model_name in args.models.split(","):
+        make, shape = zoo[model_name]
+        if model_name in done:
+            print(f"{model_name}: kept from the results file (--resume)\n")
+            results["models"].append(done[model_name])
+            continue
         if len(args.models.split(",")) > 1 and not quick:
             # each model in a fresh process, which prints its own table
-            results["models"].append(in_subprocess(name, argv_of(args)))
-            continue
-        m = bench_model(name, make, shape, device, steps, fractions, quick)
+            m = in_subprocess(model_name, argv_of(args), shape)
+        else:
+            try:
+                m = bench_model(model_name, make, shape, device, steps, fractions, quick)
+            except Exception as exc:  # noqa: BLE001 - recorded; the exit status says so
+                import traceback
+                traceback.print_exc()
+                m = failed_model(model_name, shape, f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                print_model(m)
         results["models"].append(m)
-        print_table([{"method": r["method"],
-                      "budget MiB": None if r["budget"] is None else r["budget"] / 2**20,
-                      "status": r.get("status"),
-                      "step ms": r["step_s"] * 1e3 if "step_s" in r else None,
-                      "peak MiB": r["peak"] / 2**20 if "peak" in r else None,
-                      "forwards": r.get("forwards")}
-                     for r in m["rows"]], title=f"{name}: batch {m['batch']}, seq {m['seq_len']}")
-        print(f"goal ({GOAL}): {m['goal']}\n")
+        if "error" in m:
+            failed.append(model_name)
+            print(f"{model_name}: failed ({m['error']})\n")
+        if write:   # after every model: a later failure loses nothing
+            write_json(name, results, args.out)
     if not results["meta"]["checkpoint_available"]:
         print(checkpoint_missing())
-    if quick and args.out == RESULTS:
-        return  # CI smoke: no results written over the real ones
-    name = f"hf-{results['meta']['device_tag']}"
-    print(f"wrote {write_json(name, results, args.out)}")
-    plot(results, args.out, name)
+    if write:
+        print(f"wrote {os.path.join(args.out, name + '.json')}")
+        plot(results, args.out, name)
+    if failed:
+        raise SystemExit(f"hf.py: {', '.join(failed)} failed (recorded with the error"
+                         + (" in the results file)" if write else ")"))
 
+
+def resumed(path: str, meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The models of an earlier run's results file to keep (``--resume``): those without an
+    error, when that run measured the same way (device, quick, timed steps); else none."""
+    import json
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    same = all(old.get("meta", {}).get(k) == meta.get(k) for k in ("device_tag", "quick", "steps"))
+    return {m["model"]: m for m in old.get("models", []) if same and "error" not in m} \
+        if isinstance(old, dict) else {}
+
+
+def print_model(m: Dict[str, Any]) -> None:
+    print_table([{"method": r["method"],
+                  "budget MiB": None if r["budget"] is None else r["budget"] / 2**20,
+                  "status": r.get("status"),
+                  "step ms": r["step_s"] * 1e3 if "step_s" in r else None,
+                  "peak MiB": r["peak"] / 2**20 if "peak" in r else None,
+                  "forwards": r.get("forwards")}
+                 for r in m["rows"]], title=f"{m['model']}: batch {m['batch']}, seq {m['seq_len']}")
+    print(f"goal ({GOAL}): {m['goal']}\n")
 
 if __name__ == "__main__":
     main()

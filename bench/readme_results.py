@@ -168,6 +168,8 @@ def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     out.append("")
     if "skipped" in cuda:
         out.append(f"GPU part skipped: {cuda['skipped']} (no GPU lent).")
+    elif "error" in cuda:
+        out.append(f"GPU part failed: {cuda['error']}.")
     elif cuda:
         rows = []
         for k, v in sorted(cuda.items()):
@@ -175,9 +177,14 @@ def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                 rows.append((k, rate(v["cpp_pairs_per_s"]), rate(v.get("python_pairs_per_s"))))
             elif isinstance(v, dict) and "pairs_per_s" in v:
                 rows.append((k, rate(v["pairs_per_s"]), "-"))
+            elif isinstance(v, dict) and "error" in v:
+                rows.append((k, "error", "-"))
         out.append(f"GPU part, measured on {cuda.get('device', 'the GPU')}:")
         out.append("")
         out += table(["cuda", "pairs/s (C++ or direct)", "Python pairs/s"], rows, right=(1, 2))
+        if cuda.get("errors"):
+            out += ["", "Failed measurements (the others ran): " + "; ".join(
+                f"{k}: {v}" for k, v in sorted(cuda["errors"].items())) + "."]
     out += ["", reproduce(meta.get("command", "python bench/alloc_micro.py"))]
     return out
 
@@ -695,7 +702,8 @@ def checkpoint_real(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
         plain = next((r for r in m["rows"] if r["method"] == "plain" and r.get("status") == "ok"), None)
         s = summ.get(m["model"], {})
         rv, pv = s.get("rotor_vs_best_periodic_mean_gain"), s.get("pofo_vs_rotor_mean_gain")
-        rows.append((m["model"], m["L"], m["batch"], num(plain["throughput"]) if plain else "-",
+        rows.append((m["model"], m.get("L") or "-", m.get("batch") or "-",
+                     num(plain["throughput"]) if plain else "-",
                      s.get("budgets", "-"), pct(None if rv is None else 100 * rv),
                      pct(None if pv is None else 100 * pv)))
         if rv is not None:
@@ -707,6 +715,11 @@ def checkpoint_real(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                   "pofo vs rotor"], rows, right=(1, 2, 3, 4, 5, 6))
     out += ["", "Gains are mean throughput ratios at each budget (periodic: the fastest periodic "
             "configuration whose peak fits)."]
+    failed = [f"{m['model']}: {m['error']}" for m in d["models"] if m.get("error")] + sorted(
+        {f"{m['model']} {r['method']}: {r.get('note', '')}" for m in d["models"]
+         for r in m["rows"] if r.get("status") == "error"})
+    if failed:
+        out += ["", "Errors (recorded, the rest ran): " + "; ".join(failed) + "."]
     out += [""] + ctx.figures([name[:-5] + ".png"])
     out += ["", reproduce(meta.get("command", "python bench/checkpoint_real.py"))]
     return out
@@ -788,6 +801,8 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     rows = []
     measured_any = False
     for m in d["models"]:
+        if m.get("error"):   # the model's run failed before it had rows
+            rows.append((m["model"], "-", "-", "-", "-", "-", "error"))
         for r in m["rows"]:
             ok = r.get("status") == "ok"
             if r.get("status") == "skipped":
@@ -810,12 +825,18 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                 continue
             ok = goal.get(key)
             ctx.goal(f"hf ({where})", f"{m['model']}: {what}", "yes" if ok else "no", ok)
+    failed = [f"{m['model']}: {m['error']}" for m in d["models"] if m.get("error")] + [
+        f"{m['model']} {r['method']}: {r.get('note', '')}" for m in d["models"]
+        for r in m["rows"] if r.get("status") == "error"]
     if not measured_any:
         ctx.goal(f"hf ({'CPU' if cpu else meta.get('gpu')})", meta.get("goal", "rotor vs HF "
-                 "checkpointing"), "not run: no rotor rows (scheduler.checkpoint not in the "
-                 "build that made this file)", None)
+                 "checkpointing"), "not run: every model failed (see its errors)" if failed
+                 and all(m.get("error") for m in d["models"]) else "not run: no rotor rows "
+                 "(scheduler.checkpoint not in the build that made this file)", None)
     out += table(["model", "method", "budget", "step ms", "peak", "forwards", "status"], rows,
                  right=(2, 3, 4, 5))
+    if failed:
+        out += ["", "Errors (recorded, the other models' rows kept): " + "; ".join(failed) + "."]
     why, tied = [], []   # tied: models where rotor's plan at HF's peak runs as many forwards
     for m in d["models"]:
         a = m.get("rotor_at_hf_peak")

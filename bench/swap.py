@@ -1,7 +1,7 @@
 """Benchmark the swap runtime (issue 6).
 
     python bench/swap.py [--quick] [--cpu-only | --gpu-only [--stop-at EPOCH]]
-                         [--budget 16GiB] [--window 2GiB] [--out DIR]
+                         [--budget 16GiB] [--window 2GiB] [--worker-timeout 180] [--out DIR]
 
 ``--budget`` and ``--window`` apply to the GPU part only, but are checked (byte sizes > 0,
 ``vmalloc.sizes.parse_size``) on every run: a bad value exits 2 before anything runs.
@@ -26,11 +26,15 @@ device session: the CPU part is measured on a machine without a GPU and committe
 GPU part alone into the file's ``gpu`` key, keeping the rest, and writes it after every worker:
 rows already there for the same budget and window are kept, so a run stopped by ``--stop-at``
 (epoch seconds: no worker starts after it) or killed goes on where it stopped
-(``gpu.incomplete`` says how many configurations are left).
+(``gpu.incomplete`` says how many configurations are left). Each worker is killed after
+``--worker-timeout`` seconds (default 180, well under a device step): its configuration is a
+``timeout`` row, kept like ``ok`` and ``oom`` rows (only ``error`` rows run again), so a hang
+costs one step once rather than every session.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import statistics
@@ -323,7 +327,7 @@ def _available(method: str) -> Optional[str]:
     """None if the method can run here, else why not."""
     if method == "torchtune":
         try:
-            from torchtune.training import OffloadActivations  # noqa: F401
+            importlib.import_module("torchtune.training").OffloadActivations  # noqa: B018
         except Exception:  # noqa: BLE001
             return "torchtune not installed"
     if method == "window+vmalloc":
@@ -334,20 +338,30 @@ def _available(method: str) -> Optional[str]:
             return "vmalloc.enable unavailable"
     if method == "window+dynprog":
         try:
-            import scheduler.planners.offload  # noqa: F401
+            importlib.import_module("scheduler.planners.offload")
         except ImportError:
             return "scheduler.planners.offload not present"
     return None
 
 
-def _worker_row(mname: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """One configuration's row, from a worker process of its own."""
-    proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=1800)
+WORKER_TIMEOUT = 180.0   # s: well under a device step's time (gpu-check's swap step: 420 s)
+
+
+def _worker_row(mname: str, cfg: Dict[str, Any], timeout: float = WORKER_TIMEOUT) -> Dict[str, Any]:
+    """One configuration's row, from a worker process of its own, killed after ``timeout``
+    seconds: a hung worker is a kept ``timeout`` row (resuming does not run it again) rather
+    than a step that never ends and repeats every session."""
     try:
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
+        proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:   # (run killed the worker)
+        row = dict(cfg, status="timeout",
+                   error=f"the worker ran past --worker-timeout {timeout:g} s and was killed")
+    else:
+        try:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
     row["model"] = mname
     print(f"  {mname:9s} {cfg['method']:15s} batch {cfg['batch']:5d}: {row['status']}"
           + (f" {row['throughput']:.1f} {row['unit']}" if row["status"] == "ok" else ""),
@@ -358,10 +372,13 @@ def _worker_row(mname: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
 def gpu_comparison(quick: bool, budget: int, window: int,
                    earlier: Optional[List[Dict[str, Any]]] = None,
                    save: Optional[Callable[[List[Dict[str, Any]], Optional[int]], None]] = None,
-                   stop_at: Optional[float] = None) -> Tuple[List[Dict[str, Any]], int]:
+                   stop_at: Optional[float] = None, worker_timeout: float = WORKER_TIMEOUT
+                   ) -> Tuple[List[Dict[str, Any]], int]:
     """The rows, and how many configurations were left unrun for ``stop_at``. ``earlier``:
-    rows of a run with the same budget and window, kept (those in error run again); ``save``
-    gets the rows after every worker (and None: how many are left is not known yet)."""
+    rows of a run with the same budget and window, kept (those in error run again; a
+    ``timeout`` row is kept: a hung configuration would hang again); ``save`` gets the rows
+    after every worker (and None: how many are left is not known yet); ``worker_timeout``:
+    seconds before a worker is killed."""
     kept = {(r["model"], r["method"], r.get("batch")): r for r in earlier or ()
             if r.get("status") != "error"}
     rows: List[Dict[str, Any]] = []
@@ -380,7 +397,8 @@ def gpu_comparison(quick: bool, budget: int, window: int,
                 if row is None:
                     row = _worker_row(mname, {"model": spec, "method": method, "batch": b,
                                               "budget": budget, "window": window, "warmup": 3,
-                                              "steps": 3 if quick else 6})
+                                              "steps": 3 if quick else 6},
+                                      worker_timeout)
                 rows.append(row)
                 if save is not None:
                     save(rows, None)
@@ -406,7 +424,7 @@ def gpu_table(rows: List[Dict[str, Any]]) -> str:
                 elif r["status"] == "ok":
                     cells.append(f"{r['throughput']:.0f}")
                 else:
-                    cells.append("x")
+                    cells.append("timeout" if r["status"] == "timeout" else "x")
             lines.append(f"{method:16s}" + "".join(f"{c:>9s}" for c in cells))
     return "\n".join(lines)
 
@@ -472,7 +490,8 @@ def gpu_only(args: argparse.Namespace) -> None:
 
     print(f"GPU: throughput under a {format_size(budget)} budget, window {format_size(window)}"
           + (f" (resuming: {len(earlier)} rows kept)" if earlier else ""))
-    rows, left = gpu_comparison(args.quick, budget, window, earlier, save, args.stop_at)
+    rows, left = gpu_comparison(args.quick, budget, window, earlier, save, args.stop_at,
+                                getattr(args, "worker_timeout", WORKER_TIMEOUT))
     save(rows, left)
     print(gpu_table(rows))
     gpu_plot(rows, out / "swap.png")
@@ -488,7 +507,7 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 # ---------------------------------------------------------------------------- main
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    from bench.common import byte_size
+    from bench.common import byte_size, positive_float
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, batches and steps")
     only = ap.add_mutually_exclusive_group()
@@ -501,6 +520,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="device budget of the GPU part (default 16GiB)")
     ap.add_argument("--window", type=byte_size, default="2GiB", metavar="SIZE",
                     help="swap window of the GPU part (default 2GiB)")
+    ap.add_argument("--worker-timeout", type=positive_float, default=WORKER_TIMEOUT,
+                    metavar="S", help="GPU part: kill a configuration's worker after S seconds "
+                    f"and keep it as a 'timeout' row, not run again on resume (default "
+                    f"{WORKER_TIMEOUT:g})")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="folder of swap.json / swap.png (default bench/results)")
     ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
@@ -568,7 +591,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
         print(f"\nGPU: throughput under a {format_size(budget)} budget, window {format_size(window)}")
-        rows, _ = gpu_comparison(args.quick, budget, window)
+        rows, _ = gpu_comparison(args.quick, budget, window,
+                                 worker_timeout=args.worker_timeout)
         result["gpu"] = {"budget": budget, "window": window, "rows": rows}
         print(gpu_table(rows))
         gpu_plot(rows, out / "swap.png")

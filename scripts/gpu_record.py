@@ -5,7 +5,10 @@ A GPU session has 15 minutes of device time, so issue 12 takes several sessions:
 commits this record, and the next one's `scripts/gpu-check --next` starts where it stopped.
 A bench step recorded ok stays done (its numbers are committed); the test steps (pytest-gpu,
 demo) are done only for the source they ran, named by a hash of it: the device machine gets a
-copy of the working tree without git, so the hash is of the files, not of a commit.
+copy of the working tree without git, so the hash is of the files, not of a commit. Two hashes:
+``source`` over everything a step runs (bench/ and scripts/ too: a fix there retries a failed
+bench), ``test_source`` over what the tests and the demo exercise only (a bench fix must not
+cost the next session their 200+ s again).
 """
 from __future__ import annotations
 
@@ -15,24 +18,28 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 PROGRESS = Path("bench") / "results" / "gpu-progress.json"
 GPU_TESTS = Path("bench") / "results" / "gpu-tests.json"
-# what the tests exercise; a change here makes the GPU tests stale
+# what the steps run: a change here retries a step that failed (``source``)
 SOURCE_DIRS = ("bench", "csrc", "scheduler", "tests", "vmalloc")
 # scripts too: a step's command line or the build lives there (a fix there retries a failure)
 SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml", "scripts/gpu-check", "scripts/dev-build",
                 "scripts/gpu_record.py")
+# what the GPU tests and the demo exercise: a change here makes them stale (``test_source``)
+TEST_SOURCE_DIRS = ("csrc", "scheduler", "tests", "vmalloc")
+TEST_SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml")
 SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".txt", ".toml", ".cmake")
 RERUN_ON_CHANGE = ("pytest-gpu", "demo")   # correctness checks: done only for the same source
 
 
-def _source_files(root: Path) -> Iterator[Path]:
-    for name in SOURCE_FILES:
+def _source_files(root: Path, dirs: Sequence[str] = SOURCE_DIRS,
+                  files: Sequence[str] = SOURCE_FILES) -> Iterator[Path]:
+    for name in files:
         if (root / name).is_file():
             yield root / name
-    for top in SOURCE_DIRS:
+    for top in dirs:
         for dirpath, dirnames, filenames in os.walk(root / top):
             # build output and caches are not source (and differ between the two machines)
             dirnames[:] = sorted(d for d in dirnames
@@ -42,13 +49,27 @@ def _source_files(root: Path) -> Iterator[Path]:
                     yield Path(dirpath) / f
 
 
-def source_hash(root: Path) -> str:
+def source_hash(root: Path, dirs: Sequence[str] = SOURCE_DIRS,
+                files: Sequence[str] = SOURCE_FILES) -> str:
     """sha256 (first 16 hex digits) over the source files' paths and contents."""
     h = hashlib.sha256()
-    for path in _source_files(root):
+    for path in _source_files(root, dirs, files):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def source_hashes(root: Path) -> Dict[str, str]:
+    """Both hashes, as a step record keeps them: ``source`` (all a step runs) and
+    ``test_source`` (what the GPU tests and the demo exercise)."""
+    return {"source": source_hash(root),
+            "test_source": source_hash(root, TEST_SOURCE_DIRS, TEST_SOURCE_FILES)}
+
+
+def source_key(step: str) -> str:
+    """Which hash says whether ``step`` ran on the source at hand: the tests and the demo
+    follow only what they exercise, the benches everything (bench/ and scripts/ included)."""
+    return "test_source" if step in RERUN_ON_CHANGE else "source"
 
 
 def load_progress(root: Path) -> Dict[str, Any]:
@@ -68,24 +89,34 @@ def load_progress(root: Path) -> Dict[str, Any]:
     return doc
 
 
-def is_done(progress: Dict[str, Any], step: str, source: str) -> bool:
+def _same_source(rec: Dict[str, Any], step: str, source: Union[str, Mapping[str, str]]) -> bool:
+    """``source``: the hash for ``step`` (``source_key``), or both hashes (``source_hashes``)."""
+    key = source_key(step)
+    want = source if isinstance(source, str) else source[key]
+    return rec.get(key) == want
+
+
+def is_done(progress: Dict[str, Any], step: str, source: Union[str, Mapping[str, str]]) -> bool:
     rec = progress["steps"].get(step)
     if not rec or rec.get("status") != "ok":
         return False
-    return step not in RERUN_ON_CHANGE or rec.get("source") == source
+    return step not in RERUN_ON_CHANGE or _same_source(rec, step, source)
 
 
-def failed_for(progress: Dict[str, Any], step: str, source: str) -> bool:
-    """The step exited with an error (not for time) on this very source: running it again
-    would only fail again."""
+def failed_for(progress: Dict[str, Any], step: str,
+               source: Union[str, Mapping[str, str]]) -> bool:
+    """The step exited with an error (not for time) on this very source (for the tests and
+    the demo: what they exercise): running it again would only fail again."""
     rec = progress["steps"].get(step)
-    return bool(rec) and rec.get("status") == "failed" and rec.get("source") == source
+    return bool(rec) and rec.get("status") == "failed" and _same_source(rec, step, source)
 
 
 def record(progress: Dict[str, Any], step: str, status: str, seconds: float,
-           meta: Dict[str, Any]) -> None:
-    """One step's outcome (ok, failed, timeout) replaces its last record."""
-    progress["steps"][step] = {"status": status, "seconds": round(seconds, 1), **meta}
+           meta: Dict[str, Any], extra: Optional[Dict[str, Any]] = None) -> None:
+    """One step's outcome (ok, partial, errors, failed, timeout) replaces its last record;
+    ``extra``: what the outcome rests on (a provisional decision's inputs, rows unavailable)."""
+    progress["steps"][step] = {"status": status, "seconds": round(seconds, 1), **meta,
+                               **(extra or {})}
 
 
 # a line of `pytest -v`: "tests/test_x.py::test_y[a b] PASSED   [ 40%]"

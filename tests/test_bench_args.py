@@ -105,6 +105,7 @@ def test_fragmentation_bad_trace_file_exits_2_before_writing(tmp_path):
     (["--budget", "0"], ["--budget", "'0'"]),
     (["--window", "2 lots"], ["--window", "'2 lots'"]),
     (["--stop-at", "5"], ["--stop-at", "--gpu-only"]),
+    (["--worker-timeout", "0"], ["--worker-timeout", "'0'"]),
     (["--gpu-only"], ["--cpu-only"]),   # with --cpu-only below
 ])
 def test_swap_bad_flags_exit_2_even_with_cpu_only(tmp_path, flags, words):

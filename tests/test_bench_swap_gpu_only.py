@@ -31,13 +31,16 @@ def fake_gpu(monkeypatch, tmp_path):
     import bench.common
     monkeypatch.setattr(bench.common, "run_meta",
                         lambda command, device="cpu": {"gpu": "Fake GPU", "command": command})
-    state = {"clock": 0.0, "ran": [], "oom": set()}
+    state = {"clock": 0.0, "ran": [], "oom": set(), "hang": set(), "timeouts": []}
 
-    def run(cmd, **kw):   # one worker: ok, or out of memory for the (method, batch) listed
+    def run(cmd, **kw):   # one worker: ok, out of memory or hung for the (method, batch) listed
         cfg = json.loads(cmd[-1])
         key = (cfg["model"]["name"], cfg["method"], cfg["batch"])
         state["ran"].append(key)
+        state["timeouts"].append(kw.get("timeout"))
         state["clock"] += 10.0
+        if key[1:] in state["hang"]:
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"])
         status = "oom" if key[1:] in state["oom"] else "ok"
         row = dict(cfg, status=status, throughput=1.0, unit="items/s")
         return subprocess.CompletedProcess(cmd, 0, json.dumps(row) + "\n", "")
@@ -98,3 +101,30 @@ def test_rows_of_another_gpu_or_grid_are_not_kept(fake_gpu, monkeypatch):
                         lambda command, device="cpu": {"gpu": "Other GPU", "command": command})
     bench_swap.gpu_only(_args())
     assert len(state["ran"]) == 2 * n
+
+
+def test_a_hung_worker_is_killed_and_kept_as_a_timeout_row(fake_gpu):
+    """A worker past --worker-timeout (default 180 s, well under gpu-check's 420 s step) is
+    killed; its row says ``timeout``, ends its method's batches like an OOM, and a resumed
+    run keeps it rather than hang again."""
+    path, state = fake_gpu
+    state["hang"] = {("lms", 64)}
+    bench_swap.gpu_only(_args())
+    assert set(state["timeouts"]) == {180.0}
+    assert ("resnet50", "lms", 256) not in state["ran"]
+    doc = json.loads(path.read_text())
+    (row,) = [r for r in doc["gpu"]["rows"] if r["status"] == "timeout"]
+    assert (row["model"], row["method"], row["batch"]) == ("resnet50", "lms", 64)
+    assert "--worker-timeout 180" in row["error"] and not doc["gpu"]["incomplete"]
+    assert "timeout" in bench_swap.gpu_table(doc["gpu"]["rows"])
+    state["ran"].clear()
+    bench_swap.gpu_only(_args(worker_timeout=30.0))
+    assert state["ran"] == [] and state["timeouts"][-1] == 180.0   # nothing ran again
+
+
+def test_worker_timeout_flag(fake_gpu):
+    path, state = fake_gpu
+    assert bench_swap.parse_args([]).worker_timeout == 180.0
+    args = bench_swap.parse_args(["--quick", "--gpu-only", "--worker-timeout", "45"])
+    bench_swap.gpu_only(args)
+    assert set(state["timeouts"]) == {45.0}

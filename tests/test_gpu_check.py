@@ -91,6 +91,9 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     at = [r.stdout.index(cmd) for cmd in order]
     assert at == sorted(at), r.stdout
     assert "--resume bench/results/e2e-GPU-quick.json --stop-at" in r.stdout
+    # the coexist pair alone: not ResNet-50's window+vmalloc sweep again before it
+    coexist = next(ln for ln in r.stdout.splitlines() if "DRY   e2e-coexist:" in ln)
+    assert "--coexist-only" in coexist and "--methods" not in coexist, coexist
 
 
 def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
@@ -294,6 +297,109 @@ def test_gpu_tests_that_all_skip_are_a_failure_not_a_pass(monkeypatch, tmp_path)
     assert "no GPU test passed" in (tmp_path / "a" / "gpu-check.log").read_text()
 
 
+def test_a_bench_fix_leaves_the_tests_done_and_retries_the_failed_bench(monkeypatch, tmp_path):
+    """The tests and the demo follow what they exercise (csrc, vmalloc, scheduler, tests, the
+    build files): a fix under bench/ or scripts/ must not cost their 200+ s again, but it
+    does retry a bench that failed."""
+    from gpu_record import PROGRESS
+    outcomes = {"alloc_micro": 3}
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    steps = "pytest-gpu,demo,alloc_micro"
+    with pytest.raises(SystemExit):
+        gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
+    rec = json.loads((root / PROGRESS).read_text())["steps"]["demo"]
+    assert rec["source"] and rec["test_source"]   # both kept
+    (root / "bench" / "alloc_micro.py").write_text("fixed = True\n")
+    outcomes.clear()
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
+    assert ran == ["alloc_micro"]
+    (root / "tests").mkdir()
+    (root / "tests" / "test_new.py").write_text("def test_x(): pass\n")
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "c")])
+    assert ran == ["pytest-gpu", "demo"]
+
+
+def test_rows_unavailable_count_as_done_and_the_log_names_them(monkeypatch, tmp_path):
+    """A method whose optional package is missing here (torchtune without .whl/) writes rows
+    `unavailable`: the e2e step is done (not rerun every session), and gpu-check.log says
+    which rows and how to run them."""
+    from gpu_record import PROGRESS
+    rows = [{"model": "resnet50", "method": "torchtune", "batch_size": 64,
+             "status": "unavailable", "note": "ModuleNotFoundError: No module named 'torchtune'"},
+            {"model": "resnet50", "method": "plain", "batch_size": 64, "status": "ok", "note": ""}]
+
+    def e2e(cmd):
+        path = Path(gc.ROOT) / cmd[cmd.index("--resume") + 1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {}, "results": rows}))
+        return 0
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"e2e-quick": e2e})
+    gc.main(["--next", "--no-build", "--only", "e2e-quick", str(tmp_path / "a")])
+    rec = json.loads((root / PROGRESS).read_text())["steps"]["e2e-quick"]
+    assert rec["status"] == "ok" and rec["unavailable"] == 1
+    log = (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "UNAV  e2e-quick: 1 rows unavailable, counted done (torchtune: " in log
+    assert "No module named 'torchtune'" in log and ".whl" in log
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", "e2e-quick", str(tmp_path / "b")])
+    assert ran == []
+
+
+def test_a_provisional_cache_slack_is_partial_and_waits_for_gpu_inputs(monkeypatch, tmp_path):
+    """cache_slack deciding from the bundled CPU traces or host remap costs is recorded partial
+    (not done), the call goes on to hf, and --next runs it again only once real GPU traces or
+    alloc_micro's cuda rows exist (before that it would decide the same, in device time)."""
+    from gpu_record import PROGRESS
+
+    def cache_slack(cmd):
+        path = Path(gc.ROOT) / "bench/results/cache_slack.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {}, "decision": {
+            "provisional": True, "provisional_why": ["no real GPU traces"]}}))
+        return 0
+
+    outcomes = {"cache_slack": cache_slack}
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    steps = "cache_slack,hf"
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
+    assert ran == ["cache_slack", "hf"]
+    rec = json.loads((root / PROGRESS).read_text())["steps"]["cache_slack"]
+    assert rec["status"] == "partial" and rec["provisional"] == ["no real GPU traces"]
+    assert rec["inputs"] == {"gpu_traces": 0, "cuda_remap_rows": False}
+    assert "PROV  cache_slack: its decision is provisional" in (
+        tmp_path / "a" / "gpu-check.log").read_text()
+    # nothing new to decide from: not run, nothing built for it
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "b")])
+    assert ran == []
+    assert "SKIP  cache_slack: decided provisionally before" in (
+        tmp_path / "b" / "gpu-check.log").read_text()
+    # a step before it in the same call records the GPU traces: it runs in that call
+    (root / "bench/traces").mkdir(parents=True)
+
+    def traces(cmd):
+        (Path(gc.ROOT) / "bench/traces/resnet50-b256-native-gpu.json.gz").write_bytes(b"x")
+        return 0
+    outcomes["traces"] = traces
+    ran.clear()
+    gc.main(["--next", "--no-build", "--only", "traces,cache_slack,hf", str(tmp_path / "c")])
+    assert ran == ["traces", "cache_slack"]
+
+
+def test_the_traces_step_is_not_started_without_time_for_one_recording(monkeypatch, tmp_path):
+    """record_gpu.py resumes, but one recording takes up to 240 s: with less left it would be
+    killed for nothing, so it waits for a later call (the steps after it get the time)."""
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {})
+    real_check = gc.Check
+    monkeypatch.setattr(gc, "Check", lambda out, dry_run, seconds: real_check(out, dry_run, 200))
+    gc.main(["--next", "--no-build", "--only", "traces,hf", str(tmp_path / "a")])
+    assert ran == ["hf"]
+    assert "SKIP  traces: needs about 240 s" in (tmp_path / "a" / "gpu-check.log").read_text()
+
+
 def test_keep_going_runs_past_a_failure_and_still_exits_with_it(monkeypatch, tmp_path):
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"demo": 2})
     with pytest.raises(SystemExit) as e:
@@ -336,6 +442,16 @@ def test_source_hash_follows_the_source_not_build_output(tmp_path):
     assert gpu_record.source_hash(tmp_path) == h
     (tmp_path / "csrc" / "a.cpp").write_text("int b;")
     assert gpu_record.source_hash(tmp_path) != h
+    # the tests' own hash: csrc, vmalloc, scheduler, tests and the build files, not bench/
+    # or scripts/ (the whole hash follows those too)
+    both = gpu_record.source_hashes(tmp_path)
+    for path in ("bench/e2e.py", "scripts/gpu-check"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("changed")
+    now = gpu_record.source_hashes(tmp_path)
+    assert now["test_source"] == both["test_source"] and now["source"] != both["source"]
+    (tmp_path / "pyproject.toml").write_text("[project]")
+    assert gpu_record.source_hashes(tmp_path)["test_source"] != both["test_source"]
     bad = tmp_path / "bench" / "results" / "gpu-progress.json"
     bad.parent.mkdir(parents=True)
     bad.write_text("{not json")

@@ -93,3 +93,44 @@ def test_the_trace_counts_what_pytorch_reserved_and_says_when_the_model_cannot_c
     clean["allocator_settings"] = {"expandable_segments": True}
     assert record_gpu.segment_figures(clean, 0, 2)["model_comparison_unfair"] == [
         "the history ring was full: early events lost", "expandable segments"]
+
+
+def test_a_trace_already_recorded_is_kept_not_recorded_again(monkeypatch, tmp_path):
+    """A call cut off at its time limit resumes: the jobs whose trace is in --out are not
+    recorded again (their row from traces-gpu.json, else rebuilt from the trace's meta);
+    --fresh records them all."""
+    import json
+    torch = pytest.importorskip("torch")
+    import bench.e2e
+    snap = tmp_path / "s.pickle"
+    snap.write_bytes(pickle.dumps(_snapshot()))
+    out, results = tmp_path / "traces", tmp_path / "results"
+    figures = {"reserved_peak": 20 * MiB, "allocated_peak": 15 * MiB, "gpu": "test",
+               "step_seconds": [0.2]}
+    first, second = record_gpu.JOBS[:2]
+    row = record_gpu.convert(str(snap), first, figures, 1, out)
+    record_gpu.convert(str(snap), second, figures, 1, out)   # killed before its row was written
+    results.mkdir()
+    (results / "traces-gpu.json").write_text(json.dumps(
+        {"meta": {}, "rows": [{**row, "status": "ok", "earlier": True}]}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.e2e, "meta", lambda device, command: {"gpu": "Fake GPU"})
+    recorded = []
+
+    def record(job, args, tmp, env):
+        recorded.append(job.stem)
+        return {"trace": job.stem, "status": "ok"}
+    monkeypatch.setattr(record_gpu, "_record", record)
+    assert record_gpu.main(["--out", str(out), "--results", str(results)]) == 0
+    assert recorded == [j.stem for j in record_gpu.JOBS[2:]]
+    rows = json.loads((results / "traces-gpu.json").read_text())["rows"]
+    assert [r["trace"] for r in rows[:2]] == [f"{first.stem}.json.gz", f"{second.stem}.json.gz"]
+    assert rows[0]["earlier"] is True                  # kept as it was
+    same = lambda r: {k: v for k, v in r.items() if k not in ("status", "bytes_on_disk")}
+    assert same(rows[1]) == same({**row, "trace": f"{second.stem}.json.gz",
+                                  "model": second.model, "batch": second.batch,
+                                  "method": second.method})
+    assert rows[1]["status"] == "ok"
+    recorded.clear()
+    assert record_gpu.main(["--out", str(out), "--results", str(results), "--fresh"]) == 0
+    assert recorded == [j.stem for j in record_gpu.JOBS]

@@ -20,7 +20,10 @@ comparison unfair (``model_comparison_unfair``: cached segments released on an a
 failure, a full history ring, memory reserved before recording, expandable segments) are
 recorded; the children run with PyTorch's allocator settings and vmalloc's variables
 unset, so the caching allocator follows the default rules the model knows. Each job has
-``CHILD_TIMEOUT_S``; ``traces-gpu.json`` is rewritten after every job.
+``CHILD_TIMEOUT_S``; ``traces-gpu.json`` is rewritten after every job. A job whose trace file is
+already in ``--out`` (an earlier call cut off at its time limit, or committed) is not recorded
+again: its row is kept from ``traces-gpu.json``, or rebuilt from the trace's own ``meta``
+(``--fresh`` records every job again).
 
 Results: the traces in ``--out`` (``<model>-b<batch>-<method>-gpu.json.gz``) and
 ``bench/results/traces-gpu.json`` (per trace: events, peaks, model error). Without CUDA it
@@ -200,6 +203,11 @@ def convert(snapshot_path: str, job: Job, figures: Dict[str, Any], steps: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{job.stem}.json.gz"
     trace.save(path)
+    return row_of(trace, path, job, figures)
+
+
+def row_of(trace: Any, path: Path, job: Job, figures: Dict[str, Any]) -> Dict[str, Any]:
+    """The row of ``traces-gpu.json`` for ``trace`` saved at ``path``."""
     row = {"trace": path.name, "model": job.model, "batch": job.batch, "method": job.method,
            "events": len(trace), "peak_requested": trace.peak_requested(),
            "bytes_on_disk": path.stat().st_size, **figures}
@@ -214,6 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "traces"), help="where traces go")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"),
                    help="where traces-gpu.json goes")
+    p.add_argument("--fresh", action="store_true", help="record every job again, also those "
+                   "whose trace file is already in --out (default: keep them, resume)")
     p.add_argument("--one", help=argparse.SUPPRESS)        # child: JSON job spec
     p.add_argument("--snapshot", help=argparse.SUPPRESS)   # child: where to dump
     args = p.parse_args(argv)
@@ -236,6 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     failed = 0
     jobs = QUICK_JOBS if args.quick else JOBS
+    earlier = {} if args.fresh else earlier_rows(Path(args.results) / "traces-gpu.json")
     # the native caching allocator with its default rules, which the model follows: none of
     # the settings that change them, and not vmalloc
     env = {k: v for k, v in os.environ.items()
@@ -243,14 +254,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                        "PYTORCH_ALLOC_CONF")}
     with tempfile.TemporaryDirectory() as tmp:
         for i, job in enumerate(jobs, 1):
-            print(f"[{i}/{len(jobs)}] recording {job.stem} ...", flush=True)
-            rows.append(_record(job, args, tmp, env))
+            kept = None if args.fresh else kept_row(job, Path(args.out), earlier)
+            if kept is not None:   # resumed: a recording costs minutes of device time
+                print(f"[{i}/{len(jobs)}] {job.stem}: its trace is already in {args.out}, kept "
+                      "(--fresh records it again)", flush=True)
+                rows.append(kept)
+            else:
+                print(f"[{i}/{len(jobs)}] recording {job.stem} ...", flush=True)
+                rows.append(_record(job, args, tmp, env))
             failed += rows[-1]["status"] != "ok"
             # written after every job: a step killed for time keeps what it recorded
             path = write_json("traces-gpu", {"meta": head | {"jobs": len(jobs)}, "rows": rows},
                               args.results)
     print(f"wrote {path}")
     return 1 if failed else 0
+
+
+# a recorded trace's meta beside the recording's figures: the snapshot loader's and convert's
+NOT_FIGURES = ("source", "device", "units", "incomplete", "name", "real_gpu_trace",
+               "derived_from", "model", "batch", "method", "steps", "step_starts")
+
+
+def earlier_rows(path: Path) -> Dict[str, Dict[str, Any]]:
+    """The ok rows of an earlier ``traces-gpu.json``, by trace file name; none when it is
+    missing or does not parse (a write cut short: the rows are rebuilt from the traces)."""
+    try:
+        doc = json.loads(path.read_text())
+        return {r["trace"]: r for r in doc["rows"]
+                if isinstance(r, dict) and r.get("status") == "ok" and "trace" in r}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def kept_row(job: Job, out_dir: Path, earlier: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The row of ``job`` when its trace is already in ``out_dir`` (recorded on a GPU: not
+    recorded again), from ``earlier`` or rebuilt from the trace's meta; None: record it (no
+    trace, or one that does not load)."""
+    path = out_dir / f"{job.stem}.json.gz"
+    if not path.is_file():
+        return None
+    if path.name in earlier:
+        return dict(earlier[path.name])
+    from vmalloc.replay import load
+    try:
+        trace = load(path)
+    except Exception as exc:  # noqa: BLE001 - a trace that does not load is recorded again
+        print(f"  {path.name} does not load ({exc!r:.200}): recording it again")
+        return None
+    if not trace.meta.get("real_gpu_trace") or "reserved_peak" not in trace.meta:
+        return None
+    row = row_of(trace, path, job, {k: v for k, v in trace.meta.items() if k not in NOT_FIGURES})
+    row["status"] = "ok"
+    return row
 
 
 def _record(job: Job, args: argparse.Namespace, tmp: str, env: Dict[str, str]) -> Dict[str, Any]:
