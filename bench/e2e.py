@@ -700,6 +700,15 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
+def pool_size(nbytes: int) -> int:
+    """What the swap runtimes' and pofo's host pool holds for a buffer of ``nbytes``: carved
+    out of a slab at its size rounded to ``ALIGN`` (a small one gets its own pinned block)."""
+    from scheduler.runtime.host_pool import ALIGN, DIRECT_BELOW
+    if nbytes < DIRECT_BELOW:
+        return pinned_size(nbytes)
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
 @lru_cache(maxsize=None)
 def saved_activations(model: str, batch: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
     """What one training step of ``model`` at ``batch`` saves for its backward, from the
@@ -742,7 +751,8 @@ def pinned_need(model: str, method: Method, batch: int, budget: Optional[int]) -
     the swap runtimes and pofo offload the saved storages beyond the activation budget (taken
     in proportion: which ones stay is the planner's choice), each in its own block; with
     dynamic shapes their host pool also caches up to ``CACHE_FACTOR`` x its peak for the sizes
-    of past steps. Every block rounded up to a power of two (``pinned_size``)."""
+    of past steps. ``save_on_cpu``'s and torchtune's blocks are rounded up to a power of two
+    (``pinned_size``); the host pool carves its buffers out of slabs (``pool_size``)."""
     offloads = method.kind in ("save_on_cpu", "torchtune", "swap") or method.planner == "pofo"
     if not offloads:
         return 0
@@ -753,7 +763,7 @@ def pinned_need(model: str, method: Method, batch: int, budget: Optional[int]) -
     if raw == 0:
         return 0
     kept = activation_budget(budget, 3 * params) if budget is not None else 0
-    need = sum(pinned_size(n) for n in storages) * max(0, raw - kept) // raw
+    need = sum(pool_size(n) for n in storages) * max(0, raw - kept) // raw
     if parse_model(model)[2]:
         from scheduler.runtime.host_pool import CACHE_FACTOR
         need *= 1 + CACHE_FACTOR
@@ -786,9 +796,10 @@ def host_floor_note(model: str, method: Method, batch: int, budget: Optional[int
     available = mem_available(meminfo)
     if available is None or need <= HOST_FRACTION * available:
         return ""
-    return (f"host memory: offloads ~{format_size(need)} pinned (saved activations, each "
-            f"rounded up to a power of two) > {HOST_FRACTION:g} x MemAvailable "
-            f"{format_size(available)}")
+    how = "each rounded up to a power of two by PyTorch's pinned cache" \
+        if method.kind in ("save_on_cpu", "torchtune") else "carved from the host pool's slabs"
+    return (f"host memory: offloads ~{format_size(need)} pinned (saved activations, {how}) > "
+            f"{HOST_FRACTION:g} x MemAvailable {format_size(available)}")
 
 
 def _factory(model: str, batch: int, device: torch.device, grid: Grid) -> Callable[[], Workload]:

@@ -168,6 +168,14 @@ def test_pinned_blocks_round_up_to_powers_of_two():
         0, 1, 2, 4, 1024, 1024, 2048]
 
 
+def test_the_host_pool_costs_its_buffers_own_size():
+    from scheduler.runtime.host_pool import ALIGN, DIRECT_BELOW
+    n = 1440 * 49 * 64 * 4
+    assert e2e.pool_size(n) == n < e2e.pinned_size(n)  # carved from a slab, not rounded
+    assert e2e.pool_size(DIRECT_BELOW + 1) == DIRECT_BELOW + ALIGN
+    assert e2e.pool_size(1000) == 1024  # a small buffer: a pinned block of its own
+
+
 def test_offloading_jobs_past_the_hosts_memory_are_infeasible(tmp_path):
     host = meminfo(tmp_path, 120)
     big = e2e.host_floor_note("resnet50", e2e.BY_NAME["save_on_cpu"], 1440, 16 << 30, host)
