@@ -380,13 +380,17 @@ def step_counts(n_inputs: int, warmup: int, steps: int, gpu: bool) -> Tuple[int,
 def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional[int],
             device: torch.device, steps: int, warmup: int, seed: int,
             segments: Optional[int] = None,
-            beat: Optional[Callable[[], None]] = None) -> JobResult:
+            beat: Optional[Callable[[], None]] = None,
+            alive: Optional[Callable[[], None]] = None) -> JobResult:
     """Train ``steps`` SGD steps after ``warmup`` ones (``step_counts``); time them; never
-    raise. ``beat()``: called after every step (a GPU worker's heartbeat)."""
+    raise. ``beat()``: called after every step (a GPU worker's heartbeat); ``alive()``: once
+    the model is built and once the method is set up (planned), before the first step."""
     wl: Optional[Workload] = None
     beat = beat or (lambda: None)
+    alive = alive or (lambda: None)
     try:
         wl = wl_factory()
+        alive()   # (the watchdog hears each phase of a job: built, planned, every step)
         warmup, steps = step_counts(len(wl.inputs), warmup, steps, device.type == "cuda")
         _reset_peak(device)
         # dict: tied weights (GPT-2's embedding and head) are one parameter
@@ -400,6 +404,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         losses: List[torch.Tensor] = []
         torch.manual_seed(seed)  # dropout draws the same numbers for every method
         with method_context(method, wl, runtime_budget, device, segments) as (forward, stats):
+            alive()
             # the peak is training's: not what planning measured on entering (wrap's chain)
             _sync(device)
             _reset_peak(device)
@@ -541,6 +546,9 @@ class Grid:
     references: List[str] = field(default_factory=list)     # models whose plain-training
     # reference this process runs even with no job of theirs left (the native worker's, which
     # the other allocators' references are compared with)
+    # whether this process runs the reference at all (not the coexist pair: two uncapped
+    # references at once would not fit the GPU, and no loss is checked there)
+    reference: bool = True
 
     def budget_for(self, model: str) -> Optional[int]:
         return self.budgets.get(model, self.budget)
@@ -561,7 +569,8 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
              plan: Optional[Plan] = None,
              host_floor: Optional[Callable[[str, Method, int, Optional[int]], str]] = None,
              uncapped: Optional[Callable[[], ContextManager[Any]]] = None,
-             beat: Optional[Callable[[], None]] = None
+             beat: Optional[Callable[[], None]] = None,
+             alive: Optional[Callable[[], None]] = None
              ) -> Tuple[List[JobResult], Dict[str, List[float]]]:
     """Every method at every batch size under the budget, in this process. At the smallest
     batch each run's losses are compared with plain training's (same seed, no budget), which
@@ -584,7 +593,7 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
             for model, batches in grid.models.items()}
     # a model's reference runs where its jobs (or another process's loss check) need it
     with_ref = [model for model in grid.models if todo[model] or model in grid.references]
-    total = sum(len(t) for t in todo.values()) + len(with_ref)
+    total = sum(len(t) for t in todo.values()) + (len(with_ref) if grid.reference else 0)
     done = 0
 
     def skip(model: str, jobs: Sequence[Tuple[Method, int]]) -> None:
@@ -597,14 +606,16 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
         if not plan.may_start():
             skip(model, todo[model])
             continue
-        _progress(done, total, f"{model}: plain training, the reference")
-        with plan.job(), (uncapped or contextlib.nullcontext)():
-            ref = run_job(BY_NAME["native"], _factory(model, smallest, device, grid), None,
-                          device, grid.steps, grid.warmup, grid.seed, beat=beat)
-            release_memory(device)   # (under no cap: what it cached goes before the cap is back)
-        done += 1
-        references[model] = ref.losses
-        tell(REF, {model: ref.losses})
+        ref: Optional[JobResult] = None
+        if grid.reference:
+            _progress(done, total, f"{model}: plain training, the reference")
+            with plan.job(), (uncapped or contextlib.nullcontext)():
+                ref = run_job(BY_NAME["native"], _factory(model, smallest, device, grid), None,
+                              device, grid.steps, grid.warmup, grid.seed, beat=beat)
+                release_memory(device)   # (uncapped: what it cached goes before the cap is back)
+            done += 1
+            references[model] = ref.losses
+            tell(REF, {model: ref.losses})
         # the op floor bounds a physical budget (a GPU's); the CPU smoke's simulated budgets
         # leave the weights out, so none is checked there
         below_floor: Dict[int, str] = {}
@@ -616,21 +627,27 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
             tell(START, [model, m.name, b])
             with plan.job(model, b):
                 budget = grid.budget_for(model)
-                if b not in below_floor:
-                    below_floor[b] = (floor or (lambda *a: ""))(model, b, budget)
-                why = below_floor[b] or (host_floor or (lambda *a: ""))(model, m, b, budget)
+                try:
+                    if b not in below_floor:
+                        below_floor[b] = (floor or (lambda *a: ""))(model, b, budget)
+                    why = below_floor[b] or (host_floor or (lambda *a: ""))(model, m, b, budget)
+                except Exception as exc:  # noqa: BLE001 - an estimate must not end the worker
+                    print(f"e2e: {model} b={b} {m.name}: the floor estimate failed ({exc!r}); "
+                          "the job runs", file=sys.stderr, flush=True)
+                    below_floor.setdefault(b, "")
+                    why = ""
                 if why:
                     r = JobResult(model, m.name, b, None, "", None, budget, "infeasible", why)
                 else:
                     r = run_job(m, _factory(model, b, device, grid), budget, device,
-                                grid.steps, grid.warmup, grid.seed, beat=beat)
+                                grid.steps, grid.warmup, grid.seed, beat=beat, alive=alive)
                     # after run_job returned: nothing of the job (its wrapped model, pinned
                     # pool) is referenced any more, so the caches can give it all back
                     release_memory(device)
             r.seconds = round(plan.last, 3)
             r.model, r.batch_size = model, b   # also when the workload failed to build
             done += 1
-            if b == smallest and r.status == "ok":
+            if b == smallest and r.status == "ok" and ref is not None:
                 r.note = check_losses(m, r.losses, ref)
                 if r.note.startswith("LOSS MISMATCH"):
                     r.status = "error"
@@ -866,7 +883,7 @@ def worker_main(args: argparse.Namespace) -> int:
     run_grid(grid, grid.methods, torch.device("cuda"), tell, floor=op_floor_note,
              host_floor=host_floor_note,
              uncapped=lambda: uncapped(args.worker, grid.budget),
-             beat=lambda: tell(BEAT, None))
+             beat=lambda: tell(BEAT, None), alive=lambda: tell(ALIVE, None))
     return 0
 
 
@@ -874,11 +891,14 @@ ROW, REF = "E2E-ROW", "E2E-REF"   # the lines a worker prints for the parent
 LEFT = "E2E-LEFT"                 # the jobs it did not start (--stop-at)
 START = "E2E-START"               # the job it starts now (a worker dying in it: crashed)
 BEAT = "E2E-BEAT"                 # a training step done (the parent's watchdog hears it)
+ALIVE = "E2E-ALIVE"               # a job's model built, its method set up (heard too)
 JOB_TIMEOUT = 180                 # seconds a worker may stay silent before it is killed
+FIRST_STEP_GRACE = 3              # ... times this until a job's first step is done
 COEXIST_BATCH = 512               # --coexist-only's batch when --coexist names none
 # a worker's environment: the parent's, less what would pick or configure an allocator behind
 # the method's back (a VMALLOC=1 left in the shell would put vmalloc under "native")
-WORKER_ENV_DROP = ("VMALLOC", "PYTORCH_CUDA_ALLOC_CONF")
+# (PYTORCH_ALLOC_CONF: torch >= 2.9's name, which outranks PYTORCH_CUDA_ALLOC_CONF)
+WORKER_ENV_DROP = ("VMALLOC", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def worker_env(allocator: str) -> Dict[str, str]:
@@ -909,15 +929,25 @@ class Watch:
             self._lines.put(None)
 
     def __iter__(self) -> Iterator[str]:
+        first = False   # a job started and has not finished its first step yet
         while True:
             try:
-                line = self._lines.get(timeout=self.timeout)
+                # the first step of a job builds the model, plans (a chain measured at full
+                # batch, rotor's or pofo's solve) and pins its host buffers: healthy, and
+                # silent for longer than a step, so it gets FIRST_STEP_GRACE x the timeout
+                line = self._lines.get(timeout=self.timeout * (FIRST_STEP_GRACE if first
+                                                               else 1))
             except queue.Empty:
                 self.timed_out = True
                 self.proc.kill()
                 return
             if line is None:
                 return
+            kind = line.split(" ", 1)[0]
+            if kind == START:
+                first = True
+            elif kind == BEAT:
+                first = False
             yield line
 
 
@@ -1062,7 +1092,7 @@ def run_coexist(grid: Grid, batch: int, job_timeout: float = JOB_TIMEOUT) -> Lis
     # its own one-job grid: none of the main grid's resume list, references or deadline
     spec = dict(grid.__dict__, methods=["window+vmalloc"], models={"resnet50": [batch]},
                 budget=grid.budget // 2, budgets={}, done=[], references=[], stop_at=None,
-                durations=[])
+                durations=[], reference=False)
     print(f"-- coexist: 2 processes, {format_size(grid.budget // 2)} each", file=sys.stderr)
     procs = [_start_worker("vmalloc", spec, worker_env("vmalloc")) for _ in range(2)]
     watches = [Watch(proc, job_timeout) for proc in procs]   # both read from now on

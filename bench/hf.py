@@ -480,7 +480,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def resumed(path: str, meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The models of an earlier run's results file to keep (``--resume``): those without an
-    error, when that run measured the same way (device, quick, timed steps); else none."""
+    error (of the model or of a row), when that run measured the same way (device, quick,
+    timed steps); else none."""
     import json
     try:
         with open(path) as f:
@@ -488,7 +489,9 @@ def resumed(path: str, meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     except (OSError, ValueError):
         return {}
     same = all(old.get("meta", {}).get(k) == meta.get(k) for k in ("device_tag", "quick", "steps"))
-    return {m["model"]: m for m in old.get("models", []) if same and "error" not in m} \
+    def whole(m: Dict[str, Any]) -> bool:   # no error of its own or in a row
+        return "error" not in m and all(r.get("status") != "error" for r in m.get("rows", []))
+    return {m["model"]: m for m in old.get("models", []) if same and whole(m)} \
         if isinstance(old, dict) else {}
 
 

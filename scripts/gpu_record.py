@@ -28,8 +28,9 @@ SOURCE_DIRS = ("bench", "csrc", "scheduler", "tests", "vmalloc")
 SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml", "scripts/gpu-check", "scripts/dev-build",
                 "scripts/gpu_record.py")
 # what the GPU tests and the demo exercise: a change here makes them stale (``test_source``)
-TEST_SOURCE_DIRS = ("csrc", "scheduler", "tests", "vmalloc")
-TEST_SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml")
+# (bench/models: the model zoo a GPU test profiles; scripts/dev-build: the build's flags)
+TEST_SOURCE_DIRS = ("csrc", "scheduler", "tests", "vmalloc", "bench/models")
+TEST_SOURCE_FILES = ("CMakeLists.txt", "pyproject.toml", "scripts/dev-build")
 SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".txt", ".toml", ".cmake")
 RERUN_ON_CHANGE = ("pytest-gpu", "demo")   # correctness checks: done only for the same source
 

@@ -61,6 +61,8 @@ def test_coexist_only_runs_the_pair_and_no_model_grid(tmp_path, monkeypatch):
         def __init__(self, allocator, spec, env=None):
             [batch] = spec["models"]["resnet50"]
             batches.append(batch)
+            # no plain-training reference: two at once, uncapped, would not fit the GPU
+            assert spec["reference"] is False
             r = row("resnet50", "window+vmalloc", batch)
             self.stdout = io.StringIO(f"{e2e.ROW} {json.dumps(r.row())}\n")
 
@@ -126,6 +128,20 @@ def test_a_silent_worker_is_killed_its_job_timed_out_and_the_next_worker_goes_on
                                                     ("resnet50", "native", 512)}
     assert specs[1]["references"] == []
     assert plan.durations[("resnet50", 512)] >= 1.5   # the margin of its batch next time
+
+
+def test_a_jobs_first_step_gets_longer_than_the_next_ones(monkeypatch):
+    """Building the model, planning and pinning before a job's first step are healthy and
+    silent: FIRST_STEP_GRACE x the timeout until the first BEAT, the timeout after it."""
+    start = f"{e2e.START} {json.dumps(['resnet50', 'native', 64])}"
+    code = (f"import sys, time\nprint({start!r}, flush=True)\ntime.sleep(1.5)\n"
+            f"print({e2e.ALIVE + ' null'!r}, flush=True)\ntime.sleep(1.5)\n"
+            f"print({e2e.BEAT + ' null'!r}, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    watch = e2e.Watch(proc, 1.0)
+    kinds = [line.split(" ", 1)[0] for line in watch]
+    assert kinds == [e2e.START, e2e.ALIVE, e2e.BEAT] and watch.timed_out
+    assert proc.wait(timeout=30) is not None
 
 
 # ---------------------------------------------- pinned memory given back between jobs (item 8)
@@ -260,13 +276,31 @@ def test_the_reference_runs_without_the_cap(monkeypatch):
     assert log == [("native", None, False), ("window", 16 << 30, True)]
 
 
+def test_a_grid_without_reference_runs_only_its_jobs(monkeypatch):
+    """The coexist pair's processes: no plain-training reference (two at once, uncapped, would
+    not fit the GPU), no loss check, the job itself runs."""
+    log = []
+
+    def job(method, factory, budget, device, *args, **kwargs):
+        log.append(method.name)
+        return row("gpt2-s32", method.name, 2)
+
+    monkeypatch.setattr(e2e, "run_job", job)
+    grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["window"]], 16 << 30, 1, 0,
+                    reference=False)
+    rows, refs = e2e.run_grid(grid, grid.methods, torch.device("cpu"))
+    assert log == ["window"] and refs == {} and "loss" not in rows[0].note
+
+
 def test_workers_do_not_inherit_allocator_settings(monkeypatch):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("VMALLOC", "1")
     monkeypatch.setenv("VMALLOC_BUDGET", "1GiB")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.5")
     monkeypatch.setenv("E2E_KEEP_ME", "yes")
     native, expandable = e2e.worker_env("native"), e2e.worker_env("expandable")
-    assert not any(k.startswith(("VMALLOC", "PYTORCH_CUDA_ALLOC_CONF")) for k in native)
+    assert not any(k.startswith(("VMALLOC", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+                   for k in native)
     assert native["E2E_KEEP_ME"] == "yes"
     assert expandable["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "VMALLOC" not in e2e.worker_env("vmalloc")

@@ -649,3 +649,32 @@ def test_no_build_on_a_fresh_machine_builds_after_all(monkeypatch, tmp_path):
     steps.clear()
     gc.main(["--no-build", "--only", "demo", str(tmp_path / "c")])
     assert "build" not in steps
+
+
+def test_failed_rows_of_a_bench_that_exits_0_fail_its_step(monkeypatch, tmp_path):
+    """alloc_micro, checkpoint_real and hf record a row's exception and go on (the other rows
+    are kept) with exit status 0: the step is recorded failed all the same (retried once the
+    source changes, as when the exception ended the script), never ok for good."""
+    from gpu_record import PROGRESS
+
+    def hf(cmd):
+        path = Path(gc.ROOT) / "bench" / "results" / "hf-Fake_GPU.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {}, "models": [
+            {"model": "gpt2", "rows": [{"method": "rotor", "budget": 1, "status": "ok"}]},
+            {"model": "bert", "rows": [{"method": "pofo", "budget": 2, "status": "error",
+                                        "note": "RuntimeError: stream"}]}]}))
+        return 0
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"hf": hf})
+    with pytest.raises(SystemExit):
+        gc.main(["--next", "--no-build", "--only", "hf", str(tmp_path / "a")])
+    assert json.loads((root / PROGRESS).read_text())["steps"]["hf"]["status"] == "failed"
+    log = (tmp_path / "a" / "gpu-check.log").read_text()
+    assert "FAIL  hf: 1 rows failed" in log and "bert/pofo: RuntimeError: stream" in log
+    gc2 = load_script()
+    assert gc2.row_errors({"cuda": {"errors": {"remap k=32": "boom"}}}) == [
+        {"status": "error", "method": "cuda remap k=32", "note": "boom"}]
+    assert gc2.row_errors({"gpu": {"rows": [{"status": "error"}, {"status": "ok"}]}}) == [
+        {"status": "error"}]
+    assert gc2.row_errors({"models": [{"model": "m", "error": "x"}]})[0]["note"] == "x"

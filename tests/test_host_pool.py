@@ -45,6 +45,17 @@ def test_activation_sizes_cost_their_own_size():
     assert pool.stats()["host_slab_bytes"] == 0
 
 
+def test_a_buffer_released_after_close_frees_its_slab():
+    """A swap context closed while a graph still held buffers (handed back later): once the
+    last one is back, its slab goes (nothing carves it again), not at the pool's death."""
+    pool = HostPool(pin_memory=False, slab_bytes=1 << 20, direct_below=1024)
+    late = pool.acquire(300_000)
+    pool.close()
+    assert pool.stats()["host_slabs"] == 1    # still lent
+    pool.release(late)
+    assert pool.stats()["host_slabs"] == 0 and pool.stats()["host_slab_bytes"] == 0
+
+
 def test_a_huge_request_gets_its_own_slab_and_views_are_aligned():
     pool = HostPool(pin_memory=False, slab_bytes=1 << 16, direct_below=1024)
     big = pool.acquire(100_000)

@@ -294,6 +294,8 @@ class HostPool:
         slab.held -= 1
         if event is None or event.query():
             slab.give_back(off, span)
+            if self._closed and not slab.carved:   # (after close: nothing will carve it again)
+                self._slabs.remove(slab)
         else:
             self._settling.append((slab, off, span, event))
 
@@ -324,5 +326,7 @@ class HostPool:
 
     def _wait_for_all_copies(self) -> None:
         if self.pin_memory and torch.cuda.is_initialized():
-            for device in self._devices or {torch.cuda.current_device()}:
+            # the devices of the copies seen; none seen yet: every device (a pool of another
+            # device than the current one would otherwise wait for the wrong one)
+            for device in self._devices or range(torch.cuda.device_count()):
                 torch.cuda.synchronize(device)
