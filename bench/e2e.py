@@ -800,6 +800,9 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> Optional[int]:
     return None
 
 
+HOST_NOTE = "host memory:"   # how a row infeasible for host memory starts its note
+
+
 def host_floor_note(model: str, method: Method, batch: int, budget: Optional[int],
                     meminfo: Path = Path("/proc/meminfo")) -> str:
     """Why ``method`` cannot train ``model`` at ``batch`` in this host's memory, or "": the
@@ -815,7 +818,7 @@ def host_floor_note(model: str, method: Method, batch: int, budget: Optional[int
         return ""
     how = "each rounded up to a power of two by PyTorch's pinned cache" \
         if method.kind in ("save_on_cpu", "torchtune") else "carved from the host pool's slabs"
-    return (f"host memory: offloads ~{format_size(need)} pinned (saved activations, {how}) > "
+    return (f"{HOST_NOTE} offloads ~{format_size(need)} pinned (saved activations, {how}) > "
             f"{HOST_FRACTION:g} x MemAvailable {format_size(available)}")
 
 
@@ -1289,7 +1292,9 @@ def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -
 def load_resume(path: Path) -> List[JobResult]:
     """The rows of an earlier results file to keep: every one whose status is not ``error``
     (those run again): ``ok``, ``oom``, ``infeasible``, and ``crashed``, ``timeout`` and
-    ``unavailable``, which would only crash, hang or fail to import again. A missing file
+    ``unavailable``, which would only crash, hang or fail to import again. Except rows
+    infeasible for host memory (``HOST_NOTE``): judged again (it takes a second), as they rest
+    on an estimate and on the host's free memory at the time, not on the GPU. A missing file
     keeps nothing; a file we cannot read is an error."""
     try:
         text = path.read_text()
@@ -1311,7 +1316,8 @@ def load_resume(path: Path) -> List[JobResult]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"--resume {path}: not a bench/e2e.py results file "
                          f"({type(exc).__name__}: {exc})") from None
-    return [r for r in rows if r.status != "error"]
+    return [r for r in rows if r.status != "error"
+            and not (r.status == "infeasible" and str(r.note).startswith(HOST_NOTE))]
 
 
 def grid_order(rows: Sequence[JobResult], grid: Grid) -> List[JobResult]:

@@ -39,6 +39,11 @@ def test_resume_reruns_only_error_rows(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [r.row() for r in rows]}))
     assert [r.status for r in e2e.load_resume(path)] == list(statuses[:-1])
+    # infeasible for host memory: an estimate against the free memory of the time, judged again
+    host = row("resnet50", "save_on_cpu", 1440, "infeasible")
+    host.note = e2e.HOST_NOTE + " offloads ~300 GiB pinned"
+    path.write_text(json.dumps({"results": [r.row() for r in rows + [host]]}))
+    assert [r.status for r in e2e.load_resume(path)] == list(statuses[:-1])
 
 
 # ------------------------------------------------------------------ --coexist-only (item 2)
