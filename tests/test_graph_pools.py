@@ -91,6 +91,7 @@ def test_enable_wires_the_hook():
 # RuntimeError passes; the messages are printed for the GPU session's log. A capture into a pool
 # from graph_pool_handle() skips that creation: only vmalloc's hook stops it.
 GPU_CASE = """
+    import faulthandler; faulthandler.dump_traceback_later(120, exit=True)  # a hang: stacks
     import torch, vmalloc
     vmalloc.enable()
     x = torch.ones(1 << 20, device="cuda")
@@ -109,6 +110,12 @@ GPU_CASE = """
         refused("capture into graph_pool_handle()",
                       lambda: torch.cuda.CUDAGraph().capture_begin(torch.cuda.graph_pool_handle()))
 
+    # refused on entry, before torch.cuda.graph makes its side stream current: a caller that
+    # catches the error goes on on its own stream
+    before = torch.cuda.current_stream()
+    refused("torch.cuda.graph", lambda: torch.cuda.graph(torch.cuda.CUDAGraph()).__enter__())
+    assert torch.cuda.current_stream() == before, "left on the graph's side stream"
+
     def use_pool():
         with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
             pass
@@ -123,5 +130,5 @@ GPU_CASE = """
 @pytest.mark.gpu
 def test_graph_capture_and_use_mem_pool_are_refused_on_a_gpu(tmp_path):
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(GPU_CASE)], env=python_env(),
-                       cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=135)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

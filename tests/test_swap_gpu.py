@@ -98,7 +98,7 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
        pressure callback (pressure calls > 0) and stays within vmalloc's budget."""
     pytest.importorskip("vmalloc._core")
     script = textwrap.dedent("""
-        import faulthandler; faulthandler.dump_traceback_later(165, exit=True)  # a hang: stacks
+        import faulthandler; faulthandler.dump_traceback_later(120, exit=True)  # a hang: stacks
         import torch, vmalloc, scheduler
         from vmalloc import torch_allocator as ta
         MiB = 1 << 20
@@ -157,7 +157,7 @@ def test_swap_runtime_bounds_the_peak_and_answers_vmalloc_pressure():
     # the autograd thread too) and the runtime's lock must fail the test, not hang the session
     try:
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              cwd=tempfile.gettempdir(), env=python_env(), timeout=180)
+                              cwd=tempfile.gettempdir(), env=python_env(), timeout=135)
     except subprocess.TimeoutExpired as e:
         out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                for x in (e.stdout, e.stderr)]

@@ -397,6 +397,7 @@ def test_wrap_and_loss_option_keep_their_loss_stage():
 
 # ------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic_kernels")   # gradients compared bit for bit
 def test_cuda_tail_from_the_allocator():
     ref, model, batch, chains = checkpointed_model("gpt2")
     ref.cuda(), model.cuda()
