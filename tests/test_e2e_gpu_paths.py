@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench import e2e
+from _e2e_fakes import jobs_run, jobs_take
 
 
 def row(model, method, batch, status="ok", **kw):
@@ -213,14 +214,7 @@ def test_offloading_jobs_past_the_hosts_memory_are_infeasible(tmp_path):
 
 
 def test_run_grid_marks_host_floor_jobs_infeasible_without_running_them(monkeypatch):
-    ran = []
-    real = e2e.run_job
-
-    def spy(method, *args, **kwargs):
-        ran.append(method.name)
-        return real(method, *args, **kwargs)
-
-    monkeypatch.setattr(e2e, "run_job", spy)
+    ran = jobs_run(monkeypatch, e2e)
     grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME[n] for n in ("rotor", "save_on_cpu")],
                     None, 1, 0)
     floor = lambda model, m, b, budget: "host memory: too much" if m.name == "save_on_cpu" else ""  # noqa: E731
@@ -240,15 +234,7 @@ def test_the_margin_is_the_longest_job_recorded_at_the_same_batch(monkeypatch):
 
 
 def test_rows_record_their_seconds_and_resume_passes_them_on(tmp_path, monkeypatch):
-    now = [0.0]
-    real = e2e.run_job
-
-    def five_seconds(*args, **kwargs):
-        now[0] += 5
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(e2e, "clock", lambda: now[0])
-    monkeypatch.setattr(e2e, "run_job", five_seconds)
+    jobs_take(monkeypatch, e2e, 5)
     out = tmp_path / "e2e.json"
     assert e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window",
                      "--steps", "1", "--out", str(out)]) == 0

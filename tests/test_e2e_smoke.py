@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import e2e
+from _e2e_fakes import jobs_run, jobs_take
 
 ROW_KEYS = {"model", "method", "batch_size", "throughput", "unit", "peak_bytes", "budget_bytes",
             "status", "note"}
@@ -239,15 +240,7 @@ def test_a_stopped_run_is_completed_by_resume(tmp_path, monkeypatch, capsys):
     """A fake clock: each job (plain training's reference included) takes one second, and no
     job starts with less than 60 s left. Jobs at t = 0 (gpt2 reference), 1, 2, 3 (bert
     reference), 4 start before --stop-at 64.5; the job due at 5 does not."""
-    now = [0.0]
-    real = e2e.run_job
-
-    def one_second(*args, **kwargs):
-        now[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(e2e, "clock", lambda: now[0])
-    monkeypatch.setattr(e2e, "run_job", one_second)
+    jobs_take(monkeypatch, e2e, 1)
     out = tmp_path / "e2e.json"
     assert e2e.main(TWO_MODELS + ["--stop-at", "64.5", "--out", str(out)]) == 0
     first = json.loads(out.read_text())
@@ -293,14 +286,7 @@ def test_resume_runs_error_rows_again(tmp_path, monkeypatch):
                            "RuntimeError: boom").row()
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"meta": {"gpu": "cpu"}, "results": [done, failed]}))
-    ran = []
-    real = e2e.run_job
-
-    def spy(method, *args, **kwargs):
-        ran.append(method.name)
-        return real(method, *args, **kwargs)
-
-    monkeypatch.setattr(e2e, "run_job", spy)
+    ran = jobs_run(monkeypatch, e2e)
     assert e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window",
                      "--steps", "1", "--resume", str(path)]) == 0
     assert ran == ["native", "window"]     # plain training's reference, then the failed job
