@@ -750,6 +750,11 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                   if r.get("status") in ("error", "crashed")})
     if bad:
         out += ["- Errors: " + "; ".join(f"{m}: {n}" for m, n in bad) + "."]
+    # kept by --resume, never run again on their own: a missing package, a hung job
+    held = sorted({(r["method"], r.get("status"), r.get("note", "")) for r in rows
+                   if r.get("status") in ("unavailable", "timeout")})
+    if held:
+        out += ["- Not run: " + "; ".join(f"{m} ({st}): {n}" for m, st, n in held) + "."]
     ok = [r for r in rows if r.get("status") == "ok"]
     exact = sum(1 for r in ok if str(r.get("note", "")).startswith("loss bitwise equal"))
     out += [f"- Losses bitwise equal to plain training: {exact} of {len(ok)} rows that ran."]

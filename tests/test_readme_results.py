@@ -145,8 +145,17 @@ def test_gpu_sessions_tests_and_traces_render_with_goals(fake):
         "results": [{"model": "resnet50", "method": "native", "batch_size": 512,
                      "throughput": 900.0, "unit": "images/s", "peak_bytes": None,
                      "budget_bytes": 16 << 30, "status": "ok", "note": ""}]})
+    e2e_file = res / "e2e-H200-2026-01-02.json"
+    doc = json.loads(e2e_file.read_text())
+    doc["results"].append({"model": "resnet50", "method": "torchtune-offload", "batch_size": 512,
+                           "throughput": None, "unit": "images/s", "peak_bytes": None,
+                           "budget_bytes": 16 << 30, "status": "unavailable",
+                           "note": "ModuleNotFoundError: No module named 'torchtune'"})
+    e2e_file.write_text(json.dumps(doc))
     _run(res, readme)
     inner = readme.read_text().split(rr.BEGIN)[1].split(rr.END)[0]
+    assert ("- Not run: torchtune-offload (unavailable): ModuleNotFoundError: No module named "
+            "'torchtune'.") in inner
     assert "| pytest-gpu | ok | 201 | NVIDIA H100 80GB HBM3 | 580.159.04 |" in inner
     assert "| e2e-resnet50 | partial |" in inner
     assert ("| pytest -m gpu (NVIDIA H100 80GB HBM3) | every GPU test passes on a GPU | "
