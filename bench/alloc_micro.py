@@ -45,6 +45,7 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
 
 from vmalloc import Allocator, _core  # noqa: E402
 from vmalloc.allocator import granularity  # noqa: E402
+from vmalloc.atomic_file import write_atomic  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RESULTS = ROOT / "bench" / "results" / "alloc_micro.json"
@@ -353,9 +354,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 def write(path: Path, res: Dict[str, object]) -> None:
     """The JSON, written then renamed (a kill leaves the last whole file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.part")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(res, indent=2) + "\n")
 
 def print_table(res: Dict[str, object]) -> None:
     h = res["host"]

@@ -47,6 +47,7 @@ from bench.common import positive_float, positive_int, usage_error  # noqa: E402
 from bench.models import build  # noqa: E402
 from scheduler.plan import checkpoint_plan  # noqa: E402
 from scheduler.profile import measure_chain  # noqa: E402
+from vmalloc.atomic_file import write_atomic  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -358,9 +359,7 @@ def write_result(result: Dict[str, Any], path: str) -> None:
     """The summary of the models so far, and the file (written then renamed: a kill leaves
     the last whole file)."""
     result["summary"] = summarize(result)
-    with open(path + ".part", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".part", path)
+    write_atomic(path, json.dumps(result, indent=1))
 
 if __name__ == "__main__":
     main()

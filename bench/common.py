@@ -181,9 +181,9 @@ def finite(value: Any) -> Any:
 def write_json(name: str, data: Dict[str, Any], out: str = RESULTS) -> str:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(finite(data), f, indent=1, default=float, allow_nan=False)
-        f.write("\n")
+    # written whole, then renamed: a kill mid-write leaves the last whole file
+    from vmalloc.atomic_file import write_atomic   # (lazily, as parse_size above)
+    write_atomic(path, json.dumps(finite(data), indent=1, default=float, allow_nan=False) + "\n")
     return path
 
 

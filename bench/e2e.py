@@ -95,6 +95,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (byte_size, driver_version, nonnegative_int, positive_int,  # noqa: E402
                           usage_error)
+from vmalloc.atomic_file import write_atomic  # noqa: E402
 from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -1284,9 +1285,7 @@ def cpu_budgets(grid: Grid) -> Dict[str, int]:
 def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -> None:
     """The results file, written whole and renamed: a kill mid-write leaves the last one."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".part")
-    tmp.write_text(json.dumps({"meta": info, "results": rows}, indent=1) + "\n")
-    tmp.replace(out)
+    write_atomic(out, json.dumps({"meta": info, "results": rows}, indent=1) + "\n")
 
 
 def load_resume(path: Path) -> List[JobResult]:

@@ -55,6 +55,7 @@ from torch import nn  # noqa: E402
 import scheduler  # noqa: E402
 from scheduler.planners import window as window_planner  # noqa: E402
 from scheduler.planners.swap_schedule import SwapSchedule, random_sequence, replay  # noqa: E402
+from vmalloc.atomic_file import write_atomic  # noqa: E402
 from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -484,9 +485,7 @@ def gpu_only(args: argparse.Namespace) -> None:
         result["gpu"] = {"budget": budget, "window": window, "quick": args.quick, "rows": rows,
                          "meta": gmeta, "incomplete": left != 0, "not_run": left or 0}
         out.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.part")
-        tmp.write_text(json.dumps(result, indent=1, default=str))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(result, indent=1, default=str))
 
     print(f"GPU: throughput under a {format_size(budget)} budget, window {format_size(window)}"
           + (f" (resuming: {len(earlier)} rows kept)" if earlier else ""))
