@@ -38,7 +38,8 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
                      sections=sections,
                      title=f"vmalloc ({reg.mode}) on cuda:{d}{also}")
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # (initialised implies available; is_available() first would run cuInit at every exit)
+    if torch is not None and torch.cuda.is_initialized():
         d = device_index(device)
         s = from_torch_stats(torch.cuda.memory_stats(d))
         return build(s, source="torch-native", device=d, sections=reg.sections_for(d),
