@@ -16,10 +16,15 @@ import pytest
 from _subproc import ROOT, python_env
 
 BENCH = os.path.join(ROOT, "bench")
+# readme_results.py's parts (its formats, its section renderers): modules, not scripts
+README_PARTS = ("readme_format.py", "readme_allocator.py", "readme_planners.py",
+                "readme_runtime.py", "readme_gpu_sessions.py")
 # every script with a command line (offload_fluid.py, common.py and checkout.py are modules only)
 SCRIPTS = sorted(
     [p for p in glob.glob(os.path.join(BENCH, "*.py"))
-     if os.path.basename(p) not in ("common.py", "offload_fluid.py", "checkout.py")]
+     if os.path.basename(p) not in ("common.py", "offload_fluid.py", "checkout.py")
+     and os.path.basename(p) not in README_PARTS
+     and not os.path.basename(p).startswith("e2e_")]   # e2e.py's parts: modules, not scripts
     + [os.path.join(BENCH, "chains", "make_chains.py"),
        os.path.join(BENCH, "traces", "make_traces.py"),
        os.path.join(BENCH, "traces", "record_gpu.py")])

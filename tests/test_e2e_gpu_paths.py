@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from bench import e2e
+from bench import e2e, e2e_grid, e2e_workers
 from _e2e_fakes import jobs_run, jobs_take
 
 
@@ -75,7 +75,7 @@ def test_coexist_only_runs_the_pair_and_no_model_grid(tmp_path, monkeypatch):
         def wait(self):
             return 0
 
-    monkeypatch.setattr(e2e, "_start_worker", Worker)
+    monkeypatch.setattr(e2e_workers, "_start_worker", Worker)
     out = tmp_path / "coexist.json"
     kept = row("resnet50", "window+vmalloc", 64).row()   # an earlier grid row: kept as is
     out.write_text(json.dumps({"meta": {}, "results": [kept]}))
@@ -86,7 +86,7 @@ def test_coexist_only_runs_the_pair_and_no_model_grid(tmp_path, monkeypatch):
     assert kept in doc["results"] and len(doc["results"]) == 3
     assert not doc["meta"].get("incomplete")
     # resumed again: the pair is done, nothing runs
-    monkeypatch.setattr(e2e, "_start_worker", lambda *a, **k: pytest.fail("ran again"))
+    monkeypatch.setattr(e2e_workers, "_start_worker", lambda *a, **k: pytest.fail("ran again"))
     assert e2e.main(["--coexist-only", "--coexist", "512", "--resume", str(out)]) == 0
     assert len(json.loads(out.read_text())["results"]) == 3
 
@@ -122,7 +122,7 @@ def test_a_silent_worker_is_killed_its_job_timed_out_and_the_next_worker_goes_on
         procs.append(p)
         return p
 
-    monkeypatch.setattr(e2e, "_start_worker", start_worker)
+    monkeypatch.setattr(e2e_workers, "_start_worker", start_worker)
     plan = e2e.Plan.of(grid)
     rows = e2e.run_workers(grid, plan, job_timeout=1.5)
     assert [(r.batch_size, r.status) for r in rows] == [(64, "ok"), (512, "timeout"),
@@ -165,7 +165,7 @@ def test_the_host_cache_is_emptied_after_the_job_is_gone(monkeypatch):
         pools.append(weakref.ref(p))
         return row("gpt2-s32", method.name, 2)
 
-    monkeypatch.setattr(e2e, "run_job", job)
+    monkeypatch.setattr(e2e_grid, "run_job", job)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch._C, "_host_emptyCache",
                         lambda: seen.append([p() is None for p in pools]), raising=False)
@@ -214,7 +214,7 @@ def test_offloading_jobs_past_the_hosts_memory_are_infeasible(tmp_path):
 
 
 def test_run_grid_marks_host_floor_jobs_infeasible_without_running_them(monkeypatch):
-    ran = jobs_run(monkeypatch, e2e)
+    ran = jobs_run(monkeypatch, e2e_grid)
     grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME[n] for n in ("rotor", "save_on_cpu")],
                     None, 1, 0)
     floor = lambda model, m, b, budget: "host memory: too much" if m.name == "save_on_cpu" else ""  # noqa: E731
@@ -226,7 +226,7 @@ def test_run_grid_marks_host_floor_jobs_infeasible_without_running_them(monkeypa
 # ------------------------------------------ the --stop-at margin of a batch (item 10)
 def test_the_margin_is_the_longest_job_recorded_at_the_same_batch(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    monkeypatch.setattr(e2e_grid, "clock", lambda: now[0])
     plan = e2e.Plan(stop_at=1000.0, durations=[("resnet50", 1440, 150.0)])
     now[0] = 860.0                                   # 140 s left
     assert plan.may_start("resnet50", 64)            # nothing known at 64: 60 s
@@ -234,7 +234,7 @@ def test_the_margin_is_the_longest_job_recorded_at_the_same_batch(monkeypatch):
 
 
 def test_rows_record_their_seconds_and_resume_passes_them_on(tmp_path, monkeypatch):
-    jobs_take(monkeypatch, e2e, 5)
+    jobs_take(monkeypatch, e2e_grid, 5)
     out = tmp_path / "e2e.json"
     assert e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window",
                      "--steps", "1", "--out", str(out)]) == 0
@@ -261,7 +261,7 @@ def test_the_reference_runs_without_the_cap(monkeypatch):
         log.append((method.name, budget, state["capped"]))
         return row("gpt2-s32", method.name, 2)
 
-    monkeypatch.setattr(e2e, "run_job", job)
+    monkeypatch.setattr(e2e_grid, "run_job", job)
     grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["window"]], 16 << 30, 1, 0)
     e2e.run_grid(grid, grid.methods, torch.device("cpu"), uncapped=uncapped)
     assert log == [("native", None, False), ("window", 16 << 30, True)]
@@ -276,7 +276,7 @@ def test_a_grid_without_reference_runs_only_its_jobs(monkeypatch):
         log.append(method.name)
         return row("gpt2-s32", method.name, 2)
 
-    monkeypatch.setattr(e2e, "run_job", job)
+    monkeypatch.setattr(e2e_grid, "run_job", job)
     grid = e2e.Grid({"gpt2-s32": [2]}, [e2e.BY_NAME["window"]], 16 << 30, 1, 0,
                     reference=False)
     rows, refs = e2e.run_grid(grid, grid.methods, torch.device("cpu"))

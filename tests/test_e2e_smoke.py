@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import e2e
+from bench import e2e, e2e_grid, e2e_workers
 from _e2e_fakes import jobs_run, jobs_take
 
 ROW_KEYS = {"model", "method", "batch_size", "throughput", "unit", "peak_bytes", "budget_bytes",
@@ -54,7 +54,7 @@ def test_a_loss_mismatch_fails_the_run_loudly(tmp_path, monkeypatch):
             r.losses[-1] += 1e-6
         return r
 
-    monkeypatch.setattr(e2e, "run_job", off_by_a_bit)
+    monkeypatch.setattr(e2e_grid, "run_job", off_by_a_bit)
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window", "--steps", "1",
                    "--out", str(out)])
@@ -114,8 +114,8 @@ def test_gpu_workers_use_deterministic_cudnn():
     try:
         cudnn.deterministic, cudnn.benchmark = False, True
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(e2e, "run_grid", fake_grid)
-            mp.setattr(e2e, "_set_allocator", lambda allocator, budget: None)
+            mp.setattr(e2e_workers, "run_grid", fake_grid)
+            mp.setattr(e2e_workers, "_set_allocator", lambda allocator, budget: None)
             spec = {"models": {"resnet50": [64]}, "methods": ["native"], "budget": None,
                     "steps": 1, "warmup": 0}
             assert e2e.worker_main(argparse.Namespace(worker="native",
@@ -171,7 +171,7 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
         def wait(self):
             return self.returncode
 
-    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: Killed())
+    monkeypatch.setattr(e2e_workers, "_start_worker", lambda allocator, spec, env=None: Killed())
     grid = e2e.Grid({"resnet50": [64, 512, 768]}, [e2e.BY_NAME["native"]], 16 << 30, 1, 0)
     rows = e2e.run_workers(grid)
     got = {(r.batch_size, r.status): r.note for r in rows}
@@ -187,7 +187,7 @@ def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
         def wait(self):
             return self.returncode
 
-    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: DiedAtStart())
+    monkeypatch.setattr(e2e_workers, "_start_worker", lambda allocator, spec, env=None: DiedAtStart())
     assert {r.status for r in e2e.run_workers(grid)} == {"error"}
 
 
@@ -227,7 +227,7 @@ def test_stop_at_in_the_past_starts_nothing(tmp_path, monkeypatch, capsys):
     def no_job(*args, **kwargs):
         raise AssertionError("a job started after --stop-at")
 
-    monkeypatch.setattr(e2e, "run_job", no_job)
+    monkeypatch.setattr(e2e_grid, "run_job", no_job)
     out = tmp_path / "e2e.json"
     assert e2e.main(TWO_MODELS + ["--stop-at", "0", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -240,7 +240,7 @@ def test_a_stopped_run_is_completed_by_resume(tmp_path, monkeypatch, capsys):
     """A fake clock: each job (plain training's reference included) takes one second, and no
     job starts with less than 60 s left. Jobs at t = 0 (gpt2 reference), 1, 2, 3 (bert
     reference), 4 start before --stop-at 64.5; the job due at 5 does not."""
-    jobs_take(monkeypatch, e2e, 1)
+    jobs_take(monkeypatch, e2e_grid, 1)
     out = tmp_path / "e2e.json"
     assert e2e.main(TWO_MODELS + ["--stop-at", "64.5", "--out", str(out)]) == 0
     first = json.loads(out.read_text())
@@ -286,7 +286,7 @@ def test_resume_runs_error_rows_again(tmp_path, monkeypatch):
                            "RuntimeError: boom").row()
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"meta": {"gpu": "cpu"}, "results": [done, failed]}))
-    ran = jobs_run(monkeypatch, e2e)
+    ran = jobs_run(monkeypatch, e2e_grid)
     assert e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,window",
                      "--steps", "1", "--resume", str(path)]) == 0
     assert ran == ["native", "window"]     # plain training's reference, then the failed job
@@ -305,9 +305,9 @@ def test_gpu_workers_get_the_deadline_and_report_what_they_left(monkeypatch, cap
     import torch
     cudnn = torch.backends.cudnn
     saved = (cudnn.deterministic, cudnn.benchmark)
-    monkeypatch.setattr(e2e, "_set_allocator", lambda allocator, budget: None)
+    monkeypatch.setattr(e2e_workers, "_set_allocator", lambda allocator, budget: None)
     now = [0.0]
-    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    monkeypatch.setattr(e2e_grid, "clock", lambda: now[0])
     specs = []
 
     class Worker:   # runs worker_main in this process, with the clock past the deadline
@@ -326,7 +326,7 @@ def test_gpu_workers_get_the_deadline_and_report_what_they_left(monkeypatch, cap
         def wait(self):
             return self.returncode
 
-    monkeypatch.setattr(e2e, "_start_worker", Worker)
+    monkeypatch.setattr(e2e_workers, "_start_worker", Worker)
     methods = [e2e.BY_NAME[n] for n in ("native", "window", "window+vmalloc")]
     grid = e2e.Grid({"resnet50": [64, 128]}, methods, 16 << 30, 1, 0, stop_at=500.0,
                     done=[("resnet50", "native", 64)])
@@ -344,7 +344,7 @@ def test_gpu_workers_get_the_deadline_and_report_what_they_left(monkeypatch, cap
 def test_the_margin_is_the_longest_job_so_far(monkeypatch):
     """No job starts with less than max(60 s, the longest job this process ran) left."""
     now = [0.0]
-    monkeypatch.setattr(e2e, "clock", lambda: now[0])
+    monkeypatch.setattr(e2e_grid, "clock", lambda: now[0])
     plan = e2e.Plan(stop_at=1000.0)
     assert plan.may_start()
     with plan.job():
@@ -369,14 +369,14 @@ def test_a_run_killed_mid_grid_keeps_its_rows_for_resume(tmp_path, monkeypatch):
             raise KeyboardInterrupt("the device call's time limit")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(e2e, "run_job", killed_at_the_fourth)
+    monkeypatch.setattr(e2e_grid, "run_job", killed_at_the_fourth)
     out = tmp_path / "e2e.json"
     with pytest.raises(KeyboardInterrupt):
         e2e.main(TWO_MODELS + ["--resume", str(out)])
     first = json.loads(out.read_text())
     assert keys(first) == [("gpt2-s32", "native", 2), ("gpt2-s32", "window", 2)]
     assert first["meta"]["incomplete"] is True
-    monkeypatch.setattr(e2e, "run_job", real)
+    monkeypatch.setattr(e2e_grid, "run_job", real)
     assert e2e.main(TWO_MODELS + ["--resume", str(out)]) == 0
     final = json.loads(out.read_text())
     assert sorted(keys(final)) == sorted(GRID_KEYS) and not final["meta"].get("incomplete")
@@ -398,7 +398,7 @@ def test_a_worker_whose_plain_training_differs_from_native_gets_error_rows(monke
     native = e2e.JobResult("resnet50", "native", 64, 1.0, "images/s", 1, 2, "ok", "")
     mine = e2e.JobResult("resnet50", "window+vmalloc", 64, 1.0, "images/s", 1, 2, "ok", "")
     workers = {"native": worker([2.5, 2.25], native), "vmalloc": worker([2.5, 2.5], mine)}
-    monkeypatch.setattr(e2e, "_start_worker", lambda allocator, spec, env=None: workers[allocator])
+    monkeypatch.setattr(e2e_workers, "_start_worker", lambda allocator, spec, env=None: workers[allocator])
     heard = []
     grid = e2e.Grid({"resnet50": [64]}, [e2e.BY_NAME["native"], e2e.BY_NAME["window+vmalloc"]],
                     16 << 30, 1, 0)
@@ -435,7 +435,7 @@ def test_coexist_workers_get_their_own_grid_not_the_resume_list(monkeypatch):
         def wait(self):
             return 0
 
-    monkeypatch.setattr(e2e, "_start_worker", Worker)
+    monkeypatch.setattr(e2e_workers, "_start_worker", Worker)
     grid = e2e.Grid({"resnet50": [512]}, [e2e.BY_NAME["window+vmalloc"]], 16 << 30, 1, 0,
                     stop_at=1.0, done=[("resnet50", "window+vmalloc", 512)],
                     references=["resnet50"])
