@@ -8,5 +8,5 @@ from types import ModuleType
 
 def core() -> ModuleType:
     """``vmalloc._core``; its ImportError says what is missing when it was not built."""
-    from vmalloc import _core
-    return _core
+    import vmalloc
+    return vmalloc._import_core()

@@ -173,7 +173,7 @@ def test_compare_rows():
     pytest.importorskip("vmalloc.allocator")
     contenders = default_contenders(chunk_sizes=(CHUNK,))
     rows = compare(t, contenders)
-    assert [r.allocator for r in rows] == ["vmalloc 0.0625 MiB", "pytorch caching (model)"]
+    assert [r.allocator for r in rows] == ["vmalloc 64 KiB", "pytorch caching (model)"]
     for r in rows:
         assert r.ok and r.requested_peak == t.peak_requested()
         assert r.physical_peak >= r.requested_peak

@@ -163,7 +163,8 @@ def test_exit_report_with_a_non_json_section_is_complete_and_says_which(tmp_path
         live_report.remove_section("setty")
     saved = json.loads(path.read_text())        # the whole file, valid JSON
     assert "memory" in saved and "set is not JSON serializable" in saved["setty"]["error"]
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if "no memory timeline" not in line]   # (no PNG: vmalloc did not allocate here)
     assert len(err) == 1 and "'setty'" in err[0], err
 
 

@@ -2,9 +2,10 @@
 
 The ``.pth`` line imports this module only when ``VMALLOC`` (not 0/false/no/off),
 ``VMALLOC_WINDOW`` or ``VMALLOC_REPORT`` is set, so other processes pay nothing. Here we
-validate the variables at once (a malformed one stops the program with a message naming it) and
-wait for ``import torch``: when torch has finished importing - before any CUDA allocation - we
-register vmalloc as its CUDA allocator, turn on the swap runtime for ``VMALLOC_WINDOW`` (issue 6's
+validate the variables at once (a malformed one stops the program with a message naming it; one
+that is set but does nothing without ``VMALLOC=1`` is said on stderr) and wait for ``import
+torch``: when torch has finished importing - before any CUDA allocation - we register vmalloc as
+its CUDA allocator, turn on the swap runtime for ``VMALLOC_WINDOW`` (issue 6's
 ``scheduler.runtime.swap.install_global``, imported only then: this is the one place where the
 two packages meet) and arrange the ``VMALLOC_REPORT`` exit report.
 """
@@ -15,7 +16,7 @@ import importlib.machinery
 import os
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .env import EnvConfig, read_env
 
@@ -32,6 +33,11 @@ def install(environ: Optional[dict] = None) -> None:
                          "vmalloc: fix or unset it (see the README's 'Turn it on').\n")
         sys.stderr.flush()
         os._exit(2)   # SystemExit inside a .pth is a fatal site error with a traceback; this is clean
+    env = os.environ if environ is None else environ
+    _warn_unused(cfg, env)
+    if cfg.report:  # a RANK that cannot be read is said now, not only at exit
+        from .report_process import process_rank
+        process_rank(env)
     if _installed or not (cfg.active or cfg.report):
         return
     _installed = True
@@ -40,6 +46,28 @@ def install(environ: Optional[dict] = None) -> None:
         on_torch_import(torch, cfg)
     else:
         sys.meta_path.insert(0, _TorchImportHook(lambda mod: on_torch_import(mod, cfg)))
+
+
+_warned_unused = False
+
+
+def _warn_unused(cfg: EnvConfig, environ: Mapping[str, str]) -> None:
+    """Say once, on stderr, which variables are set but do nothing: VMALLOC_CHUNK_SIZE without
+    VMALLOC=1, VMALLOC_BUDGET without VMALLOC=1 or VMALLOC_WINDOW (which also uses it)."""
+    global _warned_unused
+    if _warned_unused or cfg.enabled:
+        return
+    unused = (["VMALLOC_CHUNK_SIZE"] if cfg.chunk_size is not None else []) \
+        + (["VMALLOC_BUDGET"] if cfg.budget is not None and cfg.window is None else [])
+    if not unused:
+        return
+    _warned_unused = True
+    needs = {"VMALLOC_CHUNK_SIZE": "VMALLOC=1", "VMALLOC_BUDGET": "VMALLOC=1 or VMALLOC_WINDOW"}
+    flag = environ.get("VMALLOC", "").strip()
+    sys.stderr.write(f"vmalloc: ignored, since {f'VMALLOC={flag}' if flag else 'VMALLOC is unset'}: "
+                     + ", ".join(f"{n}={environ[n].strip()} (takes effect only with {needs[n]})"
+                                 for n in unused) + "\n")
+    sys.stderr.flush()
 
 
 def on_torch_import(torch: Any, cfg: EnvConfig) -> None:

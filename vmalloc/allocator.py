@@ -13,11 +13,9 @@ from typing import Callable, Optional
 
 from .sizes import SizeLike, parse_optional_size, parse_size
 
-try:
-    from . import _core
-except ImportError as exc:  # pragma: no cover - only when the extension was not built
-    raise ImportError(
-        "vmalloc._core is not built: run scripts/dev-build (or pip install .)") from exc
+# not built: an ImportError naming the directory imported and the two remedies (vmalloc/__init__.py)
+from . import _import_core
+_core = _import_core()
 
 BACKENDS = ("host", "host-lazy", "cuda")
 
@@ -49,7 +47,26 @@ def _check_backend(backend: object) -> str:
 def _check_device(device: object) -> int:
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise ValueError(f"device: expected a device index >= 0, got {device!r}")
+    if device >= 1 << 31:  # the native side holds a device in a C int
+        raise ValueError(f"device: {device} is too large for a device index (below 2**31)")
     return device
+
+
+def _check_flag(value: object, name: str) -> bool:
+    """A bool knob: True/False (or 1/0). Anything else is refused: bool("no") is True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
+def _check_event_count(value: object, name: str) -> int:
+    """A trace ring's size: an int in [0, 2**64) (a size_t natively)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise ValueError(f"{name}: expected an event count >= 0, got {value!r} "
+                         "(at most 2**64 - 1)")
+    return value
 
 
 class Allocator(_core.Allocator):
@@ -116,15 +133,14 @@ class Allocator(_core.Allocator):
             slack = -1.0
         else:
             slack = float(cache_slack)
-        if isinstance(trace_capacity, bool) or not isinstance(trace_capacity, int) \
-                or trace_capacity < 0:
-            raise ValueError(f"trace_capacity: expected an event count >= 0, got {trace_capacity!r}")
+        trace_capacity = _check_event_count(trace_capacity, "trace_capacity")
+        split = _check_flag(split_cached, "split_cached")
+        remap = _check_flag(prefer_remap, "prefer_remap")
         # The native constructor checks chunk_size against the device granularity and raises
         # ValueError naming chunk_size; the cuda backend raises RuntimeError without a driver.
         super().__init__(backend=backend, chunk_size=chunk, budget=nbudget or 0, device=device,
-                         small_threshold=small, split_cached=bool(split_cached),
-                         prefer_remap=bool(prefer_remap), cache_slack=slack,
-                         trace_capacity=trace_capacity)
+                         small_threshold=small, split_cached=split, prefer_remap=remap,
+                         cache_slack=slack, trace_capacity=trace_capacity)
 
     def set_budget(self, budget: Optional[SizeLike]) -> None:
         """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""
@@ -134,6 +150,17 @@ class Allocator(_core.Allocator):
                 f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk "
                 f"({self.chunk_size} bytes)")
         super().set_budget(nbudget or 0)
+
+    def set_trace_capacity(self, events: int) -> None:
+        """Keep at most ``events`` trace events (a ring: the oldest are dropped and counted in
+        ``stats()["num_trace_dropped"]``)."""
+        super().set_trace_capacity(_check_event_count(events, "events"))
+
+    def add_peer(self, device: int) -> bool:
+        """Give CUDA device ``device`` read-write access to all memory this allocator has mapped
+        and will map (one process, several GPUs). False when it has no peer-to-peer path (and on
+        the host backend)."""
+        return super().add_peer(_check_device(device))
 
     def set_pressure_callback(self, callback: Optional[Callable[[int], bool]]) -> None:
         """``callback(missing_bytes) -> bool`` is asked before ``malloc`` raises OutOfMemoryError.

@@ -20,7 +20,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if head.strip() and head.lstrip()[:1] not in (b"{", b"["):  # JSON: load() judges it
             raise ValueError(f"{args.file}: not a JSON report (starts with {head[:8].hex(' ')})")
     # a directory, /dev/zero, a huge file: refused here
-    read_bounded(args.file, args.max_size, check_head, option="vmalloc report --max-trace-size")
+    read_bounded(args.file, args.max_size, check_head, option="vmalloc report --max-trace-size",
+                 what="report file")
     try:
         rep = load(args.file)
     except UnicodeDecodeError:
@@ -37,6 +38,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """``vmalloc 0.1.0 (/path/to/vmalloc)``: the version of the package running (pyproject's,
+    which tests/test_user_inputs_vmalloc.py keeps ``vmalloc.__version__`` equal to) and where it
+    was imported from: a source tree or an installed package."""
+    from . import __file__ as init, __version__
+    return f"vmalloc {__version__} ({os.path.dirname(os.path.abspath(init))})"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .env import VARIABLES
     env_help = "\n".join(f"  {k} (default {d}): {h}" for k, (d, h) in VARIABLES.items())
@@ -44,15 +53,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="vmalloc", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="vmalloc: chunked virtual-addressing GPU allocator - reports, replays, demo",
         epilog="environment (read when torch is imported):\n" + env_help)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
     from .replay.files import DEFAULT_MAX_BYTES
     size_help = (f"largest (decompressed) input file read, in bytes or e.g. 1GiB (default "
                  f"{format_size(DEFAULT_MAX_BYTES)}): a bigger one is refused")
 
     def max_size(text: str) -> int:
-        n = parse_size(text, "--max-trace-size")
+        # ArgumentTypeError: argparse shows its message (a ValueError's it drops), after the
+        # option's name (so parse_size's own "--max-trace-size: " prefix goes)
+        try:
+            n = parse_size(text, "--max-trace-size")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
         if n == 0:
-            raise ValueError("--max-trace-size: must be positive, got 0")
+            raise argparse.ArgumentTypeError(
+                f"expected a positive byte size such as 256MiB, 1GiB or 268435456, got {text!r}")
         return n
     r = sub.add_parser("report", help="print a saved report (VMALLOC_REPORT=FILE.json or replay --json)")
     r.add_argument("file")

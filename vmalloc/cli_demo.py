@@ -14,26 +14,68 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .cli_replay import replay_one, table
 from .sizes import format_size, parse_size
+
+
+def _bundle_roots() -> List[Path]:
+    """Where the bundled files (``bench/chains``, ``bench/traces``) are looked for: the working
+    directory, then the source checkout this package runs from (its parent directory)."""
+    return list(dict.fromkeys([Path(os.getcwd()).resolve(), Path(__file__).resolve().parent.parent]))
+
+
+def _missing(*what: str) -> FileNotFoundError:
+    """The error for bundled files found in none of :func:`_bundle_roots`."""
+    looked = " nor in ".join(str(r) for r in _bundle_roots())
+    return FileNotFoundError(
+        f"the bundled files are missing: no {' and no '.join(what)} in {looked} (the current "
+        "directory, then the directory vmalloc runs from); run vmalloc demo from the "
+        "repository root, a checkout of vmalloc")
+
+
+def _bundled(sub: str, suffixes: Sequence[str]) -> List[str]:
+    """The files of ``bench/<sub>`` in the first of :func:`_bundle_roots` that has any."""
+    from .replay.files import trace_files_in
+    for root in _bundle_roots():
+        found = trace_files_in(str(root / "bench" / sub), suffixes)
+        if found:
+            return found
+    return []
 
 
 def bundled_traces(directory: Optional[str] = None) -> List[str]:
     """The bundled traces: ``directory``, else ``bench/traces`` of the working directory or of
     the source checkout this package runs from."""
     from .replay.files import JSON_TRACE_SUFFIXES, trace_files_in
-    here = Path(__file__).resolve().parent.parent
-    for d in ([directory] if directory else [os.path.join(os.getcwd(), "bench", "traces"),
-                                              str(here / "bench" / "traces")]):
-        found = trace_files_in(d, JSON_TRACE_SUFFIXES)
-        if found:
-            return found
+    found = trace_files_in(directory, JSON_TRACE_SUFFIXES) if directory \
+        else _bundled("traces", JSON_TRACE_SUFFIXES)
+    if found:
+        return found
     if directory:
         raise FileNotFoundError(f"--traces {directory}: no traces (*.json, *.json.gz) there")
-    raise FileNotFoundError("no bundled traces found (looked in ./bench/traces and the source "
-                            "checkout); run from the repository root or pass --traces DIR")
+    raise _missing("bench/traces/*.json(.gz) (or pass --traces DIR)")
+
+
+def _demo_inputs(args: argparse.Namespace) -> Tuple[Any, List[str]]:
+    """The chain to plan (None with --replay-only) and the traces to replay, found before any
+    step runs; what is missing is said in one error, with where it was looked for.
+    (scheduler.demo.find_chain would plan a random stand-in where no chain is bundled.)"""
+    from .replay.files import JSON_TRACE_SUFFIXES
+    missing = []
+    traces = bundled_traces(args.traces) if args.traces else _bundled("traces", JSON_TRACE_SUFFIXES)
+    if not traces:
+        missing.append("bench/traces/*.json(.gz) (or pass --traces DIR)")
+    if not args.replay_only:
+        from scheduler import demo   # (it looks where _bundle_roots says, from its own checkout)
+        if not demo.bundled_chains():
+            missing.append(f"bench/chains/*.json (--chain {args.chain} is planned from "
+                           f"bench/chains/{args.chain}.json)")
+    if missing:
+        raise _missing(*missing)
+    # an unknown chain name: an error listing the bundled ones
+    return (None if args.replay_only else demo.find_chain(args.chain)), traces
 
 
 _GPU_DEMO = textwrap.dedent("""
@@ -59,14 +101,13 @@ _GPU_DEMO = textwrap.dedent("""
 """)
 
 
-def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
+def _plan_and_replay(args: argparse.Namespace, chain: Any, chunks: Sequence[int]) -> None:
     """Steps 1-2 of the CPU demo: plan a bundled chain with every planner, simulate, and
     replay the fastest plan's allocation trace (the scheduler is imported here, lazily: see
     the module doc)."""
     from scheduler import demo
 
     from .replay.trace import from_json
-    chain = demo.find_chain(args.chain)
     print(f"[1/3] planning {chain.name} under {args.fraction:.0%} of what storing every "
           "activation needs, with each planner, and simulating every plan ...", flush=True)
     memory, rows = demo.plan_all(chain, args.fraction)
@@ -83,10 +124,12 @@ def _plan_and_replay(args: argparse.Namespace, chunks: Sequence[int]) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``vmalloc demo``: train on the GPU when there is one, else plan and replay."""
+    """``vmalloc demo``: train on the GPU when there is one, else plan and replay. Every
+    option, and (without a GPU) every bundled file the steps read, is checked before step 1."""
     parse_size(args.budget, "--budget")  # bad on the CPU too: say so now, not on a GPU later
-    # a --traces that is no directory fails now, not after the planning steps (an existing one
-    # without traces is said at step 3, as before: tests/test_demo.py stops the demo that way)
+    if not 0 < args.fraction <= 1:       # (NaN fails this too)
+        raise ValueError(f"--fraction: expected a number in (0, 1] (a share of what storing "
+                         f"every activation needs), got {args.fraction!r}")
     if args.traces and not os.path.isdir(args.traces):
         raise ValueError(f"--traces {args.traces}: no such directory")
     gpu = False
@@ -104,9 +147,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"VMALLOC_BUDGET={args.budget}\n")
         return subprocess.call([sys.executable, "-c", _GPU_DEMO], env=env)
     chunks = [2 << 20, 20 << 20]
-    if not args.replay_only:
-        _plan_and_replay(args, chunks)
-    traces = bundled_traces(args.traces)
+    chain, traces = _demo_inputs(args)
+    if chain is not None:
+        _plan_and_replay(args, chain, chunks)
     print(f"[3/3] replaying the {len(traces)} bundled allocation traces through vmalloc "
           "(host-lazy backend: real page mappings that take no RAM, since a replay never writes) and "
           "a model of PyTorch's caching allocator.\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from .atomic_file import write_atomic
@@ -21,7 +22,12 @@ def table(cmp: dict) -> str:
     budget that is only an upper bound (the caching model's search ran out of trials)."""
     from .replay.run import MAX_SCAN_TRIALS
     out = [side_by_side_from_json(cmp)]
+    peak = max((r["requested_peak"] for r in cmp["rows"]), default=0)
     for r in cmp["rows"]:
+        if peak and r.get("chunk_size", 0) > peak:
+            out.append(f"note: {r['allocator']}: one chunk ({format_size(r['chunk_size'])}) is "
+                       f"more than the trace ever requests at once ({format_size(peak)}): its "
+                       "physical figures are mostly that chunk's unused rest")
         if r.get("min_budget") and not r.get("min_budget_exact", True):
             out.append(f"note: {r['allocator']}: smallest budget {format_size(r['min_budget'])} "
                        "is an upper bound (the search stopped after "
@@ -60,9 +66,33 @@ def _plot(cmps: List[dict], path: str) -> Optional[str]:
     return path
 
 
+def chunk_sizes(texts: Sequence[str], backend: str = "host-lazy") -> List[int]:
+    """The ``--chunk-size`` values in bytes, each tried on the replay's backend first: one
+    chunk must map there (a chunk past the address space, 100TiB, would replay as one
+    out-of-memory row), and the size must suit the backend's granularity."""
+    from .allocator import Allocator
+    from .errors import OutOfMemoryError
+    out = []
+    for text in texts:
+        c = parse_size(text, "--chunk-size")
+        try:
+            with Allocator(backend, c) as a:
+                a.free(a.malloc(c))
+        except ValueError as exc:   # zero, not a multiple of the granularity
+            raise ValueError(f"--chunk-size {text}: {str(exc).split(': ', 1)[-1]}") from None
+        except OutOfMemoryError as exc:
+            # the allocator's reason, e.g. "cannot reserve 100 TiB of virtual address space"
+            why = re.search(r"cannot [^;]*", str(exc))
+            raise ValueError(f"--chunk-size {text}: one chunk of {format_size(c)} cannot be "
+                             f"mapped on this machine ({why.group(0) if why else exc}); use a "
+                             "smaller chunk size") from None
+        out.append(c)
+    return out
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """``vmalloc replay TRACE... [--json F] [--png F]``."""
-    chunks = [parse_size(c, "--chunk-size") for c in (args.chunk_size or ["2MiB", "20MiB"])]
+    chunks = chunk_sizes(args.chunk_size or ["2MiB", "20MiB"])
     # the outputs are written after the whole replay: a path that cannot be written fails now
     if args.json:
         check_output_path(args.json, "--json", "replay.json")

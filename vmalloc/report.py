@@ -21,6 +21,7 @@ sections such as ``"swap"`` from the swap runtime, contract 3, and the exit repo
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -279,7 +280,8 @@ def side_by_side(trace_name: str, rows: Sequence[Any], meta: Optional[Mapping[st
 
 def save(rep: Mapping[str, Any], path: str) -> None:
     """Write a report: JSON when the name ends in ``.json``, else text; a PNG beside it,
-    ``path + ".png"``, when matplotlib is installed and the report has a timeline.
+    ``path + ".png"``, when matplotlib is installed and the report has a timeline (without one,
+    a line on stderr says why there is no PNG).
 
     The whole text is made first and written whole or not at all (:func:`write_atomic`), so a
     report that cannot be rendered or written leaves the file as it was. A section that is not
@@ -296,6 +298,10 @@ def save(rep: Mapping[str, Any], path: str) -> None:
     if rep.get("timeline"):
         # the full name + .png: frag.txt and frag.json (or a report named x.png) keep apart
         plot_timeline(rep, path + ".png")
+    elif importlib.util.find_spec("matplotlib") is not None:   # a PNG was to be expected
+        print(f"vmalloc: no {path}.png: the report has no memory timeline (an exit report has "
+              "one only when vmalloc allocated: VMALLOC=1, from its allocation history)",
+              file=sys.stderr)
 
 
 def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:
@@ -343,6 +349,9 @@ def plot_timeline(rep: Mapping[str, Any], path: str) -> Optional[str]:
     for key in ("physical", "mapped", "requested"):
         if key in tl:
             ax.plot(x, [v / (1 << 20) for v in tl[key]], label=key, lw=1)
+    peak = rep.get("memory", {}).get("physical", {}).get("peak")
+    if "physical" not in tl and peak:   # an exit report's timeline: the requested bytes only
+        ax.axhline(peak / (1 << 20), ls="--", lw=1, color="gray", label="physical peak")
     ax.set_xlabel("event")
     ax.set_ylabel("MiB")
     ax.set_title(str(rep.get("title", "memory over time")))

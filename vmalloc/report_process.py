@@ -7,19 +7,47 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 from .env import is_report_stream
 
 
+#: the launch variables read here, with the least value each can take
+_MINIMUM = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
+_warned: Set[Tuple[str, str]] = set()
+
+
 def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    """``name`` as an int; ``None`` when unset or empty. A value that is not an integer (or is
+    below the least the variable can take) is ``None`` too, said once on stderr: it is read at
+    exit for the report, which must not be lost to it."""
     raw = environ.get(name, "").strip()
-    return int(raw) if raw.lstrip("-").isdigit() else None
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is not None and value >= _MINIMUM[name]:
+        return value
+    if (name, raw) not in _warned:
+        _warned.add((name, raw))
+        then = "" if name == "WORLD_SIZE" else " (a VMALLOC_REPORT file then names the pid)"
+        print(f"vmalloc: {name}={raw!r} is not an integer >= {_MINIMUM[name]}; ignored{then}",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def _rank_unreadable(environ: Mapping[str, str]) -> bool:
+    """A rank variable is set but neither gives a rank: several processes may share it."""
+    return process_rank(environ) is None and any(environ.get(n, "").strip()
+                                                  for n in ("RANK", "LOCAL_RANK"))
 
 
 def process_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """This process's rank: ``RANK`` (torchrun, torch.distributed, most MPI launchers), else
-    ``LOCAL_RANK``; ``None`` when neither is set."""
+    ``LOCAL_RANK``; ``None`` when neither is set (or neither is an integer >= 0: said once on
+    stderr)."""
     env = os.environ if environ is None else environ
     rank = _env_int(env, "RANK")
     return rank if rank is not None else _env_int(env, "LOCAL_RANK")
@@ -77,6 +105,8 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
     - in a ``multiprocessing`` child, the pid too: ``frag.pid4242.json``, and under a rank
       ``frag.rank0.pid4242.json`` (a spawned DataLoader worker inherits its rank's ``RANK``:
       it must not overwrite that rank's report with its own);
+    - with ``RANK``/``LOCAL_RANK`` set to something that is not an integer >= 0 (said on
+      stderr): the pid, ``frag.pid4242.json``, since such processes cannot be told apart;
     - a lone process writes the path as given.
     """
     env = os.environ if environ is None else environ
@@ -86,15 +116,17 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
         return target
     pid = os.getpid() if pid is None else pid
     rank = process_rank(env)
-    child = _is_child_process()
+    # the pid tells apart a multiprocessing child from its parent, and processes whose rank
+    # variable cannot be read
+    by_pid = _is_child_process() or _rank_unreadable(env)
     if "{rank}" in target or "{pid}" in target:
         path = target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
                      .replace("{pid}", str(pid))
-        if not child or "{pid}" in target or rank is None:
+        if not by_pid or "{pid}" in target or rank is None:
             return path
         root, ext = os.path.splitext(path)
         return f"{root}.pid{pid}{ext}"
-    tags = ([f"rank{rank}"] if rank is not None else []) + ([f"pid{pid}"] if child else [])
+    tags = ([f"rank{rank}"] if rank is not None else []) + ([f"pid{pid}"] if by_pid else [])
     if not tags:
         return target
     root, ext = os.path.splitext(target)

@@ -10,14 +10,17 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from ..env import is_report_stream
 from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, save, to_text
 from ..report_process import process_identity, report_path
 from .history import drain_history, history_info
 from .registry import REGISTRY, device_index, devices, stats
 
 
-def live_report(device: Optional[int] = None) -> Dict[str, Any]:
-    """Report dict for ``vmalloc.report()``: vmalloc's figures when enabled, else PyTorch's."""
+def live_report(device: Optional[int] = None, timeline: bool = False) -> Dict[str, Any]:
+    """Report dict for ``vmalloc.report()``: vmalloc's figures when enabled, else PyTorch's.
+    ``timeline``: with the requested bytes over the recorded history (for the exit report's
+    PNG), when vmalloc recorded one."""
     reg = REGISTRY
     if reg.mode is not None:
         d, others = _report_device(device)
@@ -34,8 +37,10 @@ def live_report(device: Optional[int] = None) -> Dict[str, Any]:
             sections["history"] = info
         also = (f" (also used: {', '.join(f'cuda:{o}' for o in others)}; "
                 f"vmalloc.report(device=...) for each)") if others else ""
+        tl = (_requested_timeline(events, int(s.get("requested_current", 0)))
+              if timeline and events else None)
         return build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
-                     sections=sections,
+                     sections=sections, timeline=tl,
                      title=f"vmalloc ({reg.mode}) on cuda:{d}{also}")
     torch = sys.modules.get("torch")
     # (initialised implies available; is_available() first would run cuInit at every exit)
@@ -80,6 +85,26 @@ def _max_live(events: List[Mapping[str, Any]], live_now: int) -> Optional[int]:
     return peak
 
 
+def _requested_timeline(events: List[Mapping[str, Any]], requested_now: int,
+                        max_points: int = 2000) -> Dict[str, List[int]]:
+    """Requested bytes after each event of the history, at most ``max_points`` of them (the
+    highest of each stretch, so no peak is lost). The start is what was requested before the
+    first event kept (``requested_now`` less the events' net change): a history whose oldest
+    events were dropped starts where they left it."""
+    level = max(0, requested_now - sum(int(e["size"]) if e["action"] == "alloc"
+                                       else -int(e["size"]) for e in events))
+    every = max(1, -(-len(events) // max_points))
+    out: Dict[str, List[int]] = {"event": [], "requested": []}
+    for i, e in enumerate(events):
+        level += int(e["size"]) if e["action"] == "alloc" else -int(e["size"])
+        if i % every == 0:
+            out["event"].append(i)
+            out["requested"].append(level)
+        else:
+            out["requested"][-1] = max(out["requested"][-1], level)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # sections
 
@@ -111,10 +136,11 @@ def remove_section(name: str, device: Optional[int] = None) -> None:
 # the report of this process, now and at exit
 
 
-def collect(device: Optional[int] = None) -> Dict[str, Any]:
+def collect(device: Optional[int] = None, timeline: bool = False) -> Dict[str, Any]:
     """The live report of ``device`` as a dict (see :func:`report`), naming the process that
-    made it (rank, pid, host, device: several ranks' reports stay apart)."""
-    rep = live_report(device)
+    made it (rank, pid, host, device: several ranks' reports stay apart); ``timeline``: see
+    :func:`live_report`."""
+    rep = live_report(device, timeline)
     rep["process"] = process_identity(rep.get("device"))
     return rep
 
@@ -149,7 +175,8 @@ def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
         path = report_path(target)
         if path is None:
             return
-        rep = collect(None)
+        # a file gets a PNG beside it, of the requested bytes over the recorded history
+        rep = collect(None, timeline=not is_report_stream(path))
     except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
         print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
         return

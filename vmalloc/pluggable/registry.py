@@ -69,7 +69,11 @@ class Registry:
                 try:
                     out[name] = dict(fn())
                 except Exception as exc:  # noqa: BLE001 - a broken section must not hide the report
-                    out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    why = f"{type(exc).__name__}: {exc}"
+                    # said as a section that is not JSON is (vmalloc.report.save)
+                    print(f"vmalloc: report section {name!r} failed ({why}); written as an error",
+                          file=sys.stderr)
+                    out[name] = {"error": why}
         return out
 
 

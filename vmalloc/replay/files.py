@@ -45,12 +45,13 @@ def trace_files_in(directory: PathLike, suffixes: Sequence[str] = TRACE_SUFFIXES
 
 def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
                  check_head: Optional[Callable[[bytes], None]] = None,
-                 option: str = "vmalloc replay --max-trace-size") -> bytes:
+                 option: str = "vmalloc replay --max-trace-size", what: str = "trace file") -> bytes:
     """The file's bytes, gunzipped when gzip'ed; ``TraceFileError`` beyond ``max_bytes``.
     ``check_head`` sees the first (decompressed) chunk and may refuse the file at once;
-    ``option`` is what the too-large message says raises the limit (the caller's own)."""
+    ``option`` is what the too-large message says raises the limit (the caller's own), ``what``
+    what the file should be."""
     if os.path.isdir(path):
-        raise TraceFileError(f"{path}: is a directory, not a trace file")
+        raise TraceFileError(f"{path}: is a directory, not a {what}")
     try:
         raw = open(path, "rb")
     except OSError as exc:

@@ -43,9 +43,16 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
     the snapshot's ``segments`` show live but the trace never allocated.
     """
     traces = snapshot.get("device_traces")
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+    if "device_traces" not in snapshot:
         raise ValueError("snapshot: no 'device_traces' (record with "
                          "torch.cuda.memory._record_memory_history() before _snapshot())")
+    if not isinstance(traces, list):
+        raise ValueError(f"snapshot: 'device_traces' has the wrong type: expected a list (one "
+                         f"list of entries per device), got {type(traces).__name__}")
+    for d, t in enumerate(traces):
+        if not isinstance(t, list):
+            raise ValueError(f"snapshot: device_traces[{d}] has the wrong type: expected a list "
+                             f"of entries, got {type(t).__name__}")
     if device is None:  # the busiest device
         device = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(traces):
