@@ -2,11 +2,14 @@
 the optimal dynamic programs of the papers, and the runtimes that execute their plans.
 
 The planners and the simulator never import torch; ``scheduler.swap``,
-``scheduler.wrap`` and ``scheduler.checkpoint`` (the runtimes) do, on first use.
+``scheduler.wrap`` and ``scheduler.checkpoint`` (the runtimes) do, on first use. Every
+submodule loads on first access too, so a plain ``import scheduler`` is enough for any dotted
+name (``scheduler.runtime.distributed.shutdown()``, ``scheduler.plan_cache.PlanCache``).
 """
 from importlib import import_module
-from typing import Any
+from typing import Any, Callable
 
+from ._lazy import submodule_getattr
 from .chain import Chain
 from .errors import InfeasibleError, InvalidPlanError
 from .plan import Op, Plan
@@ -15,16 +18,13 @@ from .simulate import SimResult, simulate
 __all__ = ["Chain", "InfeasibleError", "InvalidPlanError", "Op", "Plan", "SimResult",
            "simulate", "swap", "wrap", "checkpoint", "planners", "profile", "runtime"]
 
-_LAZY = {"swap": ("scheduler.runtime.swap", "swap"),
-         "wrap": ("scheduler.runtime.wrap", "wrap"),
-         "checkpoint": ("scheduler.runtime.checkpoint", "checkpoint")}
+
+def _runtime(module: str, attr: str) -> Callable[[], Any]:
+    return lambda: getattr(import_module(f"scheduler.runtime.{module}"), attr)
 
 
-def __getattr__(name: str) -> Any:
-    # the runtimes import torch: load them only when asked for
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(import_module(module), attr)
-    if name in ("planners", "profile", "runtime"):
-        return import_module(f"scheduler.{name}")
-    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+# the runtimes import torch: load them only when asked for; every other submodule too
+# (``scheduler.runtime.distributed.shutdown()`` after a plain ``import scheduler``)
+__getattr__ = submodule_getattr(__name__, {"swap": _runtime("swap", "swap"),
+                                           "wrap": _runtime("wrap", "wrap"),
+                                           "checkpoint": _runtime("checkpoint", "checkpoint")})

@@ -109,7 +109,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .chain import Chain
 from .errors import InvalidPlanError
 from .plan import FORWARD_KINDS, TRANSFER_KINDS, Plan
-from .units import parse_memory, parse_rate
+from .units import format_bytes, parse_memory, parse_rate
 
 Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
 COMPUTE_STREAM, TRANSFER_STREAM = 0, 1
@@ -204,8 +204,8 @@ def _chunks(size: float, chunk: Optional[float], where: str) -> List[float]:
         return [size]
     n = math.ceil(size / chunk)
     if n > MAX_CHUNKS:
-        raise ValueError(f"{where}: transfer_chunk={chunk:g} splits an item of {size:g} bytes "
-                         f"into {n} copies (at most {MAX_CHUNKS}); use a larger chunk")
+        raise ValueError(f"{where}: transfer_chunk={format_bytes(chunk)} splits an item of "
+                         f"{format_bytes(size)} into {n} copies (at most {MAX_CHUNKS}); use a larger chunk")
     out = [chunk] * (n - 1)
     rest = size - chunk * (n - 1)
     if rest > 0:

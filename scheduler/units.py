@@ -5,6 +5,7 @@ accept and reject the same things.
   swap runtime's ``planner_options["bandwidth"]``, the offload, pofo and best planners.
 * :func:`parse_memory`: memory sizes in bytes: the simulator's ``memory``, the planners'
   limits (``planners.args.memory_arg``) and transfer chunks.
+* :func:`format_bytes`: a byte count in an error message, exact and readable.
 
 Torch-free: the planners import it (sizes are ``vmalloc.sizes``', also torch-free).
 """
@@ -17,11 +18,13 @@ from typing import Any, Optional
 from .chain import Number
 
 
-def parse_rate(bandwidth: Any, where: str, *, name: str = "bandwidth",
+def parse_rate(bandwidth: Any, where: str = "parse_rate", *, name: str = "bandwidth",
                allow_zero: bool = False) -> Optional[float]:
     """``None`` (the caller's default) passes; else bytes per second as a float: a number
     (``inf``: an instant channel) or a size per second, ``"12GB/s"`` (``"12GB"`` too).
-    ``allow_zero``: 0 means no transfer channel (the planners); the runtimes need a rate."""
+    ``where``: the entry point a bad value's ``ValueError`` starts with (``"scheduler.wrap"``);
+    ``name``: the argument it names. ``allow_zero``: 0 means no transfer channel (the
+    planners); the runtimes need a rate."""
     if bandwidth is None:
         return None
     rate: Any = bandwidth
@@ -38,6 +41,23 @@ def parse_rate(bandwidth: Any, where: str, *, name: str = "bandwidth",
         raise ValueError(f"{where}: {name} must be {'non-negative' if allow_zero else 'positive'}"
                          f" bytes/s (e.g. 12e9 or '12GB/s'), got {bandwidth!r}{why}")
     return float(rate)
+
+
+def format_bytes(nbytes: Any) -> str:
+    """A byte count as errors print it: exact (``%g`` would hide the bytes that matter) and, from
+    1 KiB up, readable: ``format_bytes(3145728) == '3145728 B (3.00 MiB)'``. Whole numbers print
+    as ints, others as their ``repr`` (a chain's sizes may be fractional)."""
+    from vmalloc.sizes import format_size  # torch-free; lazily, as parse_rate does
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
+        return repr(nbytes)
+    value = float(nbytes)
+    if not math.isfinite(value):
+        return f"{value} B"
+    if isinstance(nbytes, numbers.Integral):
+        exact = str(int(nbytes))
+    else:
+        exact = str(int(value)) if value.is_integer() and abs(value) < 2 ** 63 else repr(value)
+    return f"{exact} B" if abs(value) < 1024 else f"{exact} B ({format_size(value)})"
 
 
 def parse_memory(value: Any, name: str, *, allow_zero: bool = False,

@@ -116,7 +116,7 @@ def test_infeasible_with_slots_reports_a_limit_that_works():
     with pytest.raises(InfeasibleError) as e:
         rotor.solve(chain, 1000, slots=100)
     need = e.value.min_memory
-    assert need > 1000 and f"{need:g}" in str(e.value)
+    assert need > 1000 and f"the smallest memory that works is {need} B" in str(e.value)
     check_prediction(chain, rotor.solve(chain, need, slots=100), memory=need)
     with pytest.raises(InfeasibleError):
         rotor.solve(chain, need - 1, slots=100)

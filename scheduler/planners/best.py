@@ -19,6 +19,7 @@ from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Plan
 from ..simulate import simulate
+from ..units import format_bytes
 from . import offload, pofo, rotor
 from .args import bandwidth_arg, check_chain, memory_arg
 
@@ -84,18 +85,19 @@ def solve(chain: Chain, memory: Union[Number, str],
             continue
         report[name] = sim.makespan
         if sim.peak_memory > memory * (1 + 1e-9):   # cannot happen: the limit is enforced
-            report[name] = f"peak {sim.peak_memory:g} over the limit"
+            report[name] = f"peak {format_bytes(sim.peak_memory)} over the limit"
             continue
         if best is None or sim.makespan < best[0] - 1e-12 * max(1.0, sim.makespan):
             best = (sim.makespan, plan)
             plan.predicted_time, plan.predicted_peak = sim.makespan, sim.peak_memory
     if best is None:
         need = min(needs) if needs else None
+        least = (f" (the smallest limit one of them can meet is {format_bytes(need)})"
+                 if need is not None and math.isfinite(need) else "")
         raise InfeasibleError(
             f"best.solve: no planner found a plan of {chain.name or 'the chain'} under memory "
-            f"{memory:g}" + (f" (the smallest limit one of them can meet is {need:g})"
-                             if need is not None and math.isfinite(need) else "")
-            + "; " + "; ".join(f"{k}: {v}" for k, v in report.items()), need)
+            f"{format_bytes(memory)}{least}; "
+            + "; ".join(f"{k}: {v}" for k, v in report.items()), need)
     plan = best[1]
     plan.memory_limit, plan.chain = memory, chain
     plan.meta.update(chosen_by="best", candidates=report)

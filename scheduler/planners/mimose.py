@@ -34,6 +34,7 @@ from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..simulate import simulate
+from ..units import format_bytes
 # the estimator, re-exported: the runtimes, tests and benchmarks import it from here
 from .mimose_estimator import (BACKWARD_OVER_FORWARD, BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, ORDER,
                                OUTSIDE_FIELDS, TAIL_FIELDS, ChainEstimator, Estimate, Estimator,
@@ -48,6 +49,19 @@ BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
 
 # the plan torch.utils.checkpoint runs (its old name here; scheduler.plan has it now)
 plan_from_checkpoints = checkpoint_plan
+
+
+def _input_size_arg(input_size: float, where: str) -> float:
+    """A positive finite number: the estimator's fit only knows sizes > 0."""
+    if isinstance(input_size, bool) or not isinstance(input_size, numbers.Real) or \
+            not 0 < input_size < math.inf:
+        raise ValueError(f"{where}: input_size must be a positive number, got {input_size!r}")
+    return input_size
+
+
+def _size_text(input_size: float) -> str:
+    """An input size in a message as given (a count of elements: no exponent)."""
+    return str(int(input_size)) if float(input_size).is_integer() else repr(float(input_size))
 
 
 # ---------------------------------------------------------------------------- Algorithm 1
@@ -100,8 +114,17 @@ class Mimose:
     def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES,
                  bucket_ratio: float = BUCKET_RATIO, cache_size: int = 256, rounds: int = 8,
                  verify: bool = True):
-        if not 0 <= bucket_ratio < 1:
+        for name, value, least in (("n_blocks", n_blocks, 1), ("rounds", rounds, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Mimose: {name} must be an int >= {least}, got {value!r}")
+        if isinstance(bucket_ratio, bool) or not isinstance(bucket_ratio, numbers.Real) or \
+                not 0 <= bucket_ratio < 1:
             raise ValueError(f"Mimose: bucket_ratio must be in [0, 1), got {bucket_ratio!r}")
+        if not isinstance(verify, bool):  # "no" would read as true
+            raise ValueError(f"Mimose: verify must be True or False, got {verify!r}")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < ORDER + 1:
+            raise ValueError(f"Mimose: samples must be an int >= {ORDER + 1} (an order-{ORDER} "
+                             f"fit needs that many distinct sizes), got {samples!r}")
         self.n = n_blocks
         self.estimator = Estimator(n_blocks, samples)
         self.bucket_ratio = bucket_ratio
@@ -124,7 +147,9 @@ class Mimose:
         return self.estimator.ready
 
     def estimate_activation_bytes(self, input_size: float) -> float:
-        """Predicted activation bytes of the whole chain without checkpointing."""
+        """Predicted activation bytes of the whole chain without checkpointing (``input_size``
+        a positive number, as for ``plan``; else ``ValueError``)."""
+        _input_size_arg(input_size, "Mimose.estimate_activation_bytes")
         return float(self.estimator.predict(input_size).sum())
 
     @staticmethod
@@ -134,10 +159,7 @@ class Mimose:
     def plan(self, input_size: float, budget: Union[float, str]) -> Plan:
         """The plan for this input size and budget (bytes or a size string, ``"6GiB"``), from
         the cache when seen before."""
-        if isinstance(input_size, bool) or not isinstance(input_size, numbers.Real) or \
-                not 0 < input_size < math.inf:  # the estimator's fit only knows sizes > 0
-            raise ValueError(f"Mimose.plan: input_size must be a positive number, got "
-                             f"{input_size!r}")
+        _input_size_arg(input_size, "Mimose.plan")
         if isinstance(budget, str):
             from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
             budget = parse_size(budget, "Mimose.plan: budget")
@@ -178,8 +200,9 @@ class Mimose:
                 best = floor
             else:
                 raise InfeasibleError(
-                    f"Mimose: budget {budget:g} B is below the estimated peak with every block "
-                    f"checkpointed ({res.peak_memory:g} B) for input size {input_size:g}",
+                    f"Mimose: budget {format_bytes(budget)} is below the estimated peak with "
+                    f"every block checkpointed ({format_bytes(res.peak_memory)}) for input size "
+                    f"{_size_text(input_size)}",
                     res.peak_memory)
         best.chain = chain
         best.memory_limit = budget   # verified under the simulator above

@@ -46,6 +46,7 @@ from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import TRANSFER_KINDS, Op, Plan
 from ..simulate import SimResult, simulate
+from ..units import format_bytes
 from . import rotor
 # the argument checks live in planners.args; bandwidth_arg & co. stay importable from here
 from .args import bandwidth_arg, check_chain, chunk_arg, memory_arg, slots_arg
@@ -92,8 +93,8 @@ def _check_feasible(chain: Chain, memory: Number, who: str) -> None:
     need = min_memory(chain)
     if memory < need:
         raise InfeasibleError(
-            f"{who}: memory {memory:g} is below the smallest limit any offloading schedule "
-            f"of {chain.name or 'this chain'} can meet ({need:g})", need)
+            f"{who}: memory {format_bytes(memory)} is below the smallest limit any offloading "
+            f"schedule of {chain.name or 'this chain'} can meet ({format_bytes(need)})", need)
 
 
 # ------------------------------------------------------------------------ lower bound
@@ -182,7 +183,7 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
             best = got
     if best is None:
         raise InvalidPlanError(f"{planner}: no placement of the prefetches runs under "
-                               f"memory {memory:g}", None)
+                               f"memory {format_bytes(memory)}", None)
     return best
 
 
@@ -304,8 +305,8 @@ def _best_of(chain: Chain, sets: Sequence[Sequence[int]], memory: Number, bandwi
         if best is None or got[1].makespan < best[1].makespan:
             best = got
     if best is None:
-        raise InfeasibleError(f"{planner}: no candidate schedule fits memory {memory:g}",
-                              min_memory(chain))
+        raise InfeasibleError(f"{planner}: no candidate schedule fits memory "
+                              f"{format_bytes(memory)}", min_memory(chain))
     return best
 
 
@@ -316,8 +317,8 @@ def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
     _check_feasible(chain, memory, who)
     if beta == 0 and peak_memory(chain) > memory:
         raise InfeasibleError(f"{who}: bandwidth 0 cannot offload, and the chain needs "
-                              f"{peak_memory(chain):g} > {memory:g} without offloading",
-                              peak_memory(chain))
+                              f"{format_bytes(peak_memory(chain))} > {format_bytes(memory)} "
+                              "without offloading", peak_memory(chain))
     return chain, memory, beta
 
 
@@ -446,8 +447,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
     if got is None:
         if slots is None:
             raise InfeasibleError(
-                f"offload.dynprog: no schedule fits memory {memory:g} (the smallest limit is "
-                f"{min_memory(chain):g})", min_memory(chain))
+                f"offload.dynprog: no schedule fits memory {format_bytes(memory)} (the smallest "
+                f"limit is {format_bytes(min_memory(chain))})", min_memory(chain))
         fallback, idle, states = True, math.nan, 0
         got = _best_of(chain, [_greedy_set(chain, memory)], memory, beta, "offload.dynprog",
                        chunk)

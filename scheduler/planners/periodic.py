@@ -21,6 +21,7 @@ from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan
 from ..simulate import simulate
+from ..units import format_bytes
 from .args import check_chain, memory_arg
 
 
@@ -63,8 +64,8 @@ def best(chain: Chain, memory: Optional[float] = None) -> Plan:
     fitting = [p for p in plans if memory is None or p.predicted_peak <= memory]
     if not fitting:
         lowest = min(p.predicted_peak for p in plans)
-        raise InfeasibleError(f"periodic: no segment count fits memory {memory:g}; the smallest "
-                              f"peak is {lowest:g}", lowest)
+        raise InfeasibleError(f"periodic: no segment count fits memory {format_bytes(memory)}; "
+                              f"the smallest peak is {format_bytes(lowest)}", lowest)
     plan = min(fitting, key=lambda p: (p.predicted_time, p.predicted_peak))
     plan.memory_limit = memory
     return plan

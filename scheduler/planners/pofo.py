@@ -60,6 +60,7 @@ from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import KINDS, Op, Plan, checkpoint_plan
 from ..simulate import SimResult, simulate
+from ..units import format_bytes
 from . import offload, rotor
 from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
 from .improve import improve_transfers
@@ -97,10 +98,10 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
     (x, xbar, delta, fw_tmp, bw_tmp, fck_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
-        raise ValueError(f"pofo.solve: memory {memory:g} is {M} units; the DP takes at most "
+        raise ValueError(f"pofo.solve: memory {format_bytes(memory)} is {M} units; the DP takes at most "
                          "131071 (pass slots=<int>)")
     if whole and (M > WHOLE_MAX_UNITS or chain.L >= 64):
-        raise ValueError(f"pofo.dp(whole=True): memory {memory:g} is {M} units and the chain "
+        raise ValueError(f"pofo.dp(whole=True): memory {format_bytes(memory)} is {M} units and the chain "
                          f"has L={chain.L}; the whole-activation DP takes at most "
                          f"{WHOLE_MAX_UNITS} units and L <= 63 (pass fewer slots)")
     beta = bandwidth / unit if bandwidth > 0 else 0.0
@@ -162,9 +163,9 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         raise ValueError(f"delta_step: expected a positive int or None, got {delta_step!r}")
     floor = min_memory(chain) if beta > 0 else None
     if floor is not None and memory < floor:
-        raise InfeasibleError(f"pofo.solve: memory {memory:g} is below the smallest limit "
-                              f"any sequence of {chain.name or 'this chain'} can meet "
-                              f"({floor:g})", floor)
+        raise InfeasibleError(f"pofo.solve: memory {format_bytes(memory)} is below the "
+                              f"smallest limit any sequence of {chain.name or 'this chain'} "
+                              f"can meet ({format_bytes(floor)})", floor)
     # rotor's and offload-only's optima lie in pofo's space: solved first (cheap), their
     # converted plans are candidates beside the full DP's
     variants = [("rotor", False, True), ("offload-only", True, False), ("pofo", True, True)] \

@@ -13,6 +13,7 @@ from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import TRANSFER_KINDS, Op, Plan
 from ..simulate import SimResult, simulate
+from ..units import format_bytes
 from . import rotor
 from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
 from .offload import stamp, with_prefetches
@@ -172,8 +173,8 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
             best = got
     if best is None:
         need = min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory)
-        raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory {memory:g}",
-                              need)
+        raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory "
+                              f"{format_bytes(memory)}", need)
     plan, sim = best
     stamp(plan, sim, chain, memory, beta, "autocapper")
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
@@ -200,8 +201,8 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
             plan, sim = got
             break
         if beta <= 0 or k >= L - 1:
-            raise InfeasibleError(f"pofo.opportunist: no sequence fits memory {memory:g}",
-                                  None)
+            raise InfeasibleError(f"pofo.opportunist: no sequence fits memory "
+                                  f"{format_bytes(memory)}", None)
         # a new group: F_all k with its input (x[k]) and output (xbar[k]) offloaded
         h = k
         fwd += [Op("offload", h), Op("F_all", h), Op("offload", h + 1)]

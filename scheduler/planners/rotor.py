@@ -37,6 +37,7 @@ from .._native import core
 from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import KINDS, Op, Plan
+from ..units import format_bytes
 from .args import check_chain, memory_arg, slots_arg
 
 # the DP emits (kind, stage) with kind an index into plan.KINDS (csrc/dp/rotor.hpp RotorKind)
@@ -173,8 +174,9 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
         raise InfeasibleError(
-            f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} fits in memory={memory:g} "
-            f"({how}); the smallest memory that works is {need:g}", need)
+            f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} "
+            f"fits in memory={format_bytes(memory)} with {how}; the smallest memory that works "
+            f"is {format_bytes(need)}", need)
     if used != budget and not peak <= memory:  # the C++ side compared in double: say so loudly
         raise AssertionError(f"{planner}: refined plan's peak {peak!r} exceeds memory={memory!r}")
     if float(peak).is_integer() and chain.is_integer:

@@ -20,14 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from vmalloc.sizes import format_size
-
 from ..chain import Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate)
+from ..units import format_bytes
 from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
 from .block_calls import signature, tensor_leaves
@@ -118,8 +117,9 @@ class ChainRunner:
                        "to a number (the input size)")
         self.input_size = input_size or default_input_size
         if mimose is not None and (not isinstance(mimose, Mimose) or mimose.n != self.L):
+            got = f"one for {mimose.n} blocks" if isinstance(mimose, Mimose) else repr(mimose)
             raise ValueError(f"{name}: mimose= must be a scheduler.planners.mimose.Mimose "
-                             f"for {self.L} blocks, got {mimose!r}")
+                             f"for {self.L} blocks, got {got}")
         self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if planner == "mimose" else None
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
@@ -300,10 +300,10 @@ class ChainRunner:
             need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
             raise InfeasibleError(
                 f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget, "
-                f"{format_size(self._budget)} (the model's block lists share it by block "
+                f"{format_bytes(self._budget)} (the model's block lists share it by block "
                 f"count), and {e}" + ("" if need is None else
                                      f"; for that share to fit, the whole budget must be at "
-                                     f"least {format_size(need)} ({need} bytes)"), need) from e
+                                     f"least {format_bytes(need)}"), need) from e
         return self._compile(plan)
 
     @property

@@ -226,8 +226,9 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     decoder) each get a runner and a share of the budget proportional to their block count.
     Options: ``bandwidth`` (bytes/s, for pofo; default measured on a GPU, 12e9 on CPU) and
     those of ``scheduler.wrap`` (``chain``, ``track_memory``, ``cache_size``, ``samples``,
-    ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``); a ``chain`` callable gets
-    block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of
+    ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``; ``mimose``: a
+    ``Mimose`` for a model with one block list, ``ValueError`` with several); a ``chain``
+    callable gets block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of
     each new input shape checkpoints every block and measures the chain on the blocks' real
     calls, and its loss stage on the model's own tail (what runs between the last block's
     return and the model's: final norm, LM head, the loss; ``runtime.tail``; ``loss=``
@@ -245,9 +246,12 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     parse_rate(bandwidth, NAME)
     check_options_used(planner, dict(options, bandwidth=bandwidth), NAME)
     refuse_hf_checkpointing(model)
-    if planner == "mimose" and options.get("mimose") is not None:
-        raise ValueError(f"{NAME}: mimose= is per block list; let checkpoint create them")
     lists = find_blocks(model, blocks)
+    if planner == "mimose" and options.get("mimose") is not None and len(lists) > 1:
+        # a Mimose learns one block list; the runner checks that its n_blocks is the list's
+        raise ValueError(f"{NAME}: mimose= serves one block list, and this model has "
+                         f"{len(lists)} ({', '.join(name or '<model>' for name, _ in lists)}); "
+                         "leave mimose= out and checkpoint makes one Mimose per list")
     owners = [(name, _owner(model, name)) for name, _ in lists]
     skipping = layerdrop([(f"model.{n.rpartition('.')[0]}" if "." in n else "model", o)
                           for n, o in owners if o is not None])

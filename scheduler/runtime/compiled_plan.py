@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS, Plan
+from ..units import format_bytes
 
 
 @dataclass
@@ -35,7 +36,7 @@ class CompiledPlan:
             # its peak assumes an offload frees its item chunk by chunk; whole tensors here
             # are freed when their copy ends, so running it would break the plan's limit
             raise InvalidPlanError(
-                f"plan streams its transfers in chunks of {plan.transfer_chunk:g} bytes "
+                f"plan streams its transfers in chunks of {format_bytes(plan.transfer_chunk)} "
                 "(Plan.transfer_chunk); the chain runtime moves whole tensors: plan with "
                 "transfer_chunk=None", None)
         timing = plan.meta.get("transfer_timing") or {}

@@ -55,18 +55,21 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
+from vmalloc.sizes import SizeLike, format_size
 
 from ..errors import InfeasibleError
 from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
+from .swap_args import budget_arg, device_arg, window_arg
 from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import Transfers
 from .accounting import check_unchanged
 from .swap_vars import DeathQueue, Handle, Kept, Var
+
+NAME = "scheduler.swap"
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
            "PLANNERS"]
@@ -97,14 +100,17 @@ def node_identity(node: Any) -> Any:
 class SwapContext:
     """Swap saved tensors between device and host following a per-sequence schedule.
 
-    ``window``: look-ahead in bytes for swap-ins (``"2GiB"``, ints, as ``vmalloc.parse_size``);
-    smaller than a saved tensor is allowed (no look-ahead past it; warned once).
-    ``budget``: bytes of saved tensors allowed on the device at once (None: no limit).
+    ``window``: look-ahead in bytes for swap-ins (``"2GiB"``, ints, as ``vmalloc.parse_size``),
+    positive (0 is refused, as ``VMALLOC_WINDOW=0`` is); smaller than a saved tensor is allowed
+    (no look-ahead past it; warned once).
+    ``budget``: bytes of saved tensors allowed on the device at once, positive (None: no
+    limit; 0 is refused rather than read as no limit).
     ``planner``: ``"window"`` (seed 003), ``"lms"`` (fixed distance), ``"greedy"`` /
     ``"dynprog"`` (the offload planners, on the chain measured from the sequence; need a budget),
     or a callable ``sequence -> SwapSchedule``.
-    ``device``: which tensors to manage (default: ``"cuda"`` if available, else ``"cpu"``, where
-    a separate host pool stands in for the device). ``min_bytes``: smaller storages are left
+    ``device``: which tensors to manage: ``"cuda"``, ``"cuda:N"``, ``N``, ``"cpu"`` or a
+    ``torch.device`` (default: ``"cuda"`` if available, else ``"cpu"``, where a separate host
+    pool stands in for the device). ``min_bytes``: smaller storages are left
     alone. ``cache_size``: schedules kept (one per sequence signature). ``allocator``: an object
     with ``set_pressure_callback`` (default: vmalloc's registered one when enabled).
     ``planner_options``: ``swapout_threshold``/``swapin_ahead`` (lms, default 1/1),
@@ -117,8 +123,8 @@ class SwapContext:
                  planner: PlannerLike = "window", *, device: Any = None, min_bytes: int = 1024,
                  cache_size: int = 64, allocator: Any = None,
                  planner_options: Optional[Dict[str, Any]] = None):
-        self.window = parse_size(window, "window")
-        self.budget = parse_optional_size(budget, "budget")
+        self.window = window_arg(window, NAME)
+        self.budget = budget_arg(budget, NAME)
         self._planner = SwapPlanner(planner, self.window, self.budget, planner_options)
         self.planner_options = self._planner.options  # checked, the bandwidth parsed
         self.planner = planner
@@ -131,14 +137,8 @@ class SwapContext:
             raise TypeError("scheduler.swap: allocator must have a set_pressure_callback method "
                             f"(e.g. a vmalloc.Allocator), got {allocator!r}")
         self.min_bytes = min_bytes
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"device: expected a cuda or cpu device, got {device!r}")
+        self.device = device_arg(device, NAME)
         self._cuda = self.device.type == "cuda"
-        if self._cuda and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available")
         self._allocator = allocator
         self._lock = threading.RLock()
         self._hooks: Any = None
@@ -420,7 +420,8 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
     autoload). Its ``stats()`` go into the vmalloc report under ``"swap"``. Installing again
     with the same window and budget returns the installed context."""
     existing = global_context()
-    w, b = parse_size(window, "window"), parse_optional_size(budget, "budget")
+    where = "scheduler.runtime.swap.install_global"
+    w, b = window_arg(window, where), budget_arg(budget, where)
     if existing is not None:
         if (existing.window, existing.budget) == (w, b):
             return existing

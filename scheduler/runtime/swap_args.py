@@ -1,0 +1,66 @@
+"""The swap runtime's arguments (``scheduler.swap``, ``install_global``), checked where they are
+given, with errors that name the argument and its value.
+
+``window`` and ``budget`` mean what ``VMALLOC_WINDOW`` and ``VMALLOC_BUDGET`` mean there: a
+window is a positive size (``VMALLOC_WINDOW=0`` stops the program too); ``None`` is the budget
+that caps nothing. A budget of 0 is refused rather than read as "no cap": every budget of
+the scheduler's entry points (``wrap``, ``checkpoint``) is positive or ``None``, and
+``VMALLOC_BUDGET=0`` reaches the runtime as ``None`` already.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from vmalloc.sizes import SizeLike, parse_size
+
+_DEVICES = "'cuda', 'cuda:N', 'cpu', a CUDA device index or a torch.device"
+
+
+def window_arg(window: SizeLike, where: str) -> int:
+    """The window in bytes: a positive size (``"2GiB"``, ints)."""
+    value = parse_size(window, f"{where}: window")
+    if value <= 0:
+        raise ValueError(f"{where}: window must be a positive byte size (e.g. '2GiB'), as for "
+                         f"VMALLOC_WINDOW, got {window!r}")
+    return value
+
+
+def budget_arg(budget: Optional[SizeLike], where: str) -> Optional[int]:
+    """``None`` (no limit) or the budget in bytes: a positive size."""
+    if budget is None:
+        return None
+    value = parse_size(budget, f"{where}: budget")
+    if value <= 0:
+        raise ValueError(f"{where}: budget must be a positive byte size (e.g. '6GiB') or None "
+                         f"for no limit, got {budget!r}")
+    return value
+
+
+def device_arg(device: Any, where: str) -> torch.device:
+    """Which tensors to manage: a CUDA device (when CUDA is available) or the CPU; ``None``:
+    ``"cuda"`` if available, else ``"cpu"``."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{where}: device must be {_DEVICES}, got {device!r}")
+    if isinstance(device, int):  # torch.device(5) is the current accelerator's: CUDA here
+        if device < 0:
+            raise ValueError(f"{where}: device must be {_DEVICES}, got {device!r}")
+        dev = torch.device("cuda", device)
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:  # torch's message lists every device type but names no argument
+            raise ValueError(f"{where}: device must be {_DEVICES}, got {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"{where}: device must be a cuda or cpu device ({_DEVICES}), got "
+                         f"{device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{where}: device={device!r}: CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{where}: device={device!r}: there are "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev
