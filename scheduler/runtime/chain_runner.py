@@ -142,6 +142,12 @@ class ChainRunner:
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
         self.tail: Any = None
+        # the model's forward (tail.forward_number) the step in flight began in, and the one
+        # the last whole pass over the list ended in: a second pass or a repeated block 0 in
+        # one forward is told apart from a new forward after one that raised
+        self._step_in: Optional[int] = None
+        self._pass_in: Optional[int] = None
+        self._said_passes = False  # _several_passes's warning, given once
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
@@ -526,12 +532,23 @@ class ChainRunner:
             return run_first(args, kwargs)
         self.calls += 1
         if s == 0:
+            forward = self.tail.forward_number() if self.tail is not None else None
             if self.tail is not None:  # a tail measured since the last block is over
                 self.tail.block_zero()
             if self.current is not None:  # the last forward stopped between blocks (raised)
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
+                if forward is not None and forward == self._step_in:  # ... or block 0 again
+                    raise RuntimeError(
+                        f"{self.name}: block 0 of '{self.list_name}' was called again before "
+                        f"block {stale.next}, in the same forward of the model: the model must "
+                        f"call each of its {self.L} blocks once, in order, per forward (a "
+                        "model that repeats each block, as Funnel's block_repeats does, can "
+                        "name one of its blocks' own lists with blocks=)")
             step_now = self._needs_grad(args, kwargs)
+            if step_now and forward is not None and forward == self._pass_in:
+                self._several_passes()
+            self._step_in = forward
             if step_now:  # a checkpoint/offload wrapper put on the blocks since the call
                 fsdp.refuse_wrapped(self.blocks, self.entries, self.name, at_step=True)
                 if self.sequential:  # scheduler.wrap's loop calls FSDP1 units itself
@@ -562,8 +579,25 @@ class ChainRunner:
             raise
         if s == self.L - 1:
             self.current = None
+            self._pass_in = self._step_in
             self._end_forward(step, out)
         return out
+
+    def _several_passes(self) -> None:
+        """The list ran whole a second time in one forward of the model (ALBERT's shared
+        layers, Perceiver's num_blocks, one encoder called twice): each pass is planned as a
+        step of its own with the whole budget, and all passes hold their activations until
+        the backward, so the forward can hold a multiple of the budget. Gradients stay exact;
+        the budget does not hold, which must not go unsaid."""
+        if self._said_passes:
+            return
+        self._said_passes = True
+        warnings.warn(
+            f"{self.name}: the blocks of '{self.list_name}' ran a second time in one forward "
+            "of the model (shared layers run in a loop, as ALBERT's and Perceiver's are, or "
+            "one block list called twice): each pass is planned with the whole budget and "
+            "all of them hold their activations until the backward, so the budget does not "
+            "hold (the gradients are exact)", stacklevel=4)
 
     # -------------------------------------------------------------------------- report
     def stats(self) -> Dict[str, Any]:

@@ -120,9 +120,14 @@ def find_blocks(model: nn.Module, blocks: BlocksArg = None) -> List[Tuple[str, n
     found = [(n, m) for n, m in found
              if not any(n != o and n.startswith(o + ".") for o, _ in found)]
     if not found:
-        raise ValueError(f"{NAME}: found no repeated block list in {type(model).__name__}; name "
-                         "the nn.ModuleList its forward loops over with blocks= (e.g. "
-                         "blocks='transformer.h')")
+        # the model's own lists, to pick from: a generic example would name a path it lacks
+        lists = [f"'{n}' ({len(m)} {type(m[0]).__name__})" for n, m in model.named_modules()
+                 if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1][:6]
+        where = f"its lists: {', '.join(lists)}" if lists else "it has no nn.ModuleList"
+        raise ValueError(f"{NAME}: found no repeated block list in {type(model).__name__} "
+                         f"({where}); name the nn.ModuleList its forward loops over with "
+                         "blocks= (a list of one block that the forward runs several times, "
+                         "ALBERT's shared layers, leaves nothing to plan)")
     return found
 
 

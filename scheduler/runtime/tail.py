@@ -117,6 +117,7 @@ class TailProbe(WeakFields):
         self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
         self.rec: Optional[_Recording] = None
         self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
+        self.calls = 0  # outermost calls of the model so far: which forward a block runs in
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
@@ -143,6 +144,7 @@ class TailProbe(WeakFields):
             self._abort("was interrupted or called itself")
             self.depth, self.clean, self.handling = 0, [], []
         if self.depth == 0:
+            self.calls += 1
             self.clean, self.handling = [], []
             # the caller's tensors existed before the step: never counted as its memory
             self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
@@ -200,6 +202,11 @@ class TailProbe(WeakFields):
         out = head_census(args, kwargs, state | self.given)
         out.bytes += runner_bytes
         return out
+
+    def forward_number(self) -> Optional[int]:
+        """Which outermost call of the model is running (``calls``), or None outside one: two
+        block calls with the same number ran in one forward of the model."""
+        return self.calls if self.depth > 0 else None
 
     def block_zero(self) -> None:
         """A runner's block 0 is called: a tail being measured is over (T5: the encoder's
