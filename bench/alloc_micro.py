@@ -20,7 +20,8 @@ plus the fast path once a second stream was seen (``vmalloc_fast_2chunks_two_str
 free then records an event, one cuEventRecord per pair; the fake driver's test shows it is the
 only driver call there).
 
-Writes bench/results/alloc_micro.json (``--out DIR``: DIR/alloc_micro.json) and prints a table:
+Writes bench/results/alloc_micro.json (``--out DIR``: DIR/alloc_micro.json; ``--quick``: nothing
+unless ``--out``, a smoke run leaves the committed full run alone) and prints a table:
 once the host section is done, again with the cuda one. A cuda measurement that fails is an
 error entry for its row (``{"error": message}``, and listed in ``cuda.errors``); the other
 rows and the host section are still written.
@@ -46,6 +47,7 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
 from vmalloc import Allocator, _core  # noqa: E402
 from vmalloc.allocator import granularity  # noqa: E402
 from vmalloc.atomic_file import write_atomic  # noqa: E402
+from bench.common import output_dir, say_nothing_written  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RESULTS = ROOT / "bench" / "results" / "alloc_micro.json"
@@ -318,9 +320,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     ap.add_argument("--out", default=None, metavar="DIR",
-                    help="folder for alloc_micro.json (default bench/results)")
+                    help="folder for alloc_micro.json (default bench/results; --quick: none)")
     args = ap.parse_args(argv)
-    path = Path(args.out) / RESULTS.name if args.out else RESULTS
+    out = output_dir(args.quick, args.out, RESULTS.parent)
+    path = None if out is None else Path(out) / RESULTS.name
     runs = 3 if args.quick else 5
     pairs = 200_000 if args.quick else 2_000_000
     chunk = 2 * MiB
@@ -348,11 +351,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         res["cuda"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     write(path, res)
     print_table(res)
-    print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
+    if path is None:
+        say_nothing_written()
+    else:
+        print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
 
 
-def write(path: Path, res: Dict[str, object]) -> None:
-    """The JSON, written then renamed (a kill leaves the last whole file)."""
+def write(path: Optional[Path], res: Dict[str, object]) -> None:
+    """The JSON, written then renamed (a kill leaves the last whole file); None: nothing
+    (--quick without --out)."""
+    if path is None:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(res, indent=2) + "\n")
 

@@ -283,7 +283,7 @@ def bad_inputs() -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    from bench.common import parse_args, print_table, write_json
+    from bench.common import parse_args, print_table, say_nothing_written, write_json
 
     args = parse_args(__doc__.splitlines()[0], argv)
     ops = 300 if args.quick else 3000
@@ -320,7 +320,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     out = {"command": "python bench/alloc_probe.py" + (" --quick" if args.quick else ""),
            "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks,
            "bad_inputs": bad, "total": total}
-    write_json("alloc_probe", out, args.out)
+    if args.out is None:
+        say_nothing_written()
+    else:
+        write_json("alloc_probe", out, args.out)
     return out
 
 

@@ -43,7 +43,8 @@ writes), so a trace recorded on an 80 GB GPU replays whole on any machine; ``--m
 runs this on the device right after recording the traces).
 
 Results: a table on stdout and ``bench/results/cache_slack.json`` (inputs, every replay's per
-step counts, the decision, and the verdict paragraph README's Results section shows).
+step counts, the decision, and the verdict paragraph README's Results section shows; ``--quick``:
+the table only, unless ``--out``).
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
     import checkout
     checkout.on_path()
 
-from bench.common import (RESULTS, existing_dir, existing_file, positive_float,  # noqa: E402
-                          run_meta, write_json)
+from bench.common import (RESULTS, existing_dir, existing_file, output_dir,  # noqa: E402
+                          positive_float, run_meta, say_nothing_written, write_json)
 
 MiB = 1 << 20
 CHUNK = 2 * MiB                     # the CUDA granularity of current GPUs, vmalloc's default
@@ -463,13 +464,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "even when GPU traces exist")
     p.add_argument("--alloc-micro", default=None, type=existing_file, metavar="FILE",
                    help="alloc_micro.json with the remap cost (default bench/results/)")
-    p.add_argument("--out", default=RESULTS, metavar="DIR",
-                   help="folder for cache_slack.json (default bench/results)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for cache_slack.json, and of the e2e results it reads step times "
+                   "from (default bench/results; --quick: nothing written)")
     p.add_argument("--max-seconds", type=positive_float, default=None, metavar="S",
                    help="start no new trace after this long (the JSON names those left out)")
     p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH", help="epoch "
                    "seconds: leave out a trace whose replays would end later")
     args = p.parse_args(argv)
+    out = output_dir(args.quick, args.out)
     if args.cpu_traces and args.traces_dir:
         p.error("--traces-dir: not with --cpu-traces (which replays the bundled traces only)")
 
@@ -490,7 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ", ".join(os.path.basename(x) for x in paths))
     print(f"remap cost: {cost['us_per_chunk_remapped']:.3g} us per chunk ({cost['source']}, "
           f"{cost['measured_on']}); created chunk: {cost['us_per_chunk_created']} us")
-    traces, left_out = run(paths, cost, candidates, args.out, args.max_seconds, args.stop_at)
+    traces, left_out = run(paths, cost, candidates, args.out or RESULTS, args.max_seconds,
+                           args.stop_at)
     decision = decide(traces, cost, candidates, real, current_default(), left_out)
     print("\n" + decision["verdict"])
 
@@ -502,6 +506,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "alloc_micro_date": (micro.get("meta") or {}).get("date"), "quick": args.quick})
     if left_out:   # scripts/gpu-check then runs it again in a later call
         meta.update({"incomplete": True, "not_run": len(left_out), "left_out": list(left_out)})
+    if out is None:
+        say_nothing_written()
+        return 0
     path = write_json("cache_slack", {
         "meta": meta, "chunk_size": CHUNK, "candidates": [label(s) for s in candidates],
         "traces_used": "recorded on a GPU" if real else "bundled CPU-made (simulated)",
@@ -514,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "prefer_remap": "prefer_remap=True is cache_slack=0 without a budget "
                                  "(csrc/alloc/allocator.cpp gather); not a separate axis"},
         "remap_cost": cost, "traces": traces, "left_out": left_out, "decision": decision,
-        "verdict": decision["verdict"]}, args.out)
+        "verdict": decision["verdict"]}, out)
     print(f"wrote {path}")
     return 0
 

@@ -16,7 +16,8 @@ small inputs, peaks from the runner's activation accounting) that keeps the scri
         [--steps 5] [--bandwidth 12e9] [--threads 1] [--out DIR]
 
 Writes bench/results/checkpoint_real-<device>.json (+ .png); ``--out DIR`` writes them there
-instead (a smoke run that should leave the committed results alone). The file is written after
+instead; ``--quick`` (a smoke run that leaves the committed results alone) writes nothing unless
+``--out``. The file is written after
 every model, and one failure loses nothing else: a configuration that raises (out of memory, a
 pofo or stream error) is a row of its own (``status`` ``oom`` or ``error``, ``note`` the
 message) and the rest goes on; a model that fails before its rows (building it, measuring its
@@ -43,7 +44,8 @@ if __name__ == "__main__":  # run from a checkout (as bench/common.py)
     checkout.on_path()
 
 import scheduler  # noqa: E402
-from bench.common import positive_float, positive_int, usage_error  # noqa: E402
+from bench.common import (output_dir, positive_float, positive_int,  # noqa: E402
+                          say_nothing_written, usage_error)
 from bench.models import build  # noqa: E402
 from scheduler.plan import checkpoint_plan  # noqa: E402
 from scheduler.profile import measure_chain  # noqa: E402
@@ -296,9 +298,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="pofo's host-device bytes/s (default: measured on the GPU; 12e9 on CPU)")
     ap.add_argument("--threads", type=positive_int, default=1, metavar="N",
                     help="torch intra-op threads in the CPU mode (default 1)")
-    ap.add_argument("--out", default=RESULTS, metavar="DIR",
-                    help="folder for checkpoint_real-<device>.json/.png (default bench/results)")
+    ap.add_argument("--out", default=None, metavar="DIR", help="folder for "
+                    "checkpoint_real-<device>.json/.png (default bench/results; --quick: none)")
     args = ap.parse_args(argv)
+    out = output_dir(args.quick, args.out, RESULTS)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     table = GPU_MODELS if device == "cuda" else CPU_MODELS
     keys = args.models.split(",") if args.models else list(table)
@@ -324,8 +327,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                           "checkpoint_sequential rows: not run on CPU")},
         "models": []}
     tag = "cpu" if device == "cpu" else gpu.replace(" ", "_")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"checkpoint_real-{tag}.json")
+    path = None if out is None else os.path.join(out, f"checkpoint_real-{tag}.json")
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
     failed = []
     for key in keys:
         print(f"{key}:")
@@ -343,10 +347,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"{k}: rotor vs best periodic at equal memory "
               f"{'n/a' if rv is None else f'{100 * rv:+.1f}%'}; pofo vs rotor "
               f"{'n/a' if pv is None else f'{100 * pv:+.1f}%'} ({v['budgets']} budgets)")
-    plot(result, path.replace(".json", ".png"))
-    print(f"wrote {path}")
+    if path is None:
+        say_nothing_written()
+    else:
+        plot(result, path.replace(".json", ".png"))
+        print(f"wrote {path}")
     if failed:
-        raise SystemExit(f"checkpoint_real: {', '.join(failed)} failed (recorded in {path})")
+        raise SystemExit(f"checkpoint_real: {', '.join(failed)} failed"
+                         + ("" if path is None else f" (recorded in {path})"))
 
 
 def failed_model(key: str, exc: BaseException) -> Dict[str, Any]:
@@ -355,11 +363,12 @@ def failed_model(key: str, exc: BaseException) -> Dict[str, Any]:
             "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def write_result(result: Dict[str, Any], path: str) -> None:
+def write_result(result: Dict[str, Any], path: Optional[str]) -> None:
     """The summary of the models so far, and the file (written then renamed: a kill leaves
-    the last whole file)."""
+    the last whole file; None: no file, --quick without --out)."""
     result["summary"] = summarize(result)
-    write_atomic(path, json.dumps(result, indent=1))
+    if path is not None:
+        write_atomic(path, json.dumps(result, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List
 
-from common import parse_args, positive_int, print_table, pyplot, save_png, write_json
+from common import (parse_args, positive_int, print_table, pyplot, save_png, say_nothing_written,
+                    write_json)
 
 from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor
@@ -123,7 +124,8 @@ def main(argv=None) -> Dict:
             source = "Chain.random (bench/chains missing)"
             chains = [Chain.random(30 + 10 * i, seed=i).replace(meta={"batch": 1}) for i in range(2)]
         results[fig_name] = [run_chain(c, args.slots, args.refine) for c in chains]
-        plot(fig_name, results[fig_name], args.out)
+        if args.out is not None:
+            plot(fig_name, results[fig_name], args.out)
     rows = []
     for fig_name, res in results.items():
         for r in res:
@@ -145,7 +147,10 @@ def main(argv=None) -> Dict:
            "summary": rows,
            "mean_gain_over_best_periodic_pct": mean_best, "mean_gain_all_periodic_pct": mean_all,
            "figures": results}
-    print("wrote", write_json("checkpointing", out, args.out))
+    if args.out is None:
+        say_nothing_written()
+    else:
+        print("wrote", write_json("checkpointing", out, args.out))
     return out
 
 

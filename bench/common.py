@@ -1,5 +1,6 @@
 """Shared bench helpers: a --quick flag, a table on stdout, JSON (and PNG) in bench/results/,
-and the checks of the scripts' flags (``type=`` functions: a bad value exits 2 before any work)."""
+where a run writes (``output_dir``: a --quick run writes only with --out), and the checks of the
+scripts' flags (``type=`` functions: a bad value exits 2 before any work)."""
 from __future__ import annotations
 
 import argparse
@@ -19,13 +20,39 @@ if __name__ == "common":  # run as `python bench/<name>.py` from a checkout (ben
 
 def parse_args(description: str, argv: Optional[Sequence[str]] = None,
                extra: Optional[callable] = None) -> argparse.Namespace:
+    """The flags every such script takes (--quick, --out DIR) and ``extra``'s; ``args.out`` is
+    ``output_dir``'s answer: the folder to write into, None for a --quick run without --out."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="a smaller run (seconds, for CI smoke tests)")
-    p.add_argument("--out", default=RESULTS, metavar="DIR",
-                   help="folder for the JSON/PNG (default bench/results)")
+    p.add_argument("--quick", action="store_true", help="a smaller run (seconds, for CI smoke "
+                   "tests; writes nothing unless --out)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the JSON/PNG (default bench/results; --quick: none)")
     if extra is not None:
         extra(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = output_dir(args.quick, args.out)
+    return args
+
+
+# ------------------------------------------------------------------ where a run writes
+# bench/results holds full runs: the README's Results section is generated from it
+# (bench/readme_results.py). A --quick run (the CI smoke run) writing there would leave a dirty
+# tree and, once committed, smoke-run numbers in the README. (bench/e2e.py keeps its own
+# rule: its committed file is the --smoke run, and its --quick is the GPU run.)
+
+def output_dir(quick: bool, out: Optional[str], default: Any = RESULTS) -> Optional[Any]:
+    """Where a run writes its results: ``out`` (the --out given) when there is one; else
+    None for a ``--quick`` run (it prints its table and writes nothing), else ``default``
+    (bench/results, or the script's own file there)."""
+    if out is not None:
+        return out
+    return None if quick else default
+
+
+def say_nothing_written(out_flag: str = "--out DIR") -> None:
+    """The line a --quick run without --out ends with (see ``output_dir``)."""
+    print(f"\n--quick without --out: nothing written (bench/results holds full runs); pass "
+          f"{out_flag} to keep this run's results")
 
 
 # ------------------------------------------------------------------ flag checks

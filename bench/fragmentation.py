@@ -13,7 +13,7 @@ PyTorch on LLM training), and the smallest physical budget at which the whole tr
 (bisection). Goal: vmalloc needs <= 1.05 x the peak requested bytes on every swap-heavy trace.
 vmalloc runs on its host-lazy backend (real memfd page mappings that take no RAM); PyTorch's
 allocator is the model in vmalloc/replay/caching_model.py. Writes
-bench/results/fragmentation.json and .png.
+bench/results/fragmentation.json and .png (``--quick``: nothing unless ``--out``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
     import checkout
     checkout.on_path()
 
-from bench.common import trace_files  # noqa: E402
+from bench.common import output_dir, say_nothing_written, trace_files  # noqa: E402
 from vmalloc.replay import TraceFileError, compare, default_contenders, load  # noqa: E402
 # module functions (vmalloc.report the attribute is the report() function)
 from vmalloc.report import draw_replay_timelines, side_by_side  # noqa: E402
@@ -41,10 +41,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="the first two traces (CI-sized)")
     ap.add_argument("--traces", default=os.path.join(HERE, "traces"), metavar="DIR|FILE",
                     help="a trace file or a folder of them (default bench/traces)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "fragmentation.json"),
-                    metavar="FILE", help="results JSON; the PNG goes beside it "
-                    "(default bench/results/fragmentation.json)")
+    ap.add_argument("--out", default=None, metavar="FILE", help="results JSON; the PNG goes "
+                    "beside it (default bench/results/fragmentation.json; --quick: none)")
     args = ap.parse_args(argv)
+    path = output_dir(args.quick, args.out, os.path.join(HERE, "results", "fragmentation.json"))
     try:
         paths = trace_files(args.traces)
     except ValueError as exc:
@@ -85,7 +85,10 @@ def main(argv=None) -> None:
             "max_budget_ratio": max(r["budget_ratio"] or 0 for r in rows),
         }
     print("summary:", json.dumps(summary, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if path is None:
+        say_nothing_written("--out FILE")
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     real = sum(1 for res in results if res["meta"].get("real_gpu_trace"))
     out = {"benchmark": "fragmentation", "quick": args.quick, "goal_budget_ratio": GOAL,
            "goal_met": ok_all, "seconds": time.time() - t0,
@@ -94,10 +97,10 @@ def main(argv=None) -> None:
            "(no RAM taken), PyTorch as vmalloc/replay/caching_model.py",
            "summary": summary,
            "traces": [{k: v for k, v in res.items() if k != "timelines"} for res in results]}
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
-    png = plot(results, os.path.splitext(args.out)[0] + ".png")
+    print(f"wrote {path}")
+    png = plot(results, os.path.splitext(path)[0] + ".png")
     if png:
         print(f"wrote {png}")
 

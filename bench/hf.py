@@ -52,8 +52,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from common import (RESULTS, parse_args, positive_int, print_table, pyplot, run_meta, save_png,
-                    torch_device, usage_error, write_json)
+from common import (parse_args, positive_int, print_table, pyplot, run_meta, save_png,
+                    say_nothing_written, torch_device, usage_error, write_json)
 
 import scheduler  # noqa: E402  (common put the checkout on sys.path)
 
@@ -439,7 +439,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                         "checkpoint_available": checkpoint_missing() is None,
                                         "budget_fractions_of_plain_peak": list(fractions)},
                                "models": []}
-    write = not (quick and args.out == RESULTS)   # CI smoke: no results written over the real ones
+    write = args.out is not None   # None: --quick without --out (common.output_dir)
     name = f"hf-{results['meta']['device_tag']}"
     failed = []
     done = resumed(os.path.join(args.out, name + ".json"), results["meta"]) \
@@ -473,6 +473,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if write:
         print(f"wrote {os.path.join(args.out, name + '.json')}")
         plot(results, args.out, name)
+    else:
+        say_nothing_written()
     if failed:
         raise SystemExit(f"hf.py: {', '.join(failed)} failed (recorded with the error"
                          + (" in the results file)" if write else ")"))

@@ -14,7 +14,8 @@ prediction + rotor solve) on this model and on a synthetic 48-block chain.
 
     python bench/mimose.py [--quick] [--device cpu|cuda] [--threads N] [--out FILE.json]
 
-Writes bench/results/mimose.json and bench/results/mimose.png.
+Writes bench/results/mimose.json and bench/results/mimose.png (``--quick``: nothing unless
+``--out``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ if __name__ == "__main__":  # run as `python bench/mimose.py` from a checkout (a
     checkout.on_path()
 
 import scheduler  # noqa: E402
-from bench.common import positive_int, torch_device  # noqa: E402
+from bench.common import output_dir, positive_int, say_nothing_written, torch_device  # noqa: E402
 from bench.models import bert  # noqa: E402
 from scheduler.planners import mimose as M  # noqa: E402
 from scheduler.planners import rotor as R  # noqa: E402
@@ -138,11 +139,13 @@ def main(argv: Any = None) -> None:
     ap.add_argument("--device", type=torch_device("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default cuda when there is one)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "mimose.json"), metavar="FILE",
-                    help="results JSON; the PNG goes beside it (default bench/results/mimose.json)")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="results JSON; the PNG goes beside it (default bench/results/mimose.json; "
+                    "--quick: none)")
     ap.add_argument("--threads", type=positive_int, default=1, metavar="N",
                     help="torch intra-op threads on CPU (default 1: steadier timings)")
     args = ap.parse_args(argv)
+    out = output_dir(args.quick, args.out, os.path.join(RESULTS, "mimose.json"))
     device = args.device
     if device == "cpu":
         torch.set_num_threads(args.threads)
@@ -293,9 +296,10 @@ def main(argv: Any = None) -> None:
         str(b): ia_runs[b]["responsive_paired_median_vs_none"]
         / mi_runs[b]["responsive_paired_median_vs_none"] for b in ia_runs}
 
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    if out is not None:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
 
     print(f"\n{'budget MiB':>10} {'method':>8} {'time s':>8} {'vs none':>8} {'step/none':>9} "
           f"{'recomp':>7} {'max peak MiB':>13} {'over':>5} {'identical':>9}")
@@ -322,8 +326,11 @@ def main(argv: Any = None) -> None:
     print("input-aware rotor step time / Mimose's, per budget: " + ", ".join(
         f"{int(b) / 2**20:.1f} MiB: {v:.3f}" for b, v in ia["step_vs_mimose"].items())
         + " (goal <= 1.10)")
-    plot(results, args.out.replace(".json", ".png"))
-    print(f"wrote {args.out}")
+    if out is None:
+        say_nothing_written("--out FILE")
+        return
+    plot(results, out.replace(".json", ".png"))
+    print(f"wrote {out}")
 
 
 def input_aware_latency(est: M.ChainEstimator, sizes: List[float], budget: float,

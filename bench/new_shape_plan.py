@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from common import parse_args, print_table, write_json
+from common import parse_args, print_table, say_nothing_written, write_json
 
 import torch
 from torch import nn
@@ -139,8 +139,12 @@ def main(argv=None) -> Dict[str, Any]:
                      "fit_sizes": FIT_SIZES, "slots": 500, "repeat": 3,
                      "command": "python bench/new_shape_plan.py" + (" --quick" if args.quick else "")},
             "rows": rows, "goal_ms": GOAL_MS, "worst_total_ms": worst}
-    path = write_json("new_shape_plan", data, args.out)
-    print(f"worst L: {worst:.3f} ms per new shape (goal < {GOAL_MS} ms); wrote {path}")
+    print(f"worst L: {worst:.3f} ms per new shape (goal < {GOAL_MS} ms)", end="")
+    if args.out is None:
+        print()
+        say_nothing_written()
+    else:
+        print(f"; wrote {write_json('new_shape_plan', data, args.out)}")
     return data
 
 

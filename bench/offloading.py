@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
-from common import parse_args, print_table, pyplot, save_png, write_json
+from common import parse_args, print_table, pyplot, save_png, say_nothing_written, write_json
 from offload_fluid import fluid_lower_bound
 
 from scheduler import Chain
@@ -106,8 +106,8 @@ def summary_of(rows: List[Dict]) -> Dict:
     }
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(__doc__.splitlines()[0], argv)
     names = QUICK if args.quick else CHAINS
     points = 5 if args.quick else 11
     slots = 500
@@ -122,6 +122,9 @@ def main() -> None:
                 title="makespan / lower bound (seed 000 Fig. 4), bandwidth 12.2 GB/s")
     summary = summary_of(rows)
     print_table([summary], title="summary")
+    if args.out is None:
+        say_nothing_written()
+        return
     write_json("offloading", {"bandwidth": BANDWIDTH, "slots": slots, "chains": results,
                               "summary": summary}, args.out)
     plt = pyplot()

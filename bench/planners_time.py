@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from common import parse_args, print_table, write_json
+from common import parse_args, print_table, say_nothing_written, write_json
 
 from scheduler import Chain, simulate
 from scheduler.chain import FIELDS
@@ -77,7 +77,10 @@ def main(argv=None) -> dict:
     print("goals:", goals)
     out = {"rows": rows, "goals": goals, "fractions": FRACTIONS, "quick": args.quick,
            "note": "CPU seconds (time.process_time), best of %d runs, shared 2-core machine" % repeat}
-    print("wrote", write_json("planners_time", out, args.out))
+    if args.out is None:
+        say_nothing_written()
+    else:
+        print("wrote", write_json("planners_time", out, args.out))
     return out
 
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
-from common import parse_args, print_table, pyplot, save_png, write_json
+from common import parse_args, print_table, pyplot, save_png, say_nothing_written, write_json
 
 from scheduler import Chain, InfeasibleError, InvalidPlanError, simulate
 from scheduler.planners import offload, pofo, rotor
@@ -168,12 +168,16 @@ def random_sweep(quick: bool) -> Dict:
             "summary": summary, "rows": rows}
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument(
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
         "--random", action="store_true",
         help="random integer chains with the exhaustive class optimum (pofo_random.json)"))
     if args.random:
-        write_json("pofo_random", random_sweep(args.quick), args.out)
+        sweep = random_sweep(args.quick)
+        if args.out is None:
+            say_nothing_written()
+        else:
+            write_json("pofo_random", sweep, args.out)
         return
     names = QUICK if args.quick else CHAINS
     alphas = [0.1, 0.2, 0.5, 1.0] if args.quick else ALPHAS
@@ -235,6 +239,9 @@ def main() -> None:
         timing["solve_s_half_step"] = time.perf_counter() - t0
         print_table([timing], title="pofo solve time")
     print_table([dict(against=k, **v) for k, v in summary.items()], title="pofo vs others")
+    if args.out is None:
+        say_nothing_written()
+        return
     write_json("pofo", {"slots": SLOTS, "figure2": fig2, "figure3": fig3, "summary": summary,
                         "goals": goals, "timing": timing}, args.out)
 

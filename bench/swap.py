@@ -6,7 +6,8 @@
 ``--budget`` and ``--window`` apply to the GPU part only, but are checked (byte sizes > 0,
 ``vmalloc.sizes.parse_size``) on every run: a bad value exits 2 before anything runs.
 ``--out DIR`` (default ``bench/results``) is where ``swap.json`` / ``swap.png`` are read and
-written: pass a scratch folder for a smoke run, or it replaces the committed file.
+written; ``--quick`` (a smoke run) reads and writes nothing unless ``--out``: the committed file
+is a full run.
 
 CPU part (runs anywhere): the cost of the saved-tensor hooks when nothing needs swapping
 (goal: <= 5% of the step time), the cost of real swapping on the CPU (copies into the host
@@ -462,12 +463,14 @@ def gpu_only(args: argparse.Namespace) -> None:
         raise SystemExit("bench/swap.py: --gpu-only and --cpu-only exclude each other")
     budget, window = parse_size(args.budget, "--budget"), parse_size(args.window, "--window")
     out = _out_dir(args)
-    path = out / "swap.json"
+    path = None if out is None else out / "swap.json"
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
-        result = {"meta": {}, "cpu_overhead": []}   # no CPU part: the README says so
-    from bench.common import run_meta   # machine, GPU, driver, torch, date
+        result = None
+    if result is None:   # no file (or none to read): no CPU part, the README says so
+        result = {"meta": {}, "cpu_overhead": []}
+    from bench.common import run_meta, say_nothing_written   # run_meta: machine, GPU, date
     argv = sys.argv[1:]
     if "--stop-at" in argv:   # this call's deadline: not part of how to reproduce it
         i = argv.index("--stop-at")
@@ -484,8 +487,9 @@ def gpu_only(args: argparse.Namespace) -> None:
         # left: configurations not run (None: still running, so incomplete if killed now)
         result["gpu"] = {"budget": budget, "window": window, "quick": args.quick, "rows": rows,
                          "meta": gmeta, "incomplete": left != 0, "not_run": left or 0}
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(result, indent=1, default=str))
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(result, indent=1, default=str))
 
     print(f"GPU: throughput under a {format_size(budget)} budget, window {format_size(window)}"
           + (f" (resuming: {len(earlier)} rows kept)" if earlier else ""))
@@ -493,15 +497,20 @@ def gpu_only(args: argparse.Namespace) -> None:
                                 getattr(args, "worker_timeout", WORKER_TIMEOUT))
     save(rows, left)
     print(gpu_table(rows))
+    if out is None:
+        say_nothing_written()
+        return
     gpu_plot(rows, out / "swap.png")
     print(f"\nwrote {path}" + (f"; {left} configurations left for --stop-at (run it again to "
                                 "go on)" if left else ""))
 
 
-def _out_dir(args: argparse.Namespace) -> Path:
-    """``--out`` (a folder), else ``RESULTS`` (read when called: tests point it elsewhere)."""
-    out = getattr(args, "out", None)
-    return Path(out) if out else RESULTS
+def _out_dir(args: argparse.Namespace) -> Optional[Path]:
+    """``--out`` (a folder), else ``RESULTS`` (read when called: tests point it elsewhere);
+    None for --quick without --out (``bench.common.output_dir``): nothing read or written."""
+    from bench.common import output_dir
+    out = output_dir(getattr(args, "quick", False), getattr(args, "out", None) or None, RESULTS)
+    return None if out is None else Path(out)
 
 
 # ---------------------------------------------------------------------------- main
@@ -524,7 +533,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     f"and keep it as a 'timeout' row, not run again on resume (default "
                     f"{WORKER_TIMEOUT:g})")
     ap.add_argument("--out", default=None, metavar="DIR",
-                    help="folder of swap.json / swap.png (default bench/results)")
+                    help="folder of swap.json / swap.png (default bench/results; --quick: "
+                    "none, nothing read or written)")
     ap.add_argument("--gpu-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.stop_at is not None and not args.gpu_only:
@@ -594,7 +604,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  worker_timeout=args.worker_timeout)
         result["gpu"] = {"budget": budget, "window": window, "rows": rows}
         print(gpu_table(rows))
-        gpu_plot(rows, out / "swap.png")
+        if out is not None:
+            gpu_plot(rows, out / "swap.png")
+    if out is None:
+        from bench.common import say_nothing_written
+        say_nothing_written()
+        return
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "swap.json", "w") as f:
         json.dump(result, f, indent=1, default=str)

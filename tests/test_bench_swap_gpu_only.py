@@ -50,8 +50,10 @@ def fake_gpu(monkeypatch, tmp_path):
 
 
 def _args(**kw):
+    # --out names the results folder, as scripts/gpu-check does: --quick writes only with --out
     return SimpleNamespace(**{"quick": True, "cpu_only": False, "budget": "16GiB",
-                              "window": "2GiB", "stop_at": None, **kw})
+                              "window": "2GiB", "stop_at": None,
+                              "out": str(bench_swap.RESULTS), **kw})
 
 
 def test_stopped_in_time_then_resumed_without_running_a_worker_twice(fake_gpu):
@@ -125,6 +127,20 @@ def test_a_hung_worker_is_killed_and_kept_as_a_timeout_row(fake_gpu):
 def test_worker_timeout_flag(fake_gpu):
     path, state = fake_gpu
     assert bench_swap.parse_args([]).worker_timeout == 180.0
-    args = bench_swap.parse_args(["--quick", "--gpu-only", "--worker-timeout", "45"])
+    args = bench_swap.parse_args(["--quick", "--gpu-only", "--worker-timeout", "45",
+                                  "--out", str(path.parent)])
     bench_swap.gpu_only(args)
     assert set(state["timeouts"]) == {45.0}
+
+
+def test_quick_without_out_neither_resumes_nor_writes(fake_gpu, capsys):
+    """A smoke run (--quick, no --out) measures and prints its table; the results file is
+    neither read (no rows kept) nor written (bench.common.output_dir)."""
+    path, state = fake_gpu
+    bench_swap.gpu_only(_args())   # with --out: the file gets every row
+    before = path.read_text()
+    n = len(state["ran"])
+    bench_swap.gpu_only(_args(out=None))
+    assert len(state["ran"]) == 2 * n   # all measured again: nothing resumed
+    assert path.read_text() == before
+    assert "nothing written" in capsys.readouterr().out

@@ -96,6 +96,30 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     assert "--coexist-only" in coexist and "--methods" not in coexist, coexist
 
 
+def test_every_bench_step_names_the_folder_its_results_go_to():
+    """A bench's --quick run writes nothing without --out (bench.common.output_dir: the
+    committed bench/results are full runs), so every step that runs a bench and records
+    results passes --out, the folder its results file is in: it still writes where the
+    archive and the progress record look. Exempt: bench/e2e.py (its file is --resume's) and
+    bench/traces/record_gpu.py (no --quick rule; it writes bench/traces)."""
+    gc = load_script()
+    steps = (gc.quick_steps(Path("logs"), None) + gc.traces_steps(None)
+             + gc.full_steps(gc.E2E_MODELS, None))
+    checked = []
+    for step in steps:
+        script = next((a for a in step.cmd if a.startswith("bench/") and a.endswith(".py")), None)
+        if script is None or script == "bench/traces/record_gpu.py":
+            continue
+        if script == "bench/e2e.py":
+            assert step.cmd[step.cmd.index("--resume") + 1] == step.results, step.cmd
+            continue
+        assert "--out" in step.cmd, (step.name, step.cmd)
+        out = step.cmd[step.cmd.index("--out") + 1]
+        assert step.results and os.path.dirname(step.results) == out, (step.name, step.cmd)
+        checked.append(step.name)
+    assert checked == ["alloc_micro", "checkpoint_real", "swap", "cache_slack", "hf"]
+
+
 def test_a_failing_step_stops_the_run_and_names_its_command(tmp_path):
     gc = load_script()
     c = gc.Check(tmp_path, dry_run=False, seconds=300)
