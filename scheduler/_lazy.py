@@ -3,8 +3,10 @@
 ``import scheduler`` imports neither torch nor the runtimes, yet every dotted name the README
 uses works after it alone: ``scheduler.runtime.distributed.shutdown()`` imports
 ``scheduler.runtime`` and then ``scheduler.runtime.distributed`` on first access. A name that
-is no submodule raises the usual ``AttributeError`` (so ``hasattr`` is False). Torch-free: the
-planners' package uses it too.
+is no submodule raises the usual ``AttributeError`` (so ``hasattr`` is False); a submodule that
+fails to import raises its own error (``hasattr(scheduler.runtime, "swap")`` without torch
+installed: ``ModuleNotFoundError``, torch being a dependency). Torch-free: the planners'
+package uses it too.
 """
 from __future__ import annotations
 

@@ -205,7 +205,8 @@ def _chunks(size: float, chunk: Optional[float], where: str) -> List[float]:
     n = math.ceil(size / chunk)
     if n > MAX_CHUNKS:
         raise ValueError(f"{where}: transfer_chunk={format_bytes(chunk)} splits an item of "
-                         f"{format_bytes(size)} into {n} copies (at most {MAX_CHUNKS}); use a larger chunk")
+                         f"{format_bytes(size)} into {n} copies (at most {MAX_CHUNKS}); use a "
+                         "larger chunk")
     out = [chunk] * (n - 1)
     rest = size - chunk * (n - 1)
     if rest > 0:

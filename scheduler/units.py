@@ -53,11 +53,17 @@ def format_bytes(nbytes: Any) -> str:
     value = float(nbytes)
     if not math.isfinite(value):
         return f"{value} B"
-    if isinstance(nbytes, numbers.Integral):
-        exact = str(int(nbytes))
-    else:
-        exact = str(int(value)) if value.is_integer() and abs(value) < 2 ** 63 else repr(value)
+    exact = exact_number(nbytes)
     return f"{exact} B" if abs(value) < 1024 else f"{exact} B ({format_size(value)})"
+
+
+def exact_number(x: Any) -> str:
+    """A number in a message as it is, without an exponent where it is whole: an int prints as
+    one, a float as an int when whole, else its ``repr``."""
+    if isinstance(x, numbers.Integral):
+        return str(int(x))
+    value = float(x)
+    return str(int(value)) if value.is_integer() and abs(value) < 2 ** 63 else repr(value)
 
 
 def parse_memory(value: Any, name: str, *, allow_zero: bool = False,

@@ -104,3 +104,33 @@ def test_no_list_found_names_the_models_own_lists():
     with pytest.raises(ValueError, match="found no repeated block list in AlbertForMaskedLM "
                                          r"\(its lists: 'albert.encoder.albert_layer_groups'"):
         scheduler.checkpoint(model, BUDGET)
+
+
+class RetriesInItsForward(Repeats):
+    """Breaks a pass off between blocks 1 and 2 (its own code raises) and runs the list again,
+    in the same forward: what worked before the repeat check must go on working."""
+
+    def forward(self, x):
+        try:
+            self.blocks[1](self.blocks[0](x))
+            raise OverflowError("too large: again at a smaller scale")
+        except OverflowError:
+            for b in self.blocks:
+                x = b(x * 0.5)
+        return self.head(x).sum()
+
+
+def test_a_pass_broken_off_and_begun_again_in_one_forward_runs():
+    torch.manual_seed(0)
+    plain = RetriesInItsForward()
+    m = _checkpointed(plain)
+    for a, b in zip(_grads(plain), _grads(m)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_with_loss_given_a_second_pass_is_said_too():
+    torch.manual_seed(0)
+    m = copy.deepcopy(Repeats(passes=2))
+    scheduler.checkpoint(m, BUDGET, "rotor", blocks="blocks", loss="sum")
+    with pytest.warns(UserWarning, match="ran a second time in one forward"):
+        _grads(m, steps=2)

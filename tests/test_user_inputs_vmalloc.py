@@ -32,21 +32,29 @@ def _core_file() -> str:
 # ---------------------------------------------------------------------------- 1: the source tree
 
 
-def _layout(tmp_path, installed: bool, in_place: bool):
-    """``src``: a checkout (pyproject.toml, vmalloc/__init__.py), ``site``: an installed vmalloc
-    with a built _core (when ``installed``); ``in_place``: the checkout has its own build."""
-    init = os.path.join(ROOT, "vmalloc", "__init__.py")
+SOURCES = ("__init__.py", "_core_locator.py")   # all a bare `import vmalloc._core` runs
+
+
+def _layout(tmp_path, installed: bool, in_place: bool, other_sources: bool = False):
+    """``src``: a checkout (pyproject.toml, vmalloc's import files), ``site``: an installed
+    vmalloc with a built _core (when ``installed``; of other sources with ``other_sources``);
+    ``in_place``: the checkout has its own build."""
     core = _core_file()
     src, site_dir = tmp_path / "src", tmp_path / "site"
     (src / "vmalloc").mkdir(parents=True)
     (src / "pyproject.toml").write_text("[project]\nname = 'vmalloc'\n")
-    shutil.copy(init, src / "vmalloc" / "__init__.py")
+    for name in SOURCES:
+        shutil.copy(os.path.join(ROOT, "vmalloc", name), src / "vmalloc" / name)
     if in_place:
         shutil.copy(core, src / "vmalloc" / os.path.basename(core))
     if installed:
         (site_dir / "vmalloc").mkdir(parents=True)
-        shutil.copy(init, site_dir / "vmalloc" / "__init__.py")
+        for name in SOURCES:
+            shutil.copy(os.path.join(ROOT, "vmalloc", name), site_dir / "vmalloc" / name)
         shutil.copy(core, site_dir / "vmalloc" / os.path.basename(core))
+        if other_sources:
+            with open(site_dir / "vmalloc" / "__init__.py", "a") as f:
+                f.write("# an older release\n")
     return src, site_dir
 
 
@@ -70,6 +78,16 @@ def test_a_source_tree_without_a_build_uses_the_installed_core(tmp_path):
     package, core = r.stdout.split()
     assert package == str(src / "vmalloc" / "__init__.py")     # the checkout is what was imported
     assert os.path.dirname(core) == str(site_dir / "vmalloc")   # its _core: the installed one
+
+
+def test_an_installed_core_of_other_sources_is_not_used(tmp_path):
+    src, site_dir = _layout(tmp_path, installed=True, in_place=False, other_sources=True)
+    r = _run_in(src, site_dir, "import vmalloc\nvmalloc._import_core()")
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: vmalloc._core is not built"), r.stderr
+    assert f"the installed vmalloc at {site_dir / 'vmalloc'} was built from other sources" \
+        in last, last
 
 
 def test_an_in_place_build_still_wins(tmp_path):
@@ -463,3 +481,32 @@ def test_demo_finds_the_checkout_from_the_package_when_run_elsewhere(tmp_path, m
     chain, traces = _demo_inputs(argparse.Namespace(traces=None, replay_only=False,
                                                     chain="gpt2-s256-b1"))
     assert chain.name == "gpt2-s256-b1" and traces
+
+
+def test_a_png_that_cannot_be_written_keeps_the_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from vmalloc.report import save
+    path = tmp_path / "frag.json"
+    os.mkdir(str(path) + ".png")   # savefig cannot write a file where a directory is
+    save({"title": "t", "timeline": {"event": [0, 1], "requested": [0, 4096]}}, str(path))
+    assert path.exists()
+    assert f"wrote {path} but not {path}.png" in capsys.readouterr().err
+
+
+def test_a_timeline_that_cannot_be_built_keeps_the_report(tmp_path):
+    pytest.importorskip("vmalloc._core")
+    out = tmp_path / "frag.json"
+    r = subprocess.run([sys.executable, "-c", HOST_REGISTRY + f"""
+a = core._torch_allocator(0, True)
+ta.start_recording()
+a.free(a.malloc(1 << 20, 0))
+from vmalloc.pluggable import live_report as L
+def broken(*args, **kwargs):
+    raise KeyError("size")
+L._requested_timeline = broken
+L.write_exit_report({str(out)!r})
+"""], capture_output=True, text=True, timeout=120, env=python_env(), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "the report has no timeline: KeyError" in r.stderr, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["memory"] and not rep.get("timeline")

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import os
 import sys
 import types
-from typing import Any, List, Optional
+from typing import Any, List
 
 __all__ = ["Allocator", "DriverShutDownError", "OutOfMemoryError", "add_report_section", "enable",
            "format_size", "is_enabled", "parse_size", "pool", "report", "stats"]
@@ -40,85 +39,18 @@ _LAZY = {
 _SUBMODULES = ("_core", "allocator", "errors", "pluggable", "sizes", "torch_allocator")
 
 
-# ---------------------------------------------------------------------------------------------
-# Where the native module vmalloc._core comes from. `pip install .` puts it in site-packages, but
-# `python -c ...` / `python -m vmalloc` started in the checkout import the checkout's sources (the
-# current directory comes first on sys.path), where only scripts/dev-build puts a _core. So when
-# this package's directory has none for this Python, the _core of an installed vmalloc serves
-# (its directory joins __path__, after this one: an in-place build always wins); when there is
-# none either, _import_core fails saying which directory was imported, why, and both remedies.
-# (Written here, not in a submodule: `import vmalloc` must stay one module.)
-
-
-def _has_core(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(directory, "_core" + suffix))
-               for suffix in importlib.machinery.EXTENSION_SUFFIXES)
-
-
-def _installed_core_dir(here: str) -> Optional[str]:
-    """Another ``vmalloc`` directory with a ``_core`` for this Python: on ``sys.path`` (an
-    installed package), else among the installed distribution's files (importlib.metadata)."""
-    def other(directory: str) -> bool:
-        return os.path.realpath(directory) != os.path.realpath(here) and _has_core(directory)
-    for entry in sys.path:
-        if isinstance(entry, str) and other(os.path.join(entry or os.getcwd(), "vmalloc")):
-            return os.path.join(entry or os.getcwd(), "vmalloc")
-    try:
-        from importlib.metadata import distribution
-        for f in distribution("vmalloc").files or ():
-            if len(f.parts) >= 2 and f.parts[-2] == "vmalloc" and f.name.startswith("_core."):
-                candidate = os.path.dirname(str(f.locate()))
-                if other(candidate):
-                    return candidate
-    except Exception:  # noqa: BLE001 - no distribution, odd metadata: nothing installed to use
-        pass
-    return None
-
-
-def _missing_core_message(here: str) -> str:
-    """Why vmalloc._core cannot be imported: the directory imported, how it came first, and
-    the two remedies."""
-    root = os.path.dirname(here)
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    source = os.path.isfile(os.path.join(root, "pyproject.toml"))
-    what = f"the source tree at {root}" if source else f"the vmalloc package at {here}"
-    cwd = os.path.realpath(os.getcwd())
-    first = next((os.path.realpath(e or os.getcwd()) for e in sys.path if isinstance(e, str)
-                  and os.path.isdir(os.path.join(e or os.getcwd(), "vmalloc"))), None)
-    if first == cwd == os.path.realpath(root):
-        why = (f"{what} is imported instead of an installed vmalloc because the current "
-               "directory comes first on sys.path")
-    else:
-        why = f"{what} is imported"
-    return (f"vmalloc._core is not built: {why}, and it has no vmalloc/_core{suffix} for this "
-            f"Python; no installed vmalloc has one either. Build it in place with "
-            f"{os.path.join(root, 'scripts', 'dev-build') if source else 'scripts/dev-build'}, "
-            f"or install vmalloc with `pip install {root if source else '.'}` (an installed "
-            "build is used even from the checkout)")
-
-
 def _import_core() -> types.ModuleType:
-    """``vmalloc._core`` (the allocator and scheduler/_native.py import it through this); when it
-    is not built, an ImportError that names the directory imported, why, and both remedies."""
+    """``vmalloc._core`` (the allocator, the registry and scheduler/_native.py import it through
+    this): this package's build, else that of an installation of the same sources
+    (``_core_locator``: ``python -c`` from the checkout after ``pip install .``); neither: an
+    ImportError naming the directory imported, why, and both remedies."""
     try:
         return importlib.import_module(f"{__name__}._core")
     except ModuleNotFoundError as exc:
         if exc.name != f"{__name__}._core":
             raise
-        raise ImportError(_missing_core_message(__path__[0]),  # noqa: F821
-                          name=exc.name) from None
-
-
-def _locate_core() -> None:
-    here = __path__[0]  # noqa: F821 - set by the import system before this file runs
-    if _has_core(here):
-        return
-    found = _installed_core_dir(here)
-    if found is not None:
-        __path__.append(found)  # noqa: F821
-
-
-_locate_core()
+    from . import _core_locator
+    return _core_locator.load(__name__, __path__[0])  # noqa: F821 - the package's own
 
 
 def __getattr__(name: str) -> Any:
@@ -129,7 +61,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBMODULES:
         try:
-            return importlib.import_module(f".{name}", __name__)
+            return _import_core() if name == "_core" else \
+                importlib.import_module(f".{name}", __name__)
         except ImportError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise

@@ -297,7 +297,11 @@ def save(rep: Mapping[str, Any], path: str) -> None:
     write_atomic(path, text)
     if rep.get("timeline"):
         # the full name + .png: frag.txt and frag.json (or a report named x.png) keep apart
-        plot_timeline(rep, path + ".png")
+        try:
+            plot_timeline(rep, path + ".png")
+        except Exception as exc:  # noqa: BLE001 - the report itself is written: say, go on
+            print(f"vmalloc: wrote {path} but not {path}.png: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
     elif importlib.util.find_spec("matplotlib") is not None:   # a PNG was to be expected
         print(f"vmalloc: no {path}.png: the report has no memory timeline (an exit report has "
               "one only when vmalloc allocated: VMALLOC=1, from its allocation history)",

@@ -121,3 +121,11 @@ def format_size(nbytes: Union[int, float]) -> str:
             return f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_size_exact(nbytes: int) -> str:
+    """``format_size``'s unit with its number exact, without trailing zeros (``"2 MiB"``,
+    ``"1.5 MiB"``, ``"100 TiB"``): two different sizes never print alike."""
+    unit = format_size(nbytes).split()[-1]
+    scale = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
+    return f"{nbytes / scale:.10f}".rstrip("0").rstrip(".") + f" {unit}"

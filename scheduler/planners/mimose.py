@@ -34,7 +34,7 @@ from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..simulate import simulate
-from ..units import format_bytes
+from ..units import exact_number, format_bytes
 # the estimator, re-exported: the runtimes, tests and benchmarks import it from here
 from .mimose_estimator import (BACKWARD_OVER_FORWARD, BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, ORDER,
                                OUTSIDE_FIELDS, TAIL_FIELDS, ChainEstimator, Estimate, Estimator,
@@ -57,11 +57,6 @@ def _input_size_arg(input_size: float, where: str) -> float:
             not 0 < input_size < math.inf:
         raise ValueError(f"{where}: input_size must be a positive number, got {input_size!r}")
     return input_size
-
-
-def _size_text(input_size: float) -> str:
-    """An input size in a message as given (a count of elements: no exponent)."""
-    return str(int(input_size)) if float(input_size).is_integer() else repr(float(input_size))
 
 
 # ---------------------------------------------------------------------------- Algorithm 1
@@ -114,7 +109,8 @@ class Mimose:
     def __init__(self, n_blocks: int, samples: int = DEFAULT_SAMPLES,
                  bucket_ratio: float = BUCKET_RATIO, cache_size: int = 256, rounds: int = 8,
                  verify: bool = True):
-        for name, value, least in (("n_blocks", n_blocks, 1), ("rounds", rounds, 1)):
+        # rounds=0: no Algorithm 1 round checked, straight to every block checkpointed
+        for name, value, least in (("n_blocks", n_blocks, 1), ("rounds", rounds, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Mimose: {name} must be an int >= {least}, got {value!r}")
         if isinstance(bucket_ratio, bool) or not isinstance(bucket_ratio, numbers.Real) or \
@@ -202,7 +198,7 @@ class Mimose:
                 raise InfeasibleError(
                     f"Mimose: budget {format_bytes(budget)} is below the estimated peak with "
                     f"every block checkpointed ({format_bytes(res.peak_memory)}) for input size "
-                    f"{_size_text(input_size)}",
+                    f"{exact_number(input_size)}",
                     res.peak_memory)
         best.chain = chain
         best.memory_limit = budget   # verified under the simulator above

@@ -98,11 +98,11 @@ def dp(chain: Chain, memory: Number, bandwidth: float, slots: Optional[int] = 50
     # the same discretisation as rotor (sizes rounded up to whole slots of memory/slots)
     (x, xbar, delta, fw_tmp, bw_tmp, fck_tmp), M, unit = rotor.discretize(chain, memory, slots)
     if M >= 1 << 17:
-        raise ValueError(f"pofo.solve: memory {format_bytes(memory)} is {M} units; the DP takes at most "
-                         "131071 (pass slots=<int>)")
+        raise ValueError(f"pofo.solve: memory {format_bytes(memory)} is {M} units; the DP "
+                         "takes at most 131071 (pass slots=<int>)")
     if whole and (M > WHOLE_MAX_UNITS or chain.L >= 64):
-        raise ValueError(f"pofo.dp(whole=True): memory {format_bytes(memory)} is {M} units and the chain "
-                         f"has L={chain.L}; the whole-activation DP takes at most "
+        raise ValueError(f"pofo.dp(whole=True): memory {format_bytes(memory)} is {M} units "
+                         f"and the chain has L={chain.L}; the whole-activation DP takes at most "
                          f"{WHOLE_MAX_UNITS} units and L <= 63 (pass fewer slots)")
     beta = bandwidth / unit if bandwidth > 0 else 0.0
     ok, t, ops, pre, nf, nb = core().pofo_solve(

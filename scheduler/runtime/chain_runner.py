@@ -538,7 +538,9 @@ class ChainRunner:
             if self.current is not None:  # the last forward stopped between blocks (raised)
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
-                if forward is not None and forward == self._step_in:  # ... or block 0 again
+                # ... or block 0 runs twice in a row in one forward (Funnel's block_repeats);
+                # a pass the model's own code broke off and began again (a retry) goes on
+                if stale.next == 1 and forward is not None and forward == self._step_in:
                     raise RuntimeError(
                         f"{self.name}: block 0 of '{self.list_name}' was called again before "
                         f"block {stale.next}, in the same forward of the model: the model must "

@@ -43,7 +43,7 @@ class Checkpointed:
                  tail: Optional[TailProbe] = None, hooks: Sequence[Any] = ()):
         self.lists = lists
         self.runners = runners
-        self.tail = tail  # measures the model's tail as the chain's loss stage, or None
+        self.tail = tail  # numbers the model's forwards, measures its tail (the loss stage)
         self.hooks = list(hooks)  # hf_guards.model_cache_off's pre-hooks on the lists' owners
 
     def stats(self) -> Dict[str, Any]:
@@ -280,9 +280,9 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
                                           owner=owner)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
-    # profiling steps as the chain's loss stage, unless loss= says what that stage is
-    stand_in = options.get("loss") is not None
-    tail = TailProbe(model, NAME, _runners_of) if not stand_in else None
+    # profiling steps as the chain's loss stage, unless loss= says what that stage is; the
+    # probe numbers the model's forwards either way (a list run twice in one forward)
+    tail = TailProbe(model, NAME, _runners_of, measures=options.get("loss") is None)
     for runner in runners:
         runner.tail = tail
     # the KV cache off where the blocks' outputs are read: in the modules looping over them

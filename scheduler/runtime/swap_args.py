@@ -2,8 +2,7 @@
 given, with errors that name the argument and its value.
 
 ``window`` and ``budget`` mean what ``VMALLOC_WINDOW`` and ``VMALLOC_BUDGET`` mean there: a
-window is a positive size (``VMALLOC_WINDOW=0`` stops the program too); ``None`` is the budget
-that caps nothing. A budget of 0 is refused rather than read as "no cap": every budget of
+window is a size (0: no look-ahead); ``None`` is the budget that caps nothing. A budget of 0 is refused rather than read as "no cap": every budget of
 the scheduler's entry points (``wrap``, ``checkpoint``) is positive or ``None``, and
 ``VMALLOC_BUDGET=0`` reaches the runtime as ``None`` already.
 """
@@ -19,12 +18,10 @@ _DEVICES = "'cuda', 'cuda:N', 'cpu', a CUDA device index or a torch.device"
 
 
 def window_arg(window: SizeLike, where: str) -> int:
-    """The window in bytes: a positive size (``"2GiB"``, ints)."""
-    value = parse_size(window, f"{where}: window")
-    if value <= 0:
-        raise ValueError(f"{where}: window must be a positive byte size (e.g. '2GiB'), as for "
-                         f"VMALLOC_WINDOW, got {window!r}")
-    return value
+    """The window in bytes: a size >= 0 (``"2GiB"``, ints). 0 is no look-ahead: each saved
+    tensor is fetched for its next use only (``VMALLOC_WINDOW=0`` is refused instead: set in
+    the environment, it would read as "off")."""
+    return parse_size(window, f"{where}: window")
 
 
 def budget_arg(budget: Optional[SizeLike], where: str) -> Optional[int]:

@@ -106,12 +106,16 @@ class TailProbe(WeakFields):
     WEAK = ("_model",)
 
     def __init__(self, model: nn.Module, name: str,
-                 runners: Optional[Callable[[nn.Module], Sequence[Any]]] = None):
+                 runners: Optional[Callable[[nn.Module], Sequence[Any]]] = None,
+                 measures: bool = True):
         # weakly: the model holds this probe (its hooks), and a cycle would keep a model the
         # user deleted, weights and all, until the garbage collector runs
         self._model = weakref.ref(model)
         self.name = name
         self.runners = runners  # the model's runners, looked up (no reference to them), or None
+        # False (loss= given: the chain's loss stage is that stand-in): it only numbers the
+        # model's forwards and says when they never called the blocks; nothing is measured
+        self.measures = measures
         self.depth = 0
         self.clean: List[bool] = []   # per nested call of the model: stacks clean at entry
         self.handling: List[Optional[BaseException]] = []  # ... and the exception in handling
@@ -195,7 +199,8 @@ class TailProbe(WeakFields):
         while the blocks run (``Outside``; ``runner_bytes``: what the runner itself keeps),
         or None outside the model's forward or with saved-tensor hooks or a dispatch mode
         around it (reading what the head saved would run their unpack hooks)."""
-        if self.depth == 0 or not (self.clean and self.clean[-1] and _stacks_clean()):
+        if not self.measures or self.depth == 0 or \
+                not (self.clean and self.clean[-1] and _stacks_clean()):
             return None
         state = {storage_key(t) for t in
                  list(self.model.parameters()) + list(self.model.buffers())}
@@ -220,6 +225,8 @@ class TailProbe(WeakFields):
         False if it cannot be (the runner then plans at once on ``chain``, as before). The
         replay's gradients are taken at the last block's own outputs (what it passed through
         unchanged, T5's position bias, comes from further down the chain)."""
+        if not self.measures:
+            return False
         if self.rec is not None:
             self._abort(None)
         if self.depth == 0:

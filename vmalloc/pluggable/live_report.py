@@ -37,8 +37,13 @@ def live_report(device: Optional[int] = None, timeline: bool = False) -> Dict[st
             sections["history"] = info
         also = (f" (also used: {', '.join(f'cuda:{o}' for o in others)}; "
                 f"vmalloc.report(device=...) for each)") if others else ""
-        tl = (_requested_timeline(events, int(s.get("requested_current", 0)))
-              if timeline and events else None)
+        tl = None
+        if timeline and events:
+            try:
+                tl = _requested_timeline(events, int(s.get("requested_current", 0)))
+            except Exception as exc:  # noqa: BLE001 - the figure is extra: keep the report
+                print(f"vmalloc: the report has no timeline: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
         return build(s, source="vmalloc", device=d, sizes=sizes, n_max=n_max,
                      sections=sections, timeline=tl,
                      title=f"vmalloc ({reg.mode}) on cuda:{d}{also}")

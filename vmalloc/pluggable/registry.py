@@ -87,7 +87,8 @@ def registry() -> Registry:
 def core() -> Any:
     """The native module vmalloc._core (RuntimeError naming the fix when it is not built)."""
     try:
-        from .. import _core  # type: ignore[attr-defined]
+        from .. import _import_core
+        _core = _import_core()
     except ImportError as exc:
         raise RuntimeError("vmalloc's native module vmalloc._core is not built "
                            f"(run scripts/dev-build or pip install the package): {exc}") from None

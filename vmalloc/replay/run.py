@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..sizes import format_size
+from ..sizes import format_size_exact
 from .caching_model import K_ROUND_LARGE, CachingAllocatorModel
 from .trace import Trace
 
@@ -200,15 +200,6 @@ def caching_factory(max_split_size: Optional[int] = None) -> Factory:
     return make
 
 
-def _size_label(n: int) -> str:
-    """A chunk size in a row's name: format_size's unit, its number exact and without trailing
-    zeros ("2 MiB", "1.5 MiB", "100 TiB"), so two chunk sizes never share a name."""
-    shown = format_size(n)
-    unit = shown.split()[-1]
-    scale = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
-    return f"{n / scale:.10f}".rstrip("0").rstrip(".") + f" {unit}"
-
-
 @dataclass
 class Contender:
     """One allocator in a side-by-side replay."""
@@ -224,7 +215,7 @@ class Contender:
 
 def default_contenders(chunk_sizes: Sequence[int] = (2 << 20, 20 << 20),
                        backend: str = "host-lazy") -> List[Contender]:
-    out = [Contender(f"vmalloc {_size_label(c)}", vmalloc_factory(c, backend), c, c,
+    out = [Contender(f"vmalloc {format_size_exact(c)}", vmalloc_factory(c, backend), c, c,
                      lean_factory=vmalloc_factory(c, backend, prefer_remap=True))
            for c in chunk_sizes]
     # every segment of the native allocator is a multiple of 2 MiB (kSmallBuffer, kRoundLarge)
