@@ -101,7 +101,8 @@ class HFLlama(nn.Module):
 
 HF_MODELS = ("llama",)
 HF_RUNTIMES = ("plain", "checkpoint-rotor", "checkpoint-pofo", "checkpoint-periodic",
-               "checkpoint-mimose", "checkpoint-rotor-on-wrapper", "checkpoint-rotor-input-aware")
+               "checkpoint-mimose", "checkpoint-rotor-on-wrapper", "checkpoint-mimose-on-wrapper",
+               "checkpoint-rotor-input-aware")
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -208,13 +209,17 @@ def _checkpoint_input_aware(net: Net, budget: int) -> nn.Module:
                                 on_chain=lambda c: CHAINS.append(c) or c)
 
 
-def _checkpoint_wrapped(wrapped: nn.Module, net: Net, budget: int) -> None:
+def _checkpoint_wrapped(planner: str) -> Callable[[nn.Module, Net, int], None]:
     """scheduler.checkpoint called on the parallel wrapper (DDP, the FSDP1 root), after it
     wrapped the model: HF's blocks found through the wrapper (FSDP1 units in their list or
-    not), the others' list given as the object."""
-    blocks = None if isinstance(net, HFLlama) else [net.blocks]
-    scheduler.checkpoint(wrapped, budget, planner="rotor", blocks=blocks,
-                         on_chain=lambda c: CHAINS.append(c) or c)
+    not), the others' list given as the object. (Mimose's collection steps measured the
+    model's tail there, whose replayed backward ran the FSDP1 root's hooks: it resharded the
+    root before the real backward.)"""
+    def after(wrapped: nn.Module, net: Net, budget: int) -> None:
+        blocks = None if isinstance(net, HFLlama) else [net.blocks]
+        scheduler.checkpoint(wrapped, budget, planner=planner, blocks=blocks,
+                             **_read_by(planner, on_chain=lambda c: CHAINS.append(c) or c))
+    return after
 
 
 RUNTIMES: Dict[str, Runtime] = {
@@ -227,7 +232,9 @@ RUNTIMES: Dict[str, Runtime] = {
     "wrap-rotor-input-aware": Runtime(_input_aware),
     **{f"checkpoint-{p}": Runtime(_checkpoint(p))
        for p in ("rotor", "pofo", "periodic", "mimose")},
-    "checkpoint-rotor-on-wrapper": Runtime(lambda net, budget: net, after=_checkpoint_wrapped),
+    **{f"checkpoint-{p}-on-wrapper": Runtime(lambda net, budget: net,
+                                             after=_checkpoint_wrapped(p))
+       for p in ("rotor", "mimose")},
     "checkpoint-rotor-input-aware": Runtime(_checkpoint_input_aware),
 }
 

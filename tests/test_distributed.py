@@ -40,7 +40,7 @@ MODELS = ("cnn", "transformer", "llama")
 MAIN_RUNTIMES = ("plain", "swap", "wrap-rotor", "wrap-pofo", "wrap-mimose",
                  "wrap-rotor-input-aware", "checkpoint-rotor", "checkpoint-pofo",
                  "checkpoint-periodic", "checkpoint-mimose", "checkpoint-rotor-on-wrapper",
-                 "checkpoint-rotor-input-aware")
+                 "checkpoint-mimose-on-wrapper", "checkpoint-rotor-input-aware")
 WRAPS = ("wrap-rotor", "wrap-pofo", "wrap-mimose", "wrap-rotor-input-aware")
 
 # (runtime, parallel) pairs that cannot work yet, each with the reason (strict xfail: fixing one
@@ -188,13 +188,19 @@ def test_gradients_match_plain_per_rank_and_step(runs, model, runtime, parallel)
             assert rec["input_aware"]["measurements"] == sizes, rec["input_aware"]
 
 
-def test_plans_agree_across_ranks(runs):
+def test_plans_agree_across_ranks_where_fsdp_shards_the_blocks(runs):
     planned = [name for name, rec in runs["cases"][0].items() if "plan" in rec]
     assert any("/wrap-rotor/" in n for n in planned)
     for name in planned:
-        assert runs["cases"][0][name]["plan"] == runs["cases"][1][name]["plan"], name
-        if "/wrap-rotor" in name or "/wrap-pofo/" in name:  # planned on the agreed chain
-            assert runs["cases"][0][name]["agreed_over_ranks"] == 2, name
+        agreed = runs["cases"][0][name]["agreed_over_ranks"]
+        if "-block" in name:   # a recomputation calls a block's FSDP unit, which gathers its
+            # parameters in a collective: every rank runs one plan
+            assert runs["cases"][0][name]["plan"] == runs["cases"][1][name]["plan"], name
+            if "/wrap-rotor" in name or "/wrap-pofo/" in name:  # planned on the agreed chain
+                assert agreed == 2, name
+        elif "/ddp" in name:   # each rank plans on its own measurement: no collective
+            assert agreed is None, name
+        # (FSDP of the whole model: the blocks' recomputations gather nothing; either is right)
     for name, rec in runs["cases"][0].items():
         if "/checkpoint-rotor/" in name or "/checkpoint-pofo/" in name:
             # the model's step: what it holds beside the chain counts (here the random states

@@ -581,6 +581,16 @@ def test_install_global_turns_swapping_on_until_uninstalled():
         assert swap_mod.uninstall_global() is ctx
     assert swap_mod.global_context() is None
     assert_nothing_left(ctx)
+    # the report keeps the run's figures, frozen (distributed.shutdown() uninstalls before the
+    # exit report is written): the section holds a copy, not the context
+    from vmalloc.pluggable import live_report
+    try:
+        (provider,) = [p for name, p in live_report.REGISTRY.section_providers(None).items()
+                       if name == "swap"]
+        assert provider() == ctx.stats()
+        assert getattr(provider, "__self__", None) is not ctx
+    finally:
+        live_report.remove_section("swap")
 
 
 def test_an_enabled_vmalloc_without_its_allocator_is_an_error(monkeypatch):

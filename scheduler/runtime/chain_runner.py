@@ -217,11 +217,10 @@ class ChainRunner:
     def _check_chain(self, chain: Chain, agree_on: Hashable = None) -> Chain:
         """Every chain passes here before planning (given, measured, or from a profiling
         step). A chain this runner measured (``agree_on``: what it was measured for) is first
-        agreed across ranks when a process group is up (issue 15: the max over ranks, so every
-        rank runs the same plan and holds the same peak); a given chain, or one from a
-        ``chain=`` callable, is the caller's (``InputAwareChain`` agrees its own measurements).
-        Then ``on_chain`` sees it."""
-        if agree_on is not None:
+        agreed across ranks where they must run one plan (``_agrees``); a given chain, or one
+        from a ``chain=`` callable, is the caller's (``InputAwareChain`` agrees its own
+        measurements likewise). Then ``on_chain`` sees it."""
+        if agree_on is not None and self._agrees():
             chain = distributed.agree_chain(chain, key=agree_on)
         if self.on_chain is not None:
             chain = self.on_chain(chain)
@@ -271,8 +270,9 @@ class ChainRunner:
             return
         size = self._learning.pop(key, None)
         if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
-            if agree_on is not None:
-                chain, agree_on = distributed.agree_chain(chain, key=agree_on), None
+            if agree_on is not None and self._agrees():
+                chain = distributed.agree_chain(chain, key=agree_on)
+            agree_on = None
             self.chain_source.learn(size, chain)
         chain = self._check_chain(chain, agree_on=agree_on)
         if self.chain_source is None:
@@ -451,10 +451,12 @@ class ChainRunner:
             est = _collected(step)
             sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
                       tuple(est.fw), step.collector.tmp())
-            if self.tail is not None:
+            if self.tail is not None and not self._sharded():
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
-                # (the tail adds the tied gradients it finds)
+                # (the tail adds the tied gradients it finds). Not under FSDP, as for rotor's
+                # forward-only measurement there: the tail's replayed backward would run FSDP's
+                # root hooks (FSDP1 reshards the root before the real backward)
                 chain = _with_outside(chain_from_estimate(est, "mimose-sample"), step)
                 if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
                                    tensor_leaves(out), step):
@@ -514,6 +516,16 @@ class ChainRunner:
     def _sharded(self) -> bool:
         """Whether FSDP (1 or 2) manages the blocks' parameters."""
         return fsdp.sharded(self.blocks, self.entries)
+
+    def _agrees(self) -> bool:
+        """Whether the ranks must run one plan, so a measured chain is agreed (the max over
+        ranks, issue 15) before planning: only where FSDP shards the blocks, whose
+        recomputations gather parameters in collectives every rank must join. Under DDP each
+        rank plans on its own measurement: a plan changes no gradient, and an agreement, a
+        collective of its own at each rank's profiling steps, would pair with another rank's
+        gradient all-reduce when ranks meet new shapes at different steps (per-rank dynamic
+        padding): a crash with gloo, undefined with NCCL."""
+        return distributed.active() and self._sharded()
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True

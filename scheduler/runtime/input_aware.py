@@ -14,9 +14,9 @@ few numpy operations: the runner then plans it (rotor, pofo, ...) and caches the
 signature as for a measured chain. ``measurements`` and ``predictions`` count what it did.
 
 The input size is Mimose's: the element count of the first input tensor (``input_size=`` to
-change it). In a process group the measured chains are agreed across ranks before the
-estimator learns them (``distributed.agree_chain``), so every rank fits the same estimator and
-predicts the same chains.
+change it). Where FSDP shards the blocks, the measured chains are agreed across ranks before
+the estimator learns them (``distributed.agree_chain``), so every rank fits the same estimator
+and predicts the same chains; under DDP each rank learns its own (``ChainRunner._agrees``).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..chain import Chain
 from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
-from . import distributed
+from . import distributed, fsdp
 from .block_calls import block_list
 from .measuring import measure_preserved
 from .options import check_callable, check_measure, default_input_size
@@ -65,7 +65,9 @@ class InputAwareChain:
         chain = self.known(args)
         if chain is None:
             size = self.input_size(args)
-            chain = distributed.agree_chain(self._measure(args), key=("input-aware", float(size)))
+            chain = self._measure(args)
+            if fsdp.sharded(self.blocks, None):  # ranks must run one plan (ChainRunner._agrees)
+                chain = distributed.agree_chain(chain, key=("input-aware", float(size)))
             self.learn(size, chain)
         return chain
 
@@ -82,7 +84,7 @@ class InputAwareChain:
     def learn(self, size: float, chain: Chain) -> None:
         """A chain measured for input size ``size`` (by this source, or by the runner on a
         profiling step: ``scheduler.checkpoint``'s blocks take the model's keyword arguments
-        and are measured with the model's tail there), agreed across ranks."""
+        and are measured with the model's tail there), agreed across ranks where they must be."""
         self.measurements += 1
         self.estimator.observe(size, chain)
 

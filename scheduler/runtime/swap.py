@@ -439,13 +439,17 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
 
 
 def uninstall_global() -> Optional[SwapContext]:
-    """Undo ``install_global`` (the context keeps working for graphs already built)."""
+    """Undo ``install_global`` (the context keeps working for graphs already built). The
+    report's ``"swap"`` section keeps the figures of the run so far (``distributed.shutdown``
+    calls this before the exit report is written), frozen: the report holds no reference to
+    the context and what it keeps."""
     ctx = global_context()
     if ctx is not None:
         ctx.__exit__(None, None, None)
         try:
-            from vmalloc.pluggable.live_report import remove_section
-            remove_section("swap")
-        except Exception:  # noqa: BLE001
+            from vmalloc.pluggable.live_report import add_section
+            final = dict(ctx.stats())
+            add_section("swap", lambda: final)
+        except Exception:  # noqa: BLE001 - the report is optional
             pass
     return ctx

@@ -1,0 +1,82 @@
+"""DDP ranks that meet new input shapes at different steps (per-rank dynamic padding, the
+default of Hugging Face's padding collator under a DistributedSampler): each rank profiles and
+plans on its own measurement, with no collective of the runner's, so the steps match plain DDP
+bit for bit. (The runner agreed every measured chain across ranks before: rank 0's agreement
+all-reduce paired with rank 1's gradient all-reduce, and gloo aborted the job.) Under FSDP the
+ranks must still run one plan (tests/test_distributed.py)."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from _subproc import python_env
+
+WORKER = r'''
+import datetime, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import scheduler
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+# rank 0 meets a new length at step 1, rank 1 keeps the one it profiled at step 0
+LENGTHS = [[16, 12, 16, 12], [16, 16, 16, 16]][rank]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.1))
+                                    for _ in range(6))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def run(checkpointed):
+    torch.manual_seed(0)
+    net = Net()
+    if checkpointed:
+        scheduler.checkpoint(net, 300_000, "rotor", blocks="blocks", loss="sum")
+    model = DDP(net)
+    grads = []
+    for step, n in enumerate(LENGTHS):
+        torch.manual_seed(100 * rank + step)
+        model.zero_grad()
+        model(torch.randn(8, n, 32)).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    return grads, net
+
+
+plain, _ = run(False)
+ours, net = run(True)
+stats = scheduler.runtime.checkpoint.checkpointed(net).stats()
+same = all(torch.equal(a, b) for s, t in zip(plain, ours) for a, b in zip(s, t))
+print(f"rank{rank} same={same} stats={stats}", flush=True)
+dist.destroy_process_group()
+sys.exit(0 if same else 3)
+'''
+
+
+def test_ddp_ranks_profile_new_shapes_at_different_steps(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", "2", str(worker)]
+    proc = subprocess.Popen(cmd, env=python_env(OMP_NUM_THREADS="1"), cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 240 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert "rank0 same=True" in out and "rank1 same=True" in out, out[-4000:]
