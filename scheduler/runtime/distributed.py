@@ -85,9 +85,11 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
     if head[0].item() != -head[1].item() or head[2].item() != -head[3].item():
         raise RuntimeError(
             f"agree_chain: the ranks are planning for different inputs at the same step "
-            f"(rank {dist.get_rank()}: {key!r}, {chain.L} stages); give every rank the same "
-            f"shapes at the same step (e.g. pad each step's batches to one length), or plan "
-            f"once and pass the plan (planner=Plan) to every rank")
+            f"(rank {dist.get_rank()}: {key!r}, {chain.L} stages; the runner's key holds the "
+            f"input signature and the budget, so a budget that differs across ranks differs "
+            f"here too); give every rank the same shapes and budget at the same step (e.g. "
+            f"pad each step's batches to one length), or plan once and pass the plan "
+            f"(planner=Plan) to every rank")
     values = torch.tensor([v for f in FIELDS for v in getattr(chain, f)], dtype=torch.float64,
                           device=dev)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
