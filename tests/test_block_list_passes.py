@@ -134,3 +134,36 @@ def test_with_loss_given_a_second_pass_is_said_too():
     scheduler.checkpoint(m, BUDGET, "rotor", blocks="blocks", loss="sum")
     with pytest.warns(UserWarning, match="ran a second time in one forward"):
         _grads(m, steps=2)
+
+
+class RetriesRightAfterBlockZero(Repeats):
+    """Breaks a pass off right after block 0 and begins again from its own input."""
+
+    def forward(self, x):
+        try:
+            self.blocks[0](x)
+            raise OverflowError("too large: again at a smaller scale")
+        except OverflowError:
+            for b in self.blocks:
+                x = b(x * 0.5)
+        return self.head(x).sum()
+
+
+def test_a_pass_broken_off_right_after_block_0_runs_too():
+    torch.manual_seed(0)
+    plain = RetriesRightAfterBlockZero()
+    m = _checkpointed(plain)
+    for a, b in zip(_grads(plain), _grads(m)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_sync_batch_norm_in_a_block_makes_the_ranks_agree(monkeypatch):
+    from scheduler.runtime import distributed
+    from scheduler.runtime.checkpoint import checkpointed
+    monkeypatch.setattr(distributed, "active", lambda group=None: True)
+    for sync, agrees in ((False, False), (True, True)):
+        net = Repeats()
+        if sync:
+            net.blocks[1].append(nn.SyncBatchNorm(16))
+        scheduler.checkpoint(net, BUDGET, "rotor", blocks="blocks")
+        assert checkpointed(net).runners[0]._agrees() is agrees

@@ -4,7 +4,8 @@
 vmalloc`` started in the checkout import the checkout's sources (the current directory comes
 first on ``sys.path``), where only ``scripts/dev-build`` puts a ``_core``. Then the ``_core`` of
 an installed vmalloc serves, only if that installation was made from these very sources (its
-Python files are byte for byte the imported package's): a build of other sources (an install
+Python files, vmalloc's and scheduler's, are byte for byte the imported ones; csrc/ is not
+installed, so a change there alone is not seen: rebuild): a build of other sources (an install
 older than a ``git pull``) would fail later with a puzzling ``TypeError`` in a binding. Only the
 native module is taken from there; every Python module stays the imported package's. Without
 such an installation the ``ImportError`` says which directory was imported, why, and both
@@ -52,15 +53,19 @@ def _installed_dirs(here: str) -> Iterator[str]:
 
 
 def _sources(directory: str) -> Dict[str, bytes]:
-    """The package's Python files, by path relative to it."""
+    """The Python files of the package at ``directory`` and of ``scheduler`` beside it (the
+    native module's other caller), by path relative to their parent. A change to csrc/ alone
+    is not seen: the sources of the native module are not installed."""
     out: Dict[str, bytes] = {}
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(root, name)
-                with open(path, "rb") as f:
-                    out[os.path.relpath(path, directory)] = f.read()
+    parent = os.path.dirname(directory)
+    for package in (directory, os.path.join(parent, "scheduler")):
+        for root, dirs, files in os.walk(package):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        out[os.path.relpath(path, parent)] = f.read()
     return out
 
 

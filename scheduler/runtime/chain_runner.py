@@ -14,6 +14,7 @@ online and plans per input size. Each forward + backward is a ``chain_exec.Chain
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -148,6 +149,8 @@ class ChainRunner:
         self._step_in: Optional[int] = None
         self._pass_in: Optional[int] = None
         self._said_passes = False  # _several_passes's warning, given once
+        self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
+        self._syncs: Optional[bool] = None  # whether a block holds a SyncBatchNorm (_agrees)
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
@@ -159,7 +162,7 @@ class ChainRunner:
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={})
+                     _learning={}, _block0_out=None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -363,7 +366,7 @@ class ChainRunner:
         size = self.input_size(args)
         m = self.mimose
         collect = not m.ready and not m.estimator.has(size)
-        if agree and self._sharded():
+        if agree and self._under_fsdp():
             collect = distributed.any_rank(collect)
         if collect:  # sheltered execution: shuttle
             key = ("shuttle", self.L)
@@ -451,7 +454,7 @@ class ChainRunner:
             est = _collected(step)
             sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
                       tuple(est.fw), step.collector.tmp())
-            if self.tail is not None and not self._sharded():
+            if self.tail is not None and not self._under_fsdp():
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
                 # (the tail adds the tied gradients it finds). Not under FSDP, as for rotor's
@@ -517,15 +520,29 @@ class ChainRunner:
         """Whether FSDP (1 or 2) manages the blocks' parameters."""
         return fsdp.sharded(self.blocks, self.entries)
 
+    def _under_fsdp(self) -> bool:
+        """``_sharded``, or the model is an FSDP2 module as a whole (``fully_shard(model)``
+        alone: inside its forward the blocks' parameters are plain tensors, gathered), whose
+        root hooks a replay of the tail's backward would run on one rank alone."""
+        return self._sharded() or (self.tail is not None and
+                                   "FSDP" in type(self.tail.model).__name__)
+
     def _agrees(self) -> bool:
         """Whether the ranks must run one plan, so a measured chain is agreed (the max over
-        ranks, issue 15) before planning: only where FSDP shards the blocks, whose
-        recomputations gather parameters in collectives every rank must join. Under DDP each
-        rank plans on its own measurement: a plan changes no gradient, and an agreement, a
-        collective of its own at each rank's profiling steps, would pair with another rank's
+        ranks, issue 15) before planning: where a recomputation runs collectives every rank
+        must join: FSDP shards the blocks (a unit gathers its parameters), or a block holds a
+        ``SyncBatchNorm`` (its training forward all-reduces statistics). Otherwise, under DDP,
+        each rank plans on its own measurement: a plan changes no gradient, and an agreement,
+        a collective of its own at each rank's profiling steps, would pair with another rank's
         gradient all-reduce when ranks meet new shapes at different steps (per-rank dynamic
-        padding): a crash with gloo, undefined with NCCL."""
-        return distributed.active() and self._sharded()
+        padding): a crash with gloo, undefined with NCCL. (Other collectives inside blocks,
+        tensor parallelism by hand, MoE all-to-alls, cannot be seen: ``on_chain=agree_chain``.)"""
+        if not distributed.active():
+            return False
+        if self._syncs is None:   # the blocks' modules do not change between steps
+            self._syncs = any(isinstance(m, nn.SyncBatchNorm)
+                              for b in self.blocks for m in b.modules())
+        return self._syncs or self._sharded()
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True
@@ -550,9 +567,12 @@ class ChainRunner:
             if self.current is not None:  # the last forward stopped between blocks (raised)
                 self.current, stale = None, self.current
                 stale.abandon()  # else its holders/graph cycle would never be freed
-                # ... or block 0 runs twice in a row in one forward (Funnel's block_repeats);
-                # a pass the model's own code broke off and began again (a retry) goes on
-                if stale.next == 1 and forward is not None and forward == self._step_in:
+                # ... or block 0 runs twice in a row in one forward, on its own output
+                # (Funnel's block_repeats); a pass the model's own code broke off and began
+                # again (a retry) goes on
+                prev = self._block0_out() if self._block0_out is not None else None
+                if stale.next == 1 and forward is not None and forward == self._step_in and \
+                        prev is not None and any(t is prev for t in tensor_leaves((args, kwargs))):
                     raise RuntimeError(
                         f"{self.name}: block 0 of '{self.list_name}' was called again before "
                         f"block {stale.next}, in the same forward of the model: the model must "
@@ -591,6 +611,9 @@ class ChainRunner:
             self.current = None
             step.abandon()
             raise
+        if s == 0:
+            first = next(iter(tensor_leaves(out)), None)
+            self._block0_out = weakref.ref(first) if first is not None else None
         if s == self.L - 1:
             self.current = None
             self._pass_in = self._step_in

@@ -5,8 +5,10 @@ when the ranks see different shapes), so planning on each rank's own measurement
 ranks different plans with different peaks. ``agree_chain`` makes every rank plan on the same
 chain: the element-wise maximum of the ranks' chains (every time, size and transient), so the
 plan is made for the slowest rank's timing and fits every rank's memory. A runner calls it
-right after measuring a chain and before planning; outside a process group (or with one rank)
-it returns the chain unchanged and costs nothing.
+right after measuring a chain and before planning where the ranks must run one plan (its
+recomputations run collectives: FSDP units, SyncBatchNorm; ``ChainRunner._agrees``); under
+DDP otherwise each rank plans alone. Outside a process group (or with one rank) it returns
+the chain unchanged and costs nothing.
 
 Every rank must call it at the same point: the runners call it when they measure, which is on
 a new input signature, so the ranks must see the same sequence of new signatures (fixed

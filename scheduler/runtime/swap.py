@@ -447,9 +447,12 @@ def uninstall_global() -> Optional[SwapContext]:
     if ctx is not None:
         ctx.__exit__(None, None, None)
         try:
-            from vmalloc.pluggable.live_report import add_section
-            final = dict(ctx.stats())
-            add_section("swap", lambda: final)
+            from vmalloc.pluggable.live_report import add_section, remove_section
         except Exception:  # noqa: BLE001 - the report is optional
-            pass
+            return ctx
+        try:
+            final = dict(ctx.stats())
+            add_section("swap", lambda: dict(final))
+        except Exception:  # noqa: BLE001 - no figures to keep: no live section either
+            remove_section("swap")
     return ctx

@@ -1,9 +1,15 @@
-"""DDP ranks that meet new input shapes at different steps (per-rank dynamic padding, the
-default of Hugging Face's padding collator under a DistributedSampler): each rank profiles and
-plans on its own measurement, with no collective of the runner's, so the steps match plain DDP
-bit for bit. (The runner agreed every measured chain across ranks before: rank 0's agreement
-all-reduce paired with rank 1's gradient all-reduce, and gloo aborted the job.) Under FSDP the
-ranks must still run one plan (tests/test_distributed.py)."""
+"""Ranks that meet new input shapes at different steps (per-rank dynamic padding, the default
+of Hugging Face's padding collator under a DistributedSampler).
+
+DDP, rotor: each rank profiles and plans on its own measurement, with no collective of the
+runner's, so the steps match plain DDP bit for bit. (The runner agreed every measured chain
+across ranks before: rank 0's agreement all-reduce paired with rank 1's gradient all-reduce,
+and gloo aborted the job.) Under FSDP units the ranks must still run one plan
+(tests/test_distributed.py).
+
+FSDP2 on the whole model (``fully_shard(model)`` alone), Mimose (whose plans may differ across
+ranks): a collection step measured the model's tail by replaying its backward, which ran the
+root's hooks on that rank alone, and the ranks hung until the group's timeout."""
 import os
 import signal
 import subprocess
@@ -23,8 +29,9 @@ import scheduler
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
-# rank 0 meets a new length at step 1, rank 1 keeps the one it profiled at step 0
-LENGTHS = [[16, 12, 16, 12], [16, 16, 16, 16]][rank]
+MODE = sys.argv[1]
+# rank 0 meets a new length at every step, rank 1 keeps the one it met at step 0
+LENGTHS = [[16, 12, 14, 10], [16, 16, 16, 16]][rank]
 
 
 class Net(nn.Module):
@@ -32,25 +39,33 @@ class Net(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.1))
                                     for _ in range(6))
+        self.head = nn.Linear(32, 8)
 
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
-        return x.square().mean()
+        return self.head(x).square().mean()   # the tail Mimose measures
 
 
 def run(checkpointed):
     torch.manual_seed(0)
     net = Net()
-    if checkpointed:
+    if checkpointed and MODE == "ddp":
         scheduler.checkpoint(net, 300_000, "rotor", blocks="blocks", loss="sum")
-    model = DDP(net)
+    elif checkpointed:
+        scheduler.checkpoint(net, 300_000, "mimose", blocks="blocks", samples=3)
+    if MODE == "ddp":
+        model = DDP(net)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(net)
     grads = []
     for step, n in enumerate(LENGTHS):
         torch.manual_seed(100 * rank + step)
         model.zero_grad()
         model(torch.randn(8, n, 32)).backward()
-        grads.append([p.grad.clone() for p in net.parameters()])
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone()
+                      for p in net.parameters()])
     return grads, net
 
 
@@ -59,16 +74,17 @@ ours, net = run(True)
 stats = scheduler.runtime.checkpoint.checkpointed(net).stats()
 same = all(torch.equal(a, b) for s, t in zip(plain, ours) for a, b in zip(s, t))
 print(f"rank{rank} same={same} stats={stats}", flush=True)
-dist.destroy_process_group()
+scheduler.runtime.distributed.shutdown()   # not destroy_process_group: README, Several GPUs
 sys.exit(0 if same else 3)
 '''
 
 
-def test_ddp_ranks_profile_new_shapes_at_different_steps(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2-whole"])
+def test_ranks_meet_new_shapes_at_different_steps(tmp_path, mode):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", "2", str(worker)]
+           "--nproc_per_node", "2", str(worker), mode]
     proc = subprocess.Popen(cmd, env=python_env(OMP_NUM_THREADS="1"), cwd=str(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
