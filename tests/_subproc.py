@@ -3,7 +3,7 @@ scheduler as this test process (the installed package in CI, a checkout with a d
 otherwise), never the unbuilt sources of the working directory. Run such subprocesses with a
 ``cwd`` outside the checkout: ``python -c`` puts the working directory first on ``sys.path``."""
 import os
-from typing import Dict
+from typing import Any, Dict
 
 import vmalloc
 
@@ -62,3 +62,27 @@ malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_in
 free = lib.vmalloc_torch_free
 free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 """
+
+
+def torchrun_two_ranks(script: str, cwd: str, *args: str, timeout: float = 240,
+                       **variables: str) -> Any:
+    """``script args`` under torchrun with 2 ranks on localhost (``python_env``, one thread
+    each); the whole process group is killed after ``timeout`` seconds and the test fails
+    saying the ranks hung, with the end of their output. A ``subprocess.CompletedProcess``."""
+    import signal
+    import subprocess
+    import sys
+
+    import pytest
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc_per_node", "2", script, *args]
+    proc = subprocess.Popen(cmd, env=python_env(OMP_NUM_THREADS="1", **variables), cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the ranks hung ({timeout:g} s):\n{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

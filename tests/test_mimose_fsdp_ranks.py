@@ -4,14 +4,10 @@ while another has seen its size and runs a plan. Their collectives paired wrong:
 the process group's timeout. Every rank now collects at the same steps (one all-reduce of a
 flag per step, under FSDP only), and each rank's losses and gradients equal plain FSDP2's."""
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from _subproc import python_env
+from _subproc import torchrun_two_ranks
 
 WORKER = r'''
 import datetime, json, sys, torch, transformers, warnings
@@ -66,17 +62,8 @@ def test_mimose_collects_on_every_rank_at_once_under_fsdp2(tmp_path):
         pytest.skip("no FSDP2 (fully_shard) in this torch")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", "2", str(script)]
-    proc = subprocess.Popen(cmd, env=python_env(OMP_NUM_THREADS="1"), cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the ranks hung:\n{err[-3000:]}")
+    proc = torchrun_two_ranks(str(script), str(tmp_path))
+    err = proc.stderr
     assert proc.returncode == 0, err[-4000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert got == [{"rank": r, "same": True, "steps": 4} for r in (0, 1)], err[-3000:]

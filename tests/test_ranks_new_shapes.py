@@ -10,14 +10,10 @@ and gloo aborted the job.) Under FSDP units the ranks must still run one plan
 FSDP2 on the whole model (``fully_shard(model)`` alone), Mimose (whose plans may differ across
 ranks): a collection step measured the model's tail by replaying its backward, which ran the
 root's hooks on that rank alone, and the ranks hung until the group's timeout."""
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from _subproc import python_env
+from _subproc import torchrun_two_ranks
 
 WORKER = r'''
 import datetime, sys
@@ -83,16 +79,7 @@ sys.exit(0 if same else 3)
 def test_ranks_meet_new_shapes_at_different_steps(tmp_path, mode):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc_per_node", "2", str(worker), mode]
-    proc = subprocess.Popen(cmd, env=python_env(OMP_NUM_THREADS="1"), cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 240 s:\n{out[-3000:]}")
+    proc = torchrun_two_ranks(str(worker), str(tmp_path), mode)
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "rank0 same=True" in out and "rank1 same=True" in out, out[-4000:]
