@@ -9,7 +9,10 @@ and gloo aborted the job.) Under FSDP units the ranks must still run one plan
 
 FSDP2 on the whole model (``fully_shard(model)`` alone), Mimose (whose plans may differ across
 ranks): a collection step measured the model's tail by replaying its backward, which ran the
-root's hooks on that rank alone, and the ranks hung until the group's timeout."""
+root's hooks on that rank alone, and the ranks hung until the group's timeout.
+
+FSDP2 on every block, rotor: the ranks must run one plan; a rank meeting a new shape alone
+is refused on every rank at once."""
 
 import pytest
 
@@ -46,7 +49,7 @@ class Net(nn.Module):
 def run(checkpointed):
     torch.manual_seed(0)
     net = Net()
-    if checkpointed and MODE == "ddp":
+    if checkpointed and MODE in ("ddp", "fsdp2-block"):
         scheduler.checkpoint(net, 300_000, "rotor", blocks="blocks", loss="sum")
     elif checkpointed:
         scheduler.checkpoint(net, 300_000, "mimose", blocks="blocks", samples=3)
@@ -54,6 +57,9 @@ def run(checkpointed):
         model = DDP(net)
     else:
         from torch.distributed.fsdp import fully_shard
+        if MODE == "fsdp2-block":
+            for b in net.blocks:
+                fully_shard(b)
         model = fully_shard(net)
     grads = []
     for step, n in enumerate(LENGTHS):
@@ -66,6 +72,13 @@ def run(checkpointed):
 
 
 plain, _ = run(False)
+if MODE == "fsdp2-block":   # one plan on every rank: a rank planning alone stops them all
+    try:
+        run(True)
+    except RuntimeError as e:
+        print(f"rank{rank} refused: {e}", flush=True)
+    scheduler.runtime.distributed.shutdown()
+    sys.exit(0)
 ours, net = run(True)
 stats = scheduler.runtime.checkpoint.checkpointed(net).stats()
 same = all(torch.equal(a, b) for s, t in zip(plain, ours) for a, b in zip(s, t))
@@ -73,6 +86,20 @@ print(f"rank{rank} same={same} stats={stats}", flush=True)
 scheduler.runtime.distributed.shutdown()   # not destroy_process_group: README, Several GPUs
 sys.exit(0 if same else 3)
 '''
+
+
+def test_under_fsdp_units_a_rank_planning_alone_stops_every_rank(tmp_path):
+    """FSDP2 on every block, rotor: the ranks must run one plan, so rank 0's new shape at
+    step 1 is refused on both ranks at that step's first block, not a hang until the process
+    group's timeout (the agreement at the end of rank 0's forward waited for rank 1)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    proc = torchrun_two_ranks(str(worker), str(tmp_path), "fsdp2-block")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank, mine in ((0, "yes"), (1, "no")):
+        assert f"rank{rank} refused: scheduler.checkpoint: 1 of 2 ranks meet a new input " \
+               f"signature for 'blocks' at this step (this rank: {mine})" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2-whole"])

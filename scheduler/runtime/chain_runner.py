@@ -150,7 +150,7 @@ class ChainRunner:
         self._pass_in: Optional[int] = None
         self._said_passes = False  # _several_passes's warning, given once
         self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
-        self._syncs: Optional[bool] = None  # whether a block holds a SyncBatchNorm (_agrees)
+        self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees)
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
@@ -320,14 +320,18 @@ class ChainRunner:
         """Whether the planner plans transfers (its bandwidth depends on the device)."""
         return self.planner == "pofo"
 
-    def _plan(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[CompiledPlan, Any]:
+    def _plan(self, args: Sequence[Any], kwargs: Dict[str, Any], step: bool = False
+              ) -> Tuple[CompiledPlan, Any]:
         """The compiled plan for this forward, and the cache key to fill after it if the
-        chain must first be measured on it (a profiling step), else ``None``."""
+        chain must first be measured on it (a profiling step), else ``None``. ``step`` (a
+        step, not a query: every rank calls it at once): the ranks check they plan together."""
         if isinstance(self.planner, Plan):
             return self._compile(self.planner), None
         if self._budget is None and not callable(self.planner):
             return self._compile(checkpoint_plan(self.L, [], planner="none")), None
         key = self._key(args, kwargs)
+        if step and self._agrees():  # before any measurement: ``_chain_for`` may agree on it
+            self._same_new_shapes(key not in self.cache)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
         # a new budget for a shape measured before plans on that chain (no measurement)
@@ -409,7 +413,7 @@ class ChainRunner:
         if self.mimose is not None:
             cplan, collector = self._plan_mimose(args, agree=True)
         else:
-            cplan, profile_key = self._plan(args, kwargs)
+            cplan, profile_key = self._plan(args, kwargs, step=True)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
                               cplan.forward_ops + cplan.backward_ops)
         held: List[torch.Tensor] = []
@@ -539,10 +543,30 @@ class ChainRunner:
         tensor parallelism by hand, MoE all-to-alls, cannot be seen: ``on_chain=agree_chain``.)"""
         if not distributed.active():
             return False
-        if self._syncs is None:   # the blocks' modules do not change between steps
-            self._syncs = any(isinstance(m, nn.SyncBatchNorm)
-                              for b in self.blocks for m in b.modules())
-        return self._syncs or self._sharded()
+        if self._one_plan is None:   # the blocks' modules do not change between steps
+            self._one_plan = any(isinstance(m, nn.SyncBatchNorm)
+                                 for b in self.blocks for m in b.modules())
+        # once seen, for good: FSDP1's flat-parameter views exist only while a unit runs, so
+        # at the end of a forward (where a profiling step agrees) they may be gone already;
+        # block 0's call of every step (``_plan``) sees them
+        self._one_plan = self._one_plan or self._sharded()
+        return self._one_plan
+
+    def _same_new_shapes(self, new: bool) -> None:
+        """Where the ranks must run one plan (``_agrees``), every rank needs a new plan (a new
+        input signature) at the same steps: one all-reduce of a flag per step finds a rank
+        that plans alone and stops every rank at once, where the agreement at the end of its
+        forward would wait for the others until the process group's timeout (30 minutes by
+        default), or pair with their collectives."""
+        n = distributed.ranks_with(new)
+        world = torch.distributed.get_world_size()
+        if 0 < n < world:
+            raise RuntimeError(
+                f"{self.name}: {n} of {world} ranks meet a new input signature for "
+                f"'{self.list_name}' at this step (this rank: {'yes' if new else 'no'}); where "
+                "a recomputation runs collectives (FSDP units, SyncBatchNorm) every rank must "
+                "run one plan, so every rank must meet new shapes at the same steps: pad each "
+                "step's batches to the same length on every rank, or use planner='mimose'")
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True

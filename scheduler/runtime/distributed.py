@@ -118,6 +118,17 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     return bool(t.item())
 
 
+def ranks_with(flag: bool, group: Any = None) -> int:
+    """How many ranks of ``group`` hold ``flag`` (``int(flag)`` without a group). Every rank
+    must call it at the same point."""
+    if not active(group):
+        return int(flag)
+    dist = torch.distributed
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return int(t.item())
+
+
 # ------------------------------------------------------------------------------ exit
 _EXIT_MARK = "vmalloc.scheduler.shutdown"
 
