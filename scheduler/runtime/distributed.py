@@ -107,17 +107,6 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
     return chain.replace(meta=meta, **agreed)
 
 
-def any_rank(flag: bool, group: Any = None) -> bool:
-    """Whether ``flag`` holds on any rank of ``group`` (``flag`` itself without a group). Every
-    rank must call it at the same point."""
-    if not active(group):
-        return flag
-    dist = torch.distributed
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 def ranks_with(flag: bool, group: Any = None) -> int:
     """How many ranks of ``group`` hold ``flag`` (``int(flag)`` without a group). Every rank
     must call it at the same point."""
@@ -127,6 +116,12 @@ def ranks_with(flag: bool, group: Any = None) -> int:
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (``flag`` itself without a group). Every
+    rank must call it at the same point."""
+    return ranks_with(flag, group) > 0
 
 
 # ------------------------------------------------------------------------------ exit
