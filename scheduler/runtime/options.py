@@ -33,13 +33,14 @@ def default_input_size(args: Sequence[Any]) -> int:
 
 
 def parse_budget(budget: Any, where: str) -> Optional[int]:
-    """``None`` (no limit) or a positive byte count (an int or a size string: "6GiB")."""
+    """``None`` (no limit) or a positive byte count (an int or a size string: "6GiB"); every
+    entry point's budget (wrap, checkpoint, the swap runtime's)."""
     if budget is None:
         return None
-    value = parse_size(budget, "budget")
+    value = parse_size(budget, f"{where}: budget")
     if value <= 0:
-        raise ValueError(f"{where}: budget must be a positive size (e.g. '6GiB') or None for "
-                         f"no limit, got {budget!r}")
+        raise ValueError(f"{where}: budget must be a positive byte size (e.g. '6GiB') or None "
+                         f"for no limit, got {budget!r}")
     return value
 
 

@@ -60,8 +60,9 @@ from vmalloc.sizes import SizeLike, format_size
 from ..errors import InfeasibleError
 from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
+from .options import parse_budget
 from .swap_eviction import Eviction
-from .swap_args import budget_arg, device_arg, window_arg
+from .swap_args import device_arg, window_arg
 from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
@@ -124,7 +125,7 @@ class SwapContext:
                  cache_size: int = 64, allocator: Any = None,
                  planner_options: Optional[Dict[str, Any]] = None):
         self.window = window_arg(window, NAME)
-        self.budget = budget_arg(budget, NAME)
+        self.budget = parse_budget(budget, NAME)
         self._planner = SwapPlanner(planner, self.window, self.budget, planner_options)
         self.planner_options = self._planner.options  # checked, the bandwidth parsed
         self.planner = planner
@@ -421,7 +422,7 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
     with the same window and budget returns the installed context."""
     existing = global_context()
     where = "scheduler.runtime.swap.install_global"
-    w, b = window_arg(window, where), budget_arg(budget, where)
+    w, b = window_arg(window, where), parse_budget(budget, where)
     if existing is not None:
         if (existing.window, existing.budget) == (w, b):
             return existing

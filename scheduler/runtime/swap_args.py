@@ -1,14 +1,13 @@
 """The swap runtime's arguments (``scheduler.swap``, ``install_global``), checked where they are
 given, with errors that name the argument and its value.
 
-``window`` and ``budget`` mean what ``VMALLOC_WINDOW`` and ``VMALLOC_BUDGET`` mean there: a
-window is a size (0: no look-ahead); ``None`` is the budget that caps nothing. A budget of 0 is refused rather than read as "no cap": every budget of
-the scheduler's entry points (``wrap``, ``checkpoint``) is positive or ``None``, and
-``VMALLOC_BUDGET=0`` reaches the runtime as ``None`` already.
+``window`` means what ``VMALLOC_WINDOW`` means: a size (0 here: no look-ahead). The budget is
+every entry point's (``options.parse_budget``): positive or ``None``, which caps nothing; a 0
+is refused rather than read as "no cap" (``VMALLOC_BUDGET=0`` reaches the runtime as ``None``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,17 +21,6 @@ def window_arg(window: SizeLike, where: str) -> int:
     tensor is fetched for its next use only (``VMALLOC_WINDOW=0`` is refused instead: set in
     the environment, it would read as "off")."""
     return parse_size(window, f"{where}: window")
-
-
-def budget_arg(budget: Optional[SizeLike], where: str) -> Optional[int]:
-    """``None`` (no limit) or the budget in bytes: a positive size."""
-    if budget is None:
-        return None
-    value = parse_size(budget, f"{where}: budget")
-    if value <= 0:
-        raise ValueError(f"{where}: budget must be a positive byte size (e.g. '6GiB') or None "
-                         f"for no limit, got {budget!r}")
-    return value
 
 
 def device_arg(device: Any, where: str) -> torch.device:
