@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from _bench_fakes import fake_swap_cpu_part
 from _subproc import ROOT, python_env
 
 BENCH = os.path.join(ROOT, "bench")
@@ -138,12 +139,7 @@ def test_swap_cpu_part_writes_into_out_not_the_committed_file(bench_swap, tmp_pa
     """The CPU part's results go to --out; bench/results/swap.json is not touched."""
     committed = os.path.join(BENCH, "results", "swap.json")
     before = os.path.getmtime(committed) if os.path.exists(committed) else None
-    row = {"model": "m", "plain_step_s": 1.0, "swap_step_s": 1.0, "overhead_pct": 0.0,
-           "overhead_pct_min": 0.0, "overhead_pct_estimate": 0.0, "hooks_per_step": 1,
-           "saved_bytes_per_step": 1}
-    monkeypatch.setattr(bench_swap, "cpu_overhead", lambda quick: ([row], 1.0))
-    monkeypatch.setattr(bench_swap, "cpu_swapping", lambda quick: [])
-    monkeypatch.setattr(bench_swap, "planning_time", lambda: [])
+    row = fake_swap_cpu_part(monkeypatch, bench_swap)
     n = bench_swap.torch.get_num_threads()
     try:
         bench_swap.main(["--quick", "--cpu-only", "--out", str(tmp_path / "out")])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _bench_fakes import fake_swap_cpu_part
 from _subproc import ROOT, python_env
 
 BENCH = os.path.join(ROOT, "bench")
@@ -79,12 +80,7 @@ def threads():
 
 def test_swap_quick_without_out_writes_nothing(monkeypatch, capsys, threads):
     from bench import swap
-    row = {"model": "m", "plain_step_s": 1.0, "swap_step_s": 1.0, "overhead_pct": 0.0,
-           "overhead_pct_min": 0.0, "overhead_pct_estimate": 0.0, "hooks_per_step": 1,
-           "saved_bytes_per_step": 1}
-    monkeypatch.setattr(swap, "cpu_overhead", lambda quick: ([row], 1.0))
-    monkeypatch.setattr(swap, "cpu_swapping", lambda quick: [])
-    monkeypatch.setattr(swap, "planning_time", lambda: [])
+    fake_swap_cpu_part(monkeypatch, swap)
     before = snapshot()
     swap.main(["--quick", "--cpu-only"])
     assert said_nothing_written(capsys.readouterr().out)
