@@ -150,7 +150,8 @@ class ChainRunner:
         self._pass_in: Optional[int] = None
         self._said_passes = False  # _several_passes's warning, given once
         self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
-        self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees)
+        self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees),
+        # decided at the first step in a process group
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
 
@@ -162,7 +163,7 @@ class ChainRunner:
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None)
+                     _learning={}, _block0_out=None, _one_plan=None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -330,8 +331,11 @@ class ChainRunner:
         if self._budget is None and not callable(self.planner):
             return self._compile(checkpoint_plan(self.L, [], planner="none")), None
         key = self._key(args, kwargs)
-        if step and self._agrees():  # before any measurement: ``_chain_for`` may agree on it
-            self._same_new_shapes(key not in self.cache)
+        if step and distributed.active():  # before any measurement (``_chain_for`` agrees)
+            if self._one_plan is None:
+                self._one_plan = self._needs_one_plan()
+            if self._one_plan:
+                self._same_new_shapes(key not in self.cache)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
         # a new budget for a shape measured before plans on that chain (no measurement)
@@ -543,14 +547,18 @@ class ChainRunner:
         tensor parallelism by hand, MoE all-to-alls, cannot be seen: ``on_chain=agree_chain``.)"""
         if not distributed.active():
             return False
-        if self._one_plan is None:   # the blocks' modules do not change between steps
-            self._one_plan = any(isinstance(m, nn.SyncBatchNorm)
-                                 for b in self.blocks for m in b.modules())
-        # once seen, for good: FSDP1's flat-parameter views exist only while a unit runs, so
-        # at the end of a forward (where a profiling step agrees) they may be gone already;
-        # block 0's call of every step (``_plan``) sees them
-        self._one_plan = self._one_plan or self._sharded()
+        if self._one_plan is None:  # before the first step (a query): as the blocks are now
+            return self._needs_one_plan()
         return self._one_plan
+
+    def _needs_one_plan(self) -> bool:
+        """``_agrees``'s answer from the blocks. Decided once, at block 0's call of the first
+        step in a process group (``_plan``): the blocks' wrapping does not change between
+        steps, FSDP1's flat-parameter views exist there (they are gone at the end of a
+        forward, where a profiling step agrees), and the scan (every block's tensors: about
+        2 ms at 32 blocks) stays off each step."""
+        return self._sharded() or any(isinstance(m, nn.SyncBatchNorm)
+                                      for b in self.blocks for m in b.modules())
 
     def _same_new_shapes(self, new: bool) -> None:
         """Where the ranks must run one plan (``_agrees``), every rank needs a new plan (a new
