@@ -367,6 +367,13 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["offloaded"] = sum(st.offloaded for st in last)
         plans = [r.last_plan for r in done.runners] if done is not None else [plan]
         rec["last_planners"] = [p.planner for p in plans]  # "profile": a profiling step
+    # what Mimose learnt, to say why the ranks' plans differ where they must not
+    learners = [r.mimose for r in done.runners] if done is not None else \
+        [getattr(inner, "mimose", None)]
+    samples = [{str(size): m.estimator.measured(size).xbar.tolist()
+                for size in m.estimator.sizes} for m in learners if m is not None]
+    if samples:
+        rec["mimose_xbar"] = samples
     return rec
 
 

@@ -45,6 +45,7 @@ import torch.nn as nn
 from ..chain import FIELDS, Chain
 from . import _trace as T
 from .meta import _check_blocks
+from .storage import keys_held
 
 
 def _check_input(sample_input: Any) -> T.Tensors:
@@ -206,13 +207,13 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
             # weights, buffers, and what the block says is held outside the chain (a
             # module attribute ``held_outside``: tensors counted once, by the caller, such
             # as the masks ``scheduler.checkpoint`` calls every block with) are not activations
-            state_keys = {T.storage_key(t) for t in list(block.parameters()) +
-                          list(block.buffers()) + list(getattr(block, "held_outside", ()))}
+            state = list(block.parameters()) + list(block.buffers()) + \
+                list(getattr(block, "held_outside", ()))
 
             def fn(xs: T.Tensors, block: nn.Module = block, s: int = s) -> T.Tensors:
                 return T.call_block(block, xs, s)
         else:
-            block, params, state_keys = nn.Module(), [], set()
+            block, params, state = nn.Module(), [], []
 
             def fn(xs: T.Tensors) -> T.Tensors:
                 out = loss_fn(*xs)
@@ -220,7 +221,7 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
                     raise ValueError(f"loss: must return a scalar tensor, got {out!r}")
                 return (out,)
 
-        with _preserved(block, device):
+        with _preserved(block, device), keys_held(state) as state_keys:
             # sizes and transients (CPU: the op tracer's estimates; CUDA: the allocator's)
             outputs, r = stage_memory(fn, inputs, params, state_keys, device)
 

@@ -3,11 +3,13 @@ are never counted twice, and what a stage keeps for its backward (``xbar``) in t
 
 A storage is identified by its ``StorageImpl`` address (``untyped_storage()._cdata``), which
 works on the ``meta`` device too (there every data pointer is 0). An address is only an
-identity while its storage lives: whoever compares keys across time keeps the tensors alive.
+identity while its storage lives: whoever compares keys across time keeps the storages alive
+(``keys_held``), not the tensors, since a tensor given a new ``.data`` lets go of its old one.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Sequence, Set, Tuple
+import contextlib
+from typing import Dict, Iterable, Iterator, Sequence, Set, Tuple
 
 import torch
 
@@ -16,6 +18,19 @@ Tensors = Tuple[torch.Tensor, ...]
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def keys_held(tensors: Iterable[torch.Tensor]) -> Iterator[Set[int]]:
+    """The keys of the storages behind ``tensors``, valid for the body: the storages are held
+    until it ends. (Holding the tensors would not do: FSDP1 gives its original parameters a
+    new ``.data`` at each unshard, freeing the storage each had, and a new activation can then
+    take that address and be left out with the weights.)"""
+    held = {storage_key(t): t.untyped_storage() for t in tensors}
+    try:
+        yield set(held)
+    finally:
+        del held
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Set[int] = frozenset()) -> int:

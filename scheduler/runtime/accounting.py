@@ -18,6 +18,7 @@ import torch
 from ..profile import autograd_graph, storage
 
 storage_key = storage.storage_key
+keys_held = storage.keys_held
 SavedTensors = autograd_graph.SavedTensors
 
 

@@ -32,6 +32,7 @@ the loop's call (``block_calls``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -107,10 +108,9 @@ class ChainStep:
         self.collector = collector
         # which buffers the blocks' forwards change in place (kept by the runner across steps)
         self.in_place = in_place if in_place is not None else first_run.InPlaceBuffers()
-        # what the blocks held as the step began (weights, buffers): never activations. The
-        # tensors are kept so that their storages' keys (addresses) stay theirs all step
+        # what the blocks held as the step began (weights, buffers): never activations
+        # (``_state_keys``)
         self.state_tensors = list(state_tensors)
-        self.state_storages = {accounting.storage_key(t) for t in self.state_tensors}
         self.b_reached: Optional[int] = None  # the op of the B autograd was left to run
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
@@ -133,7 +133,8 @@ class ChainStep:
         # their value (detached); see ``_previous``
         self.prev_out: Optional[Tuple[Tuple[weakref.ReferenceType, ...], Tensors]] = None
         self.failed_call: Optional[BlockCall] = None  # the call of the block running now
-        self.passed_through: Set[int] = set()         # storages blocks return unchanged
+        # storages blocks return unchanged, by key, each weakly (``passed_through``)
+        self._passed: Dict[int, weakref.ReferenceType] = {}
         # each block's outputs as the loop got them (weakly): alive after the forward, they
         # are held outside the plan (returned, kept in a list, saved by autograd outside the
         # blocks), and an offload must not leave them empty (``_restore_escaped``)
@@ -241,7 +242,7 @@ class ChainStep:
     def _live(self) -> None:
         if not self.track:
             return
-        b = accounting.tensors_bytes(self._held_tensors(), self.state_storages)
+        b = accounting.tensors_bytes(self._held_tensors(), self._state_keys())
         if self.stats.peak_bytes is None or b > self.stats.peak_bytes:
             self.stats.peak_bytes = b
 
@@ -288,8 +289,7 @@ class ChainStep:
         held = _detached(outs)
         self.prev_out = (tuple(weakref.ref(t) for t in outs), held)
         self.loop_outs[s] = self.prev_out[0]
-        ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
-        self.passed_through |= {accounting.storage_key(t) for t in outs if id(t) in ins}
+        self._note_passed(outs, call)
         if kind == "F_all":
             frame.out = held
             frame.out_version = tuple(t._version for t in frame.out)
@@ -522,16 +522,21 @@ class ChainStep:
 
     @contextlib.contextmanager
     def _not_activations(self, *stages: int) -> Iterator[Set[int]]:
-        """Storages that are never activations, for the body: what the blocks held as the
-        step began and what blocks ``stages`` hold now (FSDP1 gives a block new views of its
+        """Storages that are never activations, for the body: what the blocks' weights and
+        buffers hold now (the step's start's tensors, which FSDP1 may have given new
+        ``.data``) and what blocks ``stages`` hold now (FSDP1 gives a block new views of its
         unit's gathered flat parameter at each of the unit's forwards)."""
         now = [t for s in stages if 0 <= s < self.L for t in fsdp.block_tensors(self.blocks[s])]
-        # held until the body is done, as the step's start: a key is a storage's address,
-        # and a view FSDP1 replaces during a measuring run (a nested unit's) would free a
-        # storage whose address an activation could then take, and be left out of xbar with
-        # it (not for longer: FSDP2 frees some shards by dropping them)
-        yield self.state_storages | {accounting.storage_key(t) for t in now}
-        del now
+        # the storages are held for the body (not the tensors: ``keys_held``), not for
+        # longer: FSDP2 frees some shards by dropping them
+        with accounting.keys_held(itertools.chain(self.state_tensors, now)) as keys:
+            yield keys
+
+    def _state_keys(self) -> Set[int]:
+        """The keys of the storages the step's weights and buffers hold now, for a use right
+        away: not kept from the step's start, whose storages may since be freed and their
+        addresses taken by activations (``_not_activations``)."""
+        return {accounting.storage_key(t) for t in self.state_tensors}
 
     def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
                  skip: Set[int]) -> List[torch.UntypedStorage]:
@@ -552,11 +557,22 @@ class ChainStep:
                 storages[k] = t.untyped_storage()
         return list(storages.values())
 
+    def _note_passed(self, outs: Sequence[torch.Tensor], call: BlockCall) -> None:
+        """Note the outputs that are the call's own arguments (passed through unchanged)."""
+        ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
+        self._passed.update((accounting.storage_key(t), weakref.ref(t.untyped_storage()))
+                            for t in outs if id(t) in ins)
+
+    def passed_through(self) -> Set[int]:
+        """The storages blocks returned unchanged (T5's position bias) that still live: a key
+        is an address, and a dead one may be a new activation's since."""
+        return {k for k, ref in self._passed.items() if ref() is not None}
+
     def _protected(self) -> Set[int]:
         """Storages the plan must not move: the loop's own arguments (masks, rotary tables
         passed to every block) and values blocks pass through unchanged (T5's position bias):
         later blocks read them whatever the plan says about the stage they came from."""
-        keys = set(self.passed_through)
+        keys = self.passed_through()
         for f in self.frames:
             if f is not None:
                 keys |= {accounting.storage_key(t) for t in f.call.shared_tensors()}

@@ -239,8 +239,9 @@ class TailProbe(WeakFields):
                        "around the model's forward; its tail (stage L) is not measured, the "
                        "chain keeps measure_chain's stand-in loss stage")
             return False
+        passed = step.passed_through()
         lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
-                 storage_key(t) not in step.passed_through]
+                 storage_key(t) not in passed]
         if not lasts:
             _warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
                        "the model's tail (stage L) is not measured")
