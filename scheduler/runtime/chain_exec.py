@@ -86,6 +86,20 @@ class Collector:
 
 
 # ------------------------------------------------------------------------------------ step
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` still shows the values ``b`` does: the same storage, offset, shape, strides
+    and dtype. The loop's output object may have been given a new ``.data`` (straight-through
+    quantization between blocks), which moves no version counter: it is then a changed value,
+    not the output the step holds (a recomputation from the held one would read the old
+    values)."""
+    try:
+        same_storage = a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one: by identity
+        return True
+    return same_storage and a.storage_offset() == b.storage_offset() and \
+        a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 class ChainStep:
     """One forward + backward of the blocks following a compiled plan (see module doc).
 
@@ -375,7 +389,8 @@ class ChainStep:
         if self.prev_out is None:
             return None
         refs, held = self.prev_out
-        return tuple(o if o is not None else h for o, h in ((r(), h) for r, h in zip(refs, held)))
+        return tuple(o if o is not None and _same_view(o, h) else h
+                     for o, h in ((r(), h) for r, h in zip(refs, held)))
 
     def _forward_ops_until(self, s: Optional[int]) -> Tuple[int, str]:
         """Run the forward phase's ops up to the forward of stage ``s`` (its index and kind
