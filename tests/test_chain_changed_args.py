@@ -201,7 +201,6 @@ def test_a_forward_that_raises_mid_chain_lets_go_of_its_step():
     # an OOM in block k: what the step held (checkpoints x[0..k]) must not stay allocated
     # until the next forward (a retry with a smaller batch would find that memory taken)
     import gc
-    import weakref
     from scheduler.runtime.checkpoint import checkpointed
 
     def boom(self: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

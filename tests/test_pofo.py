@@ -8,9 +8,8 @@ import random
 import pytest
 
 from _oracle import pofo_class_optimum as _oracle
-from scheduler import Chain, InfeasibleError, InvalidPlanError, Plan, simulate
-from scheduler.plan import Op
-from scheduler.planners import offload, pofo, rotor
+from scheduler import Chain, InfeasibleError, simulate
+from scheduler.planners import pofo, rotor
 
 
 def _chains(n, max_L=6, seed0=0, split_tmp=False):

@@ -7,7 +7,7 @@ Oracles: the exact-units optimum (slots=None) is never slower, the unrefined pla
 faster, and the simulator agrees with every prediction and never sees the limit exceeded.
 """
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor

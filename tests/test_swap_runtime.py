@@ -441,7 +441,7 @@ def test_a_one_byte_window_warns_once_and_trains_bit_identically(name):
     msgs = [str(w.message) for w in caught if issubclass(w.category, window_mod.WindowWarning)]
     largest = ctx.last_recorded.largest_tensor()[0]
     assert len(msgs) == 1
-    assert f"window=1 bytes" in msgs[0] and f"saved tensor of {largest} bytes" in msgs[0]
+    assert "window=1 bytes" in msgs[0] and f"saved tensor of {largest} bytes" in msgs[0]
     assert ctx.stats()["swapped_out_bytes"] > 0
     assert_nothing_left(ctx)
 
