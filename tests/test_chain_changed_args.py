@@ -262,6 +262,32 @@ def test_training_steps_are_freed_after_their_backward():
     assert len(steps) == 3 and all(r() is None for r in steps)
 
 
+@pytest.mark.parametrize("planner", ["every-block", "rotor", "pofo"])
+def test_a_step_whose_backward_never_runs_is_freed_without_the_collector(planner):
+    # a loop that skips the backward of a bad loss: dropping the loss must free the step and
+    # its checkpoints at once, as plain training frees its activations, not at Python's next
+    # cyclic collection (a cycle step -> frames -> step would hold several steps' checkpoints)
+    import gc
+    from scheduler.runtime.checkpoint import checkpointed
+    from wrap_models import tight_rotor
+    chosen = {"every-block": _every_block_recomputed, "rotor": tight_rotor, "pofo": "pofo"}
+    extra = {"bandwidth": 1e8} if planner == "pofo" else {}
+    model = scheduler.checkpoint(Net(), budget="1GiB", planner=chosen[planner], **extra)
+    x, mask = torch.randn(8, 16), torch.ones(8, 16)
+    model(x, mask).sum().backward()   # (a profiling step where the planner measures)
+    steps = _watch_steps(checkpointed(model).runners[0])
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            loss = model(x, mask).sum()
+            del loss   # not finite, say: skipped
+            assert all(r() is None for r in steps), "a dropped step is alive"
+    finally:
+        gc.enable()
+    assert len(steps) == 3
+
+
 class _Gated(nn.Module):
     def __init__(self) -> None:
         super().__init__()

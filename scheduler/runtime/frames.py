@@ -27,10 +27,11 @@ _unlinked = _trace.unlinked  # a pack hook keeps saved tensors without history
 class Holder:
     """What a block's graph keeps for one saved tensor: the tensor (``F_all``), or nothing
     until the recomputation of the block fills it (``F_ck``/``F_none``)."""
-    __slots__ = ("frame", "value", "meta", "version", "__weakref__")
+    __slots__ = ("frame", "step", "value", "meta", "version", "__weakref__")
 
     def __init__(self, frame: "Frame", value: Optional[torch.Tensor], meta: Any = None):
         self.frame = frame
+        self.step = frame.step  # the graph keeps the step alive through its holders (``Frame``)
         self.value = value
         self.meta = meta  # (shape, dtype, device) of what the recomputation must give back
         # autograd skips its check that a saved tensor was not modified in place when saved
@@ -48,7 +49,11 @@ class Frame:
     random state of its first run, and (while it is xbar) its output."""
 
     def __init__(self, step: "ChainStep", s: int, call: BlockCall):
-        self.step = step
+        # weakly: the step holds its frames, and a strong link back would be a cycle that
+        # only Python's collector frees, so a step whose backward never runs (the loop skips
+        # a bad loss) would keep its checkpoints until a collection. The graph's holders keep
+        # the step alive while a backward can reach it
+        self._step = weakref.ref(step)
         self.s = s
         self.call = call
         self.holders: List[weakref.ReferenceType] = []
@@ -59,6 +64,12 @@ class Frame:
         self.host: Optional[List[StorageCopy]] = None  # its storages while offloaded
         self.released = False
         self.first: Optional[FirstRun] = None  # its modules' modes and tensors at the first run
+
+    @property
+    def step(self) -> "ChainStep":
+        step = self._step()
+        assert step is not None, "a frame outlived its step (its holders keep the step)"
+        return step
 
     # hooks of the first run ----------------------------------------------------------
     # (all the hooks run eagerly: a compiled block would otherwise trace them, and inside a
