@@ -11,6 +11,7 @@ position embeddings before their sum), and the head's own backward after ``B 0``
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Sequence, Set
 
 import torch
@@ -26,13 +27,22 @@ class Outside:
     the distinct storages the model made before the blocks (not parameters, buffers or the
     caller's tensors) that block 0's extra arguments hold (masks, rotary embeddings, kept by
     the runner for recomputation) or the head's autograd graph saved (an embedding dropout's
-    mask), the chain's value ``x[0]`` aside; ``params``: the storages of the weights the head's
-    backward reaches (a tail weight tied to one of them keeps its gradient until then).
-    Not seen: the model's local variables that live only during its forward."""
+    mask), the chain's value ``x[0]`` aside; ``params``: the weights the head's backward
+    reaches, by identity (``id`` to a weak reference: nothing kept alive, and a freed weight's
+    reused ``id`` matches nothing): a tail weight tied to one of them keeps its gradient until
+    then. Not seen: the model's local variables that live only during its forward."""
 
-    def __init__(self, nbytes: int, params: Set[int]):
+    def __init__(self, nbytes: int, params: Dict[int, "weakref.ref[torch.Tensor]"]):
         self.bytes = nbytes
         self.params = params
+
+    def ties(self, p: torch.Tensor) -> bool:
+        """Whether the head's backward reaches the weight ``p`` too: the same autograd leaf
+        (one ``AccumulateGrad``, which holds the tail's gradient until the head's joins it),
+        not merely one in the same storage (parameters that are views of one flat buffer,
+        as ZeRO-1/2 and Megatron's contiguous buffers make them, are distinct leaves)."""
+        ref = self.params.get(id(p))
+        return ref is not None and ref() is p
 
 
 def _saved_by(node: Any) -> List[torch.Tensor]:
@@ -58,12 +68,13 @@ def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int])
     firsts = list(tensor_leaves(tuple(args)))[:1] or leaves[:1]
     x0 = {storage_key(t) for t in firsts}
     held: List[torch.Tensor] = [t for t in leaves if storage_key(t) not in x0]
-    params: Set[int] = set()
+    params: Dict[int, "weakref.ref[torch.Tensor]"] = {}
     Frame.inspecting += 1  # another chain's saved tensors (T5's encoder, seen from its
     try:                   # decoder) are that chain's: never unpacked (recomputed) here
         for node in graph_nodes([t.grad_fn for t in leaves]):
             if type(node).__name__ == "AccumulateGrad":
-                params.add(storage_key(node.variable))
+                p = node.variable
+                params[id(p)] = weakref.ref(p)
             else:
                 held.extend(_saved_by(node))
     finally:

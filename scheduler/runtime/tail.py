@@ -55,7 +55,7 @@ from torch import nn
 from ..chain import Chain, add_outside
 from ..profile.autograd_graph import differentiable
 from ..profile.op_tracer import OpTracer, _mark_nodes
-from ..profile.storage import storage_bytes, storage_key
+from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
 # (``_stale`` is hook_stack's one list: the tests read it as ``tail._stale``)
 from .hook_stack import _Hooks, _pop_hooks, _pop_tracer, _stacks_clean, _stale, _sweep, _TailTracer
@@ -459,8 +459,11 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     # one matmul, is left out of bw[L]). A weight the head uses too (an LM head tied to the
     # input embedding) is different: autograd holds its tail gradient until the head's
     # gradient joins it, after B 0, so it stays for the whole backward of the chain
-    head = rec.outside.params if rec.outside is not None else set()
-    tied = [p for p in params if storage_key(p) in head]
-    untied = [p for p in params if storage_key(p) not in head]
-    return (bw, bw_tmp + max((storage_bytes([p]) for p in untied), default=0),
-            storage_bytes(tied))
+    # (tied: the same autograd leaf, ``Outside.ties``; sized as the gradient autograd makes,
+    # dense, not as the weight's storage: a view of a flat buffer holding every weight
+    # (ZeRO-1/2, Megatron's contiguous buffers) would count the whole buffer)
+    head = rec.outside
+    tied = [p for p in params if head is not None and head.ties(p)]
+    untied = [p for p in params if head is None or not head.ties(p)]
+    return (bw, bw_tmp + max((dense_bytes(p) for p in untied), default=0),
+            sum(dense_bytes(p) for p in tied))
