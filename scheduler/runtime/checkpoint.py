@@ -10,15 +10,20 @@ else the outermost ``ModuleList`` of same-class modules) and replaces each block
 they were) by a call through one ``ChainRunner`` per list. The model's own loop keeps calling
 the blocks with whatever arguments it uses; see ``chain_exec`` for how a step runs.
 
-Calling it again on the same model first undoes the previous call (never wraps twice);
-``undo(model)`` restores the original forwards.
+Calling it again first undoes every previous call whose blocks are inside the model, whatever
+module it was made on (the model itself, a model inside a wrapper such as peft's ``PeftModel``
+or DDP, a parent of it), so a block's forward is never wrapped twice; ``undo(model)`` restores
+the original forwards the same way. A block whose installation is gone (the module it was made
+on was dropped: a ``PeftModel`` after ``merge_and_unload()``) runs plainly, says so once at a
+step that wants gradients, and is unwrapped by the next ``checkpoint`` or ``undo``.
 """
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -28,6 +33,7 @@ from .chain_runner import ChainRunner
 from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
+from .block_calls import tensor_leaves
 from .tail import TailProbe
 from .weak import WeakFields, gone
 
@@ -142,24 +148,36 @@ def _owner(model: nn.Module, name: str) -> Optional[nn.Module]:
 class _BlockForward(WeakFields):
     """The instance ``forward`` of a checkpointed block: the call goes through the runner.
 
-    It refers to its block, the runner and the owner weakly: the block holds it, the model
-    holds the runner (``Checkpointed``) and the runner the blocks, so strong references
-    would make a cycle that keeps a model the user deleted, weights and all, until the
-    garbage collector runs (``del model`` would free no device memory). A copied or pickled
-    model's blocks go through the copied runner (``WeakFields``)."""
+    It refers to its block, the runner, the owner and the root (the module ``checkpoint`` was
+    called on, which holds the runner) weakly: the block holds it, the model holds the runner
+    (``Checkpointed``) and the runner the blocks, so strong references would make a cycle
+    that keeps a model the user deleted, weights and all, until the garbage collector runs
+    (``del model`` would free no device memory). A copied or pickled model's blocks go
+    through the copied runner (``WeakFields``)."""
 
-    WEAK = ("_runner", "_block", "_owner")
+    WEAK = ("_runner", "_block", "_owner", "_root")
+    said_gone = False  # whether a step has said that the runner is gone
 
     def __init__(self, runner: ChainRunner, s: int, block: nn.Module, own: Any,
-                 owner: Optional[nn.Module]):
+                 owner: Optional[nn.Module], root: nn.Module, list_name: str):
         self._runner = weakref.ref(runner)
         self.s = s
         self._block = weakref.ref(block)
         # the module whose forward loops over the list
         self._owner = weakref.ref(owner) if owner is not None else gone
+        self._root = weakref.ref(root)
+        # for the warning once the root is gone: what the call was made on
+        self.where = f"'{list_name}' of the {type(root).__name__}"
+        while isinstance(own, _BlockForward):  # never two wrappers, one calling the other
+            own = own.own
         self.own = own                 # the block's own instance forward, if it had one
         self.function = type(block).forward  # else its class's, called on the block
         self.thread: Optional[int] = None
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        state.setdefault("_root", None)  # pickled before the root was kept: gone
+        super().__setstate__(state)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         """The block's forward as it was before the call."""
@@ -171,6 +189,9 @@ class _BlockForward(WeakFields):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         r = self._runner()
         if r is None or r.passthrough:  # a recomputation or a measurement: the block itself
+            if r is None and self.s == 0 and not self.said_gone and \
+                    self._wants_grad(args, kwargs):
+                self._say_gone()
             return self.original(*args, **kwargs)
         me = threading.get_ident()
         if self.s == 0:
@@ -188,12 +209,66 @@ class _BlockForward(WeakFields):
             args, kwargs = KVCacheGuard.clean(block, self.s, args, kwargs)
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
+    def _wants_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        """``ChainRunner._needs_grad`` without the runner: a step that would have been planned."""
+        if not torch.is_grad_enabled():
+            return False
+        block = self._block()
+        return (block is not None and fsdp.trains([block])) or \
+            any(isinstance(v, torch.Tensor) and v.requires_grad
+                for v in tensor_leaves((tuple(args), kwargs)))
 
-def undo(model: nn.Module) -> nn.Module:
-    """Give the blocks back their own forwards (a no-op on a model not checkpointed)."""
+    def _say_gone(self) -> None:
+        # the plan went with the module the call was made on; training on without a word
+        # would exceed the budget the user set (an out-of-memory later, far from the cause)
+        self.said_gone = True
+        where = getattr(self, "where", "this list")
+        warnings.warn(
+            f"{NAME}: the blocks of {where} were checkpointed through a module that is gone "
+            "(the one scheduler.checkpoint was called on: a PeftModel after "
+            "merge_and_unload(), a wrapper dropped), and their plan went with it: they run "
+            "plainly from this step on and the budget no longer applies. Call "
+            "scheduler.checkpoint(model, budget) again on the model you train now (it "
+            "replaces what is left), or scheduler.runtime.checkpoint.undo(model) to train "
+            "without a plan", RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------ installations
+def _wrapped(model: nn.Module) -> Iterator[Tuple[nn.Module, _BlockForward]]:
+    """The modules inside ``model`` (itself included) whose forward is a ``_BlockForward``."""
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, _BlockForward):
+            yield m, fwd
+
+
+def _root_of(fwd: _BlockForward) -> Optional[nn.Module]:
+    """The module whose ``checkpoint`` call installed ``fwd``, while that installation stands;
+    None for a dead one (its root or runner gone, or the root undone since)."""
+    runner, root = fwd._runner(), fwd._root()
+    done = root.__dict__.get(_ATTR) if root is not None else None
+    if runner is None or done is None or not any(r is runner for r in done.runners):
+        return None
+    return root
+
+
+def _unwrap(block: nn.Module, fwd: _BlockForward) -> None:
+    """Give ``block`` the forward it had before ``fwd`` was installed (and before any wrapper
+    under it: a model pickled while calls still nested could hold one)."""
+    own = fwd.own
+    while isinstance(own, _BlockForward):
+        own = own.own
+    if own is not None:
+        block.forward = own
+    else:
+        del block.__dict__["forward"]
+
+
+def _undo_own(model: nn.Module) -> None:
+    """Remove what ``checkpoint`` installed on ``model`` itself."""
     done: Optional[Checkpointed] = model.__dict__.pop(_ATTR, None)
     if done is None:
-        return model
+        return
     if done.tail is not None:
         done.tail.remove()
     for hook in done.hooks:
@@ -202,20 +277,44 @@ def undo(model: nn.Module) -> nn.Module:
         for block in runner.blocks:
             fwd = block.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
-                if fwd.own is not None:
-                    block.forward = fwd.own
-                else:
-                    del block.__dict__["forward"]
+                _unwrap(block, fwd)
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Give the blocks inside ``model`` back their own forwards (a no-op on a model not
+    checkpointed): what ``checkpoint`` installed on ``model``, and also an installation made on
+    another module whose blocks are inside ``model`` (the model inside a ``PeftModel``, DDP or
+    another wrapper; a parent of ``model``), removed whole (its lists share one budget and one
+    tail probe), and the wrappers left by an installation whose module is gone."""
+    _undo_own(model)
+    roots: Dict[int, nn.Module] = {}
+    for block, fwd in list(_wrapped(model)):
+        root = _root_of(fwd)
+        if root is None:
+            _unwrap(block, fwd)
+        else:
+            roots[id(root)] = root
+    for root in roots.values():
+        _undo_own(root)
     return model
 
 
 def checkpointed(model: nn.Module) -> Optional[Checkpointed]:
-    """What ``checkpoint`` installed on ``model`` (its runners, ``stats()``), or None."""
-    return model.__dict__.get(_ATTR)
+    """What ``checkpoint`` installed on ``model`` (its runners, ``stats()``); else, when the
+    call was made on one module inside ``model`` (the model a ``PeftModel`` or DDP wraps),
+    what it installed there; None when there is none, or several (ambiguous)."""
+    done = model.__dict__.get(_ATTR)
+    if done is not None:
+        return done
+    inside = {id(m) for m in model.modules()}
+    roots = {id(root): root for root in (_root_of(fwd) for _, fwd in _wrapped(model))
+             if root is not None and id(root) in inside}
+    return next(iter(roots.values())).__dict__[_ATTR] if len(roots) == 1 else None
 
 
 def _runners_of(model: nn.Module) -> List[ChainRunner]:
-    done = checkpointed(model)
+    # the tail probe's look-up, at every forward of the model it is on: no search
+    done: Optional[Checkpointed] = model.__dict__.get(_ATTR)
     return done.runners if done is not None else []
 
 
@@ -263,7 +362,9 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     if skipping:
         raise ValueError(f"{NAME}: the model skips blocks at random in training (LayerDrop: "
                          f"{', '.join(skipping)}), and a plan runs every block; set each to 0")
-    undo(model)  # calling again re-plans with the new arguments, never wraps twice
+    # calling again re-plans with the new arguments: whatever was installed on these blocks
+    # goes first, wherever it was installed (through a wrapper, on a part of the model)
+    undo(model)
     n_all = sum(len(lst) for _, lst in lists)
     runners = []
     for (name, lst), (_, owner) in zip(lists, owners):
@@ -278,7 +379,8 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
         runners.append(runner)
         for s, block in enumerate(blocks):
             block.forward = _BlockForward(runner, s, block, block.__dict__.get("forward"),
-                                          owner=owner)
+                                          owner=owner, root=model,
+                                          list_name=name or type(model).__name__)
     # the model's tail (what runs after the last block: norm, LM head, loss) is measured on
     # profiling steps as the chain's loss stage, unless loss= says what that stage is; the
     # probe numbers the model's forwards either way (a list run twice in one forward)
