@@ -203,6 +203,55 @@ def test_interrupt_in_the_tail_is_cleaned_at_the_next_call():
     assert_same(ref, model, step(ref, batch, 1), lm, "gpt2")
 
 
+def test_an_interrupted_tail_records_nothing_until_the_next_call():
+    # a Ctrl-C handler goes on without calling the model (it saves it, say): the entries the
+    # interrupted call left pushed must not trace and keep its tensors meanwhile
+    ref, model, batch, chains = checkpointed_model("gpt2")
+
+    def interrupt(m, a):
+        raise KeyboardInterrupt
+
+    h = head(model).register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch)
+    h.remove()
+    tracer = _get_current_dispatch_mode()
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)[0].__self__
+    w = torch.randn(64, 64, requires_grad=True)
+    for _ in range(3):
+        (torch.tanh(w @ w) * w).sum().backward()
+    assert isinstance(tracer, tail_mod._TailTracer) and not tracer.active and not tracer._keep
+    assert not hooks.recording and not hooks.saved
+    with pytest.warns(UserWarning, match="interrupted"):
+        lm = step(model, batch, 1)
+    assert clean()
+    assert_same(ref, model, step(ref, batch, 1), lm, "gpt2")
+
+
+def test_an_interrupt_inside_a_block_ends_the_models_call():
+    # the model's forward hook never runs on an interrupt: the next call is a new forward of
+    # the model, not one inside the interrupted one (no 'ran a second time' warning)
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    calls = []
+
+    def interrupt(m, a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    h = model.transformer.h[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch)
+    h.remove()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2")
+    assert not [w for w in seen if "second time" in str(w.message)], seen
+    probe = checkpointed(model).tail
+    assert probe.depth == 0 and probe.calls == 3
+
+
 def test_hooks_around_the_model_keep_the_stand_in():
     ref, model, batch, chains = checkpointed_model("gpt2")
     with pytest.warns(UserWarning, match="saved-tensor hooks or a dispatch mode"):

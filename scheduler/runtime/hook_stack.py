@@ -5,7 +5,10 @@ they are clean (``_stacks_clean``), the entries it pushes (``_Hooks``: saved-ten
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import sys
+import threading
+from types import FrameType
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.utils import _python_dispatch as dispatch
@@ -23,12 +26,63 @@ def _stacks_clean() -> bool:
     return _top_hooks() is None and dispatch._get_current_dispatch_mode() is None
 
 
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def module_call_frame() -> Optional[FrameType]:
+    """The frame of the innermost ``nn.Module`` call running on this thread (``_call_impl``,
+    which runs a module's hooks and its forward), for a module hook to find its own call by."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code is not _CALL_IMPL:
+        f = f.f_back
+    return f
+
+
+def running(frame: FrameType) -> bool:
+    """Whether ``frame`` is on this thread's stack: its call has not ended. (Held, so compared
+    by identity: exact. A KeyboardInterrupt ends a module's call without its ``always_call``
+    forward hooks, which PyTorch runs on ``Exception`` only.)"""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+class _Within:
+    """The model call a recording belongs to (its ``_call_impl`` frame, on its thread): once
+    that call has ended without saying so (an interrupt), the recording's entries turn inert
+    at their next use instead of recording whatever runs next (a Ctrl-C handler saving the
+    model) until the model is called again."""
+
+    def __init__(self, frame: Optional[FrameType]) -> None:
+        self.frame = frame  # None: not known (no check)
+        self.thread = threading.get_ident()
+        self.ended = False
+
+    def over(self) -> bool:
+        """The call has ended (judged on its own thread only: autograd's device threads run
+        the replayed backward's ops with our entries too, outside that stack)."""
+        if not self.ended and self.frame is not None and \
+                threading.get_ident() == self.thread and not running(self.frame):
+            self.ended, self.frame = True, None  # (its locals let go)
+        return self.ended
+
+
 class _TailTracer(OpTracer):
-    """The op tracer, inert once its recording is over (if it could not be popped at once)."""
+    """The op tracer, inert once its recording is over (if it could not be popped at once) or
+    once the model call it records in has ended without popping it."""
 
     active = True
 
+    def __init__(self, within: Optional[_Within] = None) -> None:
+        super().__init__()
+        self.within = within
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and self.within is not None and self.within.over():
+            self.active, self._keep = False, []
         if not self.active:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -37,16 +91,20 @@ class _TailTracer(OpTracer):
 class _Hooks:
     """The pack/unpack pair pushed for the tail. Packs keep what autograd would keep (the
     tensor, unlinked from its history as ``chain_exec`` does: no reference cycle) and, while
-    recording, note it."""
+    recording (within the model call of ``within``), note it."""
 
-    def __init__(self) -> None:
+    def __init__(self, within: Optional[_Within] = None) -> None:
         self.saved: List[torch.Tensor] = []
         self.recording = True
+        self.within = within
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         # noted unlinked too: with its history, a noted tensor would lead back to the nodes
         # that keep this hook (a cycle through the C++ graph) until ``saved`` is cleared
         t = unlinked(t)
+        if self.recording and self.within is not None and self.within.over():
+            self.recording = False
+            self.saved.clear()
         if self.recording:
             self.saved.append(t)
         return t

@@ -58,7 +58,8 @@ from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
 # (``_stale`` is hook_stack's one list: the tests read it as ``tail._stale``)
-from .hook_stack import _Hooks, _pop_hooks, _pop_tracer, _stacks_clean, _stale, _sweep, _TailTracer
+from .hook_stack import (_Hooks, _pop_hooks, _pop_tracer, _stacks_clean, _stale, _sweep,
+                         _TailTracer, _Within, module_call_frame)
 from .outside import Outside, head_census
 from .tail_graph import _read_by_tail, _tail_graph, has_backward_hooks
 from .weak import WeakFields
@@ -122,6 +123,9 @@ class TailProbe(WeakFields):
         self.rec: Optional[_Recording] = None
         self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
         self.calls = 0  # outermost calls of the model so far: which forward a block runs in
+        # the outermost call's frame while it runs, on its thread: an interrupt ends the call
+        # without the forward hook (``_enter`` and the recording's entries tell by it)
+        self._call: Optional[_Within] = None
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
@@ -142,6 +146,11 @@ class TailProbe(WeakFields):
     # (never traced by torch.compile: they read the autograd and dispatch stacks and push hooks)
     @torch.compiler.disable
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.depth > 0 and self._call is not None and self._call.over():
+            # the last call ended without its forward hook (a KeyboardInterrupt: PyTorch
+            # runs ``always_call`` hooks on Exception only): not a call inside it
+            self._abort("was interrupted")
+            self.depth, self.clean, self.handling = 0, [], []
         if self.rec is not None:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
             # run on Exception only), or the model called again inside its own tail
@@ -150,6 +159,7 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             self.calls += 1
             self.clean, self.handling = [], []
+            self._call = _Within(module_call_frame())
             # the caller's tensors existed before the step: never counted as its memory
             self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         _sweep()
@@ -163,6 +173,7 @@ class TailProbe(WeakFields):
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
+            self._call = None
             self._check_blocks_called(output)
         if self.clean:
             self.clean.pop()
@@ -255,7 +266,8 @@ class TailProbe(WeakFields):
             rec.m0 = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         else:
-            rec.tracer = _TailTracer()
+            rec.tracer = _TailTracer(self._call)
+        rec.hooks.within = self._call
         torch._C._autograd._push_saved_tensors_default_hooks(rec.hooks.pack, rec.hooks.unpack)
         if rec.tracer is not None:
             rec.tracer.__enter__()
@@ -268,6 +280,9 @@ class TailProbe(WeakFields):
     def _release(self, rec: _Recording) -> None:
         """Pop what ``begin`` pushed (tracer first: pushed last), or leave it inert."""
         rec.hooks.recording = False
+        rec.hooks.within = None
+        if rec.tracer is not None:
+            rec.tracer.within = None
         if not rec.pushed:
             return
         rec.pushed = False
