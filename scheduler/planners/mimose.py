@@ -127,6 +127,16 @@ class Mimose:
         self.cache: PlanCache[Plan] = PlanCache(capacity_arg(cache_size, "Mimose"))
         self.rounds = rounds
         self.verify = verify  # simulate each plan and tighten until its peak fits the budget
+        # what the samples were learnt under besides the input size, as the runtime that
+        # feeds this Mimose names it (the chain runner: block 0's floating dtypes and devices,
+        # gradients, train mode, autocast), so a Mimose shared between runtimes is never
+        # read for another one; None until a runtime binds it
+        self.setting: Optional[Hashable] = None
+
+    def fresh(self) -> "Mimose":
+        """A Mimose with the same options and nothing learnt (for another setting)."""
+        return Mimose(self.n, samples=self.estimator.samples, bucket_ratio=self.bucket_ratio,
+                      cache_size=self.cache.capacity, rounds=self.rounds, verify=self.verify)
 
     # the collector's entry point
     def observe(self, input_size: float, input_bytes: float, xbar: Sequence[float],

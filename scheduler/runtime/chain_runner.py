@@ -8,8 +8,10 @@ chain (``_chain_for``: given, measured, or measured at the end of a first forwar
 checkpoints every block), asks the planner for a Plan (``planning.make_plan``: its predicted
 peak and time are the simulator's own) and caches it (``PlanCache``); a new shape or a new
 budget plans again. With ``planner="mimose"`` the Mimose collector learns per-block memory
-online and plans per input size. Each forward + backward is a ``chain_exec.ChainStep``
-(non-reentrant), following the plan as ``compiled_plan.CompiledPlan`` splits it.
+online and plans per input size, one Mimose per setting of what changes the bytes per element
+(``_mimose_setting``: dtypes, autocast, train mode, as the plan key holds them). Each
+forward + backward is a ``chain_exec.ChainStep`` (non-reentrant), following the plan as
+``compiled_plan.CompiledPlan`` splits it.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_me
 
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
+MIMOSE_SETTINGS = 8  # Mimose settings whose samples are kept (the least recently used goes)
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -51,6 +54,32 @@ def _shape_of(key: Hashable) -> Hashable:
     its budget: what a measured chain depends on."""
     signature_, _budget, training, autocast = key  # type: ignore[misc]
     return signature_, training, autocast
+
+
+def _mimose_setting(args: Sequence[Any], kwargs: Dict[str, Any], training: bool) -> Hashable:
+    """What Mimose's samples depend on besides the input size: what rotor's plan key
+    (``ChainRunner._key``) holds besides shapes and the budget, less what changes no byte
+    count. Kept: the dtypes and devices of block 0's floating-point tensors (``model.float()``
+    after learning in bfloat16 doubles every activation), whether any needs a gradient, train
+    mode (dropout's masks) and the autocast state (its low-precision activations and weight
+    copies). Left out: integer and boolean tensors and constant arguments, whose presence
+    changes from step to step under dynamic padding (an attention mask that is None for a
+    batch without padding) and would split the samples, and shapes (the input size's job)."""
+    leaves = list(tensor_leaves((tuple(args), kwargs)))
+    floats = sorted({(str(t.dtype).replace("torch.", ""), str(t.device)) for t in leaves
+                     if t.is_floating_point() or t.is_complex()})
+    return (tuple(floats), any(t.requires_grad for t in leaves), training,
+            rng.autocast_state())
+
+
+def _describe_setting(setting: Hashable) -> str:
+    """``_mimose_setting`` in words (warnings)."""
+    floats, grad, training, autocast = setting  # type: ignore[misc]
+    tensors = ", ".join(f"{dtype} on {dev}" for dtype, dev in floats) or "no float tensors"
+    casts = ", ".join(f"{dev} autocast to {str(dtype).replace('torch.', '')}"
+                      for dev, on, dtype in autocast if on) or "no autocast"
+    return (f"{tensors}, {'train' if training else 'eval'} mode, {casts}, input "
+            f"{'with' if grad else 'without'} gradient")
 
 
 def _collected(step: ChainStep) -> Estimate:
@@ -121,8 +150,12 @@ class ChainRunner:
             got = f"one for {mimose.n} blocks" if isinstance(mimose, Mimose) else repr(mimose)
             raise ValueError(f"{name}: mimose= must be a scheduler.planners.mimose.Mimose "
                              f"for {self.L} blocks, got {got}")
+        # the Mimose of the setting (``_mimose_setting``) the last step ran under, and each
+        # setting's (``_mimose_for``); the first setting's is the one given as mimose=
         self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if planner == "mimose" else None
+        self._mimoses: Dict[Hashable, Mimose] = {}
+        self._collecting_into: Optional[Mimose] = None  # the collection step's Mimose
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
         self.current: Optional[ChainStep] = None
@@ -163,12 +196,13 @@ class ChainRunner:
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None, _one_plan=None)
+                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_learning", {})  # (a runner pickled before it existed)
+        for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None)):
+            self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -270,7 +304,8 @@ class ChainRunner:
             measured = isinstance(tail, dict) and all(k in tail for k in TAIL_FIELDS)
             self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS] if measured else None,
                                  [out[k] for k in OUTSIDE_FIELDS]
-                                 if measured and isinstance(out, dict) else None)
+                                 if measured and isinstance(out, dict) else None,
+                                 key[2] if len(key) > 2 else None)
             return
         size = self._learning.pop(key, None)
         if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
@@ -366,13 +401,62 @@ class ChainRunner:
                 "new shapes from a few measured ones, or pad to a few fixed lengths",
                 stacklevel=2)
 
-    def _plan_mimose(self, args: Sequence[Any], agree: bool = False
+    def _mimose_for(self, setting: Hashable) -> Mimose:
+        """The Mimose that learns and plans the steps run under ``setting``
+        (``_mimose_setting``), made current (``self.mimose``). Samples learnt under one
+        setting never plan a step of another: with another dtype or autocast state the same
+        input size holds other bytes (a float32 step planned from bfloat16 samples ran at
+        1.29x its budget). One Mimose per setting, kept side by side, rather than collecting
+        again over the old samples: a model that switches back (autocast on for training, off
+        for an evaluation with gradients) finds its samples again, for a few arrays each. A
+        new setting after the first collects again, said once per setting; beyond
+        MIMOSE_SETTINGS the least recently used setting's samples are dropped, said too.
+        A Mimose given as mimose= serves the setting it was first bound to (by this runner or
+        another that shares it), never another one."""
+        m = self._mimoses.get(setting)
+        if m is not None:
+            self._mimoses[setting] = self._mimoses.pop(setting)  # most recently used last
+            self.mimose = m
+            return m
+        m = self.mimose
+        bound = getattr(m, "setting", None)
+        if not self._mimoses and bound in (None, setting):  # the first setting
+            m.setting = setting
+        else:
+            if self._mimoses:
+                was = f"its samples so far were learnt with {_describe_setting(bound)}"
+            else:  # a shared mimose= another runner bound to its own setting
+                was = (f"the Mimose given as mimose= learnt its samples with "
+                       f"{_describe_setting(bound)}, in another runner")
+            m = m.fresh()
+            m.setting = setting
+            warnings.warn(
+                f"{self.name}: Mimose: block 0 of '{self.list_name}' is called with "
+                f"{_describe_setting(setting)}, where {was}; the bytes a step holds per input "
+                "size depend on that (dtypes, autocast, dropout masks), so those samples do "
+                f"not plan these steps: Mimose collects {m.estimator.samples} input sizes for "
+                "this setting (steps that checkpoint every block and run each block's forward "
+                f"twice), keeping the samples of up to {MIMOSE_SETTINGS} settings for when "
+                "theirs comes back", stacklevel=5)
+        self._mimoses[setting] = m
+        if len(self._mimoses) > MIMOSE_SETTINGS:
+            old = next(iter(self._mimoses))
+            gone = self._mimoses.pop(old)
+            warnings.warn(
+                f"{self.name}: Mimose: more than {MIMOSE_SETTINGS} settings of dtypes, "
+                f"autocast and train mode met on '{self.list_name}'; the samples learnt with "
+                f"{_describe_setting(old)} ({len(gone.estimator.sizes)} input sizes) are "
+                "dropped, and collected again if that setting comes back", stacklevel=5)
+        self.mimose = m
+        return m
+
+    def _plan_mimose(self, args: Sequence[Any], kwargs: Dict[str, Any], agree: bool = False
                      ) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
         """``agree`` (a step, not a query): under FSDP every rank collects at the same steps;
         a collection's extra forwards gather parameters, and one rank collecting alone pairs
         its collectives with another's backward (a hang until the group's timeout)."""
         size = self.input_size(args)
-        m = self.mimose
+        m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training))
         collect = not m.ready and not m.estimator.has(size)
         if agree and self._under_fsdp():
             collect = distributed.any_rank(collect)
@@ -393,7 +477,7 @@ class ChainRunner:
         profiling plan until then)."""
         kwargs = kwargs or {}
         if self.mimose is not None:
-            return self._plan_mimose(args)[0].plan
+            return self._plan_mimose(args, kwargs)[0].plan
         return self._plan(args, kwargs)[0].plan
 
     # -------------------------------------------------------------------------- steps
@@ -415,7 +499,9 @@ class ChainRunner:
     def _begin(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> ChainStep:
         collector, profile_key = None, None
         if self.mimose is not None:
-            cplan, collector = self._plan_mimose(args, agree=True)
+            cplan, collector = self._plan_mimose(args, kwargs, agree=True)
+            # the collection's samples go to the Mimose of the setting it ran under
+            self._collecting_into = self.mimose if collector is not None else None
         else:
             cplan, profile_key = self._plan(args, kwargs, step=True)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
@@ -469,16 +555,17 @@ class ChainRunner:
                 # forward-only measurement there: the tail's replayed backward would run FSDP's
                 # root hooks (FSDP1 reshards the root before the real backward)
                 chain = _with_outside(chain_from_estimate(est, "mimose-sample"), step)
-                if self.tail.begin(self, (MIMOSE_SAMPLE, sample), chain, None,
-                                   tensor_leaves(out), step):
+                if self.tail.begin(self, (MIMOSE_SAMPLE, sample, self._collecting_into),
+                                   chain, None, tensor_leaves(out), step):
                     return
-            self._observe_sample(sample, None, None)
+            self._observe_sample(sample, None, None, self._collecting_into)
 
     def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
-                        outside: Optional[List[float]]) -> None:
+                        outside: Optional[List[float]], into: Optional[Mimose] = None) -> None:
         """One Mimose collection step's measurements (``sample``: size, input bytes, xbar,
         out, fw, and the blocks' transients or None), with the model's tail and what the
-        step held outside the chain, if measured. All or nothing, for the tail and for the
+        step held outside the chain, if measured, for ``into`` (the Mimose of the setting
+        the step ran under; None: the current one). All or nothing, for the tail and for the
         transients alike: the estimator fits every column on every sample, so a sample
         without them (their measurement failed) among samples with them would teach it
         zeros. Such a sample is dropped (the size is collected again on its next step); once
@@ -498,7 +585,7 @@ class ChainRunner:
             tail = outside = None
         if not self._mimose_tmp:
             tmp = None
-        self.mimose.observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
+        (into or self.mimose).observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
         self.collections += 1
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
