@@ -47,6 +47,7 @@ from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_me
 MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 MIMOSE_SETTINGS = 8  # Mimose settings whose samples are kept (the least recently used goes)
+FIRST_SAMPLE_TRIES = 3  # first Mimose samples with a failed measurement dropped before learning
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -187,6 +188,7 @@ class ChainRunner:
         # decided at the first step in a process group
         self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
         self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
+        self._first_failures = 0  # first samples dropped because a measurement failed
 
     # ---------------------------------------------------------------- copies and pickles
     def __getstate__(self) -> Dict[str, Any]:
@@ -201,7 +203,8 @@ class ChainRunner:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
-        for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None)):
+        for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None),
+                            ("_first_failures", 0)):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
 
     # -------------------------------------------------------------------------- knobs
@@ -305,7 +308,8 @@ class ChainRunner:
             self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS] if measured else None,
                                  [out[k] for k in OUTSIDE_FIELDS]
                                  if measured and isinstance(out, dict) else None,
-                                 key[2] if len(key) > 2 else None)
+                                 key[2] if len(key) > 2 else None,
+                                 tail_failed=isinstance(tail, dict) and "failed" in tail)
             return
         size = self._learning.pop(key, None)
         if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
@@ -547,7 +551,7 @@ class ChainRunner:
         elif step.collector is not None:
             est = _collected(step)
             sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
-                      tuple(est.fw), step.collector.tmp())
+                      tuple(est.fw), step.collector.tmp(), step.collector.failed is not None)
             if self.tail is not None and not self._under_fsdp():
                 # the model's tail is measured too, and the sample recorded with it when the
                 # model's forward returns (``_plan_measured``; without it if that fails)
@@ -561,17 +565,39 @@ class ChainRunner:
             self._observe_sample(sample, None, None, self._collecting_into)
 
     def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
-                        outside: Optional[List[float]], into: Optional[Mimose] = None) -> None:
+                        outside: Optional[List[float]], into: Optional[Mimose] = None,
+                        tail_failed: bool = False) -> None:
         """One Mimose collection step's measurements (``sample``: size, input bytes, xbar,
-        out, fw, and the blocks' transients or None), with the model's tail and what the
-        step held outside the chain, if measured, for ``into`` (the Mimose of the setting
-        the step ran under; None: the current one). All or nothing, for the tail and for the
-        transients alike: the estimator fits every column on every sample, so a sample
-        without them (their measurement failed) among samples with them would teach it
-        zeros. Such a sample is dropped (the size is collected again on its next step); once
-        the first sample had no tail (no transients), none is learnt."""
-        size, input_bytes, xbar, out, fw, tmp = sample
+        out, fw, the blocks' transients or None, and whether measuring those failed), with
+        the model's tail and what the step held outside the chain, if measured
+        (``tail_failed``: its measurement failed, or the step raised in it), for ``into``
+        (the Mimose of the setting the step ran under; None: the current one). All or
+        nothing, for the tail and for the transients alike: the estimator fits every column
+        on every sample, so a sample without them (their measurement failed) among samples
+        with them would teach it zeros. Such a sample is dropped (the size is collected again
+        on its next step); once the first sample had no tail (no transients), none is learnt.
+        A first sample without them because their measurement failed (an out-of-memory in the
+        tail, a step interrupted) does not decide that for the run: it is dropped too, up to
+        ``FIRST_SAMPLE_TRIES`` times, since learning without the tail plans every later step
+        without the tail's memory."""
+        size, input_bytes, xbar, out, fw, tmp, tmp_failed = sample
         if self._mimose_tails is None:
+            failed = [what for what, got, broke in (
+                ("the model's tail", tail, tail_failed),
+                ("the blocks' transients", tmp, tmp_failed)) if got is None and broke]
+            if failed:
+                self._first_failures += 1
+                if self._first_failures < FIRST_SAMPLE_TRIES:
+                    warnings.warn(
+                        f"{self.name}: measuring {' and '.join(failed)} failed on a Mimose "
+                        "collection step before any sample was learnt; its sample is dropped "
+                        "(the size is collected again) rather than learning without them for "
+                        "the whole run", stacklevel=2)
+                    return
+                warnings.warn(
+                    f"{self.name}: measuring {' and '.join(failed)} failed on the first "
+                    f"{FIRST_SAMPLE_TRIES} Mimose collection steps; Mimose learns without "
+                    "them from now on (their memory is not in its plans)", stacklevel=2)
             self._mimose_tails, self._mimose_tmp = tail is not None, tmp is not None
         missing = [what for what, carried, got in (
             ("the model's tail", self._mimose_tails, tail),
@@ -684,8 +710,8 @@ class ChainRunner:
             if self.tail is not None:  # a tail measured since the last block is over
                 self.tail.block_zero()
             if self.current is not None:  # the last forward stopped between blocks (raised)
-                self.current, stale = None, self.current
-                stale.abandon()  # else its holders/graph cycle would never be freed
+                stale = self.current
+                self.abandon_step()
                 # ... or block 0 runs twice in a row in one forward, on its own output
                 # (Funnel's block_repeats); a pass the model's own code broke off and began
                 # again (a retry) goes on
@@ -738,6 +764,14 @@ class ChainRunner:
             self._pass_in = self._step_in
             self._end_forward(step, out)
         return out
+
+    def abandon_step(self) -> None:
+        """The model's forward stopped (raised) with a step begun: the step lets go of what it
+        holds (checkpoints, the partial graph) now, not when the next forward begins. (Else
+        its holders/graph cycle would never be freed.)"""
+        step, self.current = self.current, None
+        if step is not None:
+            step.abandon()
 
     def _several_passes(self) -> None:
         """The list ran whole a second time in one forward of the model (ALBERT's shared

@@ -110,7 +110,7 @@ class ShuttlingCollector:
             self.failed = f"block {s}: {e!r}"
             warnings.warn(f"Mimose: measuring the transients of block {s} on a collection "
                           f"step failed ({e!r}); this step's sample has none (dropped if "
-                          "earlier samples have them)", stacklevel=4)
+                          "earlier samples have them, or if none was learnt yet)", stacklevel=4)
             return
         for k in TMP_FIELDS:
             self.transients[k][s] = int(r[k])

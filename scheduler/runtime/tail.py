@@ -150,6 +150,7 @@ class TailProbe(WeakFields):
             # the last call ended without its forward hook (a KeyboardInterrupt: PyTorch
             # runs ``always_call`` hooks on Exception only): not a call inside it
             self._abort("was interrupted")
+            self._abandon_steps()
             self.depth, self.clean, self.handling = 0, [], []
         if self.rec is not None:
             # a call that ended without its forward hook (an interrupt: ``always_call`` hooks
@@ -178,6 +179,8 @@ class TailProbe(WeakFields):
         if self.clean:
             self.clean.pop()
         before = self.handling.pop() if self.handling else None
+        if self.depth == 0 and sys.exc_info()[1] not in (None, before):
+            self._abandon_steps()  # it raised between blocks: no backward will come
         rec = self.rec
         if rec is None or rec.depth != self.depth + 1 or rec.thread != threading.get_ident():
             return
@@ -185,6 +188,13 @@ class TailProbe(WeakFields):
             self._abort("raised")
             return
         self._finish(output)
+
+    def _abandon_steps(self) -> None:
+        """The model's forward raised: the steps its runners began let go of what they hold
+        (checkpoints) now, not when the next forward begins (a retry with a smaller batch
+        would find that memory taken)."""
+        for runner in (self.runners(self.model) if self.runners is not None else ()):
+            runner.abandon_step()
 
     def _check_blocks_called(self, output: Any) -> None:
         """A training forward of the model that never called the blocks of any of its lists,
@@ -309,12 +319,15 @@ class TailProbe(WeakFields):
         self._release(rec)
         rec.hooks.saved.clear()
         rec.tracer, rec.lasts, rec.step = None, [], None
+        chain = rec.chain
         if reason is not None:
             _warn_once(reason, f"{self.name}: the model's forward {reason} after its last block; "
                        "the tail (stage L) was not measured, the plan uses measure_chain's "
                        "stand-in loss stage")
+            # (a failure, not a tail that cannot be measured: Mimose does not learn from it)
+            chain = chain.replace(meta={**chain.meta, "tail": {"failed": reason}})
         if plan:
-            rec.runner._plan_measured(rec.key, rec.chain, rec.agree_on, rec.device)
+            rec.runner._plan_measured(rec.key, chain, rec.agree_on, rec.device)
 
     def _finish(self, output: Any) -> None:
         rec, self.rec = self.rec, None
