@@ -367,6 +367,8 @@ def run_case(model: str, runtime: str, parallel: str, budget: int, rank: int) ->
         rec["offloaded"] = sum(st.offloaded for st in last)
         plans = [r.last_plan for r in done.runners] if done is not None else [plan]
         rec["last_planners"] = [p.planner for p in plans]  # "profile": a profiling step
+        if done is not None:
+            rec["chains_measured"] = sum(r.stats()["chains_measured"] for r in done.runners)
     # what Mimose learnt, to say why the ranks' plans differ where they must not
     learners = [r.mimose for r in done.runners] if done is not None else \
         [getattr(inner, "mimose", None)]

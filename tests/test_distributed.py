@@ -211,6 +211,8 @@ def test_plans_agree_across_ranks_where_fsdp_shards_the_blocks(runs):
             # the model's step: what it holds beside the chain counts (here the random states
             # the runner keeps), also where FSDP's profiling step measures forward-only
             assert rec.get("outside") and rec["outside"]["forward"] > 0, (name, rec.get("outside"))
+            # one chain per shape met, also where FSDP's profiling step measures forward-only
+            assert rec.get("chains_measured", 0) >= 1, (name, rec.get("chains_measured"))
 
 
 def test_agree_chain_takes_the_max_and_rejects_different_inputs(runs):

@@ -31,6 +31,8 @@ rank = dist.get_rank()
 MODE = sys.argv[1]
 # rank 0 meets a new length at every step, rank 1 keeps the one it met at step 0
 LENGTHS = [[16, 12, 14, 10], [16, 16, 16, 16]][rank]
+if MODE == "fsdp2-block-cached":  # both meet 16 then 12 together; then each a length it knows
+    LENGTHS = [[16, 12, 12], [16, 12, 16]][rank]
 
 
 class Net(nn.Module):
@@ -49,7 +51,7 @@ class Net(nn.Module):
 def run(checkpointed):
     torch.manual_seed(0)
     net = Net()
-    if checkpointed and MODE in ("ddp", "fsdp2-block"):
+    if checkpointed and MODE in ("ddp", "fsdp2-block", "fsdp2-block-cached"):
         scheduler.checkpoint(net, 300_000, "rotor", blocks="blocks", loss="sum")
     elif checkpointed:
         scheduler.checkpoint(net, 300_000, "mimose", blocks="blocks", samples=3)
@@ -57,7 +59,7 @@ def run(checkpointed):
         model = DDP(net)
     else:
         from torch.distributed.fsdp import fully_shard
-        if MODE == "fsdp2-block":
+        if MODE.startswith("fsdp2-block"):
             for b in net.blocks:
                 fully_shard(b)
         model = fully_shard(net)
@@ -72,7 +74,7 @@ def run(checkpointed):
 
 
 plain, _ = run(False)
-if MODE == "fsdp2-block":   # one plan on every rank: a rank planning alone stops them all
+if MODE.startswith("fsdp2-block"):   # one plan on every rank: a rank planning alone stops them all
     try:
         run(True)
     except RuntimeError as e:
@@ -100,6 +102,23 @@ def test_under_fsdp_units_a_rank_planning_alone_stops_every_rank(tmp_path):
     for rank, mine in ((0, "yes"), (1, "no")):
         assert f"rank{rank} refused: scheduler.checkpoint: 1 of 2 ranks meet a new input " \
                f"signature for 'blocks' at this step (this rank: {mine})" in out, out[-4000:]
+
+
+def test_under_fsdp_units_ranks_running_different_known_plans_stop_every_rank(tmp_path):
+    """FSDP2 on every block, rotor: at step 2 each rank meets a length it planned for before
+    (no new plan anywhere), but not the same one: their plans differ (one recomputes where the
+    other does not, and their collectives pair wrongly: a hang). Refused on both ranks at
+    that step's first block, naming what differs."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    proc = torchrun_two_ranks(str(worker), str(tmp_path), "fsdp2-block-cached")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank{rank} refused: scheduler.checkpoint: the ranks call block 0 of 'blocks' " \
+               "with different input signatures at this step" in out, out[-4000:]
+    assert "what differs: args[0]: rank 0 a tensor (8, 12, 32) float32, rank 1 a tensor " \
+           "(8, 16, 32) float32" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2-whole"])

@@ -119,6 +119,24 @@ def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> A
     return (str(spec), tuple(sig))
 
 
+def describe_arguments(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None
+                       ) -> Dict[str, str]:
+    """``signature`` per argument, in words, by name (``args[i]``, keyword names): what an
+    error says when two calls' signatures differ."""
+    def words(v: Any) -> str:
+        leaves = pytree.tree_leaves(v)
+        if isinstance(v, torch.Tensor):
+            return (f"a tensor {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+                    f"{' requiring grad' if v.requires_grad else ''}")
+        if len(leaves) != 1 or leaves[0] is not v:
+            return f"{type(v).__name__} of [{', '.join(words(x) for x in leaves)}]"
+        return repr(v) if isinstance(v, (bool, int, float, str, type(None))) else \
+            type(v).__name__
+    out = {f"args[{i}]": words(v) for i, v in enumerate(args)}
+    out.update((k, words(v)) for k, v in (kwargs or {}).items())
+    return out
+
+
 def block_list(blocks: Any, where: str) -> List[nn.Module]:
     """The blocks of a bare chain as a list: an ``nn.Sequential``, an ``nn.ModuleList`` or a
     non-empty list or tuple of modules (``where`` names the caller in the error)."""

@@ -32,7 +32,7 @@ from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Est
 from ..units import format_bytes
 from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
-from .block_calls import signature, tensor_leaves
+from .block_calls import describe_arguments, signature, tensor_leaves
 from .chain_exec import ChainStep, RunStats
 from .chain_transfers import Transfers
 from .compiled_plan import CompiledPlan
@@ -374,7 +374,7 @@ class ChainRunner:
             if self._one_plan is None:
                 self._one_plan = self._needs_one_plan()
             if self._one_plan:
-                self._same_new_shapes(key not in self.cache)
+                self._same_plan_keys(key, args, kwargs)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
         # a new budget for a shape measured before plans on that chain (no measurement)
@@ -539,6 +539,7 @@ class ChainRunner:
             self.profiling_steps += 1
             dev = _device_of(step.frames[0].call.x, {})
             if step.collector is not None:  # FSDP: measured forward-only (``_begin``)
+                self.measurements += 1
                 chain = _with_outside(chain_from_estimate(_collected(step),
                                                           name="forward-measured"), step)
                 self._plan_measured(key, chain, key, dev)
@@ -673,21 +674,58 @@ class ChainRunner:
         return self._sharded() or any(isinstance(m, nn.SyncBatchNorm)
                                       for b in self.blocks for m in b.modules())
 
-    def _same_new_shapes(self, new: bool) -> None:
-        """Where the ranks must run one plan (``_agrees``), every rank needs a new plan (a new
-        input signature) at the same steps: one all-reduce of a flag per step finds a rank
-        that plans alone and stops every rank at once, where the agreement at the end of its
-        forward would wait for the others until the process group's timeout (30 minutes by
-        default), or pair with their collectives."""
-        n = distributed.ranks_with(new)
-        world = torch.distributed.get_world_size()
-        if 0 < n < world:
+    def _same_plan_keys(self, key: Hashable, args: Sequence[Any],
+                        kwargs: Dict[str, Any]) -> None:
+        """Where the ranks must run one plan (``_agrees``), every rank runs the plan of the same
+        key (input signature, budget, mode, autocast) at every step, and needs a new plan at
+        the same steps. One all-reduce per step finds a rank that plans alone, or ranks that
+        run different cached plans (one recomputing from a checkpoint, its collectives paired
+        with another rank's gradient reduction), and stops every rank at once, where they
+        would otherwise hang until the process group's timeout (30 minutes by default)."""
+        new = key not in self.cache
+        mixed, differ = distributed.differ(new, key)
+        if mixed:
+            n = distributed.ranks_with(new)
+            world = torch.distributed.get_world_size()
             raise RuntimeError(
                 f"{self.name}: {n} of {world} ranks meet a new input signature for "
                 f"'{self.list_name}' at this step (this rank: {'yes' if new else 'no'}); where "
                 "a recomputation runs collectives (FSDP units, SyncBatchNorm) every rank must "
                 "run one plan, so every rank must meet new shapes at the same steps: pad each "
-                "step's batches to the same length on every rank, or use planner='mimose'")
+                "step's batches to the same length on every rank, or use planner='mimose'"
+                f"{self._differences(args, kwargs)}")
+        if differ:
+            raise RuntimeError(
+                f"{self.name}: the ranks call block 0 of '{self.list_name}' with different "
+                "input signatures at this step, each known from an earlier step; where a "
+                "recomputation runs collectives (FSDP units, SyncBatchNorm) every rank must run "
+                "one plan, so every rank must call the blocks with the same signature at the "
+                "same step: pad each step's batches to the same length on every rank, or use "
+                f"planner='mimose'{self._differences(args, kwargs)}")
+
+    def _differences(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+        """What differs between this rank's call of block 0 and the other ranks' (a collective:
+        every rank is on this error path at once), for the message."""
+        mine = dict(describe_arguments(args, kwargs), budget=repr(self._budget),
+                    mode="train" if self.blocks[0].training else "eval",
+                    autocast=repr(rng.autocast_state()))
+        everyone = distributed.gathered(mine)
+        me = torch.distributed.get_rank()
+        diffs = []
+        for name in dict.fromkeys(n for d in everyone for n in d):
+            seen = [d.get(name, "absent") for d in everyone]
+            if len(set(seen)) > 1:
+                diffs.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(seen)))
+        if not diffs:
+            return ""
+        hint = ""
+        if any(v in ("None", "absent") for d in everyone for k, v in d.items()
+               if "mask" in k):
+            hint = ("; a Hugging Face model passes no attention mask to its layers for a batch "
+                    "without padding (SDPA attention) and one for a batch with padding: load it "
+                    "with attn_implementation='eager' (a mask at every step), or use "
+                    "planner='mimose'")
+        return f" (rank {me}; what differs: {'; '.join(diffs)}){hint}"
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True

@@ -31,7 +31,7 @@ import hashlib
 import re
 import threading
 import weakref
-from typing import Any, Dict, Hashable
+from typing import Any, Dict, Hashable, List, Tuple
 
 import torch
 
@@ -116,6 +116,30 @@ def ranks_with(flag: bool, group: Any = None) -> int:
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())
+
+
+def differ(flag: bool, key: Hashable, group: Any = None) -> Tuple[bool, bool]:
+    """Whether the ranks of ``group`` hold ``flag`` differently, and whether their ``key``s
+    differ (``_fingerprint``), in one all-reduce; (False, False) without a group. Every rank
+    must call it at the same point."""
+    if not active(group):
+        return False, False
+    dist = torch.distributed
+    f, fp = (1.0 if flag else 0.0), _fingerprint(key, 0)
+    t = torch.tensor([f, -f, fp, -fp], dtype=torch.float64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi_f, lo_f, hi_k, lo_k = t.tolist()
+    return hi_f != -lo_f, hi_k != -lo_k
+
+
+def gathered(obj: Any, group: Any = None) -> List[Any]:
+    """``obj`` of every rank of ``group``, in rank order (``[obj]`` without a group): for an
+    error message that says what differs. Every rank must call it at the same point."""
+    if not active(group):
+        return [obj]
+    out: List[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
 
 
 def any_rank(flag: bool, group: Any = None) -> bool:

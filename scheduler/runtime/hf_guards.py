@@ -157,8 +157,9 @@ class _CacheOff:
 
 
 def _turn_hf_checkpointing_off(call: str) -> str:
-    return (f"call {call}, and leave gradient_checkpointing out of the Trainer's "
-            "TrainingArguments: the plan decides what is recomputed")
+    return (f"call {call}, and leave gradient_checkpointing (activation_checkpointing in "
+            "transformers 5) out of the Trainer's TrainingArguments: the plan decides what is "
+            "recomputed")
 
 
 def refuse_hf_checkpointing(model: nn.Module) -> None:
