@@ -215,3 +215,32 @@ def test_a_merged_peft_model_says_its_plan_is_gone_and_checkpoints_again():
     assert checkpointed(model).runners[0].last_stats.recomputed_forwards == 4
     undo(model)
     assert not any(_forwards(blocks))
+
+
+def test_a_second_model_sharing_the_blocks_replaces_the_first_call_and_says_so():
+    # a multi-task trunk under two heads, each checkpointed: a block runs one plan, so the
+    # second call removes the first; the first model's steps change, which must be said
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x)) + x
+
+    class Head(nn.Module):
+        def __init__(self, trunk: nn.ModuleList, out: int) -> None:
+            super().__init__()
+            self.layers, self.head = trunk, nn.Linear(16, out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.layers:
+                x = b(x)
+            return self.head(x)
+
+    trunk = nn.ModuleList([Block() for _ in range(4)])
+    a, b = Head(trunk, 3), Head(trunk, 5)
+    scheduler.checkpoint(a, "1GiB")
+    with pytest.warns(RuntimeWarning, match="shares checkpointed blocks with a Head"):
+        scheduler.checkpoint(b, "1GiB")
+    assert checkpointed(a) is None and checkpointed(b) is not None

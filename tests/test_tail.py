@@ -17,7 +17,7 @@ import scheduler
 from scheduler import simulate
 from scheduler.planners import rotor
 from scheduler.planners.mimose import plan_from_checkpoints
-from scheduler.runtime import tail as tail_mod
+from scheduler.runtime import hook_stack, tail as tail_mod
 from scheduler.runtime.checkpoint import checkpointed
 
 from test_checkpoint_hf import FAST, VOCAB, assert_same, make, step
@@ -27,7 +27,7 @@ from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 def clean() -> bool:
     """Nothing on the saved-tensor-hook or dispatch-mode stacks."""
     return torch._C._autograd._top_saved_tensors_default_hooks(True) is None and \
-        _get_current_dispatch_mode() is None and not tail_mod._stale
+        _get_current_dispatch_mode() is None and not hook_stack._stale
 
 
 @pytest.fixture(autouse=True)
@@ -228,6 +228,38 @@ def test_an_interrupted_tail_records_nothing_until_the_next_call():
     assert_same(ref, model, step(ref, batch, 1), lm, "gpt2")
 
 
+def test_an_interrupted_tail_keeps_nothing_of_its_caller_alive():
+    # the interrupted call's frame tells the probe the call has ended; held past the end it
+    # would keep the caller's locals (the model, its optimizer): a collection lets it go
+    import gc
+    import weakref
+    ref, model, batch, chains = checkpointed_model("gpt2")
+
+    def interrupt(m, a):
+        raise KeyboardInterrupt
+
+    def train(model: nn.Module, held: torch.Tensor) -> None:
+        model(**batch)
+
+    head(model).register_forward_pre_hook(interrupt)
+    held = torch.zeros(1 << 16)
+    gone = [weakref.ref(model), weakref.ref(held)]
+    try:
+        train(model, held)
+    except KeyboardInterrupt:
+        pass
+    del model, held
+    gc.collect()   # (no op runs before it)
+    assert [r() for r in gone] == [None, None]
+    _, other, _, measured = checkpointed_model("gpt2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step(other, batch, 1)   # a new model's first step: its tail is measured
+    assert not [w for w in seen if "are active around" in str(w.message)], \
+        [str(w.message) for w in seen]
+    assert "measured" in measured[0].meta.get("tail", {}) and clean()
+
+
 def test_an_interrupt_inside_a_block_ends_the_models_call():
     # the model's forward hook never runs on an interrupt: the next call is a new forward of
     # the model, not one inside the interrupted one (no 'ran a second time' warning)
@@ -275,7 +307,7 @@ def test_context_left_open_in_the_tail_is_popped_later():
     with pytest.warns(UserWarning, match="still open when it returned"):
         lm = step(model, batch, 0)
     h.remove()
-    assert "tail" in chains[0].meta and tail_mod._stale  # measured; our hooks inert below
+    assert "tail" in chains[0].meta and hook_stack._stale  # measured; our hooks inert below
     opened[0].__exit__(None, None, None)  # the user's context closes...
     assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
     assert_same(ref, model, step(ref, batch, 1), step(model, batch, 1), "gpt2")

@@ -83,6 +83,18 @@ def _describe_setting(setting: Hashable) -> str:
             f"{'with' if grad else 'without'} gradient")
 
 
+def needs_grad(blocks: Sequence[nn.Module], args: Sequence[Any],
+               kwargs: Dict[str, Any]) -> bool:
+    """Whether a call of ``blocks`` with ``(args, kwargs)`` is a training step (planned):
+    gradients on, and a block's weight or an argument that wants one."""
+    if not torch.is_grad_enabled():
+        return False
+    if fsdp.trains(blocks):
+        return True
+    return any(isinstance(v, torch.Tensor) and v.requires_grad
+               for v in tensor_leaves((tuple(args), kwargs)))
+
+
 def _collected(step: ChainStep) -> Estimate:
     """What a step's collector measured (per block: saved bytes, output bytes, forward time,
     and the transients if it measured them; the chain's input bytes)."""
@@ -486,12 +498,7 @@ class ChainRunner:
 
     # -------------------------------------------------------------------------- steps
     def _needs_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        if fsdp.trains(self.blocks):
-            return True
-        return any(isinstance(v, torch.Tensor) and v.requires_grad
-                   for v in tensor_leaves((tuple(args), kwargs)))
+        return needs_grad(self.blocks, args, kwargs)
 
     def _transfers_for(self, dev: torch.device) -> Transfers:
         """The copy streams and pinned pool of ``dev``: one per device a moved storage lives

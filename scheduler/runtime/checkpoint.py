@@ -29,11 +29,10 @@ import torch
 from torch import nn
 
 from . import fsdp
-from .chain_runner import ChainRunner
+from .chain_runner import ChainRunner, needs_grad
 from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
-from .block_calls import tensor_leaves
 from .tail import TailProbe
 from .weak import WeakFields, gone
 
@@ -168,9 +167,7 @@ class _BlockForward(WeakFields):
         self._root = weakref.ref(root)
         # for the warning once the root is gone: what the call was made on
         self.where = f"'{list_name}' of the {type(root).__name__}"
-        while isinstance(own, _BlockForward):  # never two wrappers, one calling the other
-            own = own.own
-        self.own = own                 # the block's own instance forward, if it had one
+        self.own = _own_forward(own)   # the block's own instance forward, if it had one
         self.function = type(block).forward  # else its class's, called on the block
         self.thread: Optional[int] = None
 
@@ -210,13 +207,9 @@ class _BlockForward(WeakFields):
         return r.call(self.s, args, kwargs, lambda a, k: self.original(*a, **k))
 
     def _wants_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-        """``ChainRunner._needs_grad`` without the runner: a step that would have been planned."""
-        if not torch.is_grad_enabled():
-            return False
+        """``needs_grad`` of this block without the runner: a step that would be planned."""
         block = self._block()
-        return (block is not None and fsdp.trains([block])) or \
-            any(isinstance(v, torch.Tensor) and v.requires_grad
-                for v in tensor_leaves((tuple(args), kwargs)))
+        return needs_grad([block] if block is not None else [], args, kwargs)
 
     def _say_gone(self) -> None:
         # the plan went with the module the call was made on; training on without a word
@@ -252,12 +245,17 @@ def _root_of(fwd: _BlockForward) -> Optional[nn.Module]:
     return root
 
 
+def _own_forward(forward: Any) -> Any:
+    """A block's own instance forward under any ``_BlockForward`` (never two wrappers, one
+    calling the other; a model pickled while calls still nested could hold one)."""
+    while isinstance(forward, _BlockForward):
+        forward = forward.own
+    return forward
+
+
 def _unwrap(block: nn.Module, fwd: _BlockForward) -> None:
-    """Give ``block`` the forward it had before ``fwd`` was installed (and before any wrapper
-    under it: a model pickled while calls still nested could hold one)."""
-    own = fwd.own
-    while isinstance(own, _BlockForward):
-        own = own.own
+    """Give ``block`` the forward it had before ``fwd`` was installed."""
+    own = _own_forward(fwd.own)
     if own is not None:
         block.forward = own
     else:
@@ -294,7 +292,17 @@ def undo(model: nn.Module) -> nn.Module:
             _unwrap(block, fwd)
         else:
             roots[id(root)] = root
+    inside = {id(m) for m in model.modules()}
     for root in roots.values():
+        if id(root) not in inside and not any(m is model for m in root.modules()):
+            # neither a wrapper of the model nor a part of it: another model sharing blocks
+            # (a trunk under two heads); its call goes, which it must not do unsaid
+            warnings.warn(
+                f"{NAME}: {type(model).__name__} shares checkpointed blocks with a "
+                f"{type(root).__name__} that scheduler.checkpoint was called on; that call is "
+                "removed (a block runs one plan): the other model's steps now run its blocks "
+                "plainly, or under this call's plan if it is a new one. Checkpoint the module "
+                "that holds both models instead", RuntimeWarning, stacklevel=2)
         _undo_own(root)
     return model
 

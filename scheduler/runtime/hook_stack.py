@@ -5,10 +5,12 @@ they are clean (``_stacks_clean``), the entries it pushes (``_Hooks``: saved-ten
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import weakref
 from types import FrameType
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _python_dispatch as dispatch
@@ -52,37 +54,61 @@ def running(frame: FrameType) -> bool:
 
 class _Within:
     """The model call a recording belongs to (its ``_call_impl`` frame, on its thread): once
-    that call has ended without saying so (an interrupt), the recording's entries turn inert
-    at their next use instead of recording whatever runs next (a Ctrl-C handler saving the
-    model) until the model is called again."""
+    that call has ended without saying so (an interrupt), the recording's entries (``entries``:
+    its tracer and hooks) turn inert and are queued to be popped (``_stale``), instead of
+    recording whatever runs next (a Ctrl-C handler saving the model) until the model is called
+    again. Found at the entries' next use, or at the next garbage collection (``_gc_start``):
+    the frame, held until then, keeps the caller's locals (the model, its optimizer)."""
 
     def __init__(self, frame: Optional[FrameType]) -> None:
         self.frame = frame  # None: not known (no check)
         self.thread = threading.get_ident()
         self.ended = False
+        self.entries: List[Any] = []
+        if frame is not None:
+            _calls.add(self)
 
     def over(self) -> bool:
         """The call has ended (judged on its own thread only: autograd's device threads run
         the replayed backward's ops with our entries too, outside that stack)."""
         if not self.ended and self.frame is not None and \
                 threading.get_ident() == self.thread and not running(self.frame):
-            self.ended, self.frame = True, None  # (its locals let go)
+            self.ended, self.frame = True, None  # (its caller's locals let go)
+            for entry in self.entries:
+                _retire(entry)
+            self.entries = []
         return self.ended
+
+
+# the calls being watched (weakly: a probe drops its own at the end of the call)
+_calls: "weakref.WeakSet[_Within]" = weakref.WeakSet()
+
+
+def _gc_start(phase: str, info: Dict[str, Any]) -> None:
+    """At each collection's start: calls that ended without saying so let their frames go,
+    so the collection can free what only those frames held."""
+    if phase == "start" and _calls:
+        for call in list(_calls):
+            call.over()
+
+
+gc.callbacks.append(_gc_start)
 
 
 class _TailTracer(OpTracer):
     """The op tracer, inert once its recording is over (if it could not be popped at once) or
-    once the model call it records in has ended without popping it."""
+    once the model call it records in has ended without popping it (``_Within``)."""
 
     active = True
+    queued = False  # in ``_stale``
 
     def __init__(self, within: Optional[_Within] = None) -> None:
         super().__init__()
         self.within = within
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and self.within is not None and self.within.over():
-            self.active, self._keep = False, []
+        if self.within is not None:
+            self.within.over()
         if not self.active:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -93,6 +119,8 @@ class _Hooks:
     tensor, unlinked from its history as ``chain_exec`` does: no reference cycle) and, while
     recording (within the model call of ``within``), note it."""
 
+    queued = False  # in ``_stale``
+
     def __init__(self, within: Optional[_Within] = None) -> None:
         self.saved: List[torch.Tensor] = []
         self.recording = True
@@ -102,9 +130,8 @@ class _Hooks:
         # noted unlinked too: with its history, a noted tensor would lead back to the nodes
         # that keep this hook (a cycle through the C++ graph) until ``saved`` is cleared
         t = unlinked(t)
-        if self.recording and self.within is not None and self.within.over():
-            self.recording = False
-            self.saved.clear()
+        if self.within is not None:
+            self.within.over()
         if self.recording:
             self.saved.append(t)
         return t
@@ -112,6 +139,21 @@ class _Hooks:
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def _retire(entry: Any) -> None:
+    """Make a pushed entry inert (the tracer records and keeps nothing, the hooks note
+    nothing) and queue it to be popped at the next safe point (``_sweep``, at a model call):
+    never popped here, inside an op's dispatch or a garbage collection."""
+    entry.within = None
+    if isinstance(entry, _TailTracer):
+        entry.active, entry._keep = False, []
+    else:
+        entry.recording = False
+        entry.saved.clear()
+    if not entry.queued:
+        entry.queued = True
+        _stale.append(("tracer" if isinstance(entry, _TailTracer) else "hooks", entry))
 
 
 # pushed entries that were not on top of their stack when their call ended: popped as soon as

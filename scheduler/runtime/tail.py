@@ -57,8 +57,7 @@ from ..profile.autograd_graph import differentiable
 from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
-# (``_stale`` is hook_stack's one list: the tests read it as ``tail._stale``)
-from .hook_stack import (_Hooks, _pop_hooks, _pop_tracer, _stacks_clean, _stale, _sweep,
+from .hook_stack import (_Hooks, _pop_hooks, _pop_tracer, _retire, _stacks_clean, _sweep,
                          _TailTracer, _Within, module_call_frame)
 from .outside import Outside, head_census
 from .tail_graph import _read_by_tail, _tail_graph, has_backward_hooks
@@ -278,6 +277,8 @@ class TailProbe(WeakFields):
         else:
             rec.tracer = _TailTracer(self._call)
         rec.hooks.within = self._call
+        if self._call is not None:  # made inert by it if the call ends without saying so
+            self._call.entries = [e for e in (rec.tracer, rec.hooks) if e is not None]
         torch._C._autograd._push_saved_tensors_default_hooks(rec.hooks.pack, rec.hooks.unpack)
         if rec.tracer is not None:
             rec.tracer.__enter__()
@@ -288,24 +289,24 @@ class TailProbe(WeakFields):
 
     # ------------------------------------------------------------------------ ending
     def _release(self, rec: _Recording) -> None:
-        """Pop what ``begin`` pushed (tracer first: pushed last), or leave it inert."""
+        """Pop what ``begin`` pushed (tracer first: pushed last), or leave it inert and queued
+        (``hook_stack._retire``; already so if its call ended without saying so)."""
         rec.hooks.recording = False
         rec.hooks.within = None
         if rec.tracer is not None:
-            rec.tracer.within = None
+            rec.tracer.active, rec.tracer.within = False, None
         if not rec.pushed:
             return
         rec.pushed = False
         stale = False
-        if rec.tracer is not None:
-            rec.tracer.active = False
-            if not _pop_tracer(rec.tracer):
-                _stale.append(("tracer", rec.tracer))
-                rec.tracer._keep = []  # inert from now on: hold no tensor
+        for entry, pop in ((rec.tracer, _pop_tracer), (rec.hooks, _pop_hooks)):
+            if entry is None or entry.queued:
+                continue
+            if pop(entry):
+                entry.queued = True  # (popped: never queued again)
+            else:
+                _retire(entry)
                 stale = True
-        if not _pop_hooks(rec.hooks):
-            _stale.append(("hooks", rec.hooks))
-            stale = True
         if stale:
             _warn_once("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
                        "during the model's forward was still open when it returned; the tail "
