@@ -46,20 +46,32 @@ def _plain(values: Tuple[Any, ...]) -> bool:
         return False
 
 
+def _sized(values: Any) -> bool:
+    """Has a length: a 0-d numpy array has ``__len__`` but ``len()`` refuses it."""
+    try:
+        len(values)
+    except TypeError:
+        return False
+    return True
+
+
 def _as_tuple(name: str, values: Sequence[Any]) -> Tuple[Number, ...]:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+    if isinstance(values, (str, bytes)) or not _sized(values):
         raise ValueError(f"Chain.{name}: expected a sequence of numbers, got {values!r}")
     fast = tuple(values)
     if _plain(fast):
         return fast
     out = []
-    for s, v in enumerate(values):
+    for s, given in enumerate(values):
+        v = given
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            try:  # numpy scalars and the like
-                v = v.item()
-            except AttributeError:
-                raise ValueError(f"Chain.{name}[{s}]: expected a number, got {v!r}") from None
-        if not math.isfinite(v) or v < 0:
+            item = getattr(v, "item", None)  # numpy scalars and the like
+            v = item() if callable(item) else None
+            # (what .item() gives must be a number too: numpy's strings and bools are not)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"Chain.{name}[{s}]: expected a number, got {given!r}")
+        # (an int is finite however large: math.isfinite would overflow converting it)
+        if (isinstance(v, float) and not math.isfinite(v)) or v < 0:
             raise ValueError(f"Chain.{name}[{s}]: must be finite and non-negative, got {v!r}")
         out.append(v)
     return tuple(out)
@@ -83,7 +95,7 @@ class Chain:
     def __post_init__(self) -> None:
         for name in FIELDS:
             raw = getattr(self, name)
-            if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
+            if isinstance(raw, (str, bytes, dict)) or not _sized(raw):
                 raise ValueError(f"Chain.{name}: expected a sequence of numbers, got {raw!r:.80}")
         if not isinstance(self.name, str):
             raise ValueError(f"Chain.name: expected a string, got {self.name!r:.80}")

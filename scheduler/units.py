@@ -37,10 +37,12 @@ def parse_rate(bandwidth: Any, where: str = "parse_rate", *, name: str = "bandwi
             rate, why = None, f" ({exc})"
     ok = isinstance(rate, numbers.Real) and not isinstance(rate, bool) and \
         (rate > 0 or (allow_zero and rate == 0))  # (NaN fails both)
-    if not ok:
+    value = float_or_none(rate) if ok else None
+    if value is None:  # (a rate past float's range, 10**400, overflowed float() here)
+        why = why or (" (too large for a float)" if ok else "")
         raise ValueError(f"{where}: {name} must be {'non-negative' if allow_zero else 'positive'}"
-                         f" bytes/s (e.g. 12e9 or '12GB/s'), got {bandwidth!r}{why}")
-    return float(rate)
+                         f" bytes/s (e.g. 12e9 or '12GB/s'), got {shown(bandwidth)}{why}")
+    return value
 
 
 def format_bytes(nbytes: Any) -> str:
@@ -69,16 +71,38 @@ def exact_number(x: Any) -> str:
 def parse_memory(value: Any, name: str, *, allow_zero: bool = False,
                  allow_none: bool = False) -> Optional[Number]:
     """Bytes as a number (ints stay ints) from a number or a size string (``"16GiB"``, read by
-    ``vmalloc.sizes.parse_size``). Finite and positive (``allow_zero``: 0 too); ``None``
-    passes where ``allow_none`` (the caller's default)."""
+    ``vmalloc.sizes.parse_size``). Any real number, numpy's included (an integral one comes
+    back a Python int, the others a float); finite, within a float's range, and positive
+    (``allow_zero``: 0 too); ``None`` passes where ``allow_none`` (the caller's default)."""
     if value is None and allow_none:
         return None
     if isinstance(value, str):
         from vmalloc.sizes import parse_size  # torch-free; lazily, as parse_rate does
         value = parse_size(value, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # any real number, numpy's scalars included (as Chain and the rates take them); a bool
+    # (numpy's is no numbers.Real) is no size
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}: expected a number, got {value!r}")
-    if math.isnan(value) or math.isinf(value) or value < 0 or (value == 0 and not allow_zero):
+    as_float = float_or_none(value)
+    if as_float is None or math.isnan(as_float) or math.isinf(as_float) or as_float < 0 or \
+            (as_float == 0 and not allow_zero):
         raise ValueError(f"{name}: must be a {'non-negative' if allow_zero else 'positive'} "
-                         f"finite number of bytes, got {value!r}")
-    return value
+                         f"finite number of bytes, got {shown(value)}"
+                         + (" (too large for a float)" if as_float is None else ""))
+    # ints stay ints (the exact-unit DPs and byte-exact limits need them), other reals floats
+    return int(value) if isinstance(value, numbers.Integral) else as_float
+
+
+def float_or_none(value: Any) -> Optional[float]:
+    """``float(value)``, or None past float's range (an int such as 10**400)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """``repr(value)`` for a message, a long one (a 400-digit int) cut to its first digits
+    and its length."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 20]}... ({len(text)} characters)"

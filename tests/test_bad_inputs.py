@@ -1,6 +1,7 @@
 """Errors that name the parameter and its value (issue 16 item 10): one case per bad input."""
 import json
 
+import numpy as np
 import pytest
 
 from scheduler import Chain, InfeasibleError, Op, Plan
@@ -11,6 +12,7 @@ FRACTIONAL = Chain(fw=[1.0, 1, 1], bw=[1.0, 1, 1], x=[1.5, 2.5, 1.5], xbar=[3.5,
                    delta=[1.5, 2.5, 1.5])
 HUGE = Chain.random(3, max_size=2**62)
 GOOD = {"fw": [1], "bw": [1], "x": [1], "xbar": [1], "delta": [1]}
+GOOD3 = {k: [1] * 3 for k in GOOD}
 
 
 def chain_json(**change):
@@ -54,10 +56,31 @@ def chain_json(**change):
     (lambda: Chain.from_json("{nope"), ValueError, r"Chain\.from_json: the text is not JSON"),
     (lambda: Chain.from_json("/nonexistent/chain.json"), ValueError,
      r"cannot read '/nonexistent/chain\.json'"),
+    # numpy values: what .item() gives must be a number too, and a 0-d array is no sequence
+    # (were TypeErrors "must be real number, not str" / "len() of unsized object", and
+    # np.True_ was taken as 1 where True is refused)
+    (lambda: Chain(**dict(GOOD3, fw=np.array(["1", "2", "3"]))), ValueError,
+     r"Chain\.fw\[0\]: expected a number, got np\.str_\('1'\)"),
+    (lambda: Chain(**dict(GOOD3, fw=np.array(3))), ValueError,
+     r"Chain\.fw: expected a sequence of numbers, got array\(3\)"),
+    (lambda: Chain(**dict(GOOD3, fw=[np.True_, 1, 1])), ValueError,
+     r"Chain\.fw\[0\]: expected a number, got np\.True_"),
+    (lambda: Chain(**dict(GOOD3, x=[True, 1, 1])), ValueError,
+     r"Chain\.x\[0\]: expected a number, got True"),
+    (lambda: Chain(**dict(GOOD3, x=[1, np.float32("nan"), 1])), ValueError,
+     r"Chain\.x\[1\]: must be finite and non-negative, got nan"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_numpy_values_are_still_taken():
+    c = Chain(**dict(GOOD3, fw=np.array([1, 2, 3]), x=np.array([1.5, 2, 3], dtype=np.float32),
+                     xbar=[np.int64(1), np.uint8(2), 3]))
+    assert c.fw == (1, 2, 3) and c.x == (1.5, 2.0, 3.0) and c.xbar == (1, 2, 3)
+    assert all(type(v) is int for v in c.fw + c.xbar)
+    assert Chain(**dict(GOOD3, x=[10 ** 400, 1, np.int64(1)])).x[0] == 10 ** 400  # no overflow
 
 
 def test_a_good_chain_and_plan_still_round_trip():

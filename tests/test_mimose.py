@@ -2,6 +2,8 @@
 ``wrap(planner="mimose")`` on a model whose attention memory grows with seq_len^2."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -182,6 +184,59 @@ def test_estimator_rejects_bad_input():
         e.observe(10, 1, [1], [1, 1], [1, 1])
     with pytest.raises(ValueError, match="distinct"):
         e.fit()
+
+
+def _three_sizes() -> M.Mimose:
+    m = M.Mimose(2, samples=3)
+    for s in (1, 2, 3):
+        m.observe(s, 10, [s, s], [s, s], [1e-3, 1e-3])
+    return m
+
+
+@pytest.mark.parametrize("size", [math.inf, math.nan, 10 ** 400, -1.0, 0])
+def test_observe_refuses_a_size_that_is_not_positive_and_finite(size):
+    """observe(inf) was taken, and every later fit failed with numpy's LinAlgError (and
+    LAPACK's complaints on stderr)."""
+    m = _three_sizes()
+    with pytest.raises(ValueError, match=r"Estimator\.observe: input_size must be a positive "
+                                         r"number, got "):
+        m.observe(size, 10, [4, 4], [4, 4], [1e-3, 1e-3])
+    assert m.plan(6, 100).meta["input_size"] == 6.0   # the fits are untouched
+    with pytest.raises(ValueError, match="ChainEstimator.observe: input_size must be a positive"):
+        M.ChainEstimator(1, samples=3).observe(size, scheduler.Chain.random(1))
+
+
+@pytest.mark.parametrize("field, kwargs, shown", [
+    ("input_bytes", dict(input_bytes=math.inf), r"input_bytes\[0\]=inf"),
+    ("xbar", dict(xbar=[1, math.nan]), r"xbar\[1\]=nan"),
+    ("fw", dict(fw=[1e-3, 10 ** 400]), r"fw\[1\]=1000+\.\.\."),
+    ("out", dict(out=[1, "x"]), r"out\[1\]='x'"),
+    ("tail", dict(tail=[1, 1, math.inf, 1, 1]), r"tail\[2\]=inf"),
+    ("outside", dict(outside=[math.nan, 0]), r"outside\[0\]=nan"),
+    ("tmp", dict(tmp={"fw_tmp": [1, 1], "bw_tmp": [1, math.inf], "fck_tmp": [1, 1]}),
+     r"tmp\['bw_tmp'\]\[1\]=inf"),
+])
+def test_observe_names_the_measurement_that_is_not_finite(field, kwargs, shown):
+    args = dict(input_size=4, input_bytes=10, xbar=[4, 4], out=[4, 4], fw=[1e-3, 1e-3])
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=r"Estimator\.observe: measurements at input size 4 "
+                                         r"must be finite, .*; got " + shown):
+        M.Estimator(2, samples=3).observe(**args)
+
+
+def test_plan_far_beyond_the_fit_or_past_a_float_says_so():
+    m = _three_sizes()
+    # (was "cannot convert float NaN to integer": the fit's powers overflowed)
+    with pytest.raises(ValueError, match=r"Estimator: the fit is not finite at input size "
+                                         r"1e\+160, far beyond the sizes observed \(1 to 3\)"):
+        m.plan(1e160, 1e300)
+    # (were OverflowError: int too large to convert to float)
+    with pytest.raises(ValueError, match=r"Mimose\.plan: budget must be a positive number of "
+                                         r"bytes .* got 1000+\.\.\."):
+        m.plan(5, 10 ** 400)
+    with pytest.raises(ValueError, match=r"Mimose\.plan: input_size must be a positive number"):
+        m.plan(10 ** 400, 100)
+    assert m.plan(5, 100).meta["input_size"] == 5.0
 
 
 # ------------------------------------------------------------------------ wrap(mimose)

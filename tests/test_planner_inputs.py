@@ -6,7 +6,7 @@ import pytest
 
 from scheduler import Chain, Plan, simulate
 from scheduler.errors import InvalidPlanError
-from scheduler.planners import offload, periodic
+from scheduler.planners import best, offload, periodic, rotor
 from scheduler.planners.swap_schedule import VariableSequence
 
 
@@ -161,3 +161,91 @@ def test_the_least_limit_search_ends_for_a_fractional_limit_on_an_integer_chain(
             rotor.solve(c, 14 + 8 * k / 39, slots=7)
         except InfeasibleError:
             pass
+
+
+MiB = 1 << 20
+
+
+def _in_mib(c):
+    return c.replace(**{f: [v * MiB for v in getattr(c, f)]
+                        for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")})
+
+
+@pytest.mark.parametrize("planners", [None, ["greedy"], ["dynprog", "autocapper"]])
+def test_best_names_a_limit_above_the_refused_one_that_works(planners):
+    """best.solve named the limit it refused ("the smallest limit one of them can meet is
+    33554432" at 33554432, the MiB chain of Chain.random(2, seed=0)): autocapper named pofo's
+    bound, and best took the least any planner named (L = 2, seed 11 at 43 MiB today). It
+    names one it then meets, or None."""
+    from scheduler import InfeasibleError
+    from scheduler.planners import pofo
+    failed = 0
+    for L in (1, 2, 3):
+        for seed in range(12):
+            c = _in_mib(Chain.random(L, seed=seed))
+            lo = pofo.min_memory(c)
+            for m in (lo - MiB, lo):
+                try:
+                    best.solve(c, m, MiB, planners=planners)
+                    continue
+                except InfeasibleError as e:
+                    need, text = e.min_memory, str(e)
+                failed += 1
+                if need is None:
+                    assert "none of them named a limit that works" in text
+                    continue
+                assert need > m
+                assert simulate(c, best.solve(c, need, MiB, planners=planners)).peak_memory <= need
+    assert failed >= 6
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: rotor.solve(c, 2 ** 1024),
+     r"memory: must be a positive finite number of bytes, got 17976931348623159\d+\.\.\. "
+     r"\(309 characters\) \(too large for a float\)"),
+    (lambda c: offload.greedy(c, 60, 10 ** 400),
+     r"offload\.greedy: bandwidth must be non-negative bytes/s .* got 1000+\.\.\. "
+     r"\(401 characters\) \(too large for a float\)"),
+    (lambda c: simulate(c, periodic.solve(c, 1), memory=10 ** 400),
+     r"memory: must be a non-negative finite number of bytes, got 1000+\.\.\."),
+    (lambda c: periodic.best(c, 10 ** 400), r"memory: must be a positive finite number"),
+])
+def test_a_limit_or_rate_past_a_float_is_named(call, match):
+    # (was OverflowError: int too large to convert to float)
+    with pytest.raises(ValueError, match=match):
+        call(Chain.random(5, seed=3))
+
+
+def test_numpy_limits_and_segments_are_taken_as_numbers():
+    np = pytest.importorskip("numpy")
+    from scheduler.planners import pofo
+    c = Chain.random(5, seed=3)
+    want = rotor.solve(c, 100)
+    for m in (np.int64(100), np.float32(100), np.float64(100.0), np.uint16(100)):
+        got = rotor.solve(c, m)   # was "memory: expected a number, got np.int64(100)"
+        assert got.ops == want.ops and got.memory_limit == 100
+    assert type(rotor.solve(c, np.int64(100)).memory_limit) is int   # ints stay ints
+    assert pofo.solve(c, np.int64(60), np.float32(1)).ops == pofo.solve(c, 60, 1).ops
+    assert best.solve(c, np.int64(60), np.int64(1)).ops == best.solve(c, 60, 1).ops
+    assert periodic.solve(c, np.int64(2)).ops == periodic.solve(c, 2).ops
+    for bad in (np.True_, True):
+        with pytest.raises(ValueError, match="memory: expected a number"):
+            rotor.solve(c, bad)
+        with pytest.raises(ValueError, match="segments: expected an int"):
+            periodic.solve(c, bad)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: rotor.solve(c, 60, slots=2 ** 63),
+     r"slots: at most 2\*\*50 .* got 9223372036854775808"),
+    (lambda c: offload.dynprog(c, 60, 1, slots=10 ** 30), r"slots: at most 2\*\*50"),
+    (lambda c: rotor.min_memory(c, 10 ** 30),
+     r"slots: at most 2\*\*50"),
+    (lambda c: best.solve(c, 60, 1, planners=5),
+     r"planners: expected a non-empty list of rotor, .* got 5"),
+    (lambda c: periodic.best(None), r"chain: expected a scheduler\.Chain, got NoneType"),
+])
+def test_a_bad_slot_count_planner_list_or_chain_is_named(call, match):
+    # (were nanobind's TypeError, "'int' object is not iterable" and an AttributeError)
+    with pytest.raises(ValueError, match=match):
+        call(Chain.random(5, seed=3))

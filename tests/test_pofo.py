@@ -3,13 +3,14 @@
 The oracle enumerates every persistent sequence of a tiny chain (tests/_oracle.py) and
 every subset of the inputs it keeps through the forward phase to offload, converts each to
 whole-activation transfers exactly as pofo does, and scores it with the simulator."""
+import math
 import random
 
 import pytest
 
 from _oracle import pofo_class_optimum as _oracle
 from scheduler import Chain, InfeasibleError, simulate
-from scheduler.planners import pofo, rotor
+from scheduler.planners import offload, pofo, rotor
 
 
 def _chains(n, max_L=6, seed0=0, split_tmp=False):
@@ -173,3 +174,108 @@ def test_dp_budget_reports_only_faster_and_nests_rotor():
         assert pofo.dp(c, M, bw, slots, budget=got[0]) is None
         again = pofo.dp(c, M, bw, slots, budget=got[0] * (1 + 1e-9))
         assert again[:3] == got[:3]
+
+
+MiB = 1 << 20
+
+
+def _in_mib(c):
+    """The chain with every size in MiB (the slot grid then rounds real byte counts)."""
+    return c.replace(**{f: [v * MiB for v in getattr(c, f)]
+                        for f in ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")})
+
+
+@pytest.mark.parametrize("scale", [1, MiB], ids=["integer", "MiB"])
+def test_pofo_plans_wherever_an_offload_only_planner_does(scale):
+    """pofo <= offload-only at every limit, in feasibility too: just above the least limit
+    the DP's 50-slot grid can find no sequence where GREEDY and DYNPROG plan (pofo raised
+    InfeasibleError on Chain.random(1, seed=1) at 29, naming 33). It now weighs their plans
+    before giving up, so it plans there, no slower than either."""
+    checked = 0
+    for L in range(1, 5):
+        for seed in range(6):
+            c = Chain.random(L, seed=seed)
+            c = _in_mib(c) if scale != 1 else c
+            lo = max(pofo.min_memory(c), offload.min_memory(c))
+            for M in (lo, lo + scale, lo + 2 * scale):
+                times = []
+                for planner in (offload.greedy, offload.dynprog):
+                    try:
+                        times.append(simulate(c, planner(c, M, scale), scale,
+                                              memory=M).makespan)
+                    except InfeasibleError:
+                        pass
+                if not times:
+                    continue
+                p = pofo.solve(c, M, scale)
+                r = simulate(c, p, scale, memory=M)
+                assert r.peak_memory <= M
+                assert r.makespan <= min(times) * (1 + 1e-12)
+                checked += 1
+    assert checked >= 40
+
+
+def test_pofo_plans_at_the_limit_where_only_its_heuristics_fit():
+    """The reviewer's case: the DP (50 slots) finds nothing at 29, GREEDY's plan fits."""
+    c = Chain.random(1, seed=1)
+    for chain, M, bw in ((c, 29, 1), (_in_mib(c), 29 * MiB, MiB)):
+        assert pofo.dp(chain, M, bw, 50) is None   # (the case this test is about)
+        greedy = offload.greedy(chain, M, bw)
+        p = pofo.solve(chain, M, bw)
+        assert p.predicted_time <= greedy.predicted_time
+        assert simulate(chain, p, bw).peak_memory <= M
+        assert p.meta["dp_time"] == math.inf and p.meta["variant"].startswith(
+            ("dynprog", "greedy", "opportunist", "autocapper", "pofo@"))
+
+
+@pytest.mark.parametrize("scale", [1, MiB], ids=["integer", "MiB"])
+def test_pofo_infeasible_names_a_limit_it_then_meets(scale):
+    """Below pofo's bound, and where the slot grid fails at it, the error's min_memory is
+    above the refused limit and solve finds a plan there (it named the bound, which the
+    50-slot grid can miss, or rotor's limit, above what works)."""
+    failed = 0
+    for L in (1, 2, 3, 5):
+        for seed in range(10):
+            c = Chain.random(L, seed=seed)
+            c = _in_mib(c) if scale != 1 else c
+            lo = pofo.min_memory(c)
+            for M in (lo - scale, lo):
+                try:
+                    pofo.solve(c, M, scale)
+                    continue
+                except InfeasibleError as e:
+                    need = e.min_memory
+                failed += 1
+                assert need is not None and need > M
+                assert simulate(c, pofo.solve(c, need, scale), scale).peak_memory <= need
+    assert failed >= 10
+
+
+def test_autocapper_names_a_limit_it_meets():
+    """autocapper named pofo's bound (min_memory), a limit no capped sequence may reach:
+    the MiB chain of Chain.random(2, seed=0) at 31 MiB named 32 MiB, where autocapper
+    could still fail, and best.solve passed it on. It names rotor's least limit on its grid
+    now, checked."""
+    for seed in range(12):
+        c = _in_mib(Chain.random(2, seed=seed))
+        for M in (pofo.min_memory(c) - MiB, pofo.min_memory(c)):
+            try:
+                pofo.autocapper(c, M, MiB)
+                continue
+            except InfeasibleError as e:
+                need = e.min_memory
+            assert need is None or need > M
+            if need is not None:
+                assert simulate(c, pofo.autocapper(c, need, MiB), MiB).peak_memory <= need
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: pofo.solve(c, 60, 1, delta_step=2 ** 31), r"delta_step: at most 2\*\*31 - 1"),
+    (lambda c: pofo.solve(c, 60, 1, slots=2 ** 63), r"slots: at most 2\*\*50"),
+    (lambda c: pofo.autocapper(c, 60, 1, slots=2 ** 63), r"slots: at most 2\*\*50"),
+    (lambda c: pofo.opportunist(c, 60, 1, slots=10 ** 30), r"slots: at most 2\*\*50"),
+])
+def test_too_large_a_slot_count_or_delta_step_is_named(call, match):
+    # (was nanobind's TypeError "incompatible function arguments")
+    with pytest.raises(ValueError, match=match):
+        call(Chain.random(5, seed=3))

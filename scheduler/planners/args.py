@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from ..chain import Chain, Number
-from ..units import parse_memory, parse_rate
+from ..units import parse_memory, parse_rate, shown
 
-__all__ = ["Number", "check_chain", "memory_arg", "bandwidth_arg", "chunk_arg", "slots_arg"]
+__all__ = ["Number", "check_chain", "memory_arg", "bandwidth_arg", "chunk_arg", "slots_arg",
+           "SLOTS_MAX"]
+
+# the most memory slots a DP takes: sizes in slots (each at most slots + a few) and sums of
+# L + 4 of them stay inside the C++ side's int64, as exact units' sizes do (rotor.EXACT_MAX)
+SLOTS_MAX = 1 << 50
 
 
 def check_chain(chain: Any) -> Chain:
@@ -50,10 +55,14 @@ def chunk_arg(chunk: Union[Number, str, None]) -> Optional[float]:
 
 
 def slots_arg(slots: Any, *, hint: str = "") -> Optional[int]:
-    """The DPs' memory discretisation: a positive int, or None (exact integer units).
-    ``hint``: what the caller's message adds after "or None" (rotor's: " (exact units)")."""
+    """The DPs' memory discretisation: a positive int up to ``SLOTS_MAX``, or None (exact
+    integer units). ``hint``: what the caller's message adds after "or None" (rotor's:
+    " (exact units)")."""
     if slots is None:
         return None
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots: expected a positive int or None{hint}, got {slots!r}")
+        raise ValueError(f"slots: expected a positive int or None{hint}, got {shown(slots)}")
+    if slots > SLOTS_MAX:
+        raise ValueError(f"slots: at most 2**50 (the DPs count sizes in slots in 64-bit ints), "
+                         f"got {shown(slots)}")
     return slots

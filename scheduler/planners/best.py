@@ -50,22 +50,23 @@ def solve(chain: Chain, memory: Union[Number, str],
           planners: Optional[List[str]] = None) -> Plan:
     """The fastest plan (simulated, under ``memory``) among the planners; ``bandwidth`` in
     bytes/s (None or 0: no transfer channel, remat-only). ``planners``: restrict to these
-    names (default: all of :data:`PLANNERS`). Raises ``InfeasibleError`` with the smallest
-    limit any of them reported when none fits."""
+    names (default: all of :data:`PLANNERS`). Raises ``InfeasibleError`` when none fits,
+    whose ``min_memory`` is the least limit one of them named at which that one is checked
+    to find a plan (None, and the message says so, if none is)."""
     check_chain(chain)
     memory = memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where="best.solve")
     names = [n for n, _, _ in PLANNERS]
     if planners is not None:
-        bad = [p for p in planners if p not in names]
-        if bad or not planners:
+        ok = isinstance(planners, (list, tuple, set, frozenset))
+        bad = [p for p in planners if p not in names] if ok else []
+        if not ok or bad or not planners:
             raise ValueError(f"planners: expected a non-empty list of {', '.join(names)}, "
                              f"got {planners!r}")
-    # small integer chains: the DPs' exact units (no slot rounding) are cheap and better
-    slots = None if chain.is_integer and memory <= EXACT_UNITS else -1
+    slots = _slots_for(chain, memory)
     best: Optional[Tuple[float, Plan]] = None
     report: Dict[str, Union[float, str]] = {}
-    needs: List[float] = []
+    needs: List[Tuple[float, Planner]] = []   # (the limit a failed planner named, it)
     for name, transfers, plan_for in PLANNERS:
         if planners is not None and name not in planners:
             continue
@@ -78,7 +79,7 @@ def solve(chain: Chain, memory: Union[Number, str],
         except InfeasibleError as err:
             report[name] = f"infeasible: {err}"
             if getattr(err, "min_memory", None) is not None:
-                needs.append(err.min_memory)
+                needs.append((err.min_memory, plan_for))
             continue
         except InvalidPlanError as err:
             report[name] = f"invalid plan: {err}"
@@ -91,9 +92,9 @@ def solve(chain: Chain, memory: Union[Number, str],
             best = (sim.makespan, plan)
             plan.predicted_time, plan.predicted_peak = sim.makespan, sim.peak_memory
     if best is None:
-        need = min(needs) if needs else None
+        need = _least_working(chain, memory, beta, needs)
         least = (f" (the smallest limit one of them can meet is {format_bytes(need)})"
-                 if need is not None and math.isfinite(need) else "")
+                 if need is not None else " (none of them named a limit that works)")
         raise InfeasibleError(
             f"best.solve: no planner found a plan of {chain.name or 'the chain'} under memory "
             f"{format_bytes(memory)}{least}; "
@@ -102,3 +103,27 @@ def solve(chain: Chain, memory: Union[Number, str],
     plan.memory_limit, plan.chain = memory, chain
     plan.meta.update(chosen_by="best", candidates=report)
     return plan
+
+
+def _slots_for(chain: Chain, memory: Number) -> Optional[int]:
+    """The planners' units at this limit: exact ones (None) for small integer chains, where
+    the DPs' exact units (no slot rounding) are cheap and better, else each one's default."""
+    return None if chain.is_integer and memory <= EXACT_UNITS else -1
+
+
+def _least_working(chain: Chain, memory: Number, beta: float,
+                   needs: List[Tuple[float, Planner]]) -> Optional[float]:
+    """The least of the limits the failed planners named at which the one that named it
+    finds a plan that fits, as :func:`solve` would run it there (some name bounds, not
+    limits that work; a limit at or below ``memory`` was just refused); None if none does."""
+    for need, plan_for in sorted(needs, key=lambda n: n[0]):
+        if not (isinstance(need, (int, float)) and math.isfinite(need) and need > memory):
+            continue
+        try:
+            plan = plan_for(chain, need, beta, _slots_for(chain, need))
+            sim = simulate(chain, plan, beta if beta > 0 else None, memory=need)
+        except (InfeasibleError, InvalidPlanError):
+            continue
+        if sim.peak_memory <= need:
+            return need
+    return None

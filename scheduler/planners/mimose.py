@@ -26,7 +26,6 @@ per model, ``observe(size, ...)`` the per-block measurements, then ``plan(size, 
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Dict, Hashable, List, Optional, Sequence, Union
 
@@ -34,11 +33,11 @@ from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..simulate import simulate
-from ..units import exact_number, format_bytes
+from ..units import exact_number, float_or_none, format_bytes, shown
 # the estimator, re-exported: the runtimes, tests and benchmarks import it from here
 from .mimose_estimator import (BACKWARD_OVER_FORWARD, BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, ORDER,
                                OUTSIDE_FIELDS, TAIL_FIELDS, ChainEstimator, Estimate, Estimator,
-                               PolyFit, chain_from_estimate)
+                               PolyFit, chain_from_estimate, size_arg)
 
 __all__ = ["BUCKET_RATIO", "buckets_of", "greedy_checkpoints", "Mimose", "plan_from_checkpoints",
            "DEFAULT_SAMPLES", "ORDER", "BACKWARD_OVER_FORWARD", "TAIL_FIELDS", "OUTSIDE_FIELDS",
@@ -53,10 +52,7 @@ plan_from_checkpoints = checkpoint_plan
 
 def _input_size_arg(input_size: float, where: str) -> float:
     """A positive finite number: the estimator's fit only knows sizes > 0."""
-    if isinstance(input_size, bool) or not isinstance(input_size, numbers.Real) or \
-            not 0 < input_size < math.inf:
-        raise ValueError(f"{where}: input_size must be a positive number, got {input_size!r}")
-    return input_size
+    return size_arg(input_size, where)
 
 
 # ---------------------------------------------------------------------------- Algorithm 1
@@ -169,9 +165,10 @@ class Mimose:
         if isinstance(budget, str):
             from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
             budget = parse_size(budget, "Mimose.plan: budget")
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget > 0:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget > 0 \
+                or float_or_none(budget) is None:
             raise ValueError(f"Mimose.plan: budget must be a positive number of bytes or a size "
-                             f"string ('6GiB'), got {budget!r}")
+                             f"string ('6GiB'), got {shown(budget)}")
         return self.cache.get_or_plan(self.cache_key(input_size, budget),
                                       lambda: self._plan(input_size, budget))
 

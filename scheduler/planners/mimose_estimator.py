@@ -29,12 +29,15 @@ with and without them are never mixed (``Estimator.observe`` raises).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..chain import FIELDS as CHAIN_FIELDS, Chain, add_outside
+from ..units import float_or_none, shown
 
 __all__ = ["DEFAULT_SAMPLES", "ORDER", "BACKWARD_OVER_FORWARD", "TAIL_FIELDS", "OUTSIDE_FIELDS",
            "BLOCK_TMP_FIELDS", "Estimate", "PolyFit", "Estimator", "ChainEstimator",
@@ -86,10 +89,7 @@ class PolyFit:
 
     def observe(self, input_size: float, row: np.ndarray) -> None:
         """Record the row of one input size (the latest measurement of a size wins)."""
-        if not input_size > 0:
-            raise ValueError(f"{self.name}.observe: input_size must be positive, got "
-                             f"{input_size!r}")
-        self._rows[float(input_size)] = row
+        self._rows[size_arg(input_size, f"{self.name}.observe")] = row
         self._coef = None
 
     @property
@@ -124,8 +124,39 @@ class PolyFit:
         if self._coef is None:
             self.fit()
         u = float(input_size) / self._scale
-        powers = u ** np.arange(self.order, -1, -1)
-        return np.maximum(powers @ self._coef, 0.0)
+        with np.errstate(over="ignore", invalid="ignore"):   # (said below, by name)
+            values = u ** np.arange(self.order, -1, -1) @ self._coef
+        if not np.isfinite(values).all():   # a size so far out that its powers overflow
+            raise ValueError(f"{self.name}: the fit is not finite at input size {input_size!r}, "
+                             f"far beyond the sizes observed ({min(self._rows):g} to "
+                             f"{max(self._rows):g})")
+        return np.maximum(values, 0.0)
+
+
+def size_arg(input_size: Any, where: str) -> float:
+    """An input size as a float: a positive finite number (the fits only know those; an
+    infinite one fits NaNs and every later fit fails)."""
+    size = float_or_none(input_size) if not isinstance(input_size, bool) and \
+        isinstance(input_size, numbers.Real) else None   # (None past float's range too)
+    if size is None or not 0 < size < math.inf:
+        raise ValueError(f"{where}: input_size must be a positive number, got "
+                         f"{shown(input_size)}")
+    return size
+
+
+def _check_measured(input_size: float, name: str, values: Sequence[Any], sizes: bool) -> None:
+    """Each of ``values`` a finite number (and, where ``sizes``, >= 0: bytes and times), else
+    a ``ValueError`` naming ``name`` and the entry: a NaN or inf would poison the fits and
+    fail far away, when a chain is made from them."""
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError, OverflowError):
+            f = math.nan
+        if isinstance(v, bool) or not math.isfinite(f) or (sizes and f < 0):
+            raise ValueError(f"Estimator.observe: measurements at input size {input_size!r} "
+                             f"must be finite, and bytes and times >= 0; got {name}[{i}]="
+                             f"{shown(v)} ({name}={shown(list(values), 80)})")
 
 
 class _Fitted:
@@ -174,27 +205,29 @@ class Estimator(_Fitted):
         each block's transients, ``BLOCK_TMP_FIELDS`` -> one value per block (None: not
         measured, the estimated chain's are then zero). Samples with and without ``tmp``
         are never mixed (the fits would learn zeros): that raises ``ValueError``."""
+        size_arg(input_size, "Estimator.observe")
         for name, v in (("xbar", xbar), ("out", out), ("fw", fw)):
             if len(v) != self.n:
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
                                  f"one per block ({self.n})")
-        extra = []
         for name, v, want in (("tail", tail, TAIL_FIELDS), ("outside", outside, OUTSIDE_FIELDS)):
             if v is not None and len(v) != len(want):
                 raise ValueError(f"Estimator.observe: {name} has {len(v)} entries, expected "
                                  f"{len(want)} ({', '.join(want)})")
-            extra.append(np.zeros(len(want)) if v is None else np.asarray(v, float))
+        # every value finite (sizes and times >= 0), the bad one named, before any fit sees it
+        measured = [("input_bytes", [input_bytes], True), ("xbar", xbar, True),
+                    ("out", out, True), ("fw", fw, True), ("tail", tail, False),
+                    ("outside", outside, False)]
+        if isinstance(tmp, dict):
+            measured += [(f"tmp[{k!r}]", tmp[k], False) for k in BLOCK_TMP_FIELDS if k in tmp]
+        for name, v, sizes in measured:
+            if v is not None:
+                _check_measured(input_size, name, v, sizes)
+        extra = [np.zeros(len(want)) if v is None else np.asarray(v, float)
+                 for v, want in ((tail, TAIL_FIELDS), (outside, OUTSIDE_FIELDS))]
         extra.append(self._tmp_row(input_size, tmp))
-        sizes = np.concatenate([[float(input_bytes)], np.asarray(xbar, float),
-                                np.asarray(out, float), np.asarray(fw, float)])
-        row = np.concatenate([sizes] + extra)
-        # a NaN would poison the fit and fail far away, when a chain is made from it
-        if not np.isfinite(row).all() or (sizes < 0).any():
-            raise ValueError(f"Estimator.observe: measurements at input size {input_size!r} "
-                             f"must be finite, and bytes and times >= 0; got input_bytes="
-                             f"{input_bytes!r}, xbar={list(xbar)!r:.80}, out={list(out)!r:.80}, "
-                             f"fw={list(fw)!r:.80}" + ("" if np.isfinite(row).all() else
-                                                       " (a NaN or inf in them)"))
+        row = np.concatenate([[float(input_bytes)], np.asarray(xbar, float),
+                              np.asarray(out, float), np.asarray(fw, float)] + extra)
         self._fit.observe(input_size, row)
         self.with_tmp = tmp is not None
 

@@ -15,6 +15,7 @@ no limit (``memory_limit`` None); ``best`` records the limit it chose for.
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Tuple
 
 from ..chain import Chain
@@ -34,9 +35,12 @@ def segments_of(L: int, segments: int) -> List[Tuple[int, int]]:
 def solve(chain: Chain, segments: int) -> Plan:
     """The plan of ``checkpoint_sequential(stages 0..L-1, segments)`` followed by the loss."""
     L = check_chain(chain).L
-    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(L, 1):
+    # any integer, numpy's included (as the planners' memory limits); never a bool
+    if isinstance(segments, bool) or not isinstance(segments, numbers.Integral) or \
+            not 1 <= segments <= max(L, 1):
         raise ValueError(f"segments: expected an int in 1..{max(L, 1)} (the chain has {L} stages "
                          f"before the loss), got {segments!r}")
+    segments = int(segments)
     segs = segments_of(L, segments) if L else []
     ops: List[Tuple[str, int]] = []
     for a, b in segs:
@@ -58,6 +62,7 @@ def best(chain: Chain, memory: Optional[float] = None) -> Plan:
     """The fastest segment count whose peak fits ``memory`` (None: any): what a user tuning
     ``checkpoint_sequential``'s ``segments`` by hand would settle on. Raises
     ``InfeasibleError`` with the smallest peak any segment count reaches."""
+    check_chain(chain)
     if memory is not None:
         memory = memory_arg(memory)
     plans = [solve(chain, k) for k in range(1, max(chain.L, 1) + 1)]

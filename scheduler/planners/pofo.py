@@ -48,25 +48,29 @@ that needs it. Then:
   converted plan and the DP's best plans without offloading (rotor) and without
   recomputation (offload-only in the same model), plus rotor's own plan at 500 slots when
   ``slots`` is coarser and the store-all sequence when it fits, so ``pofo <= rotor`` and ``pofo <= offload-only`` at every memory
-  limit, in simulated time (``meta["variant"]`` says which one won).
+  limit, in simulated time (``meta["variant"]`` says which one won). Where the DPs' slot grid
+  (sizes rounded up) leaves no sequence, :func:`_improve`'s candidates (DYNPROG, GREEDY,
+  opportunist, autocapper) are weighed before giving up, ``improve`` or not (``dp_time`` is
+  then inf), so pofo plans at every limit where an offload-only planner does; its
+  ``InfeasibleError`` names a limit at which it was checked to find a plan.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .._native import core
 from ..chain import Chain, Number
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import KINDS, Op, Plan, checkpoint_plan
 from ..simulate import SimResult, simulate
-from ..units import format_bytes
+from ..units import format_bytes, shown
 from . import offload, rotor
 from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
 from .improve import improve_transfers
 from .offload import stamp, with_prefetches
 from .pofo_bounds import _rotor_min, max_memory, min_memory
-from .pofo_heuristics import autocapper, capper, opportunist
+from .pofo_heuristics import _autocapper, autocapper, capper, opportunist
 
 __all__ = ["solve", "autocapper", "opportunist", "capper", "min_memory", "max_memory",
            "dp", "auto_delta_step"]
@@ -77,6 +81,7 @@ AUTOCAPPER_MAX_L = 70   # solve(improve=True) weighs autocapper's plan up to thi
 REMAT_MAX_L = 16        # ... and tries recomputation instead of each offload up to this one
 REMAT_SOLVES = 24       # DP solves that move may spend
 DERATE = (0.25, 0.4, 0.5, 0.6, 0.8)   # ... and weighs the DP's plans for these slower links
+DELTA_STEP_MAX = (1 << 31) - 1        # the DP takes delta_step as a C int
 # the DP emits (kind, stage) with kind an index into plan.KINDS (csrc/dp/pofo_dp.hpp, Op::kind)
 assert KINDS == ("F_all", "F_ck", "F_none", "B", "offload", "prefetch")
 
@@ -144,7 +149,8 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
     many slots (1 = the DP exactly as written; None = :func:`auto_delta_step`): the DP's
     state space is cubic in the slots, and this trades a little optimism for speed.
     ``improve`` (default True): our own step on top of seed 001 (see :func:`_improve`);
-    ``improve=False`` is the paper's DP and conversion alone.
+    ``improve=False`` is the paper's DP and conversion alone (where that finds nothing, the
+    candidates are still weighed before ``InfeasibleError``).
     ``model``: ``"whole"`` (default; ours, issue 14) also runs the DP under the simulator's
     whole-activation model (:func:`dp` ``whole=True``) on chains of at most ``WHOLE_MAX_L``
     stages, its plan joins the candidates and ``meta["dp_value"]`` is its value (or an exact
@@ -161,11 +167,38 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
         delta_step = auto_delta_step(chain, slots)
     if isinstance(delta_step, bool) or not isinstance(delta_step, int) or delta_step < 1:
         raise ValueError(f"delta_step: expected a positive int or None, got {delta_step!r}")
+    if delta_step > DELTA_STEP_MAX:
+        raise ValueError(f"delta_step: at most 2**31 - 1 (the DP's C int), got "
+                         f"{shown(delta_step)}")
     floor = min_memory(chain) if beta > 0 else None
     if floor is not None and memory < floor:
+        # the bound is in exact units: on the slot grid it may not work, so say what does
+        need = _working_limit(chain, memory, beta, slots, delta_step, floor, ())
+        more = ("" if need == floor else
+                f"; with slots={slots} no limit that works is known" if need is None else
+                f"; with slots={slots} a sequence fits at {format_bytes(need)}")
         raise InfeasibleError(f"pofo.solve: memory {format_bytes(memory)} is below the "
                               f"smallest limit any sequence of {chain.name or 'this chain'} "
-                              f"can meet ({format_bytes(floor)})", floor)
+                              f"can meet ({format_bytes(floor)}){more}", need)
+    needs: List[Optional[Number]] = []   # what the candidates that failed reported
+    plan = _search(chain, memory, beta, slots, delta_step, improve, model, needs)
+    if plan is None:
+        # the slot grid's rounding failed, not the limit: a limit that works is one of the
+        # failed candidates' (or rotor's on its grid), checked by solving there
+        need = _working_limit(chain, memory, beta, slots, delta_step, floor, needs)
+        why = (f"the slot grid rounds sizes up; at {need!r} a sequence fits, or more slots "
+               f"may fit this limit" if need is not None else
+               "the slot grid rounds sizes up, and no limit that works is known; more slots "
+               "may fit this limit")
+        raise InfeasibleError(f"pofo.solve: no sequence fits memory {memory!r} with "
+                              f"slots={slots} ({why})", need)
+    return plan
+
+
+def _search(chain: Chain, memory: Number, beta: float, slots: Optional[int], delta_step: int,
+            improve: bool, model: str, needs: List[Optional[Number]]) -> Optional[Plan]:
+    """:func:`solve` on checked arguments: its plan, or None when no candidate fits
+    (``needs`` gets the limits the candidates that failed reported)."""
     # rotor's and offload-only's optima lie in pofo's space: solved first (cheap), their
     # converted plans are candidates beside the full DP's
     variants = [("rotor", False, True), ("offload-only", True, False), ("pofo", True, True)] \
@@ -220,28 +253,27 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
                 best = (r, sim, r.predicted_time, "rotor-500")
             dp_time = min(dp_time, r.predicted_time)
             exact_time = min(exact_time, sim.makespan)
-        except InfeasibleError:
-            pass
+        except InfeasibleError as err:
+            needs.append(err.min_memory)
     if best is None and whole_best is not None:
         best = (whole_best[0], whole_best[1], whole_time, "pofo-whole")
         whole_best = None
+    tried = False   # whether the heuristics' plans were weighed already
+    if best is None and beta > 0:
+        # the DPs round sizes up to whole slots and can miss a limit their heuristics' plans
+        # meet (offload-only ones among them: pofo <= offload-only at every limit)
+        got = _fastest_candidate(chain, memory, beta, _candidates(chain, slots, delta_step),
+                                 None, needs)
+        tried = True
+        if got is not None:
+            best = (got[0], got[1], got[1].makespan, got[2])
     if best is None:
-        if floor is not None and memory < floor:
-            need = floor
-            why = f"no sequence, offloading or not, fits below {floor!r}"
-        else:
-            # the slot grid's rounding failed, not the limit: rotor's finer grid meets this
-            # one, and so does pofo, which tries rotor at 500 slots
-            need = _rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
-                              memory)
-            why = (f"the slot grid rounds sizes up; from {need!r} on a sequence fits "
-                   f"(rotor's), or more slots may fit this limit")
-        raise InfeasibleError(f"pofo.solve: no sequence fits memory {memory!r} with "
-                              f"slots={slots} ({why})", need)
+        return None
     plan, sim, _, name = best
     paper_time = sim.makespan
     if improve and beta > 0:
-        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots, delta_step)
+        plan, sim, name = _improve(chain, plan, sim, name, memory, beta, slots, delta_step,
+                                   candidates=not tried)
     # the whole-activation DP's plan (ours) after the paper's pipeline, so the result is
     # never slower than either
     if whole_best is not None and whole_best[1].makespan < sim.makespan - 1e-12 * sim.makespan:
@@ -261,7 +293,7 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
 
 
 def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
-             beta: float, slots: Optional[int], delta_step: int
+             beta: float, slots: Optional[int], delta_step: int, candidates: bool = True
              ) -> Tuple[Plan, SimResult, str]:
     """Our own step, not seed 001's. The DP's transfers release and reserve memory
     continuously (assumption 3); whole activations wait for their copies, so the converted
@@ -279,29 +311,15 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
     Why not more: on random chains with L <= 4 the exhaustive best plan of pofo's class
     (every persistent sequence x offload subset, whole-activation transfers; tests/_oracle.py)
     is itself up to 1.17x the DP's value (``bench/pofo.py --random``): that part of the gap
-    is the relaxation's, and no conversion or placement can close it."""
-    # the same units as this solve: exact (slots=None) or each planner's default grid
-    exact = {"slots": None} if slots is None else {}
-    short = chain.L <= AUTOCAPPER_MAX_L   # where the extra candidates are cheap
-    cands = [("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=short, **exact)),
-             ("greedy", offload.greedy),
-             ("opportunist", lambda c, m, b: opportunist(c, m, b, slots=slots))]
-    if short:
-        cands.append(("autocapper", lambda c, m, b: autocapper(c, m, b, slots=slots)))
-    if chain.L <= REMAT_MAX_L:
-        # the DP solved for a slower link: its memory then frees later, as whole-activation
-        # offloads free it (at their end), so it can pick sequences that wait less
-        for k in DERATE:
-            cands.append((f"pofo@{k:g}bw", lambda c, m, b, k=k: _derated(c, m, b, k, slots,
-                                                                         delta_step)))
-    for who, f in cands:
-        try:
-            cand = f(chain, memory, beta)
-        except (InfeasibleError, InvalidPlanError):
-            continue
-        csim = simulate(chain, cand, beta, memory=memory)
-        if csim.makespan < sim.makespan - 1e-12 * sim.makespan:
-            plan, sim, name = cand, csim, who
+    is the relaxation's, and no conversion or placement can close it.
+
+    ``candidates=False``: those candidates were weighed already (:func:`solve` weighs them
+    before giving up where the DP finds no sequence)."""
+    if candidates:
+        got = _fastest_candidate(chain, memory, beta, _candidates(chain, slots, delta_step),
+                                 (plan, sim, name), [])
+        assert got is not None  # (the current plan is one)
+        plan, sim, name = got
     if plan.has_transfers:
         better, bsim, _ = improve_transfers(chain, plan, memory, beta)
         if bsim.makespan < sim.makespan:
@@ -310,6 +328,76 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
         plan, sim, name = _recompute_instead(chain, plan, sim, name, memory, beta, slots,
                                              delta_step)
     return plan, sim, name
+
+
+Candidate = Tuple[str, Callable[[Chain, Number, float], Plan]]
+
+
+def _candidates(chain: Chain, slots: Optional[int], delta_step: int) -> List[Candidate]:
+    """The plans :func:`_improve` weighs beside the DP's (see there), as (name, planner)."""
+    # the same units as this solve: exact (slots=None) or each planner's default grid
+    exact = {"slots": None} if slots is None else {}
+    short = chain.L <= AUTOCAPPER_MAX_L   # where the extra candidates are cheap
+    cands: List[Candidate] = [
+        ("dynprog", lambda c, m, b: offload.dynprog(c, m, b, improve=short, **exact)),
+        ("greedy", offload.greedy),
+        ("opportunist", lambda c, m, b: opportunist(c, m, b, slots=slots))]
+    if short:   # (its failure names no limit: finding one costs more autocapper runs)
+        cands.append(("autocapper", lambda c, m, b: _autocapper(c, m, b, slots=slots)))
+    if chain.L <= REMAT_MAX_L:
+        # the DP solved for a slower link: its memory then frees later, as whole-activation
+        # offloads free it (at their end), so it can pick sequences that wait less
+        for k in DERATE:
+            cands.append((f"pofo@{k:g}bw", lambda c, m, b, k=k: _derated(c, m, b, k, slots,
+                                                                         delta_step)))
+    return cands
+
+
+def _fastest_candidate(chain: Chain, memory: Number, beta: float, cands: List[Candidate],
+                       current: Optional[Tuple[Plan, SimResult, str]],
+                       needs: List[Optional[Number]]
+                       ) -> Optional[Tuple[Plan, SimResult, str]]:
+    """The fastest simulated of ``current`` and the candidates' plans under ``memory``
+    (None if there is none); ``needs`` gets the limits the candidates that failed named."""
+    best = current
+    for who, f in cands:
+        try:
+            cand = f(chain, memory, beta)
+        except InfeasibleError as err:
+            needs.append(err.min_memory)
+            continue
+        except InvalidPlanError:
+            continue
+        csim = simulate(chain, cand, beta, memory=memory)
+        if best is None or csim.makespan < best[1].makespan - 1e-12 * best[1].makespan:
+            best = (cand, csim, who)
+    return best
+
+
+def _working_limit(chain: Chain, memory: Number, beta: float, slots: Optional[int],
+                   delta_step: int, floor: Optional[Number],
+                   needs: Sequence[Optional[Number]]) -> Optional[Number]:
+    """The least limit above ``memory`` at which :func:`solve` is checked to find a plan,
+    among pofo's bound (``floor``), rotor's least limit on the grid pofo tries it on, and
+    the limits its failed candidates named (bounds, some of them: each is solved at before
+    it is named); None if none of them works."""
+    limits = {v for v in needs if v is not None and math.isfinite(v)}
+    if floor is not None:
+        limits.add(floor)
+    try:
+        limits.add(_rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
+                              memory))
+    except ValueError:   # (too few slots for this chain at any limit)
+        pass
+    for limit in sorted(v for v in limits if v > memory):
+        # the feasibility of the full solve: improvement and the whole-activation DP only
+        # make a plan faster, and the heuristics are weighed whenever the DP fails
+        try:
+            if _search(chain, limit, beta, slots, delta_step, False, "paper", []) is not None:
+                return limit
+        except ValueError:   # (past what the DP takes in these units: no limit for solve)
+            continue
+    return None
 
 
 def _derated(chain: Chain, memory: Number, beta: float, factor: float, slots: Optional[int],

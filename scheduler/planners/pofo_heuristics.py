@@ -162,6 +162,18 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
     slots = slots_arg(slots)
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels: expected a positive int, got {levels!r}")
+    try:
+        return _autocapper(chain, memory, beta, levels, slots)
+    except InfeasibleError as err:
+        need = _autocapper_limit(chain, memory, beta, levels, slots)
+        raise InfeasibleError(f"{err}; " + (f"at {format_bytes(need)} one does" if need is not None
+                                            else "no limit that works is known"), need) from None
+
+
+def _autocapper(chain: Chain, memory: Number, beta: float, levels: int = 40,
+                slots: Optional[int] = 50) -> Plan:
+    """:func:`autocapper` on checked arguments; its ``InfeasibleError`` names no limit
+    (``pofo.solve`` weighs it as a candidate and asks for none)."""
     high = max_memory(chain)
     caps = [memory + (high - memory) * k / max(1, levels - 1) for k in range(levels)] \
         if high > memory else [memory]
@@ -172,13 +184,36 @@ def autocapper(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number
         if got is not None and (best is None or got[1].makespan < best[1].makespan):
             best = got
     if best is None:
-        need = min_memory(chain) if beta > 0 else _rotor_min(chain, slots, memory)
         raise InfeasibleError(f"pofo.autocapper: no capped sequence fits memory "
-                              f"{format_bytes(memory)}", need)
+                              f"{format_bytes(memory)}", None)
     plan, sim = best
     stamp(plan, sim, chain, memory, beta, "autocapper")
     plan.meta["offloaded"] = sorted(op.stage for op in plan.ops if op.kind == "offload")
     return plan
+
+
+def _autocapper_limit(chain: Chain, memory: Number, beta: float, levels: int,
+                      slots: Optional[int]) -> Optional[Number]:
+    """A limit above ``memory`` at which autocapper finds a plan, or None: pofo's bound
+    (:func:`~scheduler.planners.pofo_bounds.min_memory`, with offloading) where autocapper
+    meets it (checked: the capped sequences may not reach it), else rotor's least limit on
+    its slot grid, where its first cap (the limit itself) is rotor's plan, which fits
+    without offloading (checked by running that capper)."""
+    if beta > 0:
+        floor = min_memory(chain)
+        if floor > memory:
+            try:
+                _autocapper(chain, floor, beta, levels, slots)
+                return floor
+            except InfeasibleError:
+                pass
+    try:
+        need = _rotor_min(chain, slots, memory)
+    except ValueError:   # (too few slots for this chain at any limit)
+        return None
+    if not need > memory or capper(chain, need, beta, need, slots) is None:
+        return None
+    return need
 
 
 # ---------------------------------------------------------------------------- opportunist
