@@ -178,3 +178,41 @@ def test_dynprog_property_limit_and_prediction(L, seed, frac, bw, slots):
         assert offload.lower_bound(c, M, bw) <= r.makespan + 1e-9
         if not p.meta["fallback"]:
             assert p.meta["dp_value"] == p.meta["relaxed_time"]
+
+
+def test_relaxation_moves_fractions_of_a_byte():
+    # 0.4 B/s moves 0.4 B in a 1 s stage: the DP rounded that to 0 B, charged both whole
+    # transfers as idle and put relaxed_time (12) above its own plan's simulated time (10)
+    c = Chain(fw=[1, 1], bw=[1, 4], x=[1, 1], xbar=[1, 2], delta=[1, 1], fw_tmp=[1, 0],
+              bw_tmp=[0, 0])
+    p = offload.dynprog(c, 4, 0.4, slots=None)
+    assert p.meta["dp_value"] == p.meta["relaxed_time"] <= simulate(c, p).makespan == 10
+    assert c.total_compute() + offload.relaxed_idle(c, 4, 0.4, [0]) \
+        <= offload.schedule(c, [0], 4, 0.4)[1].makespan
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(L=st.integers(1, 3), seed=st.integers(0, 10 ** 6), frac=st.floats(0, 1),
+       bw=st.sampled_from([0.1, 0.2, 0.3, 0.4, 0.7, 1.0, 1 / 3, 2.5, 10.0]))
+def test_relaxation_is_a_lower_bound_at_any_bandwidth(L, seed, frac, bw):
+    """Slow links too (less than a byte per stage): for every offload subset whose plan
+    runs, the recurrence's time <= that plan's simulated time; DYNPROG's dp value is the
+    least of them and <= the simulated time of its own plan."""
+    c = Chain.random(L, seed=seed)
+    lo, hi = offload.min_memory(c), offload.peak_memory(c)
+    M = lo + round(frac * (hi - lo))
+    best = math.inf
+    for k in range(c.L + 2):
+        for S in itertools.combinations(range(c.L + 1), k):
+            idle = offload.relaxed_idle(c, M, bw, S)
+            if idle is not None:
+                best = min(best, c.total_compute() + idle)
+            try:
+                _, sim = offload.schedule(c, S, M, bw)
+            except InvalidPlanError:
+                continue
+            assert idle is not None and c.total_compute() + idle <= sim.makespan + 1e-9
+    for improve in (False, True):
+        p = offload.dynprog(c, M, bw, slots=None, improve=improve)
+        assert p.meta["dp_value"] == pytest.approx(best, abs=1e-9)
+        assert p.meta["dp_value"] <= simulate(c, p).makespan + 1e-9

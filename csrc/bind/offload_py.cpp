@@ -41,13 +41,13 @@ void bind_offload(nb::module_& m) {
       "offload_dynprog",
       [](std::vector<int64_t> act, std::vector<int64_t> grad, std::vector<int64_t> fw_tmp,
          std::vector<int64_t> bw_tmp, std::vector<double> fw, std::vector<double> bw,
-         int64_t memory, double beta) {
+         int64_t memory, double beta, bool exact) {
         Chain c = make_chain(std::move(act), std::move(grad), std::move(fw_tmp),
                              std::move(bw_tmp), std::move(fw), std::move(bw));
         Result r;
         {
           nb::gil_scoped_release release;
-          r = vmalloc::offload::solve(c, memory, beta);
+          r = vmalloc::offload::solve(c, memory, beta, exact);
         }
         return pack(r);
       },
@@ -56,11 +56,11 @@ void bind_offload(nb::module_& m) {
       "offload_evaluate",
       [](std::vector<int64_t> act, std::vector<int64_t> grad, std::vector<int64_t> fw_tmp,
          std::vector<int64_t> bw_tmp, std::vector<double> fw, std::vector<double> bw,
-         int64_t memory, double beta, std::vector<int> offload) {
+         int64_t memory, double beta, std::vector<int> offload, bool exact) {
         Chain c = make_chain(std::move(act), std::move(grad), std::move(fw_tmp),
                              std::move(bw_tmp), std::move(fw), std::move(bw));
         std::vector<uint8_t> off(offload.begin(), offload.end());
-        return pack(vmalloc::offload::evaluate(c, memory, beta, off));
+        return pack(vmalloc::offload::evaluate(c, memory, beta, off, exact));
       },
       "Algorithm 1's recurrence along fixed offload decisions (for tests).");
 }

@@ -28,10 +28,15 @@ struct Result {
 };
 
 // memory: the limit in units; beta: units per second (0 = no transfers, +inf = free ones).
-Result solve(const Chain& c, int64_t memory, double beta);
+// The data a stage moves, beta times its time, is rounded to the nearest unit: the states stay
+// on the unit grid, few enough for long chains in slots. With `exact` that data is kept exact
+// (fractional units): the recurrence is then the relaxation itself, as exact units (bytes)
+// need; rounding 0.4 B to 0 charged idle time no plan has.
+Result solve(const Chain& c, int64_t memory, double beta, bool exact);
 
 // The same recurrence along fixed decisions (for the exhaustive test of the search).
-Result evaluate(const Chain& c, int64_t memory, double beta, const std::vector<uint8_t>& offload);
+Result evaluate(const Chain& c, int64_t memory, double beta, const std::vector<uint8_t>& offload,
+                bool exact);
 
 }  // namespace offload
 }  // namespace vmalloc

@@ -431,6 +431,10 @@ int64_t min_units_impl(const RotorSizes& units, bool allow_all) {
 // with the budget: a heuristic (on the bench chains it picks what the full scan picks, with
 // ~8 rebuilds instead of ~300), but the best plan seen that fits is kept either way, never
 // one slower than the budget's own.
+// A budget below the rounded problem's minimum is refined too when that minimum is within
+// the headroom (at the every-block plan's own peak, say, its rounded peak can be a few units
+// above the budget): the drops then start at the minimum, no plan is known to fit, and the
+// limit is refused only if none of those rebuilt fits.
 constexpr size_t kScanSteps = 32;
 
 struct Candidate {
@@ -446,14 +450,19 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
   Solver<Val> solver(fw, bw, units, allow_all);
   RotorResult r;
   r.min_units = solver.min_units();
-  if (budget < r.min_units) return r;
-  int64_t m = budget - units.x[0];
+  // below the rounded minimum only the refinement can find a plan, and only within reach
+  const bool below = budget < r.min_units;
+  if (below && (extra <= 0 || r.min_units - budget > extra)) return r;
+  const int64_t m = budget - units.x[0];
+  const int64_t first = below ? r.min_units - units.x[0] : m;  // the least budget with a plan
   int L = solver.L();
-  size_t cells = solver.reach(m, m + extra, whole_table);
-  if (extra > 0 && cells > kMaxCells)  // too large: the budget's own table only
+  size_t cells = solver.reach(first, m + extra, whole_table);
+  if (extra > 0 && cells > kMaxCells) {  // too large: the budget's own table only
+    if (below) return r;
     extra = 0, cells = solver.reach(m, m, whole_table);
+  }
   solver.fill(cells);
-  if (!(solver.value(0, L, m) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
+  if (!(solver.value(0, L, first) < std::numeric_limits<Val>::infinity())) return r;  // cannot happen
   Rules<double, std::vector<double>> E{exact.x, exact.xbar, exact.delta, exact.fw_tmp, exact.bw_tmp,
                                      exact.fck_tmp};
   auto build = [&](int64_t at) {
@@ -462,30 +471,43 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
     c.peak = exact.x[0] + solver.rebuild(0, L, at, E, c.ops, &c.time);
     return c;
   };
-  Candidate best = build(m);  // the rounded problem's optimum: fits by construction
+  // exact_limit: the caller's limit with the simulator's tolerance already added
+  auto fits = [&](const Candidate& c) { return c.peak <= exact_limit; };
+  Candidate best;
+  bool found = !below;
+  if (found) best = build(m);  // the rounded problem's optimum: fits by construction
+  auto take = [&](Candidate& c) {
+    if (!found || c.time < best.time || (c.time == best.time && c.peak < best.peak))
+      best = std::move(c), found = true;
+  };
   int tried = 0;
-  std::vector<int64_t> steps{m};
+  std::vector<int64_t> steps{first};
   if (extra > 0) {
-    Val prev = solver.value(0, L, m);
-    for (int64_t a = m + 1; a <= m + extra; ++a) {
+    Val prev = solver.value(0, L, first);
+    for (int64_t a = first + 1; a <= m + extra; ++a) {
       Val v = solver.value(0, L, a);
       if (v < prev) steps.push_back(a), prev = v;
     }
-    auto fits = [&](const Candidate& c) { return c.peak <= exact_limit; };
-    auto take = [&](Candidate& c) {
-      if (c.time < best.time || (c.time == best.time && c.peak < best.peak)) best = std::move(c);
-    };
-    if (steps.size() <= kScanSteps) {
-      for (size_t j = steps.size() - 1; j >= 1; --j) {
+    const size_t n = steps.size();
+    if (n <= kScanSteps) {  // fastest first; steps[0]'s plan is best already unless below
+      for (size_t j = n; j-- > (below ? 0 : 1);) {
         Candidate c = build(steps[j]);
         ++tried;
         if (fits(c)) { take(c); break; }
       }
     } else {  // the fastest first (it often fits when memory is ample), then bisect
-      size_t lo = 0, hi = steps.size() - 1;  // the plan at steps[lo] fits, at steps[hi] not
+      size_t lo = 0, hi = n - 1;  // the plan at steps[lo] fits, at steps[hi] not
       Candidate top = build(steps[hi]);
       ++tried;
-      if (fits(top)) take(top), lo = hi;
+      if (fits(top)) {
+        take(top), lo = hi;
+      } else if (below) {  // nothing fits yet: the lowest drop that does starts the bisection
+        for (; lo < hi; ++lo) {
+          Candidate c = build(steps[lo]);
+          ++tried;
+          if (fits(c)) { take(c); break; }
+        }
+      }
       while (hi - lo > 1) {
         size_t mid = lo + (hi - lo) / 2;
         Candidate c = build(steps[mid]);
@@ -495,6 +517,7 @@ RotorResult solve_with(const std::vector<double>& fw, const std::vector<double>&
       }
     }
   }
+  if (!found) return r;
   r.time = best.time;
   r.peak = best.peak;
   r.ops = std::move(best.ops);

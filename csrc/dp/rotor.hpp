@@ -38,7 +38,9 @@ struct RotorResult {
 // rather than float (half the memory traffic; what the discretized mode uses).
 // extra > 0 (refinement, see rotor.cpp): tabulate up to budget + extra units (one table) and
 // return the fastest plan rebuilt at a budget in [budget, budget + extra] whose exact peak is
-// at most exact_limit (ties: the lower peak); the plan at budget itself is the fallback.
+// at most exact_limit (ties: the lower peak; the caller adds its tolerance to the limit); the
+// plan at budget itself is the fallback. A budget below the rounded minimum (min_units) has no
+// fallback: it is refined from the minimum when that is within budget + extra, else infeasible.
 // The table holds only the cells the answer can read; whole_table: every cell up to
 // budget + extra instead (the same answer, slower: tests compare the two).
 RotorResult rotor_solve(const std::vector<double>& fw, const std::vector<double>& bw,

@@ -355,7 +355,10 @@ def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[i
     """Algorithm 1's arguments in memory units: rotor's discretisation (sizes rounded up to
     whole slots of memory/slots), or with ``nearest`` rounded to the nearest slot: rounding
     up ~L activations inflates the apparent need by up to L slots (seed 000 section 6.2's
-    DenseNet discretisation error); the plan is simulated with the real sizes anyway."""
+    DenseNet discretisation error); the plan is simulated with the real sizes anyway.
+    Exact units (``slots=None``): the data a stage moves stays fractional (``exact``,
+    csrc/dp/offload_dp.hpp), so the recurrence is the relaxation itself; on the slot grid the
+    DP rounds it to whole slots (fewer states). Returns the arguments, then ``exact``."""
     if nearest and slots is not None:
         unit = memory / slots
         x, xbar, delta, fw_tmp, bw_tmp = ([int(round(v / unit)) for v in vals] for vals in (
@@ -365,18 +368,19 @@ def _dp_inputs(chain: Chain, memory: Number, bandwidth: float, slots: Optional[i
     else:
         (x, xbar, delta, fw_tmp, bw_tmp, _), M, unit = rotor.discretize(chain, memory, slots)
     act = [x[0]] + list(xbar)
+    beta = float(bandwidth) / unit
     args = (act, list(delta), fw_tmp, bw_tmp, [float(v) for v in chain.fw],
-            [float(v) for v in chain.bw], M, float(bandwidth) / unit)
-    return args, unit
+            [float(v) for v in chain.bw], M, beta)
+    return args, slots is None
 
 
 def relaxed_idle(chain: Chain, memory: Number, bandwidth: float, offloaded: Sequence[int],
                  slots: Optional[int] = None) -> Optional[float]:
     """Algorithm 1's recurrence along fixed decisions: the relaxed idle time of the ordered
     schedule offloading ``offloaded`` (None: infeasible). For testing the DP's search."""
-    args, _ = _dp_inputs(chain, memory, bandwidth, slots)
+    args, exact = _dp_inputs(chain, memory, bandwidth, slots)
     flags = [1 if i in set(offloaded) else 0 for i in range(chain.L + 1)]
-    ok, idle, _, _ = core().offload_evaluate(*args, flags)
+    ok, idle, _, _ = core().offload_evaluate(*args, flags, exact)
     return idle if ok else None
 
 
@@ -427,8 +431,8 @@ def dynprog(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, s
                                                   if slots else [])
     got = None
     for sl, nearest in attempts:
-        args, _ = _dp_inputs(chain, memory, beta, sl, nearest)
-        ok, idle, flags, states = core().offload_dynprog(*args)
+        args, exact = _dp_inputs(chain, memory, beta, sl, nearest)
+        ok, idle, flags, states = core().offload_dynprog(*args, exact)
         if not ok:
             continue
         chosen = [i for i, f in enumerate(flags) if f]
@@ -587,8 +591,8 @@ def _search_sets(chain: Chain, start: Sequence[int], memory: Number, beta: float
 
 def _dp_set(chain: Chain, memory: Number, beta: float, slots: int) -> Optional[List[int]]:
     """Algorithm 1's offload decisions with sizes rounded up (None if it finds none)."""
-    args, _ = _dp_inputs(chain, memory, beta, slots, False)
-    ok, _, flags, _ = core().offload_dynprog(*args)
+    args, exact = _dp_inputs(chain, memory, beta, slots, False)
+    ok, _, flags, _ = core().offload_dynprog(*args, exact)
     return [i for i, f in enumerate(flags) if f] if ok else None
 
 

@@ -19,7 +19,12 @@ forward more). So the DP tabulates up to ``S + h`` slots (one table, the same sl
 where its value drops are rebuilt with the exact sizes, and the fastest one whose exact peak
 is at most ``M`` is returned (ties: the lower peak; on long chains the drops are bisected,
 see csrc/dp/rotor.cpp). The plan at ``S`` itself always fits, so refining is never slower.
-``refine=False``: the rounded problem's optimum alone.
+A limit whose rounded problem is infeasible is refined too when its least feasible budget is
+within ``h`` slots of ``S`` (at the every-block plan's own peak the rounded plan can need a
+slot or two more than ``S``): it is refused only if no plan rebuilt there fits, and its
+``InfeasibleError.min_memory`` is then the least limit whose rounded problem is feasible
+(a limit that works: the plan at its own budget fits). "Fits" is the simulator's rule
+(:func:`fit_limit`). ``refine=False``: the rounded problem's optimum alone.
 
 ``predicted_time`` is the DP's value at the limit the plan was rebuilt at;
 ``predicted_peak`` the exact peak of the plan (x[0] included) from the same recurrences with
@@ -97,19 +102,24 @@ def discretize(chain: Chain, memory: Union[int, float], slots: Optional[int],
     return units, slots, float(memory) / slots
 
 
+def _check_enough_slots(chain: Chain, slots: int, allow_all: bool) -> None:
+    """ValueError if no limit makes the rounded problem feasible with ``slots``."""
+    # however large the limit, every size still takes one slot at least
+    ones = tuple([1 if v > 0 else 0 for v in _padded(chain, f)] for f in SIZE_FIELDS)
+    fewest = core().rotor_min_units(ones, allow_all)
+    if fewest > slots:
+        raise ValueError(f"slots={slots} is too few for this chain at any memory: every stored "
+                         f"item takes one slot at least and a schedule holds {fewest} at once; "
+                         f"use slots >= {fewest} (500 is the default)")
+
+
 def _min_memory(chain: Chain, slots: Optional[int], allow_all: bool, memory: float
                 ) -> Union[int, float]:
     """Smallest memory limit for which the (discretized) problem is feasible."""
     ext = core()
     if slots is None:  # (at least 1: a limit must be positive, even for a chain of zeros)
         return max(1, ext.rotor_min_units(discretize(chain, memory, None)[0], allow_all))
-    # however large the limit, every size still takes one slot at least
-    ones = tuple([1 if v > 0 else 0 for v in _padded(chain, f)] for f in SIZE_FIELDS)
-    fewest = ext.rotor_min_units(ones, allow_all)
-    if fewest > slots:
-        raise ValueError(f"slots={slots} is too few for this chain at any memory: every stored "
-                         f"item takes one slot at least and a schedule holds {fewest} at once; "
-                         f"use slots >= {fewest} (500 is the default)")
+    _check_enough_slots(chain, slots, allow_all)
 
     def ok(m: float) -> bool:
         units, budget, _ = discretize(chain, m, slots)
@@ -148,6 +158,15 @@ def rounding_headroom(chain: Chain, memory: Union[int, float]) -> int:
     return min(chain.L + 4, held + 1)
 
 
+def fit_limit(chain: Chain, memory: Union[int, float]) -> float:
+    """The largest exact peak that fits ``memory``, by ``scheduler.simulate``'s rule: to the
+    byte for an integer chain under an integer limit (float sums of integers are exact), else
+    with its relative tolerance of 1e-9 (float sums of fractional sizes are not)."""
+    if float(memory).is_integer() and chain.is_integer:
+        return float(memory)
+    return float(memory) + 1e-9 * max(1.0, float(memory))
+
+
 def check_refine(refine: Any) -> bool:
     if not isinstance(refine, bool):
         raise ValueError(f"refine: expected True or False, got {refine!r}")
@@ -165,11 +184,12 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
     slots = slots_arg(slots, hint=_SLOTS_HINT)
     extra = rounding_headroom(chain, memory) if check_refine(refine) and slots is not None else 0
     units, budget, unit = discretize(chain, memory, slots, headroom=extra)
+    limit = fit_limit(chain, memory)   # what a refined plan's exact peak may reach
     # (the extension converts the exact sizes and times to double itself, as float() does)
     feasible, time, peak, min_units, ops, used, tried, steps = core().rotor_solve(
         chain.fw, chain.bw, units, tuple(_padded(chain, f) for f in SIZE_FIELDS), budget, allow_all,
         slots is None,  # exact units: a double table; slots: float (twice as fast)
-        extra, float(memory), whole_table)
+        extra, limit, whole_table)
     if not feasible:
         need = _min_memory(chain, slots, allow_all, memory)
         how = "exact units" if slots is None else f"{slots} slots"
@@ -177,8 +197,10 @@ def solve_dp(chain: Chain, memory: Any, slots: Any, allow_all: bool, planner: st
             f"{planner}: no schedule of {'chain ' + chain.name if chain.name else 'the chain'} "
             f"fits in memory={format_bytes(memory)} with {how}; the smallest memory that works "
             f"is {format_bytes(need)}", need)
-    if used != budget and not peak <= memory:  # the C++ side compared in double: say so loudly
+    if used != budget and not peak <= limit:  # the C++ side compared in double: say so loudly
         raise AssertionError(f"{planner}: refined plan's peak {peak!r} exceeds memory={memory!r}")
+    if min_units > budget:  # refined from below the rounded minimum: too few slots stay an error
+        _check_enough_slots(chain, slots, allow_all)
     if float(peak).is_integer() and chain.is_integer:
         peak = int(peak)
     if float(time).is_integer() and all(isinstance(v, int) for v in chain.fw + chain.bw):
@@ -204,9 +226,10 @@ def solve(chain: Chain, memory: Any, slots: Optional[int] = 500, refine: bool = 
 
 def min_memory(chain: Chain, slots: Optional[int] = None, memory: Optional[float] = None,
                *, _allow_all: bool = True) -> Union[int, float]:
-    """The least memory limit (bytes, x[0] included) for which ``solve`` finds a plan:
-    exact with ``slots=None``; else for that slot count (the slot size scales with the
-    limit), searched from ``memory`` (a hint; any positive value works)."""
+    """A memory limit (bytes, x[0] included) at which ``solve`` finds a plan: the least one
+    with ``slots=None``; else the least at which that slot count's rounded problem is
+    feasible (the slot size scales with the limit; ``solve``'s refinement may find a plan a
+    little below it too), searched from ``memory`` (a hint; any positive value works)."""
     check_chain(chain)
     slots = slots_arg(slots, hint=_SLOTS_HINT)
     hint = memory_arg(memory) if memory is not None \
