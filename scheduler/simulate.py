@@ -109,7 +109,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .chain import Chain
 from .errors import InvalidPlanError
 from .plan import FORWARD_KINDS, TRANSFER_KINDS, Plan
-from .units import format_bytes, parse_memory, parse_rate
+from .units import format_bytes, limit_tolerance, parse_memory, parse_rate
 
 Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
 COMPUTE_STREAM, TRANSFER_STREAM = 0, 1
@@ -369,11 +369,10 @@ def simulate(chain: Chain, plan: Plan,
     flow = _plan_data_flow(chain, plan, bw, complete)
     ops = plan.ops
     n = len(ops)
-    # sums of integer sizes are exact in floats (below 2**53): an integer limit is kept to the
-    # byte; fractional chains (measured, discretized) get a relative float tolerance
-    exact = limit is not None and float(limit).is_integer() and chain.is_integer and (
-        plan.transfer_chunk is None or float(plan.transfer_chunk).is_integer())
-    tol = 0.0 if exact or limit is None else 1e-9 * max(1.0, limit)
+    # an integer limit is kept to the byte on integer sizes; fractional chains (measured,
+    # discretized) and chunks get a relative float tolerance
+    tol = 0.0 if limit is None else limit_tolerance(limit, chain.is_integer and (
+        plan.transfer_chunk is None or float(plan.transfer_chunk).is_integer()))
 
     steps = [Step(i, op.kind, op.stage) for i, op in enumerate(ops)]
     comp = [i for i in range(n) if isinstance(flow[i], _Compute)]

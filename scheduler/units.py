@@ -106,3 +106,13 @@ def shown(value: Any, width: int = 60) -> str:
     and its length."""
     text = repr(value)
     return text if len(text) <= width else f"{text[:width - 20]}... ({len(text)} characters)"
+
+
+def limit_tolerance(limit: float, integer: bool) -> float:
+    """How far above a memory ``limit`` a peak may be and still fit it: nothing when the sizes
+    summed are ``integer`` and so is the limit (sums of integers are exact in floats, below
+    2**53), else a relative float tolerance of 1e-9 (sums of fractional sizes are not). The
+    simulator's rule, which the planners that compare exact peaks follow too."""
+    if integer and float(limit).is_integer():
+        return 0.0
+    return 1e-9 * max(1.0, float(limit))

@@ -42,7 +42,7 @@ from .._native import core
 from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import KINDS, Op, Plan
-from ..units import format_bytes
+from ..units import format_bytes, limit_tolerance
 from .args import check_chain, memory_arg, slots_arg
 
 # the DP emits (kind, stage) with kind an index into plan.KINDS (csrc/dp/rotor.hpp RotorKind)
@@ -162,9 +162,7 @@ def fit_limit(chain: Chain, memory: Union[int, float]) -> float:
     """The largest exact peak that fits ``memory``, by ``scheduler.simulate``'s rule: to the
     byte for an integer chain under an integer limit (float sums of integers are exact), else
     with its relative tolerance of 1e-9 (float sums of fractional sizes are not)."""
-    if float(memory).is_integer() and chain.is_integer:
-        return float(memory)
-    return float(memory) + 1e-9 * max(1.0, float(memory))
+    return float(memory) + limit_tolerance(memory, chain.is_integer)
 
 
 def check_refine(refine: Any) -> bool:
