@@ -5,6 +5,7 @@ against an exhaustive enumeration of offload subsets under its own relaxation, a
 relaxation against the simulator on every subset."""
 import itertools
 import math
+from typing import Tuple
 import random
 
 import pytest
@@ -65,24 +66,33 @@ def test_no_offload_when_everything_fits():
             assert p.predicted_time == c.total_compute()
 
 
+def _every_subset(c: Chain, M: int, bw: float) -> Tuple[float, int]:
+    """Algorithm 1's recurrence along every offload subset: its least time, and how many
+    subsets' plans ran; for each of those, the recurrence's time <= the plan's simulated time
+    (the relaxation holds)."""
+    best, ran = math.inf, 0
+    for k in range(c.L + 2):
+        for S in itertools.combinations(range(c.L + 1), k):
+            idle = offload.relaxed_idle(c, M, bw, S)
+            if idle is not None:
+                best = min(best, c.total_compute() + idle)
+            try:
+                _, sim = offload.schedule(c, S, M, bw)
+            except InvalidPlanError:
+                continue
+            ran += 1
+            assert idle is not None and c.total_compute() + idle <= sim.makespan + 1e-9, S
+    return best, ran
+
+
 def test_dynprog_search_is_exhaustive_and_its_relaxation_is_a_lower_bound():
     """Algorithm 1 == min over all 2^(L+1) offload subsets of its recurrence; and for every
     subset, the recurrence's (relaxed) time <= the simulated time of the whole-activation
     no-wait ordered plan offloading that subset (so it is a true relaxation)."""
     checked = 0
     for c, M, bw in _cases(12, max_L=4, seed0=100):
-        best = math.inf
-        for k in range(c.L + 2):
-            for S in itertools.combinations(range(c.L + 1), k):
-                idle = offload.relaxed_idle(c, M, bw, S)
-                if idle is not None:
-                    best = min(best, c.total_compute() + idle)
-                try:
-                    _, sim = offload.schedule(c, S, M, bw)
-                except InvalidPlanError:
-                    continue
-                checked += 1
-                assert idle is not None and c.total_compute() + idle <= sim.makespan + 1e-9
+        best, ran = _every_subset(c, M, bw)
+        checked += ran
         d = offload.dynprog(c, M, bw, slots=None)
         assert d.meta["relaxed_time"] == pytest.approx(best, abs=1e-9)
         assert offload.lower_bound(c, M, bw) <= d.meta["relaxed_time"] + 1e-9
@@ -201,17 +211,7 @@ def test_relaxation_is_a_lower_bound_at_any_bandwidth(L, seed, frac, bw):
     c = Chain.random(L, seed=seed)
     lo, hi = offload.min_memory(c), offload.peak_memory(c)
     M = lo + round(frac * (hi - lo))
-    best = math.inf
-    for k in range(c.L + 2):
-        for S in itertools.combinations(range(c.L + 1), k):
-            idle = offload.relaxed_idle(c, M, bw, S)
-            if idle is not None:
-                best = min(best, c.total_compute() + idle)
-            try:
-                _, sim = offload.schedule(c, S, M, bw)
-            except InvalidPlanError:
-                continue
-            assert idle is not None and c.total_compute() + idle <= sim.makespan + 1e-9
+    best, _ = _every_subset(c, M, bw)
     for improve in (False, True):
         p = offload.dynprog(c, M, bw, slots=None, improve=improve)
         assert p.meta["dp_value"] == pytest.approx(best, abs=1e-9)
