@@ -288,9 +288,16 @@ def test_hooks_around_the_model_keep_the_stand_in():
     assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
 
 
-def test_context_left_open_in_the_tail_is_popped_later():
+def test_context_left_open_in_the_tail_is_popped_later(monkeypatch):
     ref, model, batch, chains = checkpointed_model("gpt2")
     opened = []
+    noted = []   # what our hooks noted, as the measurement reads it (after they went inert)
+    measure = tail_mod.TailProbe._tail_chain
+
+    def tail_chain(self, rec, *a):
+        noted.append(len(rec.hooks.saved))
+        return measure(self, rec, *a)
+    monkeypatch.setattr(tail_mod.TailProbe, "_tail_chain", tail_chain)
 
     def open_context(m, a, out):  # a hook that leaves a saved-tensor context open
         if not opened:
@@ -303,6 +310,7 @@ def test_context_left_open_in_the_tail_is_popped_later():
         lm = step(model, batch, 0)
     h.remove()
     assert "tail" in chains[0].meta and hook_stack._stale  # measured; our hooks inert below
+    assert noted and noted[0] > 0   # what the head saved is counted though they stay pushed
     opened[0].__exit__(None, None, None)  # the user's context closes...
     assert_same(ref, model, step(ref, batch, 0), lm, "gpt2")
     assert_same(ref, model, step(ref, batch, 1), step(model, batch, 1), "gpt2")

@@ -74,8 +74,8 @@ class _Within:
         if not self.ended and self.frame is not None and \
                 threading.get_ident() == self.thread and not running(self.frame):
             self.ended, self.frame = True, None  # (its caller's locals let go)
-            for entry in self.entries:
-                _retire(entry)
+            for entry in self.entries:  # (no one reads the recording of a call that ended so)
+                _retire(entry, forget=True)
             self.entries = []
         return self.ended
 
@@ -141,16 +141,18 @@ class _Hooks:
         return t
 
 
-def _retire(entry: Any) -> None:
+def _retire(entry: Any, forget: bool = False) -> None:
     """Make a pushed entry inert (the tracer records and keeps nothing, the hooks note
-    nothing) and queue it to be popped at the next safe point (``_sweep``, at a model call):
-    never popped here, inside an op's dispatch or a garbage collection."""
+    nothing more) and queue it to be popped at the next safe point (``_sweep``, at a model
+    call): never popped here, inside an op's dispatch or a garbage collection. What the hooks
+    noted stays for the measurement that reads it, unless ``forget``."""
     entry.within = None
     if isinstance(entry, _TailTracer):
         entry.active, entry._keep = False, []
     else:
         entry.recording = False
-        entry.saved.clear()
+        if forget:
+            entry.saved.clear()
     if not entry.queued:
         entry.queued = True
         _stale.append(("tracer" if isinstance(entry, _TailTracer) else "hooks", entry))
