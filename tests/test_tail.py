@@ -167,16 +167,20 @@ def test_two_forwards_one_backward():
     assert_same(ref, model, torch.zeros(()), torch.zeros(()), "two forwards")
 
 
-def test_tail_raises_then_trains():
-    ref, model, batch, chains = checkpointed_model("gpt2")
+def _raises_once(exc: BaseException) -> Any:
+    """A forward pre-hook that raises ``exc`` at its first call only."""
     calls = []
 
-    def boom(m, a):
+    def hook(m: nn.Module, a: Any) -> None:
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("boom in the tail")
+            raise exc
+    return hook
 
-    h = head(model).register_forward_pre_hook(boom)
+
+def test_tail_raises_then_trains():
+    ref, model, batch, chains = checkpointed_model("gpt2")
+    h = head(model).register_forward_pre_hook(_raises_once(RuntimeError("boom in the tail")))
     with pytest.warns(UserWarning, match="raised after its last block"):
         with pytest.raises(RuntimeError, match="boom"):
             model(**batch)
@@ -259,14 +263,7 @@ def test_an_interrupt_inside_a_block_ends_the_models_call():
     # the model's forward hook never runs on an interrupt: the next call is a new forward of
     # the model, not one inside the interrupted one (no 'ran a second time' warning)
     ref, model, batch, chains = checkpointed_model("gpt2")
-    calls = []
-
-    def interrupt(m, a):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-
-    h = model.transformer.h[1].register_forward_pre_hook(interrupt)
+    h = model.transformer.h[1].register_forward_pre_hook(_raises_once(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         model(**batch)
     h.remove()

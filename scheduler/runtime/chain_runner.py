@@ -691,24 +691,23 @@ class ChainRunner:
         would otherwise hang until the process group's timeout (30 minutes by default)."""
         new = key not in self.cache
         mixed, differ = distributed.differ(new, key)
+        if not (mixed or differ):
+            return
         if mixed:
             n = distributed.ranks_with(new)
-            world = torch.distributed.get_world_size()
-            raise RuntimeError(
-                f"{self.name}: {n} of {world} ranks meet a new input signature for "
-                f"'{self.list_name}' at this step (this rank: {'yes' if new else 'no'}); where "
-                "a recomputation runs collectives (FSDP units, SyncBatchNorm) every rank must "
-                "run one plan, so every rank must meet new shapes at the same steps: pad each "
-                "step's batches to the same length on every rank, or use planner='mimose'"
-                f"{self._differences(args, kwargs)}")
-        if differ:
-            raise RuntimeError(
-                f"{self.name}: the ranks call block 0 of '{self.list_name}' with different "
-                "input signatures at this step, each known from an earlier step; where a "
-                "recomputation runs collectives (FSDP units, SyncBatchNorm) every rank must run "
-                "one plan, so every rank must call the blocks with the same signature at the "
-                "same step: pad each step's batches to the same length on every rank, or use "
-                f"planner='mimose'{self._differences(args, kwargs)}")
+            what = (f"{n} of {torch.distributed.get_world_size()} ranks meet a new input "
+                    f"signature for '{self.list_name}' at this step (this rank: "
+                    f"{'yes' if new else 'no'})")
+            must = "meet new shapes at the same steps"
+        else:
+            what = (f"the ranks call block 0 of '{self.list_name}' with different input "
+                    "signatures at this step, each known from an earlier step")
+            must = "call the blocks with the same signature at the same step"
+        raise RuntimeError(
+            f"{self.name}: {what}; where a recomputation runs collectives (FSDP units, "
+            f"SyncBatchNorm) every rank must run one plan, so every rank must {must}: pad "
+            "each step's batches to the same length on every rank, or use planner='mimose'"
+            f"{self._differences(args, kwargs)}")
 
     def _differences(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
         """What differs between this rank's call of block 0 and the other ranks' (a collective:

@@ -31,7 +31,7 @@ import hashlib
 import re
 import threading
 import weakref
-from typing import Any, Dict, Hashable, List, Tuple
+from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
@@ -73,18 +73,15 @@ def agree_chain(chain: Chain, key: Hashable = None, group: Any = None) -> Chain:
         return chain
     dist = torch.distributed
     dev = _device(group)
-    fp = _fingerprint(key, chain.L)
-    head = torch.tensor([fp, -fp, float(chain.L), -float(chain.L)], dtype=torch.float64,
-                        device=dev)
     try:
-        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+        same_key, same_length = _same_everywhere([_fingerprint(key, chain.L), chain.L], group)
     except RuntimeError as exc:
         raise RuntimeError(
             f"agree_chain: rank {dist.get_rank()} waited for the other ranks to plan (input "
             f"{key!r}) and they did not come: every rank must meet a new input signature at "
             f"the same step (same shapes on every rank, or none in a process group). "
             f"Underlying error: {exc}") from exc
-    if head[0].item() != -head[1].item() or head[2].item() != -head[3].item():
+    if not (same_key and same_length):
         raise RuntimeError(
             f"agree_chain: the ranks are planning for different inputs at the same step "
             f"(rank {dist.get_rank()}: {key!r}, {chain.L} stages; the runner's key holds the "
@@ -118,18 +115,27 @@ def ranks_with(flag: bool, group: Any = None) -> int:
     return int(t.item())
 
 
+def _same_everywhere(values: Sequence[float], group: Any) -> List[bool]:
+    """For each of ``values``, whether every rank of ``group`` holds the same (its maximum
+    over the ranks is minus the maximum of its negation), in one all-reduce. Every rank must
+    call it at the same point, with as many values."""
+    dist = torch.distributed
+    t = torch.tensor([float(v) for v in values] + [-float(v) for v in values],
+                     dtype=torch.float64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    got = t.tolist()
+    n = len(values)
+    return [got[i] == -got[n + i] for i in range(n)]
+
+
 def differ(flag: bool, key: Hashable, group: Any = None) -> Tuple[bool, bool]:
     """Whether the ranks of ``group`` hold ``flag`` differently, and whether their ``key``s
     differ (``_fingerprint``), in one all-reduce; (False, False) without a group. Every rank
     must call it at the same point."""
     if not active(group):
         return False, False
-    dist = torch.distributed
-    f, fp = (1.0 if flag else 0.0), _fingerprint(key, 0)
-    t = torch.tensor([f, -f, fp, -fp], dtype=torch.float64, device=_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    hi_f, lo_f, hi_k, lo_k = t.tolist()
-    return hi_f != -lo_f, hi_k != -lo_k
+    same_flag, same_key = _same_everywhere([flag, _fingerprint(key, 0)], group)
+    return not same_flag, not same_key
 
 
 def gathered(obj: Any, group: Any = None) -> List[Any]:
