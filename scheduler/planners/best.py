@@ -12,7 +12,6 @@ seconds, or the reason it has none) say how it was chosen.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..chain import Chain, Number
@@ -22,6 +21,7 @@ from ..simulate import simulate
 from ..units import format_bytes
 from . import offload, pofo, rotor
 from .args import bandwidth_arg, check_chain, memory_arg
+from .limits import least_working
 
 __all__ = ["solve", "PLANNERS"]
 
@@ -116,14 +116,18 @@ def _least_working(chain: Chain, memory: Number, beta: float,
     """The least of the limits the failed planners named at which the one that named it
     finds a plan that fits, as :func:`solve` would run it there (some name bounds, not
     limits that work; a limit at or below ``memory`` was just refused); None if none does."""
-    for need, plan_for in sorted(needs, key=lambda n: n[0]):
-        if not (isinstance(need, (int, float)) and math.isfinite(need) and need > memory):
-            continue
-        try:
-            plan = plan_for(chain, need, beta, _slots_for(chain, need))
-            sim = simulate(chain, plan, beta if beta > 0 else None, memory=need)
-        except (InfeasibleError, InvalidPlanError):
-            continue
-        if sim.peak_memory <= need:
-            return need
-    return None
+    namers: Dict[Number, List[Planner]] = {}
+    for need, plan_for in needs:
+        namers.setdefault(need, []).append(plan_for)
+
+    def works(limit: Number) -> bool:
+        for plan_for in namers[limit]:
+            try:
+                plan = plan_for(chain, limit, beta, _slots_for(chain, limit))
+                sim = simulate(chain, plan, beta if beta > 0 else None, memory=limit)
+            except (InfeasibleError, InvalidPlanError):
+                continue
+            if sim.peak_memory <= limit:
+                return True
+        return False
+    return least_working(namers, memory, works)

@@ -50,11 +50,6 @@ BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
 plan_from_checkpoints = checkpoint_plan
 
 
-def _input_size_arg(input_size: float, where: str) -> float:
-    """A positive finite number: the estimator's fit only knows sizes > 0."""
-    return size_arg(input_size, where)
-
-
 # ---------------------------------------------------------------------------- Algorithm 1
 def buckets_of(est_mem: Sequence[float], ratio: float = BUCKET_RATIO) -> List[List[int]]:
     """Algorithm 1, lines 2-14: blocks sorted by size (descending); a bucket takes the largest
@@ -151,7 +146,7 @@ class Mimose:
     def estimate_activation_bytes(self, input_size: float) -> float:
         """Predicted activation bytes of the whole chain without checkpointing (``input_size``
         a positive number, as for ``plan``; else ``ValueError``)."""
-        _input_size_arg(input_size, "Mimose.estimate_activation_bytes")
+        size_arg(input_size, "Mimose.estimate_activation_bytes")
         return float(self.estimator.predict(input_size).sum())
 
     @staticmethod
@@ -161,7 +156,7 @@ class Mimose:
     def plan(self, input_size: float, budget: Union[float, str]) -> Plan:
         """The plan for this input size and budget (bytes or a size string, ``"6GiB"``), from
         the cache when seen before."""
-        _input_size_arg(input_size, "Mimose.plan")
+        size_arg(input_size, "Mimose.plan")
         if isinstance(budget, str):
             from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
             budget = parse_size(budget, "Mimose.plan: budget")

@@ -68,6 +68,7 @@ from ..units import format_bytes, shown
 from . import offload, rotor
 from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
 from .improve import improve_transfers
+from .limits import least_working
 from .offload import stamp, with_prefetches
 from .pofo_bounds import _rotor_min, max_memory, min_memory
 from .pofo_heuristics import _autocapper, autocapper, capper, opportunist
@@ -381,23 +382,21 @@ def _working_limit(chain: Chain, memory: Number, beta: float, slots: Optional[in
     among pofo's bound (``floor``), rotor's least limit on the grid pofo tries it on, and
     the limits its failed candidates named (bounds, some of them: each is solved at before
     it is named); None if none of them works."""
-    limits = {v for v in needs if v is not None and math.isfinite(v)}
-    if floor is not None:
-        limits.add(floor)
+    limits = list(needs) + [floor]
     try:
-        limits.add(_rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
-                              memory))
+        limits.append(_rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
+                                 memory))
     except ValueError:   # (too few slots for this chain at any limit)
         pass
-    for limit in sorted(v for v in limits if v > memory):
+
+    def works(limit: Number) -> bool:
         # the feasibility of the full solve: improvement and the whole-activation DP only
         # make a plan faster, and the heuristics are weighed whenever the DP fails
         try:
-            if _search(chain, limit, beta, slots, delta_step, False, "paper", []) is not None:
-                return limit
+            return _search(chain, limit, beta, slots, delta_step, False, "paper", []) is not None
         except ValueError:   # (past what the DP takes in these units: no limit for solve)
-            continue
-    return None
+            return False
+    return least_working(limits, memory, works)
 
 
 def _derated(chain: Chain, memory: Number, beta: float, factor: float, slots: Optional[int],
