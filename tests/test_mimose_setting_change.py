@@ -268,3 +268,30 @@ def test_settings_beyond_the_limit_drop_the_oldest_loudly(budget, monkeypatch):
     assert "the samples learnt with bfloat16 on cpu" in said[1] and \
         "(3 input sizes) are dropped, and collected again" in said[1]
     assert len(r._mimoses) == 1
+
+
+# ------------------------------------------------- block 0 takes token ids only: the weights
+@pytest.mark.parametrize("planner", ["rotor", "mimose"])
+def test_a_cast_of_the_weights_is_seen_where_block_0_takes_token_ids(planner):
+    """An embedding block first: no argument of block 0 shows the dtype, so before, the
+    chain measured (rotor) or the samples learnt (Mimose) in bfloat16 planned the float32
+    steps after ``model.float()``. The weights' dtype is part of the key and the setting."""
+    ids = [wrap_models.token_batch(2, n, seed=i) for i, n in enumerate((12, 16, 20, 20))]
+    model = scheduler.wrap(wrap_models.transformer_blocks(), 1 << 30, planner=planner,
+                           **({"samples": 3} if planner == "mimose" else {}))
+    model.to(torch.bfloat16)
+    for i, x in enumerate(ids[:3]):
+        wrapped_step(model, (x,), i)
+    before = model.stats()
+    model.float()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        wrapped_step(model, (ids[3],), 3)
+    after = model.stats()
+    if planner == "rotor":  # the bfloat16 chain of length 20 is not reused: measured anew
+        assert after["chains_measured"] == before["chains_measured"] + 1
+    else:
+        said = [str(x.message) for x in w if "Mimose: block 0 of 'blocks'" in str(x.message)]
+        assert len(said) == 1 and "float32 weights" in said[0] and \
+            "bfloat16 weights" in said[0], said
+        assert after["mimose_collections"] == before["mimose_collections"] + 1

@@ -119,6 +119,17 @@ def signature(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> A
     return (str(spec), tuple(sig))
 
 
+def weights_dtype(blocks: Sequence[nn.Module]) -> Optional[str]:
+    """The dtype of the blocks' first floating-point parameter, or None: what ``model.float()``
+    or ``.half()`` changes where block 0's arguments show no dtype (integer token ids into an
+    embedding block), so that plans and Mimose samples learnt before are not reused after."""
+    for block in blocks:
+        for p in block.parameters():
+            if p.is_floating_point():
+                return str(p.dtype).replace("torch.", "")
+    return None
+
+
 def describe_arguments(args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None
                        ) -> Dict[str, str]:
     """``signature`` per argument, in words, by name (``args[i]``, keyword names): what an

@@ -32,7 +32,7 @@ from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Est
 from ..units import format_bytes
 from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
-from .block_calls import describe_arguments, signature, tensor_leaves
+from .block_calls import describe_arguments, signature, tensor_leaves, weights_dtype
 from .chain_exec import ChainStep, RunStats
 from .chain_transfers import Transfers
 from .compiled_plan import CompiledPlan
@@ -57,26 +57,31 @@ def _shape_of(key: Hashable) -> Hashable:
     return signature_, training, autocast
 
 
-def _mimose_setting(args: Sequence[Any], kwargs: Dict[str, Any], training: bool) -> Hashable:
+def _mimose_setting(args: Sequence[Any], kwargs: Dict[str, Any], training: bool,
+                    weights: Optional[str] = None) -> Hashable:
     """What Mimose's samples depend on besides the input size: what rotor's plan key
     (``ChainRunner._key``) holds besides shapes and the budget, less what changes no byte
     count. Kept: the dtypes and devices of block 0's floating-point tensors (``model.float()``
-    after learning in bfloat16 doubles every activation), whether any needs a gradient, train
-    mode (dropout's masks) and the autocast state (its low-precision activations and weight
-    copies). Left out: integer and boolean tensors and constant arguments, whose presence
-    changes from step to step under dynamic padding (an attention mask that is None for a
-    batch without padding) and would split the samples, and shapes (the input size's job)."""
+    after learning in bfloat16 doubles every activation), the weights' dtype (``weights``,
+    ``block_calls.weights_dtype``: the same where block 0 takes only token ids), whether any
+    input needs a gradient, train mode (dropout's masks) and the autocast state (its
+    low-precision activations and weight copies). Left out: integer and boolean tensors and
+    constant arguments, whose presence changes from step to step under dynamic padding (an
+    attention mask that is None for a batch without padding) and would split the samples, and
+    shapes (the input size's job)."""
     leaves = list(tensor_leaves((tuple(args), kwargs)))
     floats = sorted({(str(t.dtype).replace("torch.", ""), str(t.device)) for t in leaves
                      if t.is_floating_point() or t.is_complex()})
-    return (tuple(floats), any(t.requires_grad for t in leaves), training,
+    return (tuple(floats), weights, any(t.requires_grad for t in leaves), training,
             rng.autocast_state())
 
 
 def _describe_setting(setting: Hashable) -> str:
     """``_mimose_setting`` in words (warnings)."""
-    floats, grad, training, autocast = setting  # type: ignore[misc]
+    floats, weights, grad, training, autocast = setting  # type: ignore[misc]
     tensors = ", ".join(f"{dtype} on {dev}" for dtype, dev in floats) or "no float tensors"
+    if weights is not None:
+        tensors += f", {weights} weights"
     casts = ", ".join(f"{dev} autocast to {str(dtype).replace('torch.', '')}"
                       for dev, on, dtype in autocast if on) or "no autocast"
     return (f"{tensors}, {'train' if training else 'eval'} mode, {casts}, input "
@@ -345,8 +350,10 @@ class ChainRunner:
         return cplan
 
     def _key(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Hashable:
-        return (signature(args, kwargs), self._budget, self.blocks[0].training,
-                rng.autocast_state())
+        # the weights' dtype with the signature: a chain measured in bfloat16 does not plan
+        # float32 steps (block 0's arguments may be token ids, which show no dtype)
+        return ((signature(args, kwargs), weights_dtype(self.blocks)), self._budget,
+                self.blocks[0].training, rng.autocast_state())
 
     def _plan_on(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
         """The compiled plan the planner makes on ``chain`` (a share's infeasibility says
@@ -472,7 +479,8 @@ class ChainRunner:
         a collection's extra forwards gather parameters, and one rank collecting alone pairs
         its collectives with another's backward (a hang until the group's timeout)."""
         size = self.input_size(args)
-        m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training))
+        m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training,
+                                             weights_dtype(self.blocks)))
         collect = not m.ready and not m.estimator.has(size)
         if agree and self._under_fsdp():
             collect = distributed.any_rank(collect)
@@ -712,7 +720,9 @@ class ChainRunner:
     def _differences(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
         """What differs between this rank's call of block 0 and the other ranks' (a collective:
         every rank is on this error path at once), for the message."""
-        mine = dict(describe_arguments(args, kwargs), budget=repr(self._budget),
+        mine = dict(describe_arguments(args, kwargs),
+                    **{"weights' dtype": repr(weights_dtype(self.blocks))},
+                    budget=repr(self._budget),
                     mode="train" if self.blocks[0].training else "eval",
                     autocast=repr(rng.autocast_state()))
         everyone = distributed.gathered(mine)
