@@ -37,6 +37,7 @@ def test_budget_zero_means_no_cap_and_window_alone_activates():
     ("VMALLOC", "maybe"), ("VMALLOC", "2"), ("VMALLOC_CHUNK_SIZE", "2 parsecs"),
     ("VMALLOC_CHUNK_SIZE", "0"), ("VMALLOC_BUDGET", "-1GiB"), ("VMALLOC_BUDGET", "1.5B"),
     ("VMALLOC_WINDOW", "lots"), ("VMALLOC_WINDOW", "0"),
+    ("VMALLOC_CHUNK_SIZE", "40MB"), ("VMALLOC_CHUNK_SIZE", "1MiB"),
 ])
 def test_malformed_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
@@ -93,3 +94,19 @@ def test_an_unwritable_report_stops_the_interpreter_with_exit_2(tmp_path):
                        cwd=str(tmp_path))
     assert r.returncode == 2 and "went on" not in r.stdout
     assert "VMALLOC_REPORT" in r.stderr and "does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("value, near", [("40MB", "38 MiB or 40 MiB"), ("1MiB", "2 MiB"),
+                                         ("3MiB", "2 MiB or 4 MiB")])
+def test_a_chunk_size_cuda_cannot_map_is_refused_where_it_is_given(value, near):
+    """Before, ``VMALLOC_CHUNK_SIZE=40MB`` (the paper's size, in decimal megabytes) was
+    accepted at start-up and every CUDA allocation then failed, from whatever op came first,
+    in words naming chunk_size only."""
+    import vmalloc
+    with pytest.raises(ValueError, match=f"VMALLOC_CHUNK_SIZE: '{value}'.*2 MiB.*{near}"):
+        read_env({"VMALLOC": "1", "VMALLOC_CHUNK_SIZE": value})
+    for enable in (vmalloc.enable, vmalloc.pool):  # checked before CUDA is asked for
+        with pytest.raises(ValueError, match=f"chunk_size: '{value}'.*{near}"):
+            cm = enable(chunk_size=value)
+            if enable is vmalloc.pool:
+                cm.__enter__()

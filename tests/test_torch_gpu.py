@@ -278,7 +278,8 @@ def test_pool_mode_oom_is_pytorchs_own_after_its_retry():
 
 def test_memory_api_with_vmalloc_on():
     """get_per_process_memory_fraction, torch.accelerator's memory functions, UntypedStorage on
-    cuda, and cudnn.benchmark (cuDNN's autotuner asks vmalloc's cacheInfo: no warning, no OOM from
+    cuda, caching_allocator_alloc/delete (PyTorch's pluggable allocator passes them to vmalloc's
+    malloc and free), and cudnn.benchmark (cuDNN's autotuner asks vmalloc's cacheInfo: no warning, no OOM from
     the workspaces it tries) with vmalloc as the allocator."""
     out = run("""
         import warnings, torch, vmalloc
@@ -291,6 +292,11 @@ def test_memory_api_with_vmalloc_on():
         s = torch.UntypedStorage(8 << 20, device="cuda")
         m = vmalloc.stats()["num_malloc"]
         assert m == n + 1, f"UntypedStorage made {m - n} vmalloc allocations (expected 1)"
+        raw = torch.cuda.caching_allocator_alloc(4 << 20)   # raw_alloc_with_stream -> malloc
+        assert vmalloc.stats()["num_malloc"] == m + 1, vmalloc.stats()
+        freed = vmalloc.stats()["num_free"]
+        torch.cuda.caching_allocator_delete(raw)            # raw_delete -> free
+        assert vmalloc.stats()["num_free"] == freed + 1, vmalloc.stats()
         if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
             acc, cud = torch.accelerator.memory_allocated(), torch.cuda.memory_allocated()
             assert acc == cud > 0, (acc, cud)

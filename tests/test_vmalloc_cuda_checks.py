@@ -1,7 +1,8 @@
 """The CUDA-facing checks of vmalloc's registration, on the CPU with fakes (a GPU machine
 cannot show most of them either: they are about what happens around the driver).
 
-- availability is asked without ``cuInit`` (NVML), so ``VMALLOC=1`` leaves forking possible;
+- availability is asked without ``cuInit`` (NVML), so ``VMALLOC=1`` and ``VMALLOC_WINDOW`` (the
+  swap runtime's device, chosen at ``import torch``) leave forking possible;
 - the device index of "the current device" is not asked before CUDA started (an exit report
   would start it);
 - a report of "the current device" is of a device vmalloc used;
@@ -45,6 +46,28 @@ def fake_cuda(initialized=False, compiled=True, nvml=1, available=None):
 ])
 def test_cuda_present_asks_nvml_before_cuda(kw, present):
     assert register.cuda_present(fake_cuda(**kw)) is present
+
+
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_swap_runtime_device_does_not_start_cuda(monkeypatch, device):
+    """``VMALLOC_WINDOW`` builds the swap runtime at ``import torch``: before, its default
+    device came from ``torch.cuda.is_available()`` (``cuInit``: a forked child of the program
+    could not use CUDA any more)."""
+    from scheduler.runtime.swap_args import device_arg
+
+    def cuinit():
+        raise AssertionError("is_available() runs cuInit: it must not be asked")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", cuinit)
+    assert device_arg(device, "scheduler.swap") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)
+    if device is None:
+        assert device_arg(device, "scheduler.swap") == torch.device("cpu")
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            device_arg(device, "scheduler.swap")
 
 
 def test_device_index_does_not_start_cuda(monkeypatch):

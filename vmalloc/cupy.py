@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .sizes import SizeLike, parse_optional_size, parse_size
+from .sizes import SizeLike, parse_chunk_size, parse_optional_size
 
 
 class _Owner:
@@ -43,7 +43,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     core = native_core()
     reg = registry()
     if reg.mode is None:
-        chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
+        chunk = parse_chunk_size(chunk_size)
         cap = parse_optional_size(budget, "budget") or 0
         core._torch_configure("cuda", chunk, cap, -1)
         reg.mode = "cupy"

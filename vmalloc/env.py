@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .sizes import parse_size
+from .sizes import parse_chunk_size, parse_size
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -18,7 +18,7 @@ _FALSE = ("", "0", "false", "no", "off")
 #: Every variable vmalloc reads, with its default, for the README and ``vmalloc --help``.
 VARIABLES = {
     "VMALLOC": ("0", "1/true/yes/on registers vmalloc as PyTorch's CUDA allocator when torch is imported"),
-    "VMALLOC_CHUNK_SIZE": ("2MiB", "physical chunk size (a multiple of the device granularity)"),
+    "VMALLOC_CHUNK_SIZE": ("2MiB", "physical chunk size (a multiple of 2 MiB, the CUDA granularity)"),
     "VMALLOC_BUDGET": ("none", "cap on physical bytes per device; 0 or unset = no cap"),
     "VMALLOC_WINDOW": ("unset", "turns on the byte-window swap runtime with this window (e.g. 2GiB)"),
     "VMALLOC_REPORT": ("unset", "where the fragmentation report goes at exit: a path (.json = JSON, "
@@ -104,6 +104,12 @@ def check_output_path(target: str, name: str, example: str = "vmalloc-report.txt
         raise ValueError(f"{name}: {target!r} exists and is not writable")
 
 
+def _chunk_size(env: Mapping[str, str]) -> Optional[int]:
+    n = _size(env, "VMALLOC_CHUNK_SIZE", allow_zero=False)
+    return None if n is None else parse_chunk_size(env["VMALLOC_CHUNK_SIZE"],
+                                                   "VMALLOC_CHUNK_SIZE")
+
+
 def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     """Read and validate the ``VMALLOC*`` variables; raise ``ValueError`` naming a bad one."""
     env = os.environ if environ is None else environ
@@ -116,7 +122,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
             check_report_target(report)
     return EnvConfig(
         enabled=parse_flag(env.get("VMALLOC", ""), "VMALLOC"),
-        chunk_size=_size(env, "VMALLOC_CHUNK_SIZE", allow_zero=False),
+        chunk_size=_chunk_size(env),
         budget=_size(env, "VMALLOC_BUDGET", allow_zero=True),
         window=_size(env, "VMALLOC_WINDOW", allow_zero=False),
         report=report,

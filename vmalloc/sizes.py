@@ -107,6 +107,28 @@ def parse_optional_size(value: Optional[SizeLike], name: str) -> Optional[int]:
     return None if value is None else parse_size(value, name)
 
 
+#: The least granularity CUDA maps physical memory in (``cuMemGetAllocationGranularity``,
+#: MINIMUM) on every NVIDIA GPU so far: a CUDA chunk size is a multiple of it.
+CUDA_GRANULARITY = 2 << 20
+
+
+def parse_chunk_size(value: Optional[SizeLike], name: str = "chunk_size") -> int:
+    """A CUDA chunk size (``None``: 2 MiB): positive and a multiple of ``CUDA_GRANULARITY``,
+    checked where it is given. The allocator checks it against the device's own granularity
+    too, but only at the first allocation, where the error would come out of whatever op
+    allocated first (``model.cuda()``) and again from every later one."""
+    if value is None:
+        return CUDA_GRANULARITY
+    n = parse_size(value, name)
+    if n <= 0 or n % CUDA_GRANULARITY:
+        low = n // CUDA_GRANULARITY * CUDA_GRANULARITY
+        near = " or ".join(format_size_exact(k) for k in (low, low + CUDA_GRANULARITY) if k > 0)
+        raise ValueError(f"{name}: {_shown(value)!r} ({n} bytes) is not a positive multiple of "
+                         "2 MiB, the granularity CUDA maps physical memory in; the nearest "
+                         f"chunk sizes are {near}")
+    return n
+
+
 def format_size(nbytes: Union[int, float]) -> str:
     """Binary units for reports: ``format_size(3 << 20) == '3.00 MiB'``."""
     n = float(nbytes)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vmalloc.pluggable.register import cuda_present
 from vmalloc.sizes import SizeLike, parse_size
 
 _DEVICES = "'cuda', 'cuda:N', 'cpu', a CUDA device index or a torch.device"
@@ -25,9 +26,12 @@ def window_arg(window: SizeLike, where: str) -> int:
 
 def device_arg(device: Any, where: str) -> torch.device:
     """Which tensors to manage: a CUDA device (when CUDA is available) or the CPU; ``None``:
-    ``"cuda"`` if available, else ``"cpu"``."""
+    ``"cuda"`` if available, else ``"cpu"``. Asked without starting the driver where NVML
+    answers (``cuda_present``): ``VMALLOC_WINDOW`` builds the runtime at ``import torch``, and a
+    ``cuInit`` there would leave a program that forks CUDA workers next unable to use CUDA in
+    them."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if cuda_present(torch) else "cpu")
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"{where}: device must be {_DEVICES}, got {device!r}")
     if isinstance(device, int):  # torch.device(5) is the current accelerator's: CUDA here
@@ -43,7 +47,7 @@ def device_arg(device: Any, where: str) -> torch.device:
         raise ValueError(f"{where}: device must be a cuda or cpu device ({_DEVICES}), got "
                          f"{device!r}")
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if not cuda_present(torch):
             raise ValueError(f"{where}: device={device!r}: CUDA is not available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"{where}: device={device!r}: there are "

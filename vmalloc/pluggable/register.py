@@ -17,7 +17,7 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Optional
 
-from ..sizes import SizeLike, parse_optional_size, parse_size
+from ..sizes import SizeLike, parse_chunk_size, parse_optional_size
 from .registry import ALLOC_FN, FREE_FN, HOOKS, POOL_ALLOC_FN, REGISTRY, core, entry_point
 
 
@@ -36,9 +36,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     if backend != "cuda":  # host memory handed to PyTorch as device memory would fault kernels
         raise ValueError(f"backend: vmalloc.enable() takes only 'cuda', got {backend!r} "
                          "(vmalloc.Allocator(backend='host') is the allocator without a GPU)")
-    chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
-    if chunk <= 0:
-        raise ValueError(f"chunk_size: must be positive, got {chunk_size!r}")
+    chunk = parse_chunk_size(chunk_size)
     cap = parse_optional_size(budget, "budget") or 0
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)
                                or device < 0):
@@ -88,6 +86,8 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     segments, retries, and then raises its own ``torch.OutOfMemoryError``; no pressure callback
     is called in this mode (PyTorch holds its allocator lock there).
     """
+    chunk = parse_chunk_size(chunk_size)  # the arguments first: a bad one is named anywhere
+    cap = parse_optional_size(budget, "budget") or 0
     import torch
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError("vmalloc.pool: this PyTorch has no torch.cuda.MemPool (added in 2.5); "
@@ -96,8 +96,6 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     if REGISTRY.enabled:
         raise RuntimeError("vmalloc.pool: vmalloc is already PyTorch's allocator (vmalloc.enable)")
     native = core()
-    chunk = parse_size(chunk_size, "chunk_size") if chunk_size is not None else 2 << 20
-    cap = parse_optional_size(budget, "budget") or 0
     native._torch_configure("cuda", chunk, cap, -1 if device is None else device)
     allocator = _pool_allocator(torch, native).allocator()
     # a MemPool registers its allocator on the device current when it is made (MemPool.cpp):
