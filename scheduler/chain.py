@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random as _random
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 Number = float  # ints stay ints: exact integer chains are how the DPs are tested
 
@@ -158,7 +159,7 @@ class Chain:
             raise ValueError(f"Chain: missing field(s) {missing}")
         return cls(**{k: d[k] for k in d if k != "meta"}, meta=dict(d.get("meta", {})))
 
-    def to_json(self, path: Optional[str] = None) -> str:
+    def to_json(self, path: Optional[Union[str, "os.PathLike[str]"]] = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
             with open(path, "w") as f:
@@ -166,12 +167,15 @@ class Chain:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "Chain":
+    def from_json(cls, text_or_path: Union[str, "os.PathLike[str]"]) -> "Chain":
+        is_path = isinstance(text_or_path, os.PathLike)  # a pathlib.Path is always a path
+        if is_path:
+            text_or_path = os.fsdecode(os.fspath(text_or_path))
         if not isinstance(text_or_path, str):
             raise ValueError(f"Chain.from_json: expected JSON text or a path, got "
                              f"{type(text_or_path).__name__}")
         text, source = text_or_path, "text"
-        if not text_or_path.lstrip().startswith(("{", "[")):
+        if is_path or not text_or_path.lstrip().startswith(("{", "[")):
             source = text_or_path
             try:
                 with open(text_or_path) as f:

@@ -62,3 +62,12 @@ def test_a_plan_with_instant_transfers_writes_strict_json():
     text = plan.to_json()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert Plan.from_json(text).bandwidth == float("inf")
+
+
+def test_chain_json_files_by_pathlib_path(tmp_path):
+    """A ``pathlib.Path`` is a path (before, ``from_json`` refused it), even one whose name
+    starts like JSON text."""
+    c = Chain.random(4, seed=1)
+    for name in ("chain.json", "{odd}.json"):
+        c.to_json(tmp_path / name)
+        assert Chain.from_json(tmp_path / name) == c

@@ -96,6 +96,23 @@ def test_infeasible_names_the_smallest_memory():
         assert e.value.min_memory == rneed
 
 
+def test_opportunist_names_a_limit_that_works():
+    """ResNet-18 at 60% of its store-all peak: rotor, GREEDY and autocapper plan, opportunist
+    does not (the paper's heuristic sometimes finds nothing); before, its error named no
+    limit (min_memory None), as no planner's may where one works."""
+    from pathlib import Path
+    chain = Chain.from_json(Path(__file__).parents[1] / "bench" / "chains" /
+                            "resnet18-i224-b8.json")
+    M = int(0.6 * pofo.max_memory(chain))
+    with pytest.raises(InfeasibleError) as e:
+        pofo.opportunist(chain, M, 12e9)
+    need = e.value.min_memory
+    assert need is not None and M < need <= pofo.max_memory(chain), need
+    assert f"at {need} B" in str(e.value).replace(",", "") or "one does" in str(e.value)
+    plan = pofo.opportunist(chain, need, 12e9)
+    assert simulate(chain, plan).peak_memory <= need
+
+
 @pytest.mark.parametrize("name", ["autocapper", "opportunist"])
 def test_heuristics_run_within_memory(name):
     f = getattr(pofo, name)

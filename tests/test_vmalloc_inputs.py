@@ -234,7 +234,7 @@ def test_snapshot_device_error_counts_devices_in_english(n, words):
 @pytest.mark.parametrize("kw,words", [
     ({"backend": "host"}, "backend: vmalloc.enable() takes only 'cuda', got 'host'"),
     ({"backend": "foo"}, "backend: vmalloc.enable() takes only 'cuda', got 'foo'"),
-    ({"chunk_size": 0}, "chunk_size: must be positive"),
+    ({"chunk_size": 0}, "chunk_size: 0 (0 bytes) is not a positive multiple of 2 MiB"),
     ({"device": True}, "device: expected a CUDA device index"),
 ])
 def test_enable_refuses_bad_arguments_by_name_before_touching_torch(kw, words):

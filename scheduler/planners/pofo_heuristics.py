@@ -16,6 +16,7 @@ from ..simulate import SimResult, simulate
 from ..units import format_bytes
 from . import rotor
 from .args import bandwidth_arg, check_chain, memory_arg, slots_arg
+from .limits import least_working
 from .offload import stamp, with_prefetches
 from .pofo_bounds import _rotor_min, max_memory, min_memory
 
@@ -226,6 +227,36 @@ def opportunist(chain: Chain, memory: Union[Number, str], bandwidth: Union[Numbe
     chain, memory = check_chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where="pofo.opportunist")
     slots = slots_arg(slots)
+    try:
+        return _opportunist(chain, memory, beta, slots)
+    except InfeasibleError as err:
+        need = _opportunist_limit(chain, memory, beta, slots)
+        raise InfeasibleError(f"{err}; " + (f"at {format_bytes(need)} one does" if need is not None
+                                            else "no limit that works is known"), need) from None
+
+
+def _opportunist_limit(chain: Chain, memory: Number, beta: float,
+                       slots: Optional[int]) -> Optional[Number]:
+    """A limit above ``memory`` at which opportunist finds a plan (checked), or None: the
+    least of pofo's bound with offloading, rotor's least limit on its slot grid and the
+    store-all peak (where opportunist's first try, storing everything, fits). The heuristic
+    can miss limits other planners meet (seed 001 section 5: it sometimes finds no solution)."""
+    def works(limit: Number) -> bool:
+        try:
+            _opportunist(chain, limit, beta, slots)
+            return True
+        except InfeasibleError:
+            return False
+    try:
+        rotor_least: Optional[Number] = _rotor_min(chain, slots, memory)
+    except ValueError:   # (too few slots for this chain at any limit)
+        rotor_least = None
+    return least_working([min_memory(chain) if beta > 0 else None, rotor_least,
+                          max_memory(chain)], memory, works)
+
+
+def _opportunist(chain: Chain, memory: Number, beta: float, slots: Optional[int]) -> Plan:
+    """:func:`opportunist` on checked arguments; its ``InfeasibleError`` names no limit."""
     L = chain.L
     fwd: List[Op] = []
     groups: List[Tuple[int, int]] = []           # (head h, last F_none e)
