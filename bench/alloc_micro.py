@@ -47,7 +47,7 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
 from vmalloc import Allocator, _core  # noqa: E402
 from vmalloc.allocator import granularity  # noqa: E402
 from vmalloc.atomic_file import write_atomic  # noqa: E402
-from bench.common import output_dir, say_nothing_written  # noqa: E402
+from bench.common import output_dir, run_meta, say_nothing_written  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RESULTS = ROOT / "bench" / "results" / "alloc_micro.json"
@@ -328,8 +328,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     pairs = 200_000 if args.quick else 2_000_000
     chunk = 2 * MiB
 
+    command = "python bench/alloc_micro.py" + (" --quick" if args.quick else "")
     res: Dict[str, object] = {
-        "meta": {"command": "python bench/alloc_micro.py" + (" --quick" if args.quick else ""),
+        # run_meta's tags (GPU, torch, date), then this bench's own (machine: the full platform)
+        "meta": {**run_tags(command), "command": command,
                  "machine": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                  "host_granularity": granularity("host"), "chunk_size": chunk,
                  "note": "best of %d runs; the machine is shared, so numbers are lower bounds" % runs},
@@ -355,6 +357,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         say_nothing_written()
     else:
         print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
+
+
+def run_tags(command: str) -> Dict[str, object]:
+    """``bench.common.run_meta``'s tags for this machine: its GPU's name where torch sees one
+    (the cuda section runs there), else "cpu"; none without torch (the host section needs
+    no torch, and the cuda section then says it was skipped)."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    return run_meta(command, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def write(path: Optional[Path], res: Dict[str, object]) -> None:

@@ -283,7 +283,7 @@ def bad_inputs() -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    from bench.common import parse_args, print_table, say_nothing_written, write_json
+    from bench.common import parse_args, print_table, run_meta, say_nothing_written, write_json
 
     args = parse_args(__doc__.splitlines()[0], argv)
     ops = 300 if args.quick else 3000
@@ -317,8 +317,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print_table(rows, ["chunk_size", "budget", "ops", "faults_fired", "oom", "driver_errors",
                        "free_errors", "corrupted_bytes", "leaked_bytes"])
     print_table([total])
-    out = {"command": "python bench/alloc_probe.py" + (" --quick" if args.quick else ""),
-           "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks,
+    command = "python bench/alloc_probe.py" + (" --quick" if args.quick else "")
+    # the tags every results file carries (machine, torch, date; vmalloc's host backend)
+    out = {"meta": run_meta(command, "cpu"), "command": command, "quick": bool(args.quick), "configs": rows, "threads": threads, "fork": forks,
            "bad_inputs": bad, "total": total}
     if args.out is None:
         say_nothing_written()

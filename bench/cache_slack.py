@@ -66,7 +66,8 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
     checkout.on_path()
 
 from bench.common import (RESULTS, existing_dir, existing_file, output_dir,  # noqa: E402
-                          positive_float, run_meta, say_nothing_written, write_json)
+                          positive_float, reproduce_command, run_meta,
+                          say_nothing_written, write_json)
 
 MiB = 1 << 20
 CHUNK = 2 * MiB                     # the CUDA granularity of current GPUs, vmalloc's default
@@ -500,7 +501,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    command = " ".join(["python", "bench/cache_slack.py", *(argv if argv is not None else sys.argv[1:])])
+    # less --stop-at: the device call's deadline, which a later run would be long past
+    command = reproduce_command("bench/cache_slack.py", argv if argv is not None else sys.argv[1:])
     meta = run_meta(command, device)
     meta.update({"remap_cost_from": cost["source"], "remap_cost_measured_on": cost["measured_on"],
                  "alloc_micro_date": (micro.get("meta") or {}).get("date"), "quick": args.quick})

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List
 
-from common import (parse_args, positive_int, print_table, pyplot, save_png, say_nothing_written,
-                    write_json)
+from common import (parse_args, positive_int, print_table, pyplot, run_meta, save_png,
+                    say_nothing_written, write_json)
 
 from scheduler import Chain, InfeasibleError, simulate
 from scheduler.planners import periodic, revolve, rotor
@@ -143,7 +143,12 @@ def main(argv=None) -> Dict:
     mean_all = sum(r["mean_gain_all_k_%"] for r in rows) / len(rows)
     print(f"mean gain of rotor over the best periodic at equal memory: {mean_best:.1f}% "
           f"(over every periodic point: {mean_all:.1f}%; seed 002 reports 17.2% measured on a V100)")
-    out = {"source": source, "slots": args.slots, "refine": args.refine, "quick": args.quick,
+    command = ("python bench/checkpointing.py" + (" --quick" if args.quick else "")
+               + (f" --slots {args.slots}" if args.slots != 500 else "")
+               + ("" if args.refine else " --no-refine"))
+    # the tags every results file carries (machine, torch, date; simulated on the CPU)
+    out = {"meta": run_meta(command, "cpu"),
+           "source": source, "slots": args.slots, "refine": args.refine, "quick": args.quick,
            "summary": rows,
            "mean_gain_over_best_periodic_pct": mean_best, "mean_gain_all_periodic_pct": mean_all,
            "figures": results}

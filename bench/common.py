@@ -1,6 +1,7 @@
 """Shared bench helpers: a --quick flag, a table on stdout, JSON (and PNG) in bench/results/,
 where a run writes (``output_dir``: a --quick run writes only with --out), and the checks of the
-scripts' flags (``type=`` functions: a bad value exits 2 before any work)."""
+scripts' flags (``type=`` functions: a bad value exits 2 before any work), and what a results
+file is tagged with (``run_meta``; ``reproduce_command``: its command, less ``--stop-at``)."""
 from __future__ import annotations
 
 import argparse
@@ -263,6 +264,27 @@ def driver_version() -> Optional[str]:
     except OSError:
         return None
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def without_stop_at(argv: Sequence[str]) -> List[str]:
+    """``argv`` less ``--stop-at EPOCH`` / ``--stop-at=EPOCH``: the device call's deadline, not
+    part of how to reproduce a run (repeated later, it would stop at once and measure nothing)."""
+    out: List[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--stop-at":
+            skip = True   # and its value, the next argument
+        elif not arg.startswith("--stop-at="):
+            out.append(arg)
+    return out
+
+
+def reproduce_command(script: str, argv: Sequence[str]) -> str:
+    """The command a results file records (``meta.command``, the README's "Reproduce:"):
+    ``python SCRIPT ARGS`` with the run's own flags, ``--stop-at`` left out."""
+    return " ".join(["python", script, *without_stop_at(argv)])
 
 
 def run_meta(command: str, device: str = "cpu") -> Dict[str, Any]:

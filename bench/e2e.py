@@ -22,7 +22,9 @@ are left before EPOCH; GPU workers obey it too. Jobs not started are not written
 (``error`` rows run again; ``crashed``, ``timeout`` and ``unavailable`` rows are kept, as they
 would crash, hang or fail to import again); the output defaults to FILE, and ``meta`` gets
 ``"resumed_from": <rows kept>``. A missing FILE starts from nothing, so every session can pass
-the same command until the file is complete.
+the same command until the file is complete. A FILE measured on another GPU, under another
+``--budget`` or ``--steps``, or with a method this run does not run (``meta.grid``) is refused,
+naming what differs: its rows would be mixed with this run's in one table.
 
 On a GPU the parent watches each worker: one silent for ``--job-timeout`` seconds (default
 180; a worker prints a line after every training step) is killed, the job it was in gets a
@@ -79,14 +81,16 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from bench.common import byte_size, nonnegative_int, positive_int, usage_error  # noqa: E402
+from bench.common import (byte_size, nonnegative_int, positive_int,  # noqa: E402
+                          reproduce_command, usage_error)
 # the parts (bench/e2e_<job>.py), in the order they build on each other; their public names
 # are this module's too (``__all__``), all but ``clock``. A test replacing a name replaces it
 # where it is read: main reads these from here; run_grid reads run_job, and Plan clock, in
 # bench.e2e_grid; the workers read _start_worker, _set_allocator and run_grid in
 # bench.e2e_workers
 from bench.e2e_workloads import (DYNAMIC_LENGTHS, DYNAMIC_STEPS, SMOKE_SIZES,  # noqa: E402
-                                 Workload, build_workload, loss_of, parse_model, zoo_spec)
+                                 Workload, build_workload, known_models, loss_of, model_error,
+                                 parse_model, zoo_spec)
 from bench.e2e_methods import (ALLOCATORS, BY_NAME, GPU_DEFAULT, METHODS, Method,  # noqa: E402
                                MethodUnavailable, method_context)
 from bench.e2e_job import (DETAIL_KEYS, JobResult, activation_budget, run_job,  # noqa: E402
@@ -106,11 +110,11 @@ from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
 __all__ = [
     # the command line (this module)
-    "parse_args", "make_grid", "cpu_budgets", "write_results", "load_resume", "grid_order",
-    "main", "ROOT", "RESULTS",
+    "parse_args", "make_grid", "cpu_budgets", "write_results", "grid_settings",
+    "resume_mismatch", "load_resume", "grid_order", "main", "ROOT", "RESULTS",
     # bench.e2e_workloads
-    "DYNAMIC_LENGTHS", "DYNAMIC_STEPS", "SMOKE_SIZES", "Workload", "build_workload", "loss_of",
-    "parse_model", "zoo_spec",
+    "DYNAMIC_LENGTHS", "DYNAMIC_STEPS", "SMOKE_SIZES", "Workload", "build_workload",
+    "known_models", "loss_of", "model_error", "parse_model", "zoo_spec",
     # bench.e2e_methods
     "ALLOCATORS", "BY_NAME", "GPU_DEFAULT", "METHODS", "Method", "MethodUnavailable",
     "method_context",
@@ -168,7 +172,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="keep FILE's rows (an earlier results file) except status 'error' and "
                         "run only the other jobs (ok, oom, infeasible, crashed, timeout and "
                         "unavailable rows are kept); the output defaults to FILE; a missing "
-                        "FILE starts from nothing")
+                        "FILE starts from nothing; one of another GPU, --budget, --steps or "
+                        "--methods is refused")
     p.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
     p.add_argument("--worker-grid", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -179,20 +184,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             usage_error(f"--methods {args.methods!r}: unknown {', '.join(map(repr, unknown))}; "
                         f"choose from {', '.join(BY_NAME)}", parser=p)
     if args.models is not None:
-        from bench.models import ZOO
         names = [n.strip() for n in args.models.split(",") if n.strip()]
         if not names:
             usage_error(f"--models {args.models!r}: no model named", parser=p,
                         value_error=True)
         for n in names:   # (a ValueError too, as main raised for them before this check)
-            try:
-                zoo_name = parse_model(n)[0]
-            except ValueError as exc:
-                usage_error(f"{exc}", parser=p, value_error=True)
-            if zoo_name not in ZOO:
-                usage_error(f"--models {n!r}: the model zoo has no {zoo_name!r} "
-                            f"(it has {', '.join(k for k in ZOO if k.startswith('resnet'))}, "
-                            "gpt2-s<seq>, bert-s<seq>, bert-dyn)", parser=p, value_error=True)
+            error = model_error(n)
+            if error:
+                usage_error(error, parser=p, value_error=True)
     return args
 
 
@@ -243,13 +242,49 @@ def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -
     write_atomic(out, json.dumps({"meta": info, "results": rows}, indent=1) + "\n")
 
 
-def load_resume(path: Path) -> List[JobResult]:
+def grid_settings(grid: Grid) -> Dict[str, Any]:
+    """What the rows of a run were measured under (the results file's ``meta.grid``): rows of
+    another budget, step count or method list must not be kept by a ``--resume`` of this one."""
+    return {"budget": grid.budget, "steps": grid.steps, "methods": [m.name for m in grid.methods]}
+
+
+def resume_mismatch(earlier: Any, settings: Dict[str, Any]) -> List[str]:
+    """How an earlier results file's ``meta`` differs from this run's ``settings`` (its
+    ``gpu`` and ``grid_settings``), as phrases; none when it matches. What the file does not
+    record (a file from before ``meta.grid``) is not held against it. Its methods need only be
+    among this run's (a method added to the default list is run, not a mismatch)."""
+    if not isinstance(earlier, dict):
+        return []
+    out = []
+    if earlier.get("gpu") not in (None, settings["gpu"]):
+        out.append(f"on {earlier['gpu']!r} (this run: {settings['gpu']!r})")
+    old = earlier.get("grid")
+    if not isinstance(old, dict):
+        return out
+
+    def size(budget: Any) -> str:
+        return format_size(budget) if isinstance(budget, int) else "the default"
+
+    if "budget" in old and old["budget"] != settings["budget"]:
+        out.append(f"with --budget {size(old['budget'])} (this run: {size(settings['budget'])})")
+    if "steps" in old and old["steps"] != settings["steps"]:
+        out.append(f"with --steps {old['steps']} (this run: {settings['steps']})")
+    extra = [m for m in old.get("methods") or [] if m not in settings["methods"]]
+    if extra:
+        out.append(f"with methods {', '.join(extra)}, which this run does not run (its --methods: "
+                   f"{','.join(settings['methods'])})")
+    return out
+
+
+def load_resume(path: Path, settings: Optional[Dict[str, Any]] = None) -> List[JobResult]:
     """The rows of an earlier results file to keep: every one whose status is not ``error``
     (those run again): ``ok``, ``oom``, ``infeasible``, and ``crashed``, ``timeout`` and
     ``unavailable``, which would only crash, hang or fail to import again. Except rows
     infeasible for host memory (``HOST_NOTE``): judged again (it takes a second), as they rest
     on an estimate and on the host's free memory at the time, not on the GPU. A missing file
-    keeps nothing; a file we cannot read is an error."""
+    keeps nothing; a file we cannot read is an error, and so is one measured under other
+    ``settings`` (``gpu`` and ``grid_settings``: ``resume_mismatch``), whose rows would be
+    mixed with this run's in one table."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -270,6 +305,11 @@ def load_resume(path: Path) -> List[JobResult]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"--resume {path}: not a bench/e2e.py results file "
                          f"({type(exc).__name__}: {exc})") from None
+    differ = resume_mismatch(doc.get("meta"), settings) if settings is not None else []
+    if differ:
+        raise SystemExit(f"--resume {path}: its rows were measured {', '.join(differ)}; "
+                         "resumed, they would be mixed with this run's rows in one table. Run "
+                         "the command that made it (its meta.command), or resume another file")
     return [r for r in rows if r.status != "error"
             and not (r.status == "infeasible" and str(r.note).startswith(HOST_NOTE))]
 
@@ -293,14 +333,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.coexist = COEXIST_BATCH
     if args.coexist and not cuda:
         raise SystemExit("--coexist: needs a GPU (two processes sharing one device)")
-    command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    kept = load_resume(Path(args.resume)) if args.resume else []
+    # less --stop-at: this call's deadline, which a later run of the command would be past
+    command = reproduce_command("bench/e2e.py", argv if argv is not None else sys.argv[1:])
     grid = make_grid(args, cuda)
+    device = torch.device("cuda" if cuda else "cpu")
+    info = meta(device, command)
+    info["grid"] = grid_settings(grid)
+    kept = (load_resume(Path(args.resume), {"gpu": info["gpu"], **info["grid"]})
+            if args.resume else [])
     grid.stop_at = args.stop_at
     grid.done = sorted({row_key(r) for r in kept})
     grid.durations = [(r.model, r.batch_size, r.seconds) for r in kept if r.seconds is not None]
     plan = Plan.of(grid)
-    device = torch.device("cuda" if cuda else "cpu")
     if not cuda and grid.budget is None:
         grid.budgets = cpu_budgets(grid)
     budgets = ", ".join(f"{m} {format_size(b)}" for m, b in grid.budgets.items()) or (
@@ -310,7 +354,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kept:
         print(f"--resume {args.resume}: {len(kept)} rows kept, {len(grid.done)} jobs not run "
               "again", file=sys.stderr)
-    info = meta(device, command.strip())
     if args.resume:
         info["resumed_from"] = len(kept)
     out = Path(args.out or args.resume or RESULTS / (

@@ -54,6 +54,27 @@ def parse_model(model: str) -> Tuple[str, Optional[int], bool]:
                      "bert-s<seq>, bert-dyn)")
 
 
+def known_models() -> str:
+    """The --models names bench/e2e.py can train, for an error message."""
+    from bench.models import ZOO
+    return (", ".join(k for k in ZOO if k.startswith("resnet"))
+            + ", gpt2-s<seq>, bert-s<seq>, bert-dyn")
+
+
+def model_error(model: str) -> Optional[str]:
+    """Why ``model`` (a --models name) cannot be trained, or None: a name ``parse_model``
+    cannot read, or a model the zoo does not have (``resnet5``). bench/e2e.py checks its
+    --models with it, and scripts/gpu-check its own before it builds anything."""
+    try:
+        zoo_name = parse_model(model)[0]
+    except ValueError as exc:
+        return str(exc)
+    from bench.models import ZOO
+    if zoo_name not in ZOO:
+        return f"--models {model!r}: the model zoo has no {zoo_name!r} (it has {known_models()})"
+    return None
+
+
 def zoo_spec(model: str, smoke: bool) -> Tuple[str, str, bool, Dict[str, Any]]:
     """(zoo name, family, dynamic, the zoo builder's keyword arguments) of ``model``; a dynamic
     model is built for its longest input."""

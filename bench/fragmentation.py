@@ -28,18 +28,19 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
     import checkout
     checkout.on_path()
 
-from bench.common import output_dir, say_nothing_written, trace_files  # noqa: E402
+from bench.common import output_dir, run_meta, say_nothing_written, trace_files  # noqa: E402
 from vmalloc.replay import TraceFileError, compare, default_contenders, load  # noqa: E402
 # module functions (vmalloc.report the attribute is the report() function)
 from vmalloc.report import draw_replay_timelines, side_by_side  # noqa: E402
 
 GOAL = 1.05
+TRACES = os.path.join(HERE, "traces")   # the bundled traces (the default of --traces)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the first two traces (CI-sized)")
-    ap.add_argument("--traces", default=os.path.join(HERE, "traces"), metavar="DIR|FILE",
+    ap.add_argument("--traces", default=TRACES, metavar="DIR|FILE",
                     help="a trace file or a folder of them (default bench/traces)")
     ap.add_argument("--out", default=None, metavar="FILE", help="results JSON; the PNG goes "
                     "beside it (default bench/results/fragmentation.json; --quick: none)")
@@ -90,7 +91,10 @@ def main(argv=None) -> None:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     real = sum(1 for res in results if res["meta"].get("real_gpu_trace"))
-    out = {"benchmark": "fragmentation", "quick": args.quick, "goal_budget_ratio": GOAL,
+    command = ("python bench/fragmentation.py" + (" --quick" if args.quick else "")
+               + ("" if args.traces == TRACES else f" --traces {args.traces}"))
+    # the tags every results file carries (machine, torch, date; replayed on the CPU)
+    out = {"meta": run_meta(command, "cpu"), "benchmark": "fragmentation", "quick": args.quick, "goal_budget_ratio": GOAL,
            "goal_met": ok_all, "seconds": time.time() - t0,
            "machine": platform.platform(), "note": f"traces: {real} recorded on a GPU, "
            f"{len(results) - real} simulated swap schedules; vmalloc on the host-lazy backend "

@@ -37,7 +37,8 @@ if __name__ == "__main__":  # run as `python bench/mimose.py` from a checkout (a
     checkout.on_path()
 
 import scheduler  # noqa: E402
-from bench.common import output_dir, positive_int, say_nothing_written, torch_device  # noqa: E402
+from bench.common import (output_dir, positive_int, run_meta, say_nothing_written,  # noqa: E402
+                          torch_device)
 from bench.models import bert  # noqa: E402
 from scheduler.planners import mimose as M  # noqa: E402
 from scheduler.planners import rotor as R  # noqa: E402
@@ -183,16 +184,18 @@ def main(argv: Any = None) -> None:
     print(f"activation peak at seq {hi}: {full / 2**20:.2f} MiB without checkpointing, "
           f"{floor / 2**20:.2f} MiB with every block checkpointed")
 
+    command = "python bench/mimose.py" + (" --quick" if quick else "")
     results: Dict[str, Any] = {
-        "meta": {"bench": "mimose", "device": device, "torch": torch.__version__,
+        # run_meta's tags (GPU name, date, ...), then this bench's own (device as given)
+        "meta": {**run_meta(command, torch.device(device).type), "bench": "mimose",
+                 "device": device, "torch": torch.__version__,
                  "machine": platform.machine(), "quick": quick, "model": {
                      "name": "bert", "n_layer": n_layer, "hidden": hidden, "heads": heads,
                      "intermediate": inter, "batch": batch},
                  "steps": steps, "seq_lens": lens, "seq_range": [lo, hi],
                  "full_peak_at_max": full, "floor_peak_at_max": floor,
                  "rotor_min_budget_at_max": rotor_floor,
-                 "budget_fractions_of_full_peak": fracs,
-                 "command": "python bench/mimose.py" + (" --quick" if quick else "")},
+                 "budget_fractions_of_full_peak": fracs, "command": command},
         "runs": [], "planning": {}, "estimator": {}}
 
     methods: Dict[str, Any] = {"none": scheduler.wrap(copy.deepcopy(blocks), None, planner="none",

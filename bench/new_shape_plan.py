@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from common import parse_args, print_table, say_nothing_written, write_json
+from common import parse_args, print_table, run_meta, say_nothing_written, write_json
 
 import torch
 from torch import nn
@@ -135,9 +135,11 @@ def main(argv=None) -> Dict[str, Any]:
                        "time_vs_500_max_slots100", "time_vs_500_max_slots50"],
                 title="new-shape planning latency (ms, median over new sizes)")
     worst = max(r["total_ms"] for r in rows)
-    data = {"meta": {"bench": "new_shape_plan", "quick": args.quick, "budget_fraction": 0.5,
-                     "fit_sizes": FIT_SIZES, "slots": 500, "repeat": 3,
-                     "command": "python bench/new_shape_plan.py" + (" --quick" if args.quick else "")},
+    command = "python bench/new_shape_plan.py" + (" --quick" if args.quick else "")
+    # run_meta's tags (machine, torch, date; timed on the CPU), then this bench's own
+    data = {"meta": {**run_meta(command, "cpu"), "bench": "new_shape_plan", "quick": args.quick,
+                     "budget_fraction": 0.5, "fit_sizes": FIT_SIZES, "slots": 500, "repeat": 3,
+                     "command": command},
             "rows": rows, "goal_ms": GOAL_MS, "worst_total_ms": worst}
     print(f"worst L: {worst:.3f} ms per new shape (goal < {GOAL_MS} ms)", end="")
     if args.out is None:

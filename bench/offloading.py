@@ -26,7 +26,8 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence
 
-from common import parse_args, print_table, pyplot, save_png, say_nothing_written, write_json
+from common import (parse_args, print_table, pyplot, run_meta, save_png, say_nothing_written,
+                    write_json)
 from offload_fluid import fluid_lower_bound
 
 from scheduler import Chain
@@ -125,8 +126,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.out is None:
         say_nothing_written()
         return
-    write_json("offloading", {"bandwidth": BANDWIDTH, "slots": slots, "chains": results,
-                              "summary": summary}, args.out)
+    # the tags every results file carries (machine, torch, date; simulated on the CPU)
+    meta = run_meta("python bench/offloading.py" + (" --quick" if args.quick else ""), "cpu")
+    write_json("offloading", {"meta": meta, "bandwidth": BANDWIDTH, "slots": slots,
+                              "chains": results, "summary": summary}, args.out)
     plt = pyplot()
     if plt is not None:
         n = len(results)

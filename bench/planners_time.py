@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from common import parse_args, print_table, say_nothing_written, write_json
+from common import parse_args, print_table, run_meta, say_nothing_written, write_json
 
 from scheduler import Chain, simulate
 from scheduler.chain import FIELDS
@@ -75,7 +75,9 @@ def main(argv=None) -> dict:
     goals = {"L339_slots500_max_s": max(big) if big else None, "goal_L339_s": 2.0,
              "L100_slots500_max_s": max(small), "goal_L100_s": 0.1}
     print("goals:", goals)
-    out = {"rows": rows, "goals": goals, "fractions": FRACTIONS, "quick": args.quick,
+    # the tags every results file carries (machine, torch, date; timed on the CPU)
+    meta = run_meta("python bench/planners_time.py" + (" --quick" if args.quick else ""), "cpu")
+    out = {"meta": meta, "rows": rows, "goals": goals, "fractions": FRACTIONS, "quick": args.quick,
            "note": "CPU seconds (time.process_time), best of %d runs, shared 2-core machine" % repeat}
     if args.out is None:
         say_nothing_written()

@@ -34,7 +34,8 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
-from common import parse_args, print_table, pyplot, save_png, say_nothing_written, write_json
+from common import (parse_args, print_table, pyplot, run_meta, save_png, say_nothing_written,
+                    write_json)
 
 from scheduler import Chain, InfeasibleError, InvalidPlanError, simulate
 from scheduler.planners import offload, pofo, rotor
@@ -172,12 +173,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
         "--random", action="store_true",
         help="random integer chains with the exhaustive class optimum (pofo_random.json)"))
+    # the tags every results file carries (machine, torch, date; simulated on the CPU)
+    meta = run_meta("python bench/pofo.py" + (" --random" if args.random else "")
+                    + (" --quick" if args.quick else ""), "cpu")
     if args.random:
         sweep = random_sweep(args.quick)
         if args.out is None:
             say_nothing_written()
         else:
-            write_json("pofo_random", sweep, args.out)
+            write_json("pofo_random", {"meta": meta, **sweep}, args.out)
         return
     names = QUICK if args.quick else CHAINS
     alphas = [0.1, 0.2, 0.5, 1.0] if args.quick else ALPHAS
@@ -242,8 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.out is None:
         say_nothing_written()
         return
-    write_json("pofo", {"slots": SLOTS, "figure2": fig2, "figure3": fig3, "summary": summary,
-                        "goals": goals, "timing": timing}, args.out)
+    write_json("pofo", {"meta": meta, "slots": SLOTS, "figure2": fig2, "figure3": fig3,
+                        "summary": summary, "goals": goals, "timing": timing}, args.out)
 
     plt = pyplot()
     if plt is None:

@@ -15,10 +15,13 @@ from bench.readme_format import Ctx, g, met, meta_line, num, pct, rate, reproduc
 def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     meta, host, cuda = d.get("meta", {}), d["host"], d.get("cuda") or {}
     goal = 5e6
-    out = ["Measured on the CPU: vmalloc's host backend (memfd page mappings), 2 MiB chunks; "
-           "malloc+free pairs per second timed in a C++ loop and from Python.",
+    gpu = cuda.get("device") if not ("skipped" in cuda or "error" in cuda) else None
+    what = ("vmalloc's host backend (memfd page mappings), 2 MiB chunks; malloc+free pairs per "
+            "second timed in a C++ loop and from Python.")
+    out = [(f"Host rows measured on the CPU: {what} GPU rows (the cuda backend, below) measured "
+            f"on {gpu}." if gpu else f"Measured on the CPU: {what}"),
            meta_line(meta, (("machine", "machine"), ("cpus", "CPUs"), ("python", "Python"),
-                            ("note", "note"))), ""]
+                            ("torch", "torch"), ("date", "date"), ("note", "note"))), ""]
     fast = [(k, v) for k, v in sorted(host.items()) if k.startswith("fast")]
     out += table(["fast path (host)", "bytes", "C++ pairs/s", "ns/pair", "Python pairs/s",
                   "goal C++ >= 5 M/s"],
@@ -29,16 +32,7 @@ def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
         worst = min(v["cpp_pairs_per_s"] for _, v in fast)
         ctx.goal("alloc_micro", "fast path >= 5 M malloc+free pairs/s (C++, host backend)",
                  f"{rate(worst)} pairs/s (slowest case)", worst >= goal)
-    remap = host.get("remap") or []
-    if remap:
-        out += ["", "Remap path (every malloc unmaps and maps chunks): "
-                + "; ".join(f"k={r['k']}: {num(r['us_per_chunk_remapped'])} us per chunk remapped "
-                            f"({rate(r['pairs_per_s'])} pairs/s)" for r in remap) + "."]
-    fresh = host.get("fresh") or []
-    if fresh:
-        out += ["Fresh path (create + map + unmap + release a chunk): "
-                + "; ".join(f"k={r['k']}: {num(r['us_per_chunk_create_map_unmap_release'])} us per chunk"
-                            for r in fresh) + "."]
+    out += [""] + _remap_fresh("", host.get("remap") or [], host.get("fresh") or [])
     out.append("")
     if "skipped" in cuda:
         out.append(f"GPU part skipped: {cuda['skipped']} (no GPU lent).")
@@ -53,13 +47,36 @@ def alloc_micro(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                 rows.append((k, rate(v["pairs_per_s"]), "-"))
             elif isinstance(v, dict) and "error" in v:
                 rows.append((k, "error", "-"))
-        out.append(f"GPU part, measured on {cuda.get('device', 'the GPU')}:")
+        gran = cuda.get("granularity")
+        out.append(f"GPU part, measured on {cuda.get('device', 'the GPU')}"
+                   + (f" (granularity {size(gran)})" if isinstance(gran, int) else "") + ":")
         out.append("")
         out += table(["cuda", "pairs/s (C++ or direct)", "Python pairs/s"], rows, right=(1, 2))
+        # the remap and fresh costs are lists (one row per k), not table rows
+        paths = _remap_fresh("GPU ", cuda.get("vmalloc_remap") or [], cuda.get("vmalloc_fresh") or [])
+        if paths:
+            out += [""] + paths
         if cuda.get("errors"):
             out += ["", "Failed measurements (the others ran): " + "; ".join(
                 f"{k}: {v}" for k, v in sorted(cuda["errors"].items())) + "."]
     out += ["", reproduce(meta.get("command", "python bench/alloc_micro.py"))]
+    return out
+
+
+def _remap_fresh(where: str, remap: List[Dict[str, Any]], fresh: List[Dict[str, Any]]) -> List[str]:
+    """The remap and fresh paths' cost per chunk, one line each (none without rows); `where`
+    starts the lines ("" for the host's, "GPU " for the cuda backend's)."""
+    def head(path: str) -> str:
+        return (where + path)[0].upper() + (where + path)[1:]
+    out = []
+    if remap:
+        out.append(head("remap path") + " (every malloc unmaps and maps chunks): "
+                   + "; ".join(f"k={r['k']}: {num(r['us_per_chunk_remapped'])} us per chunk "
+                               f"remapped ({rate(r['pairs_per_s'])} pairs/s)" for r in remap) + ".")
+    if fresh:
+        out.append(head("fresh path") + " (create + map + unmap + release a chunk): "
+                   + "; ".join(f"k={r['k']}: {num(r['us_per_chunk_create_map_unmap_release'])} "
+                               "us per chunk" for r in fresh) + ".")
     return out
 
 

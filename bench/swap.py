@@ -470,12 +470,8 @@ def gpu_only(args: argparse.Namespace) -> None:
         result = None
     if result is None:   # no file (or none to read): no CPU part, the README says so
         result = {"meta": {}, "cpu_overhead": []}
-    from bench.common import run_meta, say_nothing_written   # run_meta: machine, GPU, date
-    argv = sys.argv[1:]
-    if "--stop-at" in argv:   # this call's deadline: not part of how to reproduce it
-        i = argv.index("--stop-at")
-        argv = argv[:i] + argv[i + 2:]
-    gmeta = run_meta(" ".join(["python", "bench/swap.py"] + argv), "cuda")
+    from bench.common import reproduce_command, run_meta, say_nothing_written
+    gmeta = run_meta(reproduce_command("bench/swap.py", sys.argv[1:]), "cuda")   # less --stop-at
     # rows kept only from a run of the same grid on the same GPU (one table, one GPU)
     old = result.get("gpu") or {}
     same = ((old.get("budget"), old.get("window"), old.get("quick"),
@@ -553,10 +549,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     out = _out_dir(args)
     torch.set_num_threads(1)
+    from bench.common import run_meta   # the tags every results file carries: GPU, torch, date
+    command = " ".join(["python", "bench/swap.py"] + (sys.argv[1:] if argv is None else list(argv)))
     result: Dict[str, Any] = {
-        "meta": {"command": " ".join(["python", "bench/swap.py"]
-                                    + (sys.argv[1:] if argv is None else list(argv))),
-                 "torch": torch.__version__, "machine": platform.machine(),
+        "meta": {**run_meta(command, "cuda" if torch.cuda.is_available() else "cpu"),
+                 "command": command, "torch": torch.__version__, "machine": platform.machine(),
                  "cpu_threads": torch.get_num_threads(),
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}

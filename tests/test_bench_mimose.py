@@ -17,3 +17,7 @@ def test_quick_run_writes_every_method(tmp_path):
     assert {"static", "mimose", "rotor-ia"} <= methods, methods
     ia = [run for run in d["runs"] if run["method"] == "rotor-ia"]
     assert all("chain_source" in run for run in ia)
+    # the tags every results file carries (bench.common.run_meta), the bench's own keys kept
+    meta = d["meta"]
+    assert all(meta.get(k) for k in ("machine", "gpu", "torch", "date")), sorted(meta)
+    assert (meta["gpu"] == "cpu") == (meta["device"] == "cpu") and meta["bench"] == "mimose"

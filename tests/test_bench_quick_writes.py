@@ -5,6 +5,7 @@ prints its table and a line saying nothing was written and how to keep it (``--o
 is ``bench.common.output_dir``; bench/e2e.py keeps its own (its committed file is the --smoke
 run). The quick runs of a few seconds run whole, from a scratch folder; the slower ones run in
 this process with their measurements faked, or have their decision checked. No GPU needed."""
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,88 @@ def test_mimose_decides_before_any_work_that_quick_writes_nothing(monkeypatch):
             mimose.main(argv)
     default = os.path.join(RESULTS, "mimose.json")
     assert seen == [(True, None, default), (True, "m.json", default), (False, None, default)]
+
+
+# ------------------------------------------- the tags every results file carries
+# bench.common.run_meta's: where a results file was made (machine, GPU or "cpu"), with what
+# (torch) and when (date); a run with --out carries them as a full run does
+TAGS = ("machine", "gpu", "torch", "date")
+
+
+def assert_tagged(meta, gpu="cpu"):
+    assert isinstance(meta, dict), meta
+    missing = [k for k in TAGS if not meta.get(k)]
+    assert not missing, f"meta lacks {missing}: {sorted(meta)}"
+    assert meta["gpu"] == gpu
+
+
+@pytest.mark.parametrize("script, out, name", [
+    ("alloc_probe.py", "out", "alloc_probe.json"),
+    ("checkpointing.py", "out", "checkpointing.json"),
+    ("fragmentation.py", "out/fragmentation.json", "fragmentation.json"),
+    ("new_shape_plan.py", "out", "new_shape_plan.json"),
+    ("planners_time.py", "out", "planners_time.json"),
+])
+def test_a_quick_run_with_out_tags_its_file(tmp_path, script, out, name):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick",
+                        "--out", str(tmp_path / out)], env=python_env(), cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "out" / name) as f:
+        assert_tagged(json.load(f).get("meta"))
+
+
+def test_alloc_micro_tags_the_gpu_it_ran_on(monkeypatch, tmp_path):
+    """The top-level meta names the machine's GPU (the cuda section's), torch and the date;
+    measurements faked: what is written, not what is measured."""
+    from bench import alloc_micro
+    import torch
+    row = {"nbytes": 1, "cpp_pairs_per_s": 6e6, "cpp_ns_per_pair": 166.0,
+           "python_pairs_per_s": 1e6, "python_ns_per_pair": 1000.0}
+    monkeypatch.setattr(alloc_micro, "fast_path", lambda *a, **kw: dict(row))
+    monkeypatch.setattr(alloc_micro, "remap_path", lambda b, c, k, n, r: {
+        "k": k, "pairs_per_s": 1e5, "us_per_pair": 10.0, "chunks_remapped_per_pair": 1.0,
+        "us_per_chunk_remapped": 5.0})
+    monkeypatch.setattr(alloc_micro, "fresh_path", lambda b, c, k, n, r: {
+        "k": k, "us_per_cycle": 20.0, "us_per_chunk_create_map_unmap_release": 20.0})
+    monkeypatch.setattr(alloc_micro, "policy_table", lambda quick: {"chunk_size": 1, "traces": {}})
+    monkeypatch.setattr(alloc_micro, "cuda_section", lambda quick, runs: {"device": "Fake GPU"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    alloc_micro.main(["--quick", "--out", str(tmp_path)])
+    meta = json.loads((tmp_path / "alloc_micro.json").read_text())["meta"]
+    assert_tagged(meta, gpu="Fake GPU")
+    assert meta["command"] == "python bench/alloc_micro.py --quick"   # its own keys kept
+    assert meta["cpus"] and meta["note"]
+
+
+def test_swap_tags_its_top_level_meta(monkeypatch, tmp_path, threads):
+    from bench import swap
+    fake_swap_cpu_part(monkeypatch, swap)
+    swap.main(["--quick", "--cpu-only", "--out", str(tmp_path)])
+    meta = json.loads((tmp_path / "swap.json").read_text())["meta"]
+    cuda = swap.torch.cuda.is_available()   # (the machine's GPU where there is one)
+    assert_tagged(meta, gpu=swap.torch.cuda.get_device_name() if cuda else "cpu")
+    assert meta["time"] and "cuda" in meta and "--cpu-only" in meta["command"]
+
+
+def test_offloading_and_pofo_tag_their_files(monkeypatch, tmp_path):
+    import offloading
+    import pofo
+    monkeypatch.setattr(offloading, "run_chain", lambda chain, points, slots, vdnn_max_L: {
+        "name": "c", "L": chain.L, "rows": [{"chain": "c", "memory_pct": 0}]})
+    monkeypatch.setattr(offloading, "summary_of", lambda rows: {"rows": len(rows)})
+    monkeypatch.setattr(offloading, "pyplot", lambda: None)
+    offloading.main(["--quick", "--out", str(tmp_path)])
+    point = {k: 1.0 for k in ("pofo", "rotor", "offload-only", "greedy", "autocapper",
+                              "opportunist", "pofo_s", "pofo_sim_over_dp")}
+    monkeypatch.setattr(pofo, "limits", lambda chain: (1.0, 2.0))
+    monkeypatch.setattr(pofo, "run_point", lambda chain, M, bw: dict(point))
+    monkeypatch.setattr(pofo, "random_sweep", lambda quick: {"seeds": 1, "rows": []})
+    monkeypatch.setattr(pofo, "pyplot", lambda: None)
+    pofo.main(["--quick", "--out", str(tmp_path)])
+    pofo.main(["--quick", "--random", "--out", str(tmp_path)])
+    for name in ("offloading", "pofo", "pofo_random"):
+        d = json.loads((tmp_path / f"{name}.json").read_text())
+        assert_tagged(d["meta"])
+    assert d["seeds"] == 1 and d["meta"]["command"] == "python bench/pofo.py --random --quick"

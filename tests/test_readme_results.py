@@ -221,3 +221,61 @@ def test_number_formats_are_fixed():
     assert rr.size(3 << 30) == "3.00 GiB"
     assert rr.pct(12.98350016656484) == "+13.0%"
     assert os.path.basename(rr.RESULTS) == "results"
+
+
+def test_a_null_where_an_object_is_expected_is_said_not_raised(fake):
+    """"meta": null (AttributeError in a renderer, and in the goals' GPU checks): that file's
+    section says it could not be read, naming it; the rest of the block is still written."""
+    res, _ = fake
+    doc = json.loads((res / "e2e-H200-2026-01-02.json").read_text())
+    _write(res, "e2e-cpu-x.json", {**doc, "meta": None})
+    _write(res, "checkpoint_real-cpu.json", {"meta": None, "models": []})
+    block = rr.render(str(res), str(res.parent.parent))
+    assert "Could not read `bench/results/e2e-cpu-x.json`: unexpected structure (AttributeError" in block
+    assert "Could not read `bench/results/checkpoint_real-cpu.json`: unexpected structure " \
+           "(AttributeError" in block
+    assert "| fast_large_2chunks | 4.00 MiB | 6.2 M |" in block        # the other sections too
+    assert "| e2e (H200) | >= 60% of unconstrained throughput at batch 1440 |" in block
+
+
+def test_alloc_micro_gpu_remap_and_fresh_costs_and_which_device_measured_what(fake):
+    res, _ = fake
+    d = json.loads((res / "alloc_micro.json").read_text())
+    fast = d["host"]["fast_large_2chunks"]
+    d["cuda"] = {"device": "NVIDIA H100 80GB HBM3", "granularity": 2 << 20,
+                 "vmalloc_fast_2chunks": fast,
+                 "vmalloc_remap": [{"k": 2, "us_per_chunk_remapped": 41.5, "pairs_per_s": 12000.0},
+                                   {"k": 32, "us_per_chunk_remapped": 38.25, "pairs_per_s": 800.0}],
+                 "vmalloc_fresh": [{"k": 1, "us_per_chunk_create_map_unmap_release": 900.0}]}
+    _write(res, "alloc_micro.json", d)
+    block = rr.render(str(res), str(res.parent.parent))
+    sec = block.split("### Allocator fast path")[1].split("\n### ")[0]
+    assert "Measured on the CPU:" not in sec     # not all of it: the GPU rows say where
+    assert "Host rows measured on the CPU: vmalloc's host backend" in sec
+    assert "GPU rows (the cuda backend, below) measured on NVIDIA H100 80GB HBM3." in sec
+    assert "GPU part, measured on NVIDIA H100 80GB HBM3 (granularity 2.00 MiB):" in sec
+    assert ("GPU remap path (every malloc unmaps and maps chunks): k=2: 41.5 us per chunk "
+            "remapped (12.0 k pairs/s); k=32: 38.2 us per chunk remapped (800.0 pairs/s).") in sec
+    assert "GPU fresh path (create + map + unmap + release a chunk): k=1: 900 us per chunk." in sec
+    # the host's own rows, as before
+    assert "Remap path (every malloc unmaps and maps chunks): k=2: 6.67 us per chunk" in sec
+    # no GPU rows: the CPU says it all, as before
+    d["cuda"] = {"skipped": "no CUDA device"}
+    _write(res, "alloc_micro.json", d)
+    sec = rr.render(str(res), str(res.parent.parent)).split("### Allocator fast path")[1]
+    assert "Measured on the CPU: vmalloc's host backend" in sec.split("\n### ")[0]
+
+
+def test_mimose_on_a_gpu_names_it_and_the_date(fake):
+    res, _ = fake
+    with open(os.path.join(rr.RESULTS, "mimose.json")) as f:
+        d = json.load(f)
+    d["meta"].update(device="cuda", gpu="NVIDIA H100 80GB HBM3", date="2026-12-01")
+    _write(res, "mimose.json", d)
+    sec = rr.render(str(res), str(res.parent.parent)).split("### Mimose")[1].split("\n### ")[0]
+    assert "Measured on the GPU (NVIDIA H100 80GB HBM3):" in sec
+    assert ", date 2026-12-01." in sec
+    del d["meta"]["gpu"]   # a file from before the tags: the device as given
+    _write(res, "mimose.json", d)
+    sec = rr.render(str(res), str(res.parent.parent)).split("### Mimose")[1].split("\n### ")[0]
+    assert "Measured on the GPU (cuda):" in sec
