@@ -42,7 +42,9 @@ How things are kept correct whatever the schedule says (the schedule only decide
 
 Iteration boundaries need no help: the first unpack of a backward queues an engine callback
 that runs when the backward finishes; a pack after the backward (or after every variable of
-the iteration was freed, as when a graph is dropped without backward) also starts a new one.
+the iteration was freed, as when a graph is dropped without backward) also starts a new one, and
+a recording of forward-only graphs that overlap (mostly dead, no backward, as long as the
+longest plan known) is dropped for a new one (``SwapSequence.dead_recording``).
 A live step that differs from the schedule's (a new input shape) switches to a cached schedule
 whose sequence starts the same way, or else stops swapping ahead and records; at the end of that
 iteration the new sequence gets its own schedule.
@@ -63,7 +65,7 @@ from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequen
 from .options import parse_budget
 from .swap_eviction import Eviction
 from .swap_args import device_arg, window_arg
-from .swap_planning import PLANNERS, Entry, PlannerLike, SwapPlanner
+from .swap_planning import PLANNERS, Entry, PlannerLike, PlanOverBudgetWarning, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import Transfers
@@ -73,7 +75,7 @@ from .swap_vars import DeathQueue, Handle, Kept, Var
 NAME = "scheduler.swap"
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
-           "PLANNERS"]
+           "PLANNERS", "PlanOverBudgetWarning"]
 
 
 def _find_vmalloc_allocator(device: torch.device) -> Any:
@@ -251,9 +253,11 @@ class SwapContext:
 
     def _pack_locked(self, t: torch.Tensor, storage: Any, nbytes: int) -> Handle:
         seq = self._seq
-        if seq.events and ((seq.backward_seen and not seq.callback_queued)
-                           or seq.live_in_iter == 0):
-            seq.end_iteration()
+        if seq.events:
+            if (seq.backward_seen and not seq.callback_queued) or seq.live_in_iter == 0:
+                seq.end_iteration()
+            elif seq.dead_recording():  # overlapping forward-only graphs: bounded
+                seq.drop_iteration()
         ptr = storage.data_ptr()
         var = self._by_ptr.get(ptr)
         if var is not None and (var.state == FREED or var.it != seq.it
@@ -409,11 +413,24 @@ def swap(window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,
     return SwapContext(window, budget, planner, **options)
 
 
-def global_context() -> Optional[SwapContext]:
-    """The context ``install_global`` put on this thread's saved-tensor hooks, if any."""
+# the context ``install_global`` made, per thread (saved-tensor hooks are per thread): not
+# whatever SwapContext is on top of the hooks, which may be a user's ``with scheduler.swap()``
+_installed = threading.local()
+
+
+def _top_hooks_owner() -> Any:
+    """The object whose saved-tensor hooks are on top of this thread's stack, if any."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    owner = getattr(top[0], "__self__", None) if top else None
-    return owner if isinstance(owner, SwapContext) else None
+    return getattr(top[0], "__self__", None) if top else None
+
+
+def global_context() -> Optional[SwapContext]:
+    """The context ``install_global`` put on this thread's saved-tensor hooks, if it is still
+    installed (a user's ``with scheduler.swap()`` opened since does not count)."""
+    ctx = getattr(_installed, "ctx", None)
+    if ctx is not None and ctx._hooks is None:  # exited some other way: not installed
+        _installed.ctx = ctx = None
+    return ctx
 
 
 def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapContext:
@@ -428,8 +445,13 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
             return existing
         raise RuntimeError(f"swapping is already on (window={existing.window}, budget="
                            f"{existing.budget}); call uninstall_global() first")
+    if isinstance(_top_hooks_owner(), SwapContext):
+        # installed on top of it, the global context's hooks would be the ones its exit pops
+        raise RuntimeError(f"{where}: swapping is already on (a `with scheduler.swap()` of this "
+                           f"thread is open); install the global context before or after it")
     ctx = SwapContext(w, b)
     ctx.__enter__()
+    _installed.ctx = ctx
     try:  # the vmalloc report's "swap" section (vmalloc.report.add_section, issue 3)
         from vmalloc.pluggable.live_report import add_section
         add_section("swap", ctx.stats)
@@ -443,9 +465,18 @@ def uninstall_global() -> Optional[SwapContext]:
     """Undo ``install_global`` (the context keeps working for graphs already built). The
     report's ``"swap"`` section keeps the figures of the run so far (``distributed.shutdown``
     calls this before the exit report is written), frozen: the report holds no reference to
-    the context and what it keeps."""
+    the context and what it keeps. Saved-tensor hooks are a stack: a context opened after
+    ``install_global`` and still open (a ``with scheduler.swap()``, any ``saved_tensors_hooks``)
+    raises ``RuntimeError``, and nothing changes."""
     ctx = global_context()
     if ctx is not None:
+        if _top_hooks_owner() is not ctx:
+            raise RuntimeError(
+                "scheduler.runtime.swap.uninstall_global: the global swap context "
+                "(install_global, VMALLOC_WINDOW) is not the innermost of this thread's "
+                "saved-tensor hooks: a context opened after it (a `with scheduler.swap()`, a "
+                "saved_tensors_hooks) is still open; call it after that context exits")
+        _installed.ctx = None
         ctx.__exit__(None, None, None)
         try:
             from vmalloc.pluggable.live_report import add_section, remove_section

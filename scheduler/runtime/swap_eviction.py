@@ -2,7 +2,8 @@
 pressure callback. Cheapest first: release swap-outs whose copies finished, then wait for the
 oldest copies still running, then swap out (and wait for) the oldest resident saved tensors,
 never those the running step uses (an autograd node holds every tensor it has read until it has
-run: swapping one out would free nothing and copy it for nothing)."""
+run: swapping one out would free nothing and copy it for nothing). A planned swap-in (a prefetch)
+keeps the budget too, but evicts nothing: it completes pending swap-outs or is skipped."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -31,9 +32,21 @@ class Eviction:
         self.counters["budget_evictions"] += self.free_bytes(
             self.residency.bytes + incoming - budget, keep)[1]
 
-    def free_bytes(self, needed: int, keep: Optional[Var]) -> Tuple[int, int]:
+    def room_for_prefetch(self, incoming: int) -> bool:
+        """Whether a planned swap-in of ``incoming`` bytes fits the budget, after completing
+        swap-outs still pending if it does not (the schedule frees those anyway). Resident
+        saved tensors are not evicted for a prefetch: one that does not fit is skipped and its
+        tensor comes back on demand at its use, where ``make_room`` evicts."""
+        budget = self.budget
+        if budget is None or self.residency.bytes + incoming <= budget:
+            return True
+        self.free_bytes(self.residency.bytes + incoming - budget, None, evict=False)
+        return self.residency.bytes + incoming <= budget
+
+    def free_bytes(self, needed: int, keep: Optional[Var],
+                   evict: bool = True) -> Tuple[int, int]:
         """Free ``needed`` resident bytes, never ``keep`` nor the running step's vars:
-        ``(bytes freed, variables evicted)``."""
+        ``(bytes freed, variables evicted)``. ``evict=False``: only by completing swap-outs."""
         in_use = self.in_use
         t = self.transfers
         freed = evicted = 0
@@ -50,6 +63,8 @@ class Eviction:
             if var is not keep and var not in in_use:
                 t.release(var, True)
                 freed += var.nbytes
+        if not evict:
+            return freed, evicted
         for var in list(self.residency.order):
             if freed >= needed:
                 break

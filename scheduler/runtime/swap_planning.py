@@ -1,6 +1,11 @@
 """Which planner turns a recorded variable sequence into the swap runtime's ``SwapSchedule``:
 the window planner (seed 003), LMS, the offload planners on the chain measured from the
-sequence, or a callable. Plans are made once per sequence signature (``SwapSequence``)."""
+sequence, or a callable. Plans are made once per sequence signature (``SwapSequence``).
+
+Under a budget every plan is checked: a step that needs more than the budget on its own is
+refused (``InfeasibleError``), and a schedule whose replay passes the budget (LMS and callables
+do not plan for one) is followed with its prefetches cut to the budget, said once per context
+(``PlanOverBudgetWarning``)."""
 from __future__ import annotations
 
 import importlib
@@ -9,17 +14,24 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Plan
 from ..planners import lms as lms_planner
 from ..planners import window as window_planner
 from ..planners.offload_follow import chain_from_sequence, schedule_from_plan
-from ..planners.swap_schedule import SwapSchedule, VariableSequence
+from ..planners.swap_schedule import UNPACK, SwapSchedule, VariableSequence, replay
 from ..units import parse_rate
 from .bandwidth import default_bandwidth
 
 PLANNERS = ("window", "lms", "greedy", "dynprog")
 PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
 WHERE = "scheduler.swap"
+
+
+class PlanOverBudgetWarning(RuntimeWarning):
+    """A schedule whose replay passes the saved-tensor budget: the runtime keeps the budget
+    anyway (prefetches that do not fit are skipped, their tensors come back on demand)."""
+
 
 # the planner_options each planner reads (the window planner and a callable read none)
 OPTIONS: Dict[str, Tuple[str, ...]] = {"lms": ("swapout_threshold", "swapin_ahead"),
@@ -94,6 +106,7 @@ class SwapPlanner:
         self.options = check_options(planner, options)
         self._offload: Any = None
         self._window_warned = False
+        self._budget_warned = False
         if planner in ("greedy", "dynprog"):
             if budget is None:
                 raise ValueError(f"planner={planner!r} needs a budget (the memory it plans for)")
@@ -114,12 +127,33 @@ class SwapPlanner:
         if len(sched) != len(seq):
             raise ValueError(f"planner {self.planner!r} returned {len(sched)} steps for a "
                              f"sequence of {len(seq)}")
+        self._warn_over_budget(seq, sched)
         return Entry(seq, sched, list(events), list(step_of), key)
+
+    def _warn_over_budget(self, seq: VariableSequence, sched: SwapSchedule) -> None:
+        """Say once per context that a schedule passes the budget (its prefetches are cut)."""
+        if self.budget is None or self._budget_warned:
+            return
+        try:
+            peak = replay(seq, sched).peak
+        except InvalidPlanError:  # a callable's schedule the replay rejects: followed as ever
+            return
+        if peak <= self.budget:
+            return
+        self._budget_warned = True
+        hint = (" (lower planner_options['swapin_ahead'], or use planner='window')"
+                if self.planner == "lms" else "")
+        warnings.warn(
+            f"{WHERE}: the {self.name!r} planner's schedule keeps {peak} bytes of saved tensors "
+            f"on the device at its peak, above budget={self.budget} bytes; the runtime keeps the "
+            f"budget anyway: the swap-ins ahead of use that do not fit are skipped and those "
+            f"tensors come back on demand, synchronously{hint}", PlanOverBudgetWarning,
+            stacklevel=3)
 
     def plan(self, seq: VariableSequence) -> SwapSchedule:
         opts = self.options
         if self.budget is not None:  # every planner: a step must fit (lms, a callable too)
-            window_planner.check_budget(seq, self.budget)
+            check_budget(seq, self.budget)
         if callable(self.planner):
             return self.planner(seq)
         if self.planner == "window":
@@ -140,3 +174,21 @@ class SwapPlanner:
         kwargs = {"slots": opts["slots"]} if "slots" in opts and self.planner == "dynprog" else {}
         plan: Plan = solve(chain, self.budget, bandwidth, **kwargs)
         return schedule_from_plan(seq, plan, stage_vars)
+
+
+def check_budget(seq: VariableSequence, budget: int) -> None:
+    """``window.check_budget`` (a step must fit the budget on its own), naming
+    ``torch.compile`` as a likely cause when the step is one node reading several saved
+    tensors: a compiled region's backward is one node that reads all of its saved tensors."""
+    try:
+        window_planner.check_budget(seq, budget)
+    except InfeasibleError as exc:
+        _, step = seq.min_budget()
+        n = len(seq.steps[step])
+        if seq.phases[step] != UNPACK or n < 2:
+            raise
+        raise InfeasibleError(
+            f"{exc}. One autograd node reads these {n} saved tensors together; if the model is "
+            f"torch.compile'd, that is likely its compiled backward, one node reading every "
+            f"tensor the compiled region saved (swapping cannot split it): compile each block "
+            f"separately instead of the whole model", min_memory=exc.min_memory) from None

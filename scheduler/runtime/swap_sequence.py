@@ -9,6 +9,11 @@ per signature, the Mimose idea); later iterations follow it step by step: before
 schedule's releases and swap-ins; after it, its swap-outs. A live step that differs from the
 schedule's (a new input shape) switches to a cached schedule whose sequence starts the same
 way, or else stops following and records; that iteration's sequence then gets its own plan.
+A planned swap-in that does not fit the budget (a schedule whose replay passes it, or saved
+tensors of an earlier iteration still on the device) is skipped: its tensor comes back on demand.
+A recording with no backward whose saved tensors mostly died already (forward-only graphs that
+overlap, as in an evaluation loop that forgot ``no_grad``) is dropped once it is as long as the
+longest plan known (at least ``DEAD_RECORDING_EVENTS``), so its bookkeeping stays bounded.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from .swap_planning import Entry, SwapPlanner
 from .swap_stats import Residency
 from .swap_transfers import Transfers
 from .swap_vars import Var
+
+# the least length (events) at which a recording of mostly dead forward-only graphs is dropped
+DEAD_RECORDING_EVENTS = 1024
 
 
 class SwapSequence:
@@ -39,6 +47,7 @@ class SwapSequence:
         self.last_recorded: Optional[VariableSequence] = None
         self.it = 0
         self.active: Optional[Entry] = None
+        self.longest_plan = 0  # events of the longest plan in ``known``
         self.new_iteration()
 
     def new_iteration(self) -> None:
@@ -113,7 +122,7 @@ class SwapSequence:
                         t.release(self.vars[v], sched.blocking_release)
                 for v in sched.swap_in[j]:
                     if v < nvars:
-                        t.swap_in(self.vars[v])
+                        self._prefetch(self.vars[v])
         if self.eviction.budget is not None:
             incoming = nbytes if var is None or var.state == HOST else 0
             self.eviction.make_room(incoming, var)
@@ -131,6 +140,13 @@ class SwapSequence:
                 if v < nvars:
                     self.transfers.swap_out(self.vars[v])
 
+    def _prefetch(self, var: Var) -> None:
+        """A swap-in the schedule issues ahead of use, if it fits the budget (else the use
+        brings the tensor on demand, evicting what it must)."""
+        if var.state == HOST and not self.eviction.room_for_prefetch(var.nbytes):
+            return
+        self.transfers.swap_in(var)
+
     def _switch_plan(self, k: int) -> Optional[Entry]:
         """The live sequence left the schedule at step ``k``: take a cached schedule whose
         sequence starts the same way, or stop following (record) for this iteration."""
@@ -147,6 +163,22 @@ class SwapSequence:
         return None
 
     # ------------------------------------------------------------------ iterations
+    def dead_recording(self) -> bool:
+        """The running iteration saw no backward, most of its saved tensors died already and
+        it is as long as the longest plan known: forward-only graphs that overlap (each batch's
+        graph dies only after the next forward), which never free every var at once, so no
+        pack would start a new iteration and the recording would grow for good."""
+        if self.backward_seen:
+            return False
+        live = self.live_in_iter
+        return (len(self.vars) - live > live
+                and len(self.events) >= max(self.longest_plan, DEAD_RECORDING_EVENTS))
+
+    def drop_iteration(self) -> None:
+        """End the running iteration without planning it (``dead_recording``). Its saved
+        tensors still alive are an earlier iteration's from now on (used on demand)."""
+        self._next_iteration()
+
     def end_iteration(self) -> None:
         events = self.events
         if not events:
@@ -173,14 +205,18 @@ class SwapSequence:
             self.known.move_to_end(key)
             for old in [k for k in self.known if k not in self.cache]:
                 del self.known[old]
+            self.longest_plan = max(len(e.expected) for e in self.known.values())
             self.active = entry
             self.last_entry = entry
         finally:
-            self.counters["iterations"] += 1
-            self.residency.end_iteration()
-            self.transfers.pool.resync()
-            self.it += 1
-            self.new_iteration()
+            self._next_iteration()
+
+    def _next_iteration(self) -> None:
+        self.counters["iterations"] += 1
+        self.residency.end_iteration()
+        self.transfers.pool.resync()
+        self.it += 1
+        self.new_iteration()
 
     def _recorded(self) -> Optional[VariableSequence]:
         """The iteration's events as the planner's steps (a var read twice by one node: once);
