@@ -316,6 +316,7 @@ def test_plan_cache_hits_for_repeated_sizes():
 
 def test_infeasible_budget_raises_with_the_minimum():
     model, _, _ = trained(300_000, check=False)
+    wrapped_step(model, (token_batch(BATCH, 200),))  # beyond the fit's reach: collected first
     with pytest.raises(InfeasibleError) as e:
         wrapped_step(model, (token_batch(BATCH, 200),))
     assert e.value.min_memory > 300_000

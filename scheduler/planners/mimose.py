@@ -136,8 +136,11 @@ class Mimose:
                 outside: Optional[Sequence[float]] = None,
                 tmp: Optional[Dict[str, Sequence[float]]] = None) -> None:
         """``Estimator.observe``: the positional form (size, input bytes, xbar, out, fw) of
-        the swap runtime's use still works; ``tail``, ``outside``, ``tmp`` are optional."""
+        the swap runtime's use still works; ``tail``, ``outside``, ``tmp`` are optional.
+        The plans cached so far go: a new sample (a size beyond the fit's reach, measured
+        after it was ready) changes the fit they came from."""
         self.estimator.observe(input_size, input_bytes, xbar, out, fw, tail, outside, tmp)
+        self.cache.clear()
 
     @property
     def ready(self) -> bool:

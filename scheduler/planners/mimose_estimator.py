@@ -39,12 +39,17 @@ import numpy as np
 from ..chain import FIELDS as CHAIN_FIELDS, Chain, add_outside
 from ..units import float_or_none, shown
 
-__all__ = ["DEFAULT_SAMPLES", "ORDER", "BACKWARD_OVER_FORWARD", "TAIL_FIELDS", "OUTSIDE_FIELDS",
+__all__ = ["DEFAULT_SAMPLES", "ORDER", "REACH", "BACKWARD_OVER_FORWARD", "TAIL_FIELDS", "OUTSIDE_FIELDS",
            "BLOCK_TMP_FIELDS", "Estimate", "PolyFit", "Estimator", "ChainEstimator",
            "chain_from_estimate"]
 
 DEFAULT_SAMPLES = 10   # seed 004 Table 3: 10 samples for the order-2 fit
 ORDER = 2
+# how far beyond the largest size measured a fit is trusted: a block's backward transients are
+# the largest of several terms, and at short lengths the quadratic one (attention's scores)
+# hides below a linear one, so a fit learnt on lengths 8-44 predicted a fifth of BERT's
+# bw_tmp at length 800 (steps at 1.2x their budget); a size further out is measured first
+REACH = 1.5
 BACKWARD_OVER_FORWARD = 2.0  # the collector times forwards only; backward ~ 2x forward
 # the tail's numbers an Estimator learns (stage L of the chain; bytes, seconds)
 TAIL_FIELDS = ("xbar", "fw_tmp", "bw_tmp", "fw", "bw")
@@ -175,6 +180,12 @@ class _Fitted:
 
     def has(self, input_size: float) -> bool:
         return self._fit.has(input_size)
+
+    def covers(self, input_size: float) -> bool:
+        """Whether ``input_size`` is planned without measuring it: measured already, or the
+        fit is ready and the size is at most ``REACH`` times the largest one measured."""
+        return self.has(input_size) or \
+            (self.ready and float(input_size) <= REACH * max(self._fit.sizes))
 
 
 class Estimator(_Fitted):

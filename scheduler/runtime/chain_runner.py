@@ -38,6 +38,7 @@ from .chain_transfers import Transfers
 from .compiled_plan import CompiledPlan
 from .hf_outputs import outputs_not_captured
 from .input_aware import InputAwareChain
+from .input_shapes import InputShapes
 from .measuring import BoundBlock, measure_preserved
 from .planning import make_plan
 from .mimose_collector import ShuttlingCollector
@@ -150,6 +151,17 @@ class ChainRunner:
         if chain is not None and not isinstance(chain, Chain) and not callable(chain):
             raise TypeError(f"{name}: chain= must be a Chain or a callable returning one, "
                             f"got {type(chain).__name__}")
+        if isinstance(chain, InputAwareChain) and (
+                chain.L != len(self.blocks) or any(
+                    fsdp.unwrapped(a) is not fsdp.unwrapped(b)
+                    for a, b in zip(chain.blocks, self.blocks))):
+            # its estimator would learn this list's chains too, and plan one list on the
+            # other's (T5's decoder on its encoder's chain), without a word
+            raise ValueError(f"{name}: chain= is an InputAwareChain of other blocks than "
+                             f"'{list_name}' ({chain.L} blocks); it learns the chains of the "
+                             "list it was made on only: make one on this list, or, for a model "
+                             "with several lists (scheduler.checkpoint gives each a runner), "
+                             "leave chain= out or use planner='mimose' (one Mimose per list)")
         self.chain_source = chain
         if on_chain is not None and not callable(on_chain):
             raise TypeError(f"{name}: on_chain= must be a callable Chain -> Chain, got "
@@ -173,6 +185,7 @@ class ChainRunner:
         self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if planner == "mimose" else None
         self._mimoses: Dict[Hashable, Mimose] = {}
+        self._shapes = InputShapes(f"{name}: Mimose on '{list_name}'")
         self._collecting_into: Optional[Mimose] = None  # the collection step's Mimose
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
@@ -362,17 +375,22 @@ class ChainRunner:
             plan = make_plan(chain, self._budget, self.planner,
                              self._rate(device) if self._transfers_planned else self.bandwidth)
         except InfeasibleError as e:
-            if self.budget_share is None or self._budget is None:
-                raise
-            n, n_all = self.budget_share
-            need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
-            raise InfeasibleError(
-                f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget, "
-                f"{format_bytes(self._budget)} (the model's block lists share it by block "
-                f"count), and {e}" + ("" if need is None else
-                                     f"; for that share to fit, the whole budget must be at "
-                                     f"least {format_bytes(need)}"), need) from e
+            raise self._in_share(e) from e
         return self._compile(plan)
+
+    def _in_share(self, e: InfeasibleError) -> InfeasibleError:
+        """A planner's ``InfeasibleError`` for this list's share of the budget, in terms of the
+        whole budget the user gave (the error as it is without a share)."""
+        if self.budget_share is None or self._budget is None:
+            return e
+        n, n_all = self.budget_share
+        need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
+        return InfeasibleError(
+            f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget (a share of "
+            f"{format_bytes(self._budget)}: the model's block lists share it by block "
+            f"count), and {e}" + ("" if need is None else
+                                 f"; for that share to fit, the whole budget must be at "
+                                 f"least {format_bytes(need)}"), need)
 
     @property
     def _transfers_planned(self) -> bool:
@@ -479,9 +497,11 @@ class ChainRunner:
         a collection's extra forwards gather parameters, and one rank collecting alone pairs
         its collectives with another's backward (a hang until the group's timeout)."""
         size = self.input_size(args)
+        if self.input_size is default_input_size:
+            self._shapes.see(args)
         m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training,
                                              weights_dtype(self.blocks)))
-        collect = not m.ready and not m.estimator.has(size)
+        collect = not m.estimator.covers(size)  # (beyond the fit's reach: collected too)
         if agree and self._under_fsdp():
             collect = distributed.any_rank(collect)
         if collect:  # sheltered execution: shuttle
@@ -493,7 +513,11 @@ class ChainRunner:
             return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
         if self._budget is None:
             return self._compile(checkpoint_plan(self.L, [], planner="none")), None
-        return self._compile(m.plan(size, self._budget)), None
+        try:
+            plan = m.plan(size, self._budget)
+        except InfeasibleError as e:
+            raise self._in_share(e) from e
+        return self._compile(plan), None
 
     def plan_for(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Plan:
         """The plan the next forward with block 0 called on ``args`` will run (planned and

@@ -29,6 +29,7 @@ from ..planners.mimose import DEFAULT_SAMPLES, ChainEstimator
 from . import distributed, fsdp
 from .block_calls import block_list
 from .measuring import measure_preserved
+from .input_shapes import InputShapes
 from .options import check_callable, check_measure, default_input_size
 
 
@@ -55,6 +56,7 @@ class InputAwareChain:
         self.measure_options = check_measure(loss, measure_options, NAME)  # not at a step
         self.measurements = 0
         self.predictions = 0
+        self.shapes = InputShapes(NAME)
 
     @property
     def collecting(self) -> bool:
@@ -76,7 +78,9 @@ class InputAwareChain:
         measured for their size, or the estimator's prediction once it is fitted; None while
         their size is still to be measured."""
         size = self.input_size(args)
-        if self.estimator.has(size) or self.estimator.ready:
+        if self.input_size is default_input_size:
+            self.shapes.see(args)
+        if self.estimator.covers(size):  # (beyond the fit's reach: measured first)
             self.predictions += 0 if self.estimator.has(size) else 1
             return self.estimator.predict(size)
         return None
