@@ -79,11 +79,29 @@ def test_failing_creation_path_leaves_nothing_counted(call, err):
 
 
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOMEM])
-def test_address_space_reservation_failure_is_out_of_memory(err):
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_address_space_reservation_failure(err, with_callback):
+    """Out of address space (ENOMEM) is out of memory; any other failure (EIO) is raised as the
+    RuntimeError it is, as a failed map is, without asking the pressure callback (it was counted
+    as OOM: the callback - the swap runtime's eviction - ran for nothing, and the message
+    dropped the system's error once a callback was set)."""
     with Allocator("host", chunk_size=C) as a:
+        asked = []
+        if with_callback:
+            a.set_pressure_callback(lambda n: asked.append(n) or False)
         a._inject_fault("reserve", 1, err)
-        with pytest.raises(OutOfMemoryError, match="virtual address space"):
+        expect = OutOfMemoryError if err == errno.ENOMEM else RuntimeError
+        with pytest.raises(expect) as info:
             a.malloc(3 * C)
+        assert type(info.value) is expect
+        assert os.strerror(err) in str(info.value)
+        if err == errno.ENOMEM:
+            assert "cannot reserve" in str(info.value) and "virtual address space" in str(info.value)
+            assert bool(asked) == with_callback
+            if with_callback:
+                assert "pressure callback freed nothing" in str(info.value)
+        else:
+            assert not asked and a.stats()["num_oom"] == 0
         check(a, {}, None)
         a.free(a.malloc(3 * C))
         a.trim()

@@ -160,6 +160,68 @@ def test_close_under_address_space_limit_does_not_abort(tmp_path):
     assert "closed" in r.stdout
 
 
+AFTER_CLOSE = {
+    "trim": lambda a, p: a.trim(),
+    "set_trace": lambda a, p: a.set_trace(True),
+    "take_trace": lambda a, p: a.take_trace(),
+    "reset_peak": lambda a, p: a.reset_peak(),
+    "set_trace_capacity": lambda a, p: a.set_trace_capacity(5),
+    "allocation_size": lambda a, p: a.allocation_size(p),
+    "live_allocations": lambda a, p: a.live_allocations(),
+    "set_pressure_callback": lambda a, p: a.set_pressure_callback(lambda n: False),
+    "malloc": lambda a, p: a.malloc(10),
+    "free": lambda a, p: a.free(p),
+    "set_budget": lambda a, p: a.set_budget(None),
+    "record_stream": lambda a, p: a.record_stream(p, 0),
+}
+
+
+@pytest.mark.parametrize("call", sorted(AFTER_CLOSE))
+def test_calls_after_close_raise(call):
+    """README: close() makes later calls raise RuntimeError. trim, set_trace, take_trace,
+    reset_peak, set_trace_capacity, allocation_size and live_allocations returned quietly, and
+    set_pressure_callback re-attached a callback (the cycle close() breaks)."""
+    a = Allocator("host", chunk_size=C)
+    p = a.malloc(100)
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        AFTER_CLOSE[call](a, p)
+    assert "_pressure_callback" not in a.__dict__
+
+
+def test_what_still_answers_after_close():
+    a = Allocator("host", chunk_size=C)
+    a.set_pressure_callback(lambda n: False)
+    a.free(a.malloc(3 * C))
+    a.close()
+    assert a.stats()["num_malloc"] == 1 and a.stats()["physical_current"] == 0
+    assert a.closed and a.chunk_size == C and a._debug_state()["chunks_held"] == 0
+    a.set_pressure_callback(None)   # nothing to drop: code detaching on its way out need not ask
+    a.close()
+    assert "closed" in repr(a)
+
+
+CLOSED_REGISTRY_SCRIPT = TORCH_ENTRY_POINTS + r"""
+p = malloc(4096, 0, None)
+vmalloc.torch_allocator.start_recording()
+a = core._torch_allocator(0)
+free(p, 4096, 0, None)
+a.close()                      # the user closed device 0's allocator
+print(core._torch_trim())      # empty_cache: the devices' loop goes on past it
+core._torch_set_trace(True)
+vmalloc.torch_allocator.set_trace_capacity(10)
+rep = vmalloc.report(format="json")
+assert rep["source"] == "vmalloc", rep["source"]
+print("OK")
+"""
+
+
+def test_a_closed_registry_allocator_is_skipped_by_the_device_loops(tmp_path):
+    r = subprocess.run([sys.executable, "-c", CLOSED_REGISTRY_SCRIPT], capture_output=True,
+                       text=True, timeout=120, env=python_env(), cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.split() == ["0", "OK"], r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------------ oversized
 
 
@@ -174,6 +236,25 @@ def test_requests_beyond_the_machine_fail_at_once():
     with Allocator("host", chunk_size=1 << 40) as a:
         with pytest.raises(OutOfMemoryError, match="one chunk is larger than"):
             a.malloc(1)
+        assert a.stats()["num_chunks_created"] == 0
+
+
+def test_requests_past_the_address_space_fail_at_once_without_creating_a_chunk():
+    """Host-lazy has no limit but the budget: a request of 2**48 bytes created every chunk
+    (an ftruncate and a handle each: minutes and GBs for 2 MiB chunks) before the address
+    space was tried; past 2**62 the message said "the host-lazy backend's memory (0 bytes)"."""
+    asked = []
+    with Allocator("host-lazy", chunk_size=1 << 40) as a:   # few chunks: quick either way
+        a.set_pressure_callback(lambda n: asked.append(n) or False)
+        for n in (2**48, (1 << 47) + 1, 2**63):
+            with pytest.raises(OutOfMemoryError, match="larger than any address space") as info:
+                a.malloc(n)
+            assert "(0 bytes)" not in str(info.value)
+        s = a.stats()
+        assert s["num_chunks_created"] == 0 and s["num_oom"] == 3 and not asked
+    with Allocator("host-lazy", chunk_size=C) as a:
+        with pytest.raises(OutOfMemoryError, match="larger than any address space"):
+            a.malloc(2**50)                                # 2**34 chunks: this took > 10 min
         assert a.stats()["num_chunks_created"] == 0
 
 

@@ -7,6 +7,7 @@ import pytest
 from _subproc import python_env
 
 from vmalloc.env import VARIABLES, EnvConfig, parse_flag, read_env
+from vmalloc.sizes import parse_size
 
 
 def test_unset_is_inactive():
@@ -24,7 +25,7 @@ def test_flag_values(value, on):
 def test_sizes_are_parsed_with_the_shared_parser():
     cfg = read_env({"VMALLOC": "1", "VMALLOC_CHUNK_SIZE": "20MiB", "VMALLOC_BUDGET": "16GiB",
                     "VMALLOC_WINDOW": "2GB", "VMALLOC_REPORT": "out.json"})
-    assert cfg == EnvConfig(True, 20 << 20, 16 << 30, 2_000_000_000, "out.json")
+    assert cfg == EnvConfig(True, 20 << 20, 16 << 30, 2_000_000_000, os.path.abspath("out.json"))
     assert cfg.active
 
 
@@ -83,7 +84,56 @@ def test_an_unwritable_report_target_is_refused_at_start_up(tmp_path, where):
 @pytest.mark.parametrize("target", ["-", "stderr", "report.json"])
 def test_streams_and_writable_paths_are_accepted(tmp_path, monkeypatch, target):
     monkeypatch.chdir(tmp_path)
-    assert read_env({"VMALLOC_REPORT": target}).report == target
+    want = target if target in ("-", "stderr") else str(tmp_path / target)
+    assert read_env({"VMALLOC_REPORT": target}).report == want
+
+
+@pytest.mark.parametrize("target", ["report.json", "sub/../report.json", "~/report.json"])
+def test_a_report_path_is_kept_as_the_absolute_path_checked(tmp_path, monkeypatch, target):
+    """It was checked as abspath(expanduser(...)) but kept raw: written at exit relative to
+    the directory of the moment (after an os.chdir, elsewhere), and ``~`` not expanded."""
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read_env({"VMALLOC_REPORT": target}).report == str(tmp_path / "report.json")
+
+
+@pytest.mark.parametrize("env", [{"VMALLOC_BUDGET": "1MiB"},
+                                 {"VMALLOC_BUDGET": "3MiB", "VMALLOC_CHUNK_SIZE": "4MiB"}])
+def test_a_budget_below_one_chunk_is_refused_at_start_up_naming_both(env):
+    """It passed start-up, then every CUDA allocation failed: the allocator refuses it."""
+    with pytest.raises(ValueError, match=r"VMALLOC_BUDGET: .* is smaller than one chunk "
+                                         r"\(VMALLOC_CHUNK_SIZE: [24] MiB\)"):
+        read_env({"VMALLOC": "1", **env})
+    # a budget of one chunk or more, none (0), or one for the swap runtime alone, passes
+    assert read_env({"VMALLOC": "1", "VMALLOC_BUDGET": "2MiB"}).budget == 2 << 20
+    assert read_env({"VMALLOC": "1", "VMALLOC_BUDGET": "0"}).budget is None
+    assert read_env({"VMALLOC_WINDOW": "1GiB", **env}).budget == parse_size(env["VMALLOC_BUDGET"])
+
+
+def test_a_budget_below_one_chunk_is_refused_where_it_is_given():
+    """vmalloc.enable/pool/cupy.enable: before torch (or CuPy) is asked anything."""
+    import vmalloc
+    import vmalloc.cupy
+    for enable in (vmalloc.enable, vmalloc.pool, vmalloc.cupy.enable):
+        with pytest.raises(ValueError, match=r"budget: 1 MiB .* smaller than one chunk "
+                                             r"\(chunk_size: 2 MiB\)"):
+            cm = enable(budget="1MiB")
+            if enable is vmalloc.pool:
+                cm.__enter__()
+        with pytest.raises(ValueError, match=r"budget: 6 MiB .*\(chunk_size: 8 MiB\)"):
+            cm = enable(chunk_size="8MiB", budget=6 << 20)
+            if enable is vmalloc.pool:
+                cm.__enter__()
+
+
+def test_a_budget_below_one_chunk_stops_the_interpreter_with_exit_2(tmp_path):
+    env = python_env(VMALLOC="1", VMALLOC_BUDGET="1MiB")
+    code = "from vmalloc import _autoload; _autoload.install(); print('went on')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=str(tmp_path))
+    assert r.returncode == 2 and "went on" not in r.stdout
+    assert "VMALLOC_BUDGET" in r.stderr and "VMALLOC_CHUNK_SIZE" in r.stderr
 
 
 def test_an_unwritable_report_stops_the_interpreter_with_exit_2(tmp_path):

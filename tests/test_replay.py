@@ -340,3 +340,19 @@ def test_the_table_notes_a_smallest_budget_that_is_only_an_upper_bound():
     cmp["rows"][0]["min_budget_exact"] = False
     assert "note: pytorch caching (model): smallest budget 90.00 MiB is an upper bound" \
         in table(cmp)
+
+
+@pytest.mark.parametrize("address", [[1], {"a": 1}, None, "0x10", -1])
+def test_a_snapshot_block_whose_address_is_not_an_int_is_one_line_exit_2(tmp_path, capsys,
+                                                                         address):
+    """A damaged snapshot (a segment block's address a list) ended in a TypeError traceback
+    (exit 1) instead of the README's one line and exit 2."""
+    from vmalloc.cli import main
+    p = tmp_path / "snap.pickle"
+    p.write_bytes(pickle.dumps({
+        "device_traces": [[{"action": "alloc", "addr": 16, "size": 10}]],
+        "segments": [{"device": 0, "blocks": [{"address": address, "state": "active_allocated",
+                                               "size": 20}]}]}))
+    assert main(["replay", "--no-bisect", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(p) in err[0] and "block address" in err[0]

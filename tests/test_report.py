@@ -32,7 +32,7 @@ def test_build_on_known_stats():
     stats = {"requested_current": 3 * MiB, "requested_peak": 10 * MiB, "mapped_current": 4 * MiB,
              "mapped_peak": 12 * MiB, "physical_current": 6 * MiB, "physical_peak": 16 * MiB,
              "num_malloc": 7, "num_free": 5, "num_map": 8, "num_unmap": 2, "num_cache_hits": 3,
-             "chunk_size": 2 * MiB, "driver_seconds": 0.25}
+             "num_remaps": 4, "chunk_size": 2 * MiB, "driver_seconds": 0.25}
     r = rpt.build(stats, source="vmalloc", sizes=[MiB, 3 * MiB], if_peak=3 * MiB, n_max=4)
     fr = r["fragmentation"]
     assert fr["internal_current"] == MiB
@@ -190,3 +190,42 @@ def test_replay_table_keeps_its_columns_for_empty_traces_and_huge_ratios():
     assert "0 B" in empty and " - " in empty
     assert " 209715 " in wide and "MiB209715" not in wide
     assert len(empty) == len(wide)   # same columns
+
+
+def test_cache_hits_count_mallocs_served_without_a_driver_map():
+    """The hit rate divided num_cache_hits (range and slab acquisitions only) by every malloc:
+    1000 small malloc/free pairs served by one slab mapped once said "0 cache hits (0.0%)"."""
+    from vmalloc import Allocator
+    with Allocator("host", chunk_size=64 << 10) as a:
+        for _ in range(1000):
+            a.free(a.malloc(4096))
+        for _ in range(10):                  # large: the first maps, the other 9 are cached
+            a.free(a.malloc(200 << 10))
+        s = a.stats()
+        assert (s["num_malloc"], s["num_remaps"]) == (1010, 2)
+        rep = rpt.build(s, source="vmalloc")
+    assert rep["cache"]["hits"] == 1008
+    assert "1008 cache hits (99.8%)" in rpt.to_text(rep)
+
+
+def test_pytorchs_own_stats_show_no_made_up_hit_rate():
+    ts = {"allocation.all.allocated": 50, "allocation.all.freed": 40, "num_device_alloc": 3}
+    r = rpt.build(rpt.from_torch_stats(ts), source="torch-native")
+    assert r["cache"]["hits"] is None          # PyTorch's stats do not say
+    line = next(x for x in rpt.to_text(r).splitlines() if "cache:" in x)
+    assert "cache hits" not in line and "50 mallocs, 40 frees" in line
+
+
+def test_json_report_with_a_non_json_section_is_json_and_says_which(capsys):
+    """report(format="json") returned a set section as it was (json.dumps of the dict then
+    failed) and said nothing; the README says such a section comes as {"error": ...}, named in
+    one line on stderr, as in the saved file."""
+    vmalloc.add_report_section("setty", lambda: {"ids": {1, 2}, "bytes": 5})
+    try:
+        rep = _report_fn(format="json")
+    finally:
+        live_report.remove_section("setty")
+    json.dumps(rep)
+    assert "set is not JSON serializable" in rep["setty"]["error"] and "memory" in rep
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'setty'" in err[0], err

@@ -35,9 +35,12 @@ def install(environ: Optional[dict] = None) -> None:
         os._exit(2)   # SystemExit inside a .pth is a fatal site error with a traceback; this is clean
     env = os.environ if environ is None else environ
     _warn_unused(cfg, env)
-    if cfg.report:  # a RANK that cannot be read is said now, not only at exit
-        from .report_process import process_rank
-        process_rank(env)
+    if cfg.report:
+        # a RANK that cannot be read is said now (claim_report reads it), not only at exit; the
+        # processes this one starts (a training run by subprocess, a forked child) then name
+        # their reports by pid instead of overwriting this one's
+        from .report_process import claim_report
+        claim_report(env)
     if _installed or not (cfg.active or cfg.report):
         return
     _installed = True

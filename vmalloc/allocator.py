@@ -178,6 +178,7 @@ class Allocator(_core.Allocator):
             return
         if not callable(callback):
             raise TypeError(f"callback: expected a callable or None, got {callback!r}")
+        before = self.__dict__.get("_pressure_callback")
         self._pressure_callback = callback
         ref = weakref.ref(self)
 
@@ -186,12 +187,22 @@ class Allocator(_core.Allocator):
             cb = None if me is None else me._pressure_callback
             return False if cb is None else cb(missing)
 
-        super().set_pressure_callback(trampoline)
+        try:
+            super().set_pressure_callback(trampoline)
+        except BaseException:
+            # refused (closed: RuntimeError): nothing attached, and nothing kept here either,
+            # or the callback -> allocator cycle close() broke would be back
+            self.__dict__.pop("_pressure_callback", None)
+            if before is not None:
+                self._pressure_callback = before
+            raise
 
     def close(self) -> None:
         """Return everything to the driver and drop the pressure callback; idempotent. Never
         raises on a driver failure (each release is tried on its own). In a forked child it
-        releases nothing: the memory is the parent's."""
+        releases nothing: the memory is the parent's. Afterwards every call raises
+        ``RuntimeError`` but ``stats()``, the read-only properties (``closed``, ``chunk_size``,
+        ...), ``close()`` and ``set_pressure_callback(None)``."""
         super().close()
         self.__dict__.pop("_pressure_callback", None)
 

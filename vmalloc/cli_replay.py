@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from .atomic_file import write_atomic
-from .env import check_output_path
+from .env import check_output_path, output_path
 from .report import comparison_json, draw_replay_timelines, side_by_side_from_json
 from .sizes import format_size, parse_size
 
@@ -93,11 +93,14 @@ def chunk_sizes(texts: Sequence[str], backend: str = "host-lazy") -> List[int]:
 def cmd_replay(args: argparse.Namespace) -> int:
     """``vmalloc replay TRACE... [--json F] [--png F]``."""
     chunks = chunk_sizes(args.chunk_size or ["2MiB", "20MiB"])
-    # the outputs are written after the whole replay: a path that cannot be written fails now
+    # the outputs are written after the whole replay: a path that cannot be written fails now,
+    # and the path checked (~ expanded, made absolute) is the one written
     if args.json:
         check_output_path(args.json, "--json", "replay.json")
+        args.json = output_path(args.json)
     if args.png:
         check_output_path(args.png, "--png", "replay.png")
+        args.png = output_path(args.png)
     cmps = [replay_one(p, chunks, not args.no_bisect, args.device, max_bytes=args.max_size)
             for p in args.trace]
     for cmp in cmps:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .sizes import SizeLike, parse_chunk_size, parse_optional_size
+from .sizes import SizeLike, check_budget_holds_a_chunk, parse_chunk_size, parse_optional_size
 
 
 class _Owner:
@@ -36,6 +36,10 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     allocators (``chunk_size``/``budget`` must then be left out); otherwise this configures the
     per-device registry with them (defaults: 2 MiB chunks, no budget).
     """
+    # the arguments first: a bad one is named before CuPy or the native module is loaded
+    chunk = parse_chunk_size(chunk_size)
+    cap = parse_optional_size(budget, "budget") or 0
+    check_budget_holds_a_chunk(cap, chunk)
     import cupy
 
     from .pluggable.registry import core as native_core
@@ -43,8 +47,6 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     core = native_core()
     reg = registry()
     if reg.mode is None:
-        chunk = parse_chunk_size(chunk_size)
-        cap = parse_optional_size(budget, "budget") or 0
         core._torch_configure("cuda", chunk, cap, -1)
         reg.mode = "cupy"
         reg.config = {"chunk_size": chunk, "budget": cap, "device": None, "backend": "cuda"}

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .sizes import parse_chunk_size, parse_size
+from .sizes import CUDA_GRANULARITY, check_budget_holds_a_chunk, parse_chunk_size, parse_size
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -110,8 +110,16 @@ def _chunk_size(env: Mapping[str, str]) -> Optional[int]:
                                                    "VMALLOC_CHUNK_SIZE")
 
 
+def output_path(target: str) -> str:
+    """``target`` as the absolute path it names now (``~`` expanded, relative to the current
+    directory): what :func:`check_output_path` checked, kept for the write that comes after long
+    work, which a later ``os.chdir`` (Hydra's run directories) must not move elsewhere."""
+    return os.path.abspath(os.path.expanduser(target))
+
+
 def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
-    """Read and validate the ``VMALLOC*`` variables; raise ``ValueError`` naming a bad one."""
+    """Read and validate the ``VMALLOC*`` variables; raise ``ValueError`` naming a bad one.
+    A ``VMALLOC_REPORT`` path comes back absolute (:func:`output_path`)."""
     env = os.environ if environ is None else environ
     report = env.get("VMALLOC_REPORT")
     if report is not None:
@@ -120,10 +128,18 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
             report = None
         else:
             check_report_target(report)
+            if not is_report_stream(report):
+                report = output_path(report)
+    enabled = parse_flag(env.get("VMALLOC", ""), "VMALLOC")
+    chunk_size = _chunk_size(env)
+    budget = _size(env, "VMALLOC_BUDGET", allow_zero=True)
+    if enabled:  # (without VMALLOC=1 the budget is the swap runtime's, or unused)
+        check_budget_holds_a_chunk(budget, chunk_size or CUDA_GRANULARITY, "VMALLOC_BUDGET",
+                                   "VMALLOC_CHUNK_SIZE")
     return EnvConfig(
-        enabled=parse_flag(env.get("VMALLOC", ""), "VMALLOC"),
-        chunk_size=_chunk_size(env),
-        budget=_size(env, "VMALLOC_BUDGET", allow_zero=True),
+        enabled=enabled,
+        chunk_size=chunk_size,
+        budget=budget,
         window=_size(env, "VMALLOC_WINDOW", allow_zero=False),
         report=report,
     )

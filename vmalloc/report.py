@@ -65,6 +65,17 @@ def _pair(stats: Mapping[str, Any], key: str) -> Dict[str, int]:
     return {"current": int(stats.get(f"{key}_current", 0)), "peak": int(stats.get(f"{key}_peak", 0))}
 
 
+def _cache_hits(stats: Mapping[str, Any]) -> Optional[int]:
+    """Mallocs served with no driver map (from a cached range, a slab's free block, the head of
+    a larger cached range): every malloc but those that mapped chunks (``num_remaps``: a fresh
+    range, or a new slab for a small block), so that it divides by ``num_malloc``. (The stats'
+    ``num_cache_hits`` counts range acquisitions only, not the small mallocs a slab serves.)
+    ``None`` for figures that do not say (PyTorch's own allocator's stats)."""
+    if "num_remaps" not in stats:
+        return None
+    return max(0, int(stats.get("num_malloc", 0)) - int(stats["num_remaps"]))
+
+
 def build(stats: Mapping[str, Any], *, source: str, device: Optional[int] = None,
           sizes: Optional[Sequence[int]] = None, if_peak: Optional[int] = None,
           n_max: Optional[int] = None, min_budget: Optional[int] = None,
@@ -104,7 +115,7 @@ def build(stats: Mapping[str, Any], *, source: str, device: Optional[int] = None
         "fragmentation": frag,
         "cache": {"num_malloc": int(stats.get("num_malloc", 0)),
                   "num_free": int(stats.get("num_free", 0)),
-                  "hits": int(stats.get("num_cache_hits", 0)),
+                  "hits": _cache_hits(stats),
                   "cached_bytes": int(stats.get("cached_bytes", 0)),
                   "num_oom": int(stats.get("num_oom", 0))},
         "driver": {"num_map": int(stats.get("num_map", 0)),
@@ -209,8 +220,11 @@ def to_text(rep: Mapping[str, Any]) -> str:
     if "min_budget" in rep:
         out.append(f"  smallest budget that runs: {format_size(rep['min_budget'])}")
     c = rep["cache"]
-    hit = f" ({100 * c['hits'] / c['num_malloc']:.1f}%)" if c["num_malloc"] else ""
-    out.append(f"  cache: {c['num_malloc']} mallocs, {c['num_free']} frees, {c['hits']} cache hits{hit},"
+    hits = ""   # none for PyTorch's own allocator: its stats do not say
+    if c.get("hits") is not None:
+        rate = f" ({100 * c['hits'] / c['num_malloc']:.1f}%)" if c["num_malloc"] else ""
+        hits = f" {c['hits']} cache hits{rate},"
+    out.append(f"  cache: {c['num_malloc']} mallocs, {c['num_free']} frees,{hits}"
                f" {format_size(c['cached_bytes'])} cached, {c['num_oom']} OOM")
     d = rep["driver"]
     out.append(f"  driver: {d['num_map']} map, {d['num_unmap']} unmap, {d['seconds']:.4f} s in driver calls")
@@ -291,7 +305,7 @@ def save(rep: Mapping[str, Any], path: str) -> None:
         try:
             text = json.dumps(rep, indent=1, sort_keys=True)
         except (TypeError, ValueError):   # a section is not JSON: find it, keep the rest
-            text = json.dumps(_json_sections(rep), indent=1, sort_keys=True)
+            text = json.dumps(json_ready(rep), indent=1, sort_keys=True)
     else:
         text = to_text(rep) + "\n"
     write_atomic(path, text)
@@ -306,6 +320,17 @@ def save(rep: Mapping[str, Any], path: str) -> None:
         print(f"vmalloc: no {path}.png: the report has no memory timeline (an exit report has "
               "one only when vmalloc allocated: VMALLOC=1, from its allocation history)",
               file=sys.stderr)
+
+
+def json_ready(rep: Mapping[str, Any]) -> Dict[str, Any]:
+    """``rep`` as a dict ``json.dumps`` takes: itself when it does, else with each top-level
+    entry that is not JSON (a section holding a set, an object) replaced by ``{"error": ...}``
+    and named in one line on stderr (:func:`_json_sections`)."""
+    try:
+        json.dumps(rep, sort_keys=True)
+    except (TypeError, ValueError):
+        return _json_sections(rep)
+    return dict(rep)
 
 
 def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:

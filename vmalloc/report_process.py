@@ -1,16 +1,22 @@
 """Which process writes which report: under torchrun (issue 15) a launcher and one process per
-rank start, ``multiprocessing`` workers and forked children follow, and every one of them
-inherits ``VMALLOC_REPORT``. Here: each process's rank and identity (the report's ``"process"``
-key), whether it is torchrun's launcher (which writes none), and the path its exit report goes to.
+rank start, ``multiprocessing`` workers, forked children and plain subprocesses follow, and every
+one of them inherits ``VMALLOC_REPORT``. Here: each process's rank and identity (the report's
+``"process"`` key), whether it is torchrun's launcher (which writes none), which process owns a
+report path (:func:`claim_report`, at start-up) and the path its exit report goes to.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Mapping, MutableMapping, Optional, Set, Tuple
 
 from .env import is_report_stream
 
+
+#: Set at start-up by the process that owns the report of its rank (``"<pid>:<rank>"``, the rank
+#: empty when there is none) and inherited by every process it starts: a descendant of the same
+#: rank finds another pid there, so its report is named by its pid (:func:`report_path`).
+OWNER_VARIABLE = "VMALLOC_REPORT_OWNER"
 
 #: the launch variables read here, with the least value each can take
 _MINIMUM = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
@@ -81,6 +87,35 @@ def _is_child_process() -> bool:
         return False
 
 
+def _owner(environ: Mapping[str, str]) -> Optional[Tuple[int, Optional[int]]]:
+    """``(pid, rank)`` of :data:`OWNER_VARIABLE`; ``None`` when unset or not of that form."""
+    pid, sep, rank = environ.get(OWNER_VARIABLE, "").partition(":")
+    if not sep or not pid.isdigit() or not (rank == "" or rank.isdigit()):
+        return None
+    return int(pid), (int(rank) if rank else None)
+
+
+def claim_report(environ: Optional[MutableMapping[str, str]] = None,
+                 pid: Optional[int] = None) -> None:
+    """Called at start-up when ``VMALLOC_REPORT`` is set (the autoload's ``install``): unless
+    a process this one descends from owns the report of the same rank already (a driver that
+    runs the training with ``subprocess.run``, a parent that forked this process), this process
+    owns it: :data:`OWNER_VARIABLE` names it, for the processes it starts. A rank differing
+    from the owner's (torchrun's ranks below its launcher, which has none) owns its own."""
+    env = os.environ if environ is None else environ
+    pid = os.getpid() if pid is None else pid
+    rank = process_rank(env)
+    owner = _owner(env)
+    if owner is None or owner[1] != rank:
+        env[OWNER_VARIABLE] = f"{pid}:{'' if rank is None else rank}"
+
+
+def _descends_from_owner(environ: Mapping[str, str], pid: int, rank: Optional[int]) -> bool:
+    """Another process owns this rank's report path: this one was started (or forked) by it."""
+    owner = _owner(environ)
+    return owner is not None and owner[0] != pid and owner[1] == rank
+
+
 def process_identity(device: Optional[int] = None,
                      environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """Who writes a report: rank, local rank and world size (``None`` outside a distributed
@@ -104,7 +139,9 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
       extension: ``frag.json`` -> ``frag.rank0.json``, ``frag.txt`` -> ``frag.rank1.txt``;
     - in a ``multiprocessing`` child, the pid too: ``frag.pid4242.json``, and under a rank
       ``frag.rank0.pid4242.json`` (a spawned DataLoader worker inherits its rank's ``RANK``:
-      it must not overwrite that rank's report with its own);
+      it must not overwrite that rank's report with its own); the same in any process started
+      or forked by the owner of its rank's report (:func:`claim_report`): a training script a
+      driver runs with ``subprocess.run``, a child of a bare ``os.fork()``;
     - with ``RANK``/``LOCAL_RANK`` set to something that is not an integer >= 0 (said on
       stderr): the pid, ``frag.pid4242.json``, since such processes cannot be told apart;
     - a lone process writes the path as given.
@@ -116,9 +153,9 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
         return target
     pid = os.getpid() if pid is None else pid
     rank = process_rank(env)
-    # the pid tells apart a multiprocessing child from its parent, and processes whose rank
-    # variable cannot be read
-    by_pid = _is_child_process() or _rank_unreadable(env)
+    # the pid tells apart a child (multiprocessing, subprocess, fork) from its parent, and
+    # processes whose rank variable cannot be read
+    by_pid = _is_child_process() or _rank_unreadable(env) or _descends_from_owner(env, pid, rank)
     if "{rank}" in target or "{pid}" in target:
         path = target.replace("{rank}", str(rank) if rank is not None else f"pid{pid}") \
                      .replace("{pid}", str(pid))

@@ -129,6 +129,17 @@ def parse_chunk_size(value: Optional[SizeLike], name: str = "chunk_size") -> int
     return n
 
 
+def check_budget_holds_a_chunk(budget: Optional[int], chunk: int, budget_name: str = "budget",
+                               chunk_name: str = "chunk_size") -> None:
+    """Refuse a budget (bytes; ``None`` or 0: no cap) below one chunk, naming both knobs: the
+    allocator would refuse it at its first allocation, out of whatever op allocated first, and
+    again from every later one. ``chunk`` is the chunk size in bytes (the default when not given)."""
+    if budget and budget < chunk:
+        raise ValueError(f"{budget_name}: {format_size_exact(budget)} ({budget} bytes) is smaller "
+                         f"than one chunk ({chunk_name}: {format_size_exact(chunk)}), so nothing "
+                         "could be allocated; give at least one chunk, or no budget")
+
+
 def format_size(nbytes: Union[int, float]) -> str:
     """Binary units for reports: ``format_size(3 << 20) == '3.00 MiB'``."""
     n = float(nbytes)

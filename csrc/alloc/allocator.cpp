@@ -395,16 +395,18 @@ struct Allocator::Impl {
     // Chunks go back to the free pool (room reserved by gather) on any failure below.
     try {
       addr = timed([&] { return va->take(k); });
-    } catch (const driver::DriverShutDown&) {
-      for (auto h : handles) free_chunks.push_back(h);
-      throw;  // not out of memory: the driver is gone
-    } catch (const std::exception& e) {
+    } catch (const driver::DriverOutOfMemory& e) {
       for (auto h : handles) free_chunks.push_back(h);
       // No address space left is running out of memory, whatever the backend calls it.
       missing = k * chunk;
       failure = std::string("cannot reserve ") + format_bytes_exact(k * chunk) + " of virtual address space (" +
                 e.what() + ")";
       return nullptr;
+    } catch (...) {
+      // Not out of memory (EIO, EPERM, a CUDA error other than out of memory, the driver shutting
+      // down): raised as it is, as a failed map or create is; freeing memory would not help.
+      for (auto h : handles) free_chunks.push_back(h);
+      throw;
     }
     try {
       for (; mapped < k; ++mapped) timed([&] { drv->map(addr + mapped * chunk, chunk, handles[mapped]); });
@@ -555,6 +557,24 @@ struct Allocator::Impl {
     return reinterpret_cast<void*>(b->addr);
   }
 
+  // Why a request of `bytes` can never be served: more than the backend's memory, or (a backend
+  // with no limit but the budget, host-lazy) more than any address space.
+  std::string beyond_address_space(size_t bytes) const {
+    return "cannot reserve " + format_bytes_exact(bytes) + " of virtual address space (larger than any address space, " +
+           format_bytes_exact(kMaxChunk) + ")";
+  }
+  std::string never_fits_reason(size_t bytes) const {
+    if (device_limit == 0) return beyond_address_space(bytes);
+    return "larger than the " + std::string(drv->name()) + " backend's memory (" + format_bytes_exact(device_limit) +
+           ")";
+  }
+  // True when no amount of freeing can serve `nbytes` (a large request: k chunks).
+  bool never_fits(size_t nbytes) const {
+    if (nbytes > kMaxRequest) return true;
+    size_t bytes = (nbytes / chunk + (nbytes % chunk != 0)) * chunk;
+    return bytes > kMaxChunk || (device_limit != 0 && bytes > device_limit);
+  }
+
   void* malloc_large(size_t n, uintptr_t stream, size_t& missing, bool& device_full) {
     size_t k = n / chunk + (n % chunk != 0);
     if (cfg.budget != 0 && k * chunk > cfg.budget) {
@@ -566,6 +586,12 @@ struct Allocator::Impl {
       device_full = true;
       failure = "larger than the " + std::string(drv->name()) + " backend's memory (" +
                 format_bytes_exact(device_limit) + ")";
+      return nullptr;
+    }
+    if (k * chunk > kMaxChunk) {  // could never be mapped: fail before creating any chunk
+      missing = k * chunk - kMaxChunk;
+      device_full = true;
+      failure = beyond_address_space(k * chunk);
       return nullptr;
     }
     Range* r = acquire(k, stream, missing, device_full);
@@ -775,6 +801,7 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
   for (int attempt = 0;; ++attempt) {
     size_t missing = 0;
     std::function<bool(size_t)> cb;
+    std::string reason;  // why this attempt failed, kept past the lock for the callback's outcome
     {
       Allocator::Impl::Guard g(m, Need::driver);
       m.note_stream(stream);
@@ -784,8 +811,7 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
       if (nbytes > kMaxRequest) {
         missing = nbytes;
         device_full = true;
-        m.failure = "larger than the " + std::string(m.drv->name()) + " backend's memory (" +
-                    format_bytes_exact(m.device_limit) + ")";
+        m.failure = m.never_fits_reason(nbytes);
       }
       else if (nbytes < m.small_limit)
         p = m.malloc_small(nbytes, stream, missing, device_full);
@@ -793,10 +819,10 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
         p = m.malloc_large(nbytes, stream, missing, device_full);
       if (p) return p;
       // A request no amount of freeing can serve does not ask the pressure callback.
-      bool never_fits = nbytes > kMaxRequest || (m.device_limit != 0 && device_full &&
-                                                 (nbytes / m.chunk + (nbytes % m.chunk != 0)) * m.chunk > m.device_limit);
+      bool never_fits = device_full && m.never_fits(nbytes);
       if (attempt == 0 && use_pressure && m.pressure && !never_fits) {
         cb = m.pressure;
+        reason = m.failure;  // for the message if the callback frees nothing (it names the budget)
         ++m.st.num_pressure_calls;
       } else {
         ++m.st.num_oom;
@@ -820,7 +846,8 @@ static void* malloc_impl(Allocator::Impl& m, size_t nbytes, uintptr_t stream, bo
       throw OutOfMemory("vmalloc: out of memory: requested " + format_bytes_exact(nbytes) + ", in use " +
                             format_bytes_exact(m.bytes.physical.current) + " physical, budget " +
                             (m.cfg.budget ? format_bytes_exact(m.cfg.budget) : std::string("none")) + "; " +
-                            format_bytes_exact(missing) + " missing and the pressure callback freed nothing",
+                            (reason.empty() ? "" : reason + "; ") + format_bytes_exact(missing) +
+                            " missing and the pressure callback freed nothing",
                         nbytes, m.bytes.physical.current, m.cfg.budget);
     }
   }
@@ -929,7 +956,7 @@ Stats Allocator::stats() const {
 
 void Allocator::reset_peak() {
   Impl& m = *impl_;
-  Impl::Guard g(m);
+  Impl::Guard g(m, Need::open);
   // Only the reported peaks: the growth policy's own peak (peak_in_use_chunks) is history it needs.
   m.bytes.requested.reset_peak();
   m.bytes.mapped.reset_peak();
@@ -938,9 +965,7 @@ void Allocator::reset_peak() {
 
 size_t Allocator::trim() {
   Impl& m = *impl_;
-  Impl::Guard g(m);
-  if (m.closed) return 0;
-  m.drv->check_not_shut_down();
+  Impl::Guard g(m, Need::driver);
   size_t released = m.shrink_to(0, /*wait=*/true);
   try {
     m.va->release_unused();
@@ -966,25 +991,27 @@ void Allocator::set_budget(size_t bytes) {
 
 void Allocator::set_pressure_callback(std::function<bool(size_t)> cb) {
   // The old callback is destroyed after the lock is released: destroying it may take other locks
-  // (the Python binding's holder takes the GIL).
+  // (the Python binding's holder takes the GIL). After close() a callback is refused (close broke
+  // the callback -> allocator cycle; attaching one would make it again); none is still accepted:
+  // there is nothing to drop, and code that detaches on its way out need not know.
   {
-    Impl::Guard g(*impl_);
+    Impl::Guard g(*impl_, cb ? Need::open : Need::lock);
     impl_->pressure.swap(cb);
   }
 }
 
 void Allocator::set_trace(bool on) {
-  Impl::Guard g(*impl_);
+  Impl::Guard g(*impl_, Need::open);
   impl_->trace_on = on;
 }
 
 std::vector<TraceEvent> Allocator::take_trace() {
-  Impl::Guard g(*impl_);
+  Impl::Guard g(*impl_, Need::open);
   return impl_->trace.take();
 }
 
 void Allocator::set_trace_capacity(size_t events) {
-  Impl::Guard g(*impl_);
+  Impl::Guard g(*impl_, Need::open);
   impl_->trace.set_capacity(events);
   impl_->cfg.trace_capacity = events;
 }
@@ -1062,7 +1089,7 @@ bool Allocator::closed() const {
 
 size_t Allocator::allocation_size(const void* p) const {
   const Impl& m = *impl_;
-  Impl::Guard g(m);
+  Impl::Guard g(m, Need::open);
   const uintptr_t* v = m.live.find(reinterpret_cast<uintptr_t>(p));
   if (!v) return 0;
   return is_block(*v) ? as_block(*v)->requested : as_range(*v)->requested;
@@ -1072,7 +1099,7 @@ std::vector<std::pair<uintptr_t, size_t>> Allocator::live_allocations() const {
   const Impl& m = *impl_;
   std::vector<std::pair<uintptr_t, size_t>> out;
   {
-    Impl::Guard g(m);
+    Impl::Guard g(m, Need::open);
     out.reserve(m.live.size());
     m.live.for_each([&](uintptr_t addr, uintptr_t v) {
       out.emplace_back(addr, is_block(v) ? as_block(v)->requested : as_range(v)->requested);

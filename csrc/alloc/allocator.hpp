@@ -143,7 +143,10 @@ class Allocator {
   std::vector<TraceEvent> take_trace();  // the recorded events, oldest first (and clears them)
   void set_trace_capacity(size_t events);  // bound of the trace ring (Config::trace_capacity)
   void close();                        // return everything to the driver (and drop the pressure
-                                       // callback); idempotent. Later malloc/free throw.
+                                       // callback); idempotent. Later calls throw std::runtime_error,
+                                       // except stats(), debug_state(), config(), granularity(),
+                                       // total_memory(), closed(), forked(), close() and
+                                       // set_pressure_callback(nullptr) (nothing to drop).
 
   // --- additions beyond the contract ---
   const Config& config() const;

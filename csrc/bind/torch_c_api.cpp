@@ -110,6 +110,15 @@ void connect_peers(const Registry& r, vmalloc::Allocator* a, int device) {
   }
 }
 
+// The registry's allocator of a device, unless the user closed it (vmalloc.device_allocator(d)
+// .close()): a closed allocator raises on every call, and the loops over all devices below
+// (empty_cache, record_stream's owner search, tracing) must go on past it. In a forked child
+// every allocator is dead, not closed by the user: that still raises, as it did.
+vmalloc::Allocator* open_allocator(const Registry& r, int device) {
+  vmalloc::Allocator* a = r.alloc[device].load(std::memory_order_acquire);
+  return a && a->closed() && !a->forked() ? nullptr : a;
+}
+
 vmalloc::Allocator* get(int device, bool create) {
   if (device < 0 || device >= kMaxDevices) {
     throw std::invalid_argument("vmalloc: device " + std::to_string(device) + " out of range [0, " +
@@ -228,7 +237,7 @@ VMALLOC_EXPORT void vmalloc_torch_record_stream(void* ptr, void* stream) {
   if (!ptr) return;
   Registry& r = registry();
   for (int d = 0; d < kMaxDevices; ++d) {
-    vmalloc::Allocator* a = r.alloc[d].load(std::memory_order_acquire);
+    vmalloc::Allocator* a = open_allocator(r, d);
     if (a && a->allocation_size(ptr) != 0) {
       a->record_stream(ptr, reinterpret_cast<uintptr_t>(stream));
       return;
@@ -240,7 +249,7 @@ VMALLOC_EXPORT void vmalloc_torch_record_stream(void* ptr, void* stream) {
 VMALLOC_EXPORT void vmalloc_torch_empty_cache() {
   Registry& r = registry();
   for (int d = 0; d < kMaxDevices; ++d) {
-    if (vmalloc::Allocator* a = r.alloc[d].load(std::memory_order_acquire)) a->trim();
+    if (vmalloc::Allocator* a = open_allocator(r, d)) a->trim();
   }
 }
 
@@ -334,14 +343,16 @@ void bind_torch(nb::module_& m) {
   }, nb::call_guard<nb::gil_scoped_release>());
   m.def("_torch_trim", [] {
     size_t n = 0;
-    for (auto& a : registry().alloc) if (auto* p = a.load()) n += p->trim();
+    for (int d = 0; d < kMaxDevices; ++d)
+      if (auto* p = open_allocator(registry(), d)) n += p->trim();
     return n;
   });
   m.def("_torch_set_trace", [](bool on) {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
     r.trace = on;
-    for (auto& a : r.alloc) if (auto* p = a.load()) p->set_trace(on);
+    for (int d = 0; d < kMaxDevices; ++d)
+      if (auto* p = open_allocator(r, d)) p->set_trace(on);
   });
   m.def("_torch_install_cache_info", [] { return vmalloc::install_cache_info(&largest_block); },
         "Make PyTorch's current CUDA allocator (vmalloc's CUDAPluggableAllocator) answer "

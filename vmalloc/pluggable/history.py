@@ -7,7 +7,7 @@ import warnings
 from collections import deque
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .registry import REGISTRY, Registry, core
+from .registry import REGISTRY, Registry, closed_by_user, core
 
 # The history, its sequence numbers and the user's window change together, from the report, the
 # shims and the exit hook, maybe on several threads. Reentrant: start/stop drain under it.
@@ -34,6 +34,8 @@ def drain_history() -> None:
         native = core()
         for d in native._torch_devices():
             a = native._torch_allocator(d)
+            if closed_by_user(a):
+                continue
             if a.trace_capacity != REGISTRY.trace_capacity:
                 a.set_trace_capacity(REGISTRY.trace_capacity)
             _append_history(REGISTRY, d, a.take_trace())
@@ -120,7 +122,9 @@ def set_trace_capacity(events: int) -> None:
     if REGISTRY.mode is not None:
         native = core()
         for d in native._torch_devices():
-            native._torch_allocator(d).set_trace_capacity(events)
+            a = native._torch_allocator(d)
+            if not closed_by_user(a):
+                a.set_trace_capacity(events)
 
 
 def history_snapshot(device: Optional[int] = None, chunk_size: int = 2 << 20,
@@ -179,7 +183,7 @@ def _user_events(device: int) -> Tuple[List[Dict[str, Any]], int]:
 def _live_allocations(device: int) -> List[Dict[str, Any]]:
     """The device's live allocations as the allocator lists them, as alloc events (their stream
     and time from the history's alloc event of the same address and size, where it has one)."""
-    if device not in _devices():
+    if device not in _devices() or closed_by_user(core()._torch_allocator(device)):
         return []
     seen = {int(e.get("addr", e["id"])): e for e in REGISTRY.history.get(device, ())
             if e["action"] == "alloc"}

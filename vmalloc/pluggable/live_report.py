@@ -11,7 +11,7 @@ import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..env import is_report_stream
-from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, save, to_text
+from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, json_ready, save, to_text
 from ..report_process import process_identity, report_path
 from .history import drain_history, history_info
 from .registry import REGISTRY, device_index, devices, stats
@@ -157,12 +157,13 @@ def report(format: str = "text", device: Optional[int] = None) -> Any:
     allocation-size histogram (when the history is recorded, e.g. ``VMALLOC_REPORT`` set), and
     added sections such as ``"swap"``. Otherwise, when PyTorch's native allocator holds CUDA
     memory: the same rows from ``torch.cuda.memory_stats()``. ``format`` is ``"text"`` (a str)
-    or ``"json"`` (a dict).
+    or ``"json"`` (a dict that ``json.dumps`` takes: a section that is not JSON comes as
+    ``{"error": ...}``, named in one line on stderr, as in a saved report).
     """
     if format not in ("text", "json"):
         raise ValueError(f"format: expected 'text' or 'json', got {format!r}")
     rep = collect(device)
-    return rep if format == "json" else to_text(rep)
+    return json_ready(rep) if format == "json" else to_text(rep)
 
 
 # ``vmalloc.report`` is this function (DESIGN.md); ``vmalloc.report.add_section(...)`` works too

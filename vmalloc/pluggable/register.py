@@ -17,7 +17,7 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Optional
 
-from ..sizes import SizeLike, parse_chunk_size, parse_optional_size
+from ..sizes import SizeLike, check_budget_holds_a_chunk, parse_chunk_size, parse_optional_size
 from .registry import ALLOC_FN, FREE_FN, HOOKS, POOL_ALLOC_FN, REGISTRY, core, entry_point
 
 
@@ -38,6 +38,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
                          "(vmalloc.Allocator(backend='host') is the allocator without a GPU)")
     chunk = parse_chunk_size(chunk_size)
     cap = parse_optional_size(budget, "budget") or 0
+    check_budget_holds_a_chunk(cap, chunk)
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)
                                or device < 0):
         raise ValueError(f"device: expected a CUDA device index >= 0 or None, got {device!r}")
@@ -88,6 +89,7 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     """
     chunk = parse_chunk_size(chunk_size)  # the arguments first: a bad one is named anywhere
     cap = parse_optional_size(budget, "budget") or 0
+    check_budget_holds_a_chunk(cap, chunk)
     import torch
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError("vmalloc.pool: this PyTorch has no torch.cuda.MemPool (added in 2.5); "

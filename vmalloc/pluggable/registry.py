@@ -127,7 +127,8 @@ def device_index(device: Any) -> int:
 ZERO_STATS = {k: 0 for k in (
     "requested_current", "requested_peak", "mapped_current", "mapped_peak", "physical_current",
     "physical_peak", "internal_fragmentation", "num_malloc", "num_free", "num_map", "num_unmap",
-    "num_chunks_created", "chunk_size", "budget", "num_live", "num_cache_hits", "cached_bytes")}
+    "num_chunks_created", "chunk_size", "budget", "num_live", "num_cache_hits", "num_remaps",
+    "cached_bytes")}
 
 
 def stats(device: Optional[int] = None) -> Dict[str, Any]:
@@ -153,6 +154,13 @@ def device_allocator(device: Optional[int] = None, create: bool = False) -> Any:
     if REGISTRY.mode is None:
         raise RuntimeError("vmalloc is not enabled (vmalloc.enable() or VMALLOC=1)")
     return core()._torch_allocator(device_index(device), create)
+
+
+def closed_by_user(allocator: Any) -> bool:
+    """The registry's allocator was closed by the user (``device_allocator(d).close()``): every
+    call but ``stats()`` raises then, so the loops over all devices skip it. (In a forked child
+    every allocator is dead, not closed: that still raises, naming the fork.)"""
+    return bool(allocator.closed) and not allocator.forked
 
 
 def devices() -> List[int]:

@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Dict, Mapping
 
 from .history import clear_user_history, history_snapshot, start_recording, stop_recording
-from .registry import REGISTRY, core, device_allocator, device_index, stats
+from .registry import REGISTRY, closed_by_user, core, device_allocator, device_index, stats
 
 
 def torch_memory_stats(s: Mapping[str, Any]) -> Dict[str, Any]:
@@ -112,7 +112,7 @@ def install_shims(torch: Any) -> None:
 
     def reset_peak(device: Any = None) -> None:
         a = device_allocator(device)
-        if a is not None:
+        if a is not None and not closed_by_user(a):
             a.reset_peak()
 
     def reset_accumulated(device: Any = None) -> None:

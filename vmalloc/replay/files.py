@@ -129,7 +129,8 @@ def load(path: PathLike, device: Optional[int] = None,
         return from_snapshot(data, device, name)
     except TraceFileError:
         raise
-    except (ValueError, RecursionError, OverflowError) as exc:  # OverflowError: a safety net
+    except (ValueError, RecursionError, OverflowError, TypeError) as exc:
+        # OverflowError, TypeError: a safety net for a damaged file no check above foresaw
         raise TraceFileError(f"{path}: {exc}") from None
 
 

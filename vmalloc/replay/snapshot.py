@@ -120,8 +120,10 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
         for b in seg.get("blocks", []):
             if not isinstance(b, Mapping):
                 raise ValueError(f"snapshot segments[{j}].blocks: expected objects, got {b!r:.60}")
-            addr = b.get("address")
-            if b.get("state") == "active_allocated" and addr not in live:
+            if b.get("state") != "active_allocated":
+                continue
+            addr = checked_int(b.get("address"), f"snapshot segments[{j}] block address")
+            if addr not in live:
                 size = checked_int(b.get("requested_size") or b.get("size") or 0,
                             f"snapshot segments[{j}] block size")
                 if size > 0:
