@@ -132,6 +132,52 @@ def test_autocast_casts_of_the_weights_stay_inside_the_budget():
     assert real <= budget, f"real peak {real} is {real / budget:.3f}x the budget {budget}"
 
 
+@pytest.mark.parametrize("source", ["measured", "input-aware"])
+def test_autocast_casts_count_for_a_bare_chain_too(source):
+    """``scheduler.wrap`` measures its chain at block 0 (or its InputAwareChain does), not on a
+    profiling step: before, the casts were added on the profiling step's path only, and six
+    MLP blocks under CPU autocast ran at 2.94x rotor's budget (lo + 1%)."""
+    from torch import nn
+    from scheduler.planners import rotor
+    from scheduler.runtime.input_aware import InputAwareChain
+    D = 256
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+                          for _ in range(6)], nn.Linear(D, 10))
+    for p in seq.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(16, D, generator=torch.Generator().manual_seed(0))
+    fast = {"repeat": 1, "warmup": 0}
+    chains = []
+
+    def grab(chain, budget):
+        chains.append(chain)
+        return plan_from_checkpoints(chain.L, [])
+
+    def wrapped(planner, budget):
+        src = None if source == "measured" else InputAwareChain(
+            seq, samples=3, loss="cross_entropy", measure_options=fast)
+        return scheduler.wrap(seq, budget, planner=planner, loss="cross_entropy",
+                              measure_options=fast, chain=src)
+
+    def step(m) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(m(x).float(), torch.zeros(16).long())
+        loss.backward()
+
+    m = wrapped(grab, None)
+    step(m)
+    chain = chains[-1]
+    assert chain.meta["autocast_cast_bytes"] > 0
+    lo = rotor.min_memory(chain)
+    hi = scheduler.simulate(chain, plan_from_checkpoints(chain.L, [])).peak_memory
+    budget = int(lo + 0.01 * (hi - lo))
+    m = wrapped("rotor", budget)
+    step(m)
+    real = cpu_peak(lambda: step(m))
+    assert real <= budget, f"real peak {real} is {real / budget:.3f}x the budget {budget}"
+
+
 def test_autocast_gradients_exact_with_a_weight_used_twice_in_a_block():
     """The cast cache stays as plain training uses it: both uses of a weight share one bf16
     copy and its gradient is summed in bf16 (with the cache off, in float32: other bits)."""
