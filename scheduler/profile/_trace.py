@@ -10,9 +10,10 @@ re-exported here, for the code that reads them as ``_trace.x``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
+import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .autograd_graph import (SavedTensors, backward, differentiable, graph_nodes, hooks_silenced,
@@ -56,7 +57,16 @@ def fresh_inputs(values: Tensors, requires_grad: bool) -> Tensors:
     return tuple(v.detach().requires_grad_(requires_grad and differentiable(v)) for v in values)
 
 
-def call_block(block: Callable[..., Any], inputs: Tensors, index: int) -> Tensors:
+def _wrong_device(message: str) -> bool:
+    """Whether an op refused tensors on two devices (its wording varies with the op)."""
+    return "expected device" in message or "same device" in message
+
+
+def call_block(block: Callable[..., Any], inputs: Tensors, index: int,
+               module: Optional[nn.Module] = None) -> Tensors:
+    """``block(*inputs)`` as stage ``index``, its output as a tuple of tensors; an error
+    names the stage. ``module``: the block, when ``block`` is a function calling it (its
+    type names it in the error)."""
     try:
         out = block(*inputs)
     except RuntimeError as e:
@@ -64,6 +74,17 @@ def call_block(block: Callable[..., Any], inputs: Tensors, index: int) -> Tensor
             raise RuntimeError(
                 f"model_blocks[{index}] modifies its input in place, which a chain cannot profile "
                 f"or checkpoint (the input is the previous stage's stored output): {e}") from e
+        if _wrong_device(str(e)):
+            # most often a tensor the block keeps as a plain attribute (``self.mask =
+            # torch.tril(...)``): neither ``.to()`` nor ``meta_chain``'s meta stand-ins move it
+            kind = type(module if module is not None else block).__name__
+            raise RuntimeError(
+                f"model_blocks[{index}] ({kind}): {e} A tensor the block holds as a plain "
+                f"attribute (not a parameter or buffer, e.g. self.mask = torch.tril(...)) stays "
+                f"on the device it was made on, while meta_chain runs the block on the meta "
+                f"device and .to() moves only parameters and buffers: register it with "
+                f"self.register_buffer(name, tensor) (persistent=False keeps it out of the "
+                f"state dict)") from e
         raise
     return as_tensors(out, f"model_blocks[{index}]")
 

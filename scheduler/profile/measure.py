@@ -21,9 +21,25 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
   beyond its output (``fck_tmp``), and of the backward beyond the input gradients, run as
   training runs it (parameter gradients added into an existing ``.grad``), less the stage's
   output when its graph did not save it (``xbar`` counts it; nothing holds it in ``B s``).
-  On CPU, PyTorch has no allocator statistics, so they are *estimated* by the op tracer of
-  ``meta_chain`` (liveness of every intermediate storage, freed after its last use; in the
-  backward, when the node that last used it returns) run on the real tensors.
+  On CPU they are *estimated* by the op tracer of ``meta_chain`` (liveness of every
+  intermediate storage, freed after its last use; in the backward, when the node that last
+  used it returns) run on the real tensors. The tracer sees the tensors ATen ops return, not
+  memory a kernel allocates for itself and frees before returning: oneDNN's convolutions
+  (forward and ``convolution_backward``: reordered weights, weight-gradient buffers,
+  scratchpads) and bf16 matmuls' packing buffers, so convolutional networks come out low on
+  the CPU (ResNet-18, batch 2, 64 px: 13.6 MB simulated for a store-all step that really
+  peaks at 22.5 MB). The profiler's memory events (``torch.profiler``, ``profile_memory=True``,
+  as ``bench/hf.py``'s ``cpu_peak`` reads them) would count them but are not used: a session
+  started inside the caller's own profiling silently ends it (its events are lost; falling
+  back to the tracer then would make the plan depend on whether one profiles), and a
+  backward's session must hold its forward too (a free of memory allocated before a session
+  is not reported).
+* weights several stages share (an LM head tied to the token embedding, one block object
+  repeated): their gradients wait in autograd's buffer from the backward of the last stage
+  using them down to the first's; ``shared_grads`` adds them to those stages' ``bw_tmp``.
+
+Stage 0 runs on a copy of ``sample_input``: a first block that writes its input in place (a
+normalization) leaves the caller's tensor as it was.
 
 A stage module may name tensors it reads that are held outside the chain in an attribute
 ``held_outside`` (``scheduler.checkpoint``'s blocks: the masks every block is called with,
@@ -45,6 +61,7 @@ import torch.nn as nn
 from ..chain import FIELDS, Chain
 from . import _trace as T
 from .meta import _check_blocks
+from .shared_grads import with_shared_grads
 from .storage import keys_held
 
 
@@ -201,6 +218,11 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
     L = len(blocks)
     for s in range(L + 1):
         inputs = T.fresh_inputs(values, requires_grad=input_grad or s > 0)
+        # stage 0 runs on a copy: a first block that writes its input in place (a
+        # normalization, ``x.sub_(mean)``) must not change the caller's sample_input, which
+        # ``fresh_inputs`` shares when it wants no gradient; sizes stay the caller's tensors'
+        runs = inputs if s > 0 else T.fresh_inputs(tuple(v.detach().clone() for v in values),
+                                                    requires_grad=input_grad)
         if s < L:
             block = blocks[s]
             params = [p for p in block.parameters() if p.requires_grad]
@@ -223,18 +245,18 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
 
         with _preserved(block, device), keys_held(state) as state_keys:
             # sizes and transients (CPU: the op tracer's estimates; CUDA: the allocator's)
-            outputs, r = stage_memory(fn, inputs, params, state_keys, device)
+            outputs, r = stage_memory(fn, runs, params, state_keys, device)
 
             def forward(_: Any) -> T.Tensors:
                 with torch.enable_grad():
-                    return fn(inputs)
+                    return fn(runs)
 
             def prepare_backward() -> tuple:
                 with torch.enable_grad():
-                    outs = fn(inputs)
+                    outs = fn(runs)
                 return outs, tuple(torch.randn_like(o) if T.differentiable(o) else o for o in outs)
 
-            wrt = T.requires_grad_leaves(inputs, params)
+            wrt = T.requires_grad_leaves(runs, params)
             fw = _median_time(forward, lambda: None, device, repeat, warmup)
             bw = _median_time(lambda a: T.backward(a[0], a[1], wrt), prepare_backward, device,
                               repeat, warmup)
@@ -251,4 +273,5 @@ def measure_chain(model_blocks: Sequence[nn.Module], sample_input: Union[torch.T
             "repeat": repeat, "warmup": warmup, "input_grad": input_grad,
             "tmp": "cuda allocator statistics" if device.type == "cuda" else "op-tracer estimate",
             "torch": torch.__version__}
-    return Chain(**cols, name=name, meta=meta)
+    # weights several stages use: their gradients wait between stages (``shared_grads``)
+    return with_shared_grads(Chain(**cols, name=name, meta=meta), blocks)

@@ -19,6 +19,8 @@ with its input detached and requiring grad as in the middle of a network:
 * ``bw_tmp[s]`` peak of the gradients created inside the backward other than ``delta[s]``,
                 parameter gradients included (in training each is added into ``.grad`` and
                 freed), crediting saved tensors autograd has released as each node finishes;
+                plus the gradients of weights several stages share, from the last stage using
+                them down to the first (``shared_grads``: autograd holds them in between);
 * ``fw[s]``, ``bw[s]``: ``CostModel.seconds(FLOPs, bytes moved)`` of the forward / backward ops.
 
 Stage ``L`` is the loss (``loss=``, default cross entropy over the last dimension).
@@ -34,6 +36,7 @@ from torch.func import functional_call
 from ..chain import FIELDS, Chain
 from . import _trace as T
 from .cost import V100_BYTES_PER_S, V100_FLOPS_PER_S, CostModel
+from .shared_grads import with_shared_grads
 
 Shape = Sequence[int]
 
@@ -129,7 +132,7 @@ def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequ
             state_keys = {T.storage_key(v) for v in state.values()}
 
             def fn(xs: T.Tensors, block: nn.Module = block, state: Dict = state, s: int = s) -> T.Tensors:
-                return T.call_block(lambda *a: functional_call(block, state, a), xs, s)
+                return T.call_block(lambda *a: functional_call(block, state, a), xs, s, block)
         else:
             params, state_keys = [], set()
 
@@ -155,4 +158,5 @@ def meta_chain(model_blocks: Sequence[nn.Module], input_shape: Union[Shape, Sequ
             "flops_per_s": cost.flops_per_s, "bytes_per_s": cost.bytes_per_s,
             "total_flops": total_flops, "cuda_dropout": cuda_dropout, "input_grad": input_grad,
             "torch": torch.__version__}
-    return Chain(**cols, name=name, meta=meta)
+    # weights several stages use: their gradients wait between stages (``shared_grads``)
+    return with_shared_grads(Chain(**cols, name=name, meta=meta), blocks)
