@@ -295,3 +295,26 @@ def test_a_cast_of_the_weights_is_seen_where_block_0_takes_token_ids(planner):
         assert len(said) == 1 and "float32 weights" in said[0] and \
             "bfloat16 weights" in said[0], said
         assert after["mimose_collections"] == before["mimose_collections"] + 1
+
+
+def test_a_runner_pickled_before_the_weights_dtype_loads_and_keeps_its_samples():
+    """``torch.save(model)`` before this change: settings of 4 entries, no ``_shapes``; loading
+    one raised AttributeError, then ValueError (unpacking the old settings)."""
+    import pickle
+    model = scheduler.wrap(wrap_models.transformer_blocks(), 1 << 30, planner="mimose",
+                           samples=3)
+    ids = [wrap_models.token_batch(2, n, seed=i) for i, n in enumerate((12, 16, 20, 14))]
+    for i, x in enumerate(ids[:3]):
+        wrapped_step(model, (x,), i)
+    r = model.runner
+    for name in ("_shapes", "_reach_failures"):   # as a runner pickled before them
+        del r.__dict__[name]
+    r._mimoses = {(k[0], *k[2:]): m for k, m in r._mimoses.items()}
+    for m in r._mimoses.values():
+        m.setting = (m.setting[0], *m.setting[2:])
+    back = pickle.loads(pickle.dumps(model))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        wrapped_step(back, (ids[3],), 3)
+    assert not [x for x in w if SETTING_SAID[:20] in str(x.message)]
+    assert back.stats()["mimose_collections"] == 3 and back.last_plan.planner == "mimose"

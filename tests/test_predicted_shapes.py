@@ -13,6 +13,7 @@ import torch
 
 import scheduler
 from scheduler.planners.mimose_estimator import REACH
+from scheduler.runtime.checkpoint import checkpointed
 from scheduler.runtime.input_aware import InputAwareChain
 
 from test_checkpoint_hf import FAST, make, step
@@ -21,7 +22,7 @@ from wrap_models import token_batch, transformer_blocks, wrapped_step
 
 one_thread = wrap_models.one_thread  # the autouse fixture, in this module's namespace
 
-TWO_WAYS = "vary along more than one direction"
+TWO_WAYS = "vary in both their batch size"
 
 
 def run(model: Any, shapes: List[tuple]) -> List[str]:
@@ -73,6 +74,9 @@ def test_inputs_varying_two_ways_are_warned_about_once(planner):
     assert not [m for m in run(wrapped(), one_way) if TWO_WAYS in m]
     said = [m for m in run(wrapped(), one_way + [(3, 8), (1, 12), (4, 10)]) if TWO_WAYS in m]
     assert len(said) == 1 and "(2, 8) and (3, 8)" in said[0], said
+    # the batch alone varying is one direction too (linear in it)
+    assert not [m for m in run(wrapped(), [(4, 8), (2, 8), (3, 8), (4, 8), (1, 8)])
+                if TWO_WAYS in m]
     # an input_size= of the user's own: theirs to choose, nothing checked
     assert not [m for m in run(wrapped(input_size=lambda a: a[0].shape[1]),
                                one_way + [(3, 8)]) if TWO_WAYS in m]
@@ -99,3 +103,72 @@ def test_mimose_names_the_whole_budget_for_a_lists_share():
     assert "'encoder.block' gets 3/6 of the budget (a share of 2048 B" in str(e.value) and \
         "the whole budget must be at least" in str(e.value), str(e.value)
     assert e.value.min_memory > 4096
+
+
+def test_a_smaller_last_batch_is_planned_as_the_learnt_batch_and_not_learnt():
+    """The Trainer's last batch (3 of 8) at a length of its own: before, it was warned about as
+    a second direction (spuriously: it holds less than the learnt batch at its length), or
+    learnt at its element count. It is planned for the learnt batch (an upper bound), and
+    never collected or learnt from."""
+    model = scheduler.wrap(transformer_blocks(), 1 << 30, planner="mimose", samples=3)
+    said = run(model, [(8, 8), (8, 10), (8, 12), (8, 9), (3, 11), (3, 30)])
+    assert not [m for m in said if TWO_WAYS in m], said
+    assert model.stats()["mimose_collections"] == 3
+    assert sorted(model.mimose.estimator.sizes) == [64.0, 80.0, 96.0]
+    # (3, 30): as (8, 30), beyond the fit's reach: run with every block checkpointed, unlearnt
+    assert model.last_plan.planner == "mimose-collect"
+
+
+def test_images_of_any_height_and_width_are_one_direction():
+    from torch import nn
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(3)]
+    model = scheduler.wrap(blocks, 1 << 30, planner="mimose", samples=3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i, (h, w_) in enumerate([(32, 24), (17, 30), (24, 24), (40, 16)]):
+            wrapped_step(model, (torch.randn(2, 3, h, w_),), i)
+    assert not [str(x.message) for x in w if TWO_WAYS in str(x.message)]
+
+
+def test_collections_beyond_the_reach_that_keep_failing_stop(monkeypatch):
+    """A size beyond the fit's reach whose collection step cannot measure the model's tail
+    (an out-of-memory at the longest length yet) was collected again at every step, forever;
+    after REACH_TRIES such failures it is planned from the fit, said once."""
+    from torch import nn
+    from scheduler.runtime import chain_runner, tail as tail_mod
+    long = [False]
+    orig = tail_mod.TailProbe._tail_chain
+
+    def failing(self, *a, **k):
+        if long[0]:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return orig(self, *a, **k)
+    monkeypatch.setattr(tail_mod.TailProbe, "_tail_chain", failing)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+                                        for _ in range(4))
+            self.head = nn.Linear(32, 8)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x).square().mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    scheduler.checkpoint(net, 1 << 30, "mimose", blocks="blocks", samples=3)
+    runner = checkpointed(net).runners[0]
+    planners = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for T in [8, 10, 12] + [48] * 6:
+            long[0] = T > 20
+            net(torch.randn(2, T, 32)).backward()
+            planners.append(runner.last_plan.planner)
+    tries = chain_runner.REACH_TRIES
+    assert planners[3:] == ["mimose-collect"] * tries + ["mimose"] * (6 - tries), planners
+    assert len([x for x in w if "planned from the fit (extrapolated)" in str(x.message)]) == 1

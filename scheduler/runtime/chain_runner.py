@@ -49,6 +49,7 @@ MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tai
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 MIMOSE_SETTINGS = 8  # Mimose settings whose samples are kept (the least recently used goes)
 FIRST_SAMPLE_TRIES = 3  # first Mimose samples with a failed measurement dropped before learning
+REACH_TRIES = 3  # failed collections beyond the fit's reach before such sizes are extrapolated
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -75,6 +76,13 @@ def _mimose_setting(args: Sequence[Any], kwargs: Dict[str, Any], training: bool,
                      if t.is_floating_point() or t.is_complex()})
     return (tuple(floats), weights, any(t.requires_grad for t in leaves), training,
             rng.autocast_state())
+
+
+def _with_weights(setting: Hashable, weights: Optional[str]) -> Hashable:
+    """A ``_mimose_setting`` pickled before it held the weights' dtype, with ``weights``."""
+    if isinstance(setting, tuple) and len(setting) == 4:
+        return (setting[0], weights, *setting[1:])
+    return setting
 
 
 def _describe_setting(setting: Hashable) -> str:
@@ -186,6 +194,7 @@ class ChainRunner:
             if planner == "mimose" else None
         self._mimoses: Dict[Hashable, Mimose] = {}
         self._shapes = InputShapes(f"{name}: Mimose on '{list_name}'")
+        self._reach_failures: Dict[int, int] = {}  # per Mimose (id): failed beyond its reach
         self._collecting_into: Optional[Mimose] = None  # the collection step's Mimose
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
@@ -234,8 +243,17 @@ class ChainRunner:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None),
-                            ("_first_failures", 0)):
+                            ("_first_failures", 0), ("_reach_failures", {}),
+                            ("_shapes", InputShapes(f"{self.name}: Mimose on "
+                                                    f"'{self.list_name}'"))):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
+        # Mimose settings pickled before they held the weights' dtype (4 entries): the
+        # weights' dtype now, as they had when saved unless cast since
+        weights = weights_dtype(self.blocks)
+        self._mimoses = {_with_weights(k, weights): m for k, m in self._mimoses.items()}
+        for m in [self.mimose, *self._mimoses.values()]:
+            if m is not None and getattr(m, "setting", None) is not None:
+                m.setting = _with_weights(m.setting, weights)
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -504,18 +522,26 @@ class ChainRunner:
         """``agree`` (a step, not a query): under FSDP every rank collects at the same steps;
         a collection's extra forwards gather parameters, and one rank collecting alone pairs
         its collectives with another's backward (a hang until the group's timeout)."""
-        size = self.input_size(args)
+        size, exact = self.input_size(args), True
+        fsdp_ranks = agree and self._under_fsdp()
         if self.input_size is default_input_size:
-            self._shapes.see(args)
+            # (a smaller last batch: planned as the learnt batch; under FSDP every rank must
+            # collect at once, so there it is learnt as it is)
+            bound, exact = self._shapes.size_for(args, size)
+            size, exact = (size, True) if fsdp_ranks else (bound, exact)
         m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training,
                                              weights_dtype(self.blocks)))
         collect = not m.estimator.covers(size)  # (beyond the fit's reach: collected too)
-        if agree and self._under_fsdp():
+        if collect and m.ready and self._reach_failures.get(id(m), 0) >= REACH_TRIES:
+            collect = False  # measuring beyond the reach keeps failing: extrapolated (said)
+        if fsdp_ranks:
             collect = distributed.any_rank(collect)
         if collect:  # sheltered execution: shuttle
             key = ("shuttle", self.L)
             cplan = self.cache.get_or_plan(key, lambda: self._compile(
                 checkpoint_plan(self.L, range(self.L), planner="mimose-collect")))
+            if not exact:  # every block checkpointed, nothing learnt from a bound
+                return cplan, None
             # the blocks' transients too (their backward once more), but not under FSDP,
             # whose backward hooks must fire once per step
             return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
@@ -575,7 +601,9 @@ class ChainRunner:
         if profile_key is not None and isinstance(self.chain_source, InputAwareChain):
             if len(self._learning) > self.cache.capacity:  # (steps that never ended)
                 self._learning.clear()
-            self._learning[profile_key] = self.chain_source.input_size(args)
+            size = self.chain_source.size_to_learn(args)
+            if size is not None:
+                self._learning[profile_key] = size
         self.last_stats = step.stats
         self.last_plan = cplan.plan
         return step
@@ -651,6 +679,16 @@ class ChainRunner:
             ("the model's tail", self._mimose_tails, tail),
             ("the blocks' transients", self._mimose_tmp, tmp)) if carried and got is None]
         if missing:
+            target = into or self.mimose
+            if target is not None and target.ready:  # a size beyond the fit's reach
+                failed = self._reach_failures[id(target)] = \
+                    self._reach_failures.get(id(target), 0) + 1
+                if failed == REACH_TRIES:
+                    warnings.warn(
+                        f"{self.name}: {' and '.join(missing)} not measured on {failed} Mimose "
+                        "collection steps of sizes beyond 1.5x the largest learnt; such sizes "
+                        "are planned from the fit (extrapolated) from now on", stacklevel=2)
+                    return
             warnings.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
                           "collection step; its sample is dropped (the size is collected "
                           "again)", stacklevel=2)

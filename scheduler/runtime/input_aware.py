@@ -58,6 +58,10 @@ class InputAwareChain:
         self.predictions = 0
         self.shapes = InputShapes(NAME)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("shapes", InputShapes(NAME))  # (pickled before it existed)
+
     @property
     def collecting(self) -> bool:
         """Still profiling new sizes (fewer than ``samples`` distinct sizes measured)."""
@@ -66,20 +70,34 @@ class InputAwareChain:
     def __call__(self, *args: Any) -> Chain:
         chain = self.known(args)
         if chain is None:
-            size = self.input_size(args)
+            size, exact = self._size(args)
             chain = self._measure(args)
             if fsdp.sharded(self.blocks, None):  # ranks must run one plan (ChainRunner._agrees)
                 chain = distributed.agree_chain(chain, key=("input-aware", float(size)))
-            self.learn(size, chain)
+            if exact:  # (a smaller last batch is measured, not learnt as its bound)
+                self.learn(size, chain)
         return chain
+
+    def _size(self, args: Sequence[Any]) -> Tuple[float, bool]:
+        """The input size of block 0's arguments ``args`` to predict with, and whether it is
+        theirs to learn (``input_shapes.InputShapes.size_for``: a smaller last batch is
+        predicted as the learnt batch; the default input size only)."""
+        size = self.input_size(args)
+        if self.input_size is default_input_size:
+            return self.shapes.size_for(args, size)
+        return size, True
+
+    def size_to_learn(self, args: Sequence[Any]) -> Optional[float]:
+        """The size a chain measured on ``args`` is learnt as (the runner's profiling steps
+        under ``scheduler.checkpoint``), or None: not to be learnt."""
+        size, exact = self._size(args)
+        return size if exact else None
 
     def known(self, args: Sequence[Any]) -> Optional[Chain]:
         """The chain of block 0's arguments ``args`` without measuring anything: the one
         measured for their size, or the estimator's prediction once it is fitted; None while
         their size is still to be measured."""
-        size = self.input_size(args)
-        if self.input_size is default_input_size:
-            self.shapes.see(args)
+        size, _ = self._size(args)
         if self.estimator.covers(size):  # (beyond the fit's reach: measured first)
             self.predictions += 0 if self.estimator.has(size) else 1
             return self.estimator.predict(size)
