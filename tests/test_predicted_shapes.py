@@ -100,7 +100,7 @@ def test_mimose_names_the_whole_budget_for_a_lists_share():
     with pytest.raises(scheduler.InfeasibleError) as e:
         for i in range(4):
             step(model, {k: torch.randint(2, 64, (2, 8 + i)) for k in batch}, i)
-    assert "'encoder.block' gets 3/6 of the budget (a share of 2048 B" in str(e.value) and \
+    assert "'encoder.block' gets 3/6 of the budget, a share of 2048 B" in str(e.value) and \
         "the whole budget must be at least" in str(e.value), str(e.value)
     assert e.value.min_memory > 4096
 

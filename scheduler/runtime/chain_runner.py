@@ -412,8 +412,8 @@ class ChainRunner:
         n, n_all = self.budget_share
         need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
         return InfeasibleError(
-            f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget (a share of "
-            f"{format_bytes(self._budget)}: the model's block lists share it by block "
+            f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget, a share of "
+            f"{format_bytes(self._budget)} (the model's block lists share the budget by block "
             f"count), and {e}" + ("" if need is None else
                                  f"; for that share to fit, the whole budget must be at "
                                  f"least {format_bytes(need)}"), need)
