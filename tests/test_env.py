@@ -38,8 +38,7 @@ def test_budget_zero_means_no_cap_and_window_alone_activates():
     ("VMALLOC", "maybe"), ("VMALLOC", "2"), ("VMALLOC_CHUNK_SIZE", "2 parsecs"),
     ("VMALLOC_CHUNK_SIZE", "0"), ("VMALLOC_BUDGET", "-1GiB"), ("VMALLOC_BUDGET", "1.5B"),
     ("VMALLOC_WINDOW", "lots"), ("VMALLOC_WINDOW", "0"),
-    ("VMALLOC_CHUNK_SIZE", "40MB"), ("VMALLOC_CHUNK_SIZE", "1MiB"),
-])
+])  # (a chunk size that is no multiple of 2 MiB: with VMALLOC=1, test_a_chunk_size_cuda_cannot...)
 def test_malformed_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
         read_env({name: value})
@@ -160,3 +159,26 @@ def test_a_chunk_size_cuda_cannot_map_is_refused_where_it_is_given(value, near):
             cm = enable(chunk_size=value)
             if enable is vmalloc.pool:
                 cm.__enter__()
+
+
+@pytest.mark.parametrize("value", ["40MB", "1MiB", "3MiB"])
+def test_an_unused_chunk_size_is_not_held_to_the_cuda_granularity(value):
+    """Without VMALLOC=1 the chunk size does nothing (the autoload says it is ignored): a
+    leftover VMALLOC_CHUNK_SIZE=40MB stopped every Python process with exit 2 (VMALLOC_REPORT
+    alone measures PyTorch's own allocator), while the budget's check against one chunk was
+    already skipped there. A value that is no size at all is still an error."""
+    for env in ({}, {"VMALLOC": "0"}, {"VMALLOC_WINDOW": "1GiB"}, {"VMALLOC_REPORT": "-"}):
+        assert read_env({**env, "VMALLOC_CHUNK_SIZE": value}).chunk_size == parse_size(value)
+    with pytest.raises(ValueError, match="VMALLOC_CHUNK_SIZE"):
+        read_env({"VMALLOC_CHUNK_SIZE": "forty"})
+
+
+def test_an_unused_chunk_size_is_said_and_the_program_runs(tmp_path):
+    env = {k: v for k, v in python_env(VMALLOC_REPORT="-", VMALLOC_CHUNK_SIZE="40MB").items()
+           if k != "VMALLOC"}
+    code = "from vmalloc import _autoload; _autoload.install(); print('went on')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0 and "went on" in r.stdout, r.stderr
+    assert "ignored, since VMALLOC is unset: VMALLOC_CHUNK_SIZE=40MB (takes effect only with " \
+           "VMALLOC=1)" in r.stderr

@@ -1,8 +1,10 @@
 """VMALLOC_REPORT in the processes a process starts: a training script a driver runs with
 ``subprocess.run``, a child of a bare ``os.fork()`` before torch is imported, a rank's helper.
 Each writes its own report (named by its pid), never the one of the process that started it,
-which it overwrote before; torchrun's ranks keep their per-rank names. And the report path is
-the absolute one checked at start-up, whatever ``os.chdir`` happens meanwhile.
+which it overwrote before; torchrun's ranks keep their per-rank names. A process that writes no
+report (a launcher, a driver that never imports torch) claims no path: the process it starts
+writes the path as given. And the report path is the absolute one checked at start-up, whatever
+``os.chdir`` happens meanwhile.
 """
 import json
 import os
@@ -45,8 +47,7 @@ def test_the_first_process_owns_the_path_and_its_descendants_name_theirs_by_pid(
 
 
 def test_ranks_below_a_launcher_keep_their_rank_names_and_their_helpers_add_the_pid():
-    launcher = {}
-    P.claim_report(launcher, pid=10)        # torchrun's agent (it writes no report)
+    launcher = {OWNER: "10:"}               # (a launcher claims nothing: the next test)
     rank = dict(launcher, RANK="1", WORLD_SIZE="2")
     P.claim_report(rank, pid=20)            # another rank than the owner's: its own path
     assert rank[OWNER] == "20:1"
@@ -54,6 +55,19 @@ def test_ranks_below_a_launcher_keep_their_rank_names_and_their_helpers_add_the_
     helper = dict(rank)                     # e.g. a DataLoader worker or a subprocess of rank 1
     P.claim_report(helper, pid=21)
     assert P.report_path("frag.json", helper, pid=21) == "frag.rank1.pid21.json"
+
+
+@pytest.mark.parametrize("argv", [["/usr/bin/accelerate", "launch", "train.py"],
+                                  ["torchrun", "--nproc-per-node", "2", "train.py"]])
+def test_a_launcher_claims_nothing(monkeypatch, argv):
+    """It writes no report: under `accelerate launch` (its simple launcher sets no RANK) the
+    training process had the launcher's rank (none) and wrote acc.pid<PID>.json, no acc.json."""
+    monkeypatch.setattr(sys, "argv", argv)
+    env = {}
+    P.claim_report(env, pid=10)
+    assert OWNER not in env
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert P.report_path("acc.json", env, pid=11) == "acc.json"
 
 
 @pytest.mark.parametrize("marker", ["", "x", "12", "12:a", ":0", "-1:"])
@@ -111,6 +125,68 @@ def test_a_child_forked_before_torch_is_imported_writes_its_own_report(tmp_path)
     got = reports(out)
     assert set(got) == {"frag.json", f"frag.pid{child}.json"}, got.keys()
     assert got[f"frag.pid{child}.json"]["process"]["pid"] == child
+
+
+@needs_pth
+def test_a_driver_that_never_imports_torch_leaves_the_path_to_its_subprocess(tmp_path):
+    """It writes no report (the report is arranged at `import torch`), so it claims no path:
+    its training script wrote frag.pid<PID>.json and no frag.json existed at all."""
+    out = tmp_path / "rep"
+    out.mkdir()
+    r = run(tmp_path, f"""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", {CHILD!r}], check=True)
+        assert "torch" not in sys.modules
+    """, VMALLOC_REPORT=str(out / "frag.json"))
+    assert r.returncode == 0, r.stderr
+    got = reports(out)
+    assert set(got) == {"frag.json"}, got.keys()
+    assert "training" in got["frag.json"]
+
+
+@needs_pth
+def test_the_process_a_launcher_starts_writes_the_path_as_given(tmp_path):
+    """`accelerate launch` (a launcher: it imports torch, writes no report, and its simple
+    launcher sets no RANK) claimed the path at start-up, so the one training process wrote
+    acc.pid<PID>.json instead of acc.json."""
+    out = tmp_path / "rep"
+    out.mkdir()
+    launcher = tmp_path / "bin" / "accelerate"    # what is_launcher() knows it by: its argv
+    launcher.parent.mkdir()
+    launcher.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        import torch
+        subprocess.run([sys.executable, "-c", {CHILD!r}], check=True)
+    """))
+    r = subprocess.run([sys.executable, str(launcher), "launch", "train.py"],
+                       env=autoload_env(tmp_path, VMALLOC_REPORT=str(out / "acc.json")),
+                       capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    got = reports(out)
+    assert set(got) == {"acc.json"}, got.keys()
+    assert "training" in got["acc.json"]
+
+
+@needs_pth
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_by_a_process_that_never_imports_torch_names_its_report_by_pid(tmp_path):
+    """The path is claimed at `import torch`; a child forked before it names the process it was
+    forked from (which may import torch later: both would write the path), so it is pid-named
+    even when that process never imports torch."""
+    out = tmp_path / "rep"
+    out.mkdir()
+    r = run(tmp_path, """
+        import os, sys
+        pid = os.fork()
+        if not pid:
+            import torch
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        print(pid)
+    """, VMALLOC_REPORT=str(out / "frag.json"))
+    assert r.returncode == 0, r.stderr
+    child = int(r.stdout.split()[-1])
+    assert set(reports(out)) == {f"frag.pid{child}.json"}
 
 
 @needs_pth

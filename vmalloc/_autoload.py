@@ -7,7 +7,9 @@ that is set but does nothing without ``VMALLOC=1`` is said on stderr) and wait f
 torch``: when torch has finished importing - before any CUDA allocation - we register vmalloc as
 its CUDA allocator, turn on the swap runtime for ``VMALLOC_WINDOW`` (issue 6's
 ``scheduler.runtime.swap.install_global``, imported only then: this is the one place where the
-two packages meet) and arrange the ``VMALLOC_REPORT`` exit report.
+two packages meet) and arrange the ``VMALLOC_REPORT`` exit report, claiming its path then
+(``report_process.claim_report``): a process that never imports torch writes no report, so
+it leaves the path to the processes it starts.
 """
 from __future__ import annotations
 
@@ -21,11 +23,16 @@ from typing import Any, Callable, Mapping, Optional
 from .env import EnvConfig, read_env
 
 _installed = False
+#: the pid this interpreter started in (:func:`install` runs at start-up): a child of a bare
+#: ``os.fork()`` inherits it, and so is told from the process it was forked from
+_started_in: Optional[int] = None
 
 
 def install(environ: Optional[dict] = None) -> None:
     """Validate the environment and hook ``import torch``. Exits with status 2 on a bad value."""
-    global _installed
+    global _installed, _started_in
+    if _started_in is None:
+        _started_in = os.getpid()
     try:
         cfg = read_env(environ)
     except ValueError as exc:
@@ -35,12 +42,9 @@ def install(environ: Optional[dict] = None) -> None:
         os._exit(2)   # SystemExit inside a .pth is a fatal site error with a traceback; this is clean
     env = os.environ if environ is None else environ
     _warn_unused(cfg, env)
-    if cfg.report:
-        # a RANK that cannot be read is said now (claim_report reads it), not only at exit; the
-        # processes this one starts (a training run by subprocess, a forked child) then name
-        # their reports by pid instead of overwriting this one's
-        from .report_process import claim_report
-        claim_report(env)
+    if cfg.report:  # a RANK that cannot be read is said now, not only at exit
+        from .report_process import process_rank
+        process_rank(env)
     if _installed or not (cfg.active or cfg.report):
         return
     _installed = True
@@ -77,6 +81,11 @@ def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
     """What the environment asks for, done right after torch is imported."""
     from . import torch_allocator
     if cfg.report:
+        # this process writes a report (unless it is a launcher): the processes it starts from
+        # now on (a training run by subprocess, a child it forks) name theirs by pid instead of
+        # overwriting it; one forked before this import names the process it was forked from
+        from .report_process import claim_report
+        claim_report(pid=_started_in)
         torch_allocator.start_recording()
         torch_allocator.register_exit_report(cfg.report)
     if cfg.enabled:

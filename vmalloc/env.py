@@ -104,10 +104,14 @@ def check_output_path(target: str, name: str, example: str = "vmalloc-report.txt
         raise ValueError(f"{name}: {target!r} exists and is not writable")
 
 
-def _chunk_size(env: Mapping[str, str]) -> Optional[int]:
+def _chunk_size(env: Mapping[str, str], enabled: bool) -> Optional[int]:
+    """``VMALLOC_CHUNK_SIZE``: a byte size; with ``VMALLOC=1`` also a multiple of 2 MiB. Without
+    it the chunk size is unused (the autoload says it is ignored), so, as the budget's check
+    against one chunk, the granularity is not checked: a leftover value stops no program."""
     n = _size(env, "VMALLOC_CHUNK_SIZE", allow_zero=False)
-    return None if n is None else parse_chunk_size(env["VMALLOC_CHUNK_SIZE"],
-                                                   "VMALLOC_CHUNK_SIZE")
+    if n is None or not enabled:
+        return n
+    return parse_chunk_size(env["VMALLOC_CHUNK_SIZE"], "VMALLOC_CHUNK_SIZE")
 
 
 def output_path(target: str) -> str:
@@ -131,7 +135,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
             if not is_report_stream(report):
                 report = output_path(report)
     enabled = parse_flag(env.get("VMALLOC", ""), "VMALLOC")
-    chunk_size = _chunk_size(env)
+    chunk_size = _chunk_size(env, enabled)
     budget = _size(env, "VMALLOC_BUDGET", allow_zero=True)
     if enabled:  # (without VMALLOC=1 the budget is the swap runtime's, or unused)
         check_budget_holds_a_chunk(budget, chunk_size or CUDA_GRANULARITY, "VMALLOC_BUDGET",

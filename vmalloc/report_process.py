@@ -2,7 +2,7 @@
 rank start, ``multiprocessing`` workers, forked children and plain subprocesses follow, and every
 one of them inherits ``VMALLOC_REPORT``. Here: each process's rank and identity (the report's
 ``"process"`` key), whether it is torchrun's launcher (which writes none), which process owns a
-report path (:func:`claim_report`, at start-up) and the path its exit report goes to.
+report path (:func:`claim_report`, when torch is imported) and the path its exit report goes to.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, Dict, Mapping, MutableMapping, Optional, Set, Tuple
 from .env import is_report_stream
 
 
-#: Set at start-up by the process that owns the report of its rank (``"<pid>:<rank>"``, the rank
-#: empty when there is none) and inherited by every process it starts: a descendant of the same
-#: rank finds another pid there, so its report is named by its pid (:func:`report_path`).
+#: Set when torch is imported by the process that owns the report of its rank (``"<pid>:<rank>"``,
+#: the rank empty when there is none) and inherited by every process it starts: a descendant of
+#: the same rank finds another pid there, so its report is named by its pid (:func:`report_path`).
 OWNER_VARIABLE = "VMALLOC_REPORT_OWNER"
 
 #: the launch variables read here, with the least value each can take
@@ -97,12 +97,24 @@ def _owner(environ: Mapping[str, str]) -> Optional[Tuple[int, Optional[int]]]:
 
 def claim_report(environ: Optional[MutableMapping[str, str]] = None,
                  pid: Optional[int] = None) -> None:
-    """Called at start-up when ``VMALLOC_REPORT`` is set (the autoload's ``install``): unless
-    a process this one descends from owns the report of the same rank already (a driver that
-    runs the training with ``subprocess.run``, a parent that forked this process), this process
-    owns it: :data:`OWNER_VARIABLE` names it, for the processes it starts. A rank differing
-    from the owner's (torchrun's ranks below its launcher, which has none) owns its own."""
+    """Called when torch is imported in a process with ``VMALLOC_REPORT`` set (the autoload's
+    ``on_torch_import``): from then on the process writes an exit report, and the processes it
+    starts must not write theirs to the same path. Unless a process this one descends from owns
+    the report of the same rank already (a driver that imported torch, then runs the training
+    with ``subprocess.run``), this process owns it: :data:`OWNER_VARIABLE` names it, for the
+    processes it starts. A rank differing from the owner's owns its own. A launcher
+    (:func:`is_launcher`) writes no report, so it claims nothing: the process it starts (one
+    rank-less process under ``accelerate launch``) owns the path, as does the training script of
+    a driver that never imports torch.
+
+    ``pid``: the process that owns the path if this one claims it; default this one. The
+    autoload passes the pid of the process this interpreter started in: a child of a bare
+    ``os.fork()`` made before torch was imported (the parent had claimed nothing yet) so names
+    its parent, whose report is written at the path if it imports torch too, and its own report
+    is named by its pid."""
     env = os.environ if environ is None else environ
+    if is_launcher(env):
+        return
     pid = os.getpid() if pid is None else pid
     rank = process_rank(env)
     owner = _owner(env)
@@ -140,8 +152,9 @@ def report_path(target: str, environ: Optional[Mapping[str, str]] = None,
     - in a ``multiprocessing`` child, the pid too: ``frag.pid4242.json``, and under a rank
       ``frag.rank0.pid4242.json`` (a spawned DataLoader worker inherits its rank's ``RANK``:
       it must not overwrite that rank's report with its own); the same in any process started
-      or forked by the owner of its rank's report (:func:`claim_report`): a training script a
-      driver runs with ``subprocess.run``, a child of a bare ``os.fork()``;
+      or forked by the owner of its rank's report (:func:`claim_report`, once it imported
+      torch): a training script a driver runs with ``subprocess.run``, a child of a bare
+      ``os.fork()`` (also one forked before torch was imported: :func:`claim_report`'s ``pid``);
     - with ``RANK``/``LOCAL_RANK`` set to something that is not an integer >= 0 (said on
       stderr): the pid, ``frag.pid4242.json``, since such processes cannot be told apart;
     - a lone process writes the path as given.
