@@ -247,8 +247,15 @@ class ChainRunner:
                             ("_shapes", InputShapes(f"{self.name}: Mimose on "
                                                     f"'{self.list_name}'"))):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
-        # Mimose settings pickled before they held the weights' dtype (4 entries): the
-        # weights' dtype now, as they had when saved unless cast since
+        # Mimose settings pickled before they held the weights' dtype (4 entries) get it at the
+        # next plan (``_upgrade_settings``): not here, where a deepcopy may not have filled in
+        # the blocks yet
+        self._old_settings = any(len(k) == 4 for k in self._mimoses if isinstance(k, tuple))
+
+    def _upgrade_settings(self) -> None:
+        """Old 4-entry Mimose settings with the weights' dtype now (as when they were saved,
+        unless the model was cast since)."""
+        self._old_settings = False
         weights = weights_dtype(self.blocks)
         self._mimoses = {_with_weights(k, weights): m for k, m in self._mimoses.items()}
         for m in [self.mimose, *self._mimoses.values()]:
@@ -522,6 +529,8 @@ class ChainRunner:
         """``agree`` (a step, not a query): under FSDP every rank collects at the same steps;
         a collection's extra forwards gather parameters, and one rank collecting alone pairs
         its collectives with another's backward (a hang until the group's timeout)."""
+        if self.__dict__.get("_old_settings"):
+            self._upgrade_settings()
         size, exact = self.input_size(args), True
         fsdp_ranks = agree and self._under_fsdp()
         if self.input_size is default_input_size:
