@@ -45,7 +45,7 @@ def test_cli_demo_plans_and_replays(tmp_path, capsys):
     from vmalloc.replay.trace import Event, Trace
     Trace([Event("alloc", 0, 3 << 20), Event("free", 0, 3 << 20)], {"name": "tiny"}).save(
         tmp_path / "tiny.json")   # one small trace for step 3
-    assert main(["demo", "--no-bisect", "--chain", "gpt2-s256-b1", "--fraction", "0.7",
+    assert main(["demo", "--no-bisect", "--chain", "gpt2-s256-b1", "--fraction", "0.85",
                  "--traces", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "[1/3] planning gpt2-s256-b1" in out and "[2/3] replaying" in out

@@ -237,7 +237,8 @@ class ChainRunner:
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None)
+                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None,
+                     _reach_failures={})  # (by id: another process's ids mean nothing)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
