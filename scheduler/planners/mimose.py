@@ -123,6 +123,11 @@ class Mimose:
         # gradients, train mode, autocast), so a Mimose shared between runtimes is never
         # read for another one; None until a runtime binds it
         self.setting: Optional[Hashable] = None
+        # bytes each stage's backward holds beyond what the samples measure, per stage 0..L:
+        # the gradients of weights several blocks share, which wait in autograd's buffer from
+        # the last user's backward down to the first's (a block's measurement runs it alone:
+        # ``scheduler.profile.shared_grads``); set by the runtime that feeds this Mimose
+        self.extra_bw_tmp: Optional[List[float]] = None
 
     def fresh(self) -> "Mimose":
         """A Mimose with the same options and nothing learnt (for another setting)."""
@@ -180,6 +185,8 @@ class Mimose:
             plan.meta["input_size"] = float(input_size)
             return plan
         chain = chain_from_estimate(est)  # checked on the one memory model, the simulator
+        if self.extra_bw_tmp and any(self.extra_bw_tmp):
+            chain = chain.replace(bw_tmp=[b + e for b, e in zip(chain.bw_tmp, self.extra_bw_tmp)])
         target = budget - est.input_bytes
         best = None
         for _ in range(self.rounds):

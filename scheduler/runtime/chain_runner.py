@@ -29,6 +29,7 @@ from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
                                chain_from_estimate)
+from ..profile.shared_grads import shared_grad_bytes
 from ..units import format_bytes
 from . import accounting, distributed, first_run, fsdp, rng
 from .bandwidth import default_bandwidth
@@ -541,6 +542,10 @@ class ChainRunner:
             size, exact = (size, True) if fsdp_ranks else (bound, exact)
         m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training,
                                              weights_dtype(self.blocks)))
+        if getattr(m, "extra_bw_tmp", None) is None:
+            # weights several blocks share (one block object repeated): their gradient waits
+            # through the backwards between its users, which no block's sample sees
+            m.extra_bw_tmp = shared_grad_bytes(self.blocks)
         collect = not m.estimator.covers(size)  # (beyond the fit's reach: collected too)
         if collect and m.ready and self._reach_failures.get(id(m), 0) >= REACH_TRIES:
             collect = False  # measuring beyond the reach keeps failing: extrapolated (said)
