@@ -549,8 +549,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     out = _out_dir(args)
     torch.set_num_threads(1)
-    from bench.common import run_meta   # the tags every results file carries: GPU, torch, date
-    command = " ".join(["python", "bench/swap.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    from bench.common import reproduce_command, run_meta   # run_meta: GPU, torch, date
+    command = reproduce_command("bench/swap.py", sys.argv[1:] if argv is None else list(argv))
     result: Dict[str, Any] = {
         "meta": {**run_meta(command, "cuda" if torch.cuda.is_available() else "cpu"),
                  "command": command, "torch": torch.__version__, "machine": platform.machine(),

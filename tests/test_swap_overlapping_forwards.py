@@ -5,6 +5,8 @@ recording held 24000 events and the next backward planned them (6.6 s). Such a r
 backward, mostly dead, as long as the longest plan known) is dropped now; a long forward whose
 tensors are all alive (a model called many times before one backward), gradient accumulation
 and retain_graph are recorded and planned as before."""
+import contextlib
+
 import torch
 from torch import nn
 
@@ -56,11 +58,8 @@ def run(ctx, step, steps=3):
             opt.step()
             opt.zero_grad()
 
-    if ctx is None:
+    with ctx if ctx is not None else contextlib.nullcontext():
         loop()
-    else:
-        with ctx:
-            loop()
     return grads
 
 

@@ -4,6 +4,7 @@ about once and followed with the prefetches that do not fit skipped (their tenso
 demand), and tensors of an earlier iteration still on the device (a gradient penalty's second
 backward brings them back) do not push a prefetch past the budget either. Gradients stay
 bit-identical; where a schedule fits its budget the runtime's peak is still the replay's."""
+import contextlib
 import warnings
 
 import pytest
@@ -41,11 +42,8 @@ def train(ctx=None, steps=STEPS, first=None):
             if i == 0 and first is not None:
                 first.update(ctx.stats())
 
-    if ctx is None:
+    with ctx if ctx is not None else contextlib.nullcontext():
         loop()
-    else:
-        with ctx:
-            loop()
     return grads
 
 
@@ -65,18 +63,25 @@ def swap(planner, budget, **kw):
     return scheduler.swap(window=1, budget=budget, planner=planner, device="cpu", **kw)
 
 
-@pytest.mark.parametrize("planner, kw", [
-    ("lms", dict(planner_options={"swapin_ahead": 3})),
-    (lambda seq: lms.schedule(seq, 1, 3), {}),
-])
-def test_a_schedule_past_the_budget_is_warned_about_and_kept_to_the_budget(planner, kw):
+def followed(planner, kw):
+    """Training under ``planner`` at a third of the saved bytes: the budget, the context, its
+    stats after the recording iteration, the gradients, the PlanOverBudgetWarnings given."""
     budget = budget_of_a_third()
     ctx = swap(planner, budget, **kw)
     first = {}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = train(ctx, first=first)
-    over = [w for w in seen if issubclass(w.category, PlanOverBudgetWarning)]
+    return budget, ctx, first, got, [w for w in seen
+                                     if issubclass(w.category, PlanOverBudgetWarning)]
+
+
+@pytest.mark.parametrize("planner, kw", [
+    ("lms", dict(planner_options={"swapin_ahead": 3})),
+    (lambda seq: lms.schedule(seq, 1, 3), {}),
+])
+def test_a_schedule_past_the_budget_is_warned_about_and_kept_to_the_budget(planner, kw):
+    budget, ctx, first, got, over = followed(planner, kw)
     assert len(over) == 1 and f"above budget={budget} bytes" in str(over[0].message)
     e = ctx.last_entry
     assert replay(e.sequence, e.schedule).peak > budget  # the schedule alone would pass it
@@ -89,13 +94,8 @@ def test_a_schedule_past_the_budget_is_warned_about_and_kept_to_the_budget(plann
 
 @pytest.mark.parametrize("planner, kw", [("window", {}), ("lms", {})])
 def test_a_schedule_within_the_budget_is_followed_as_replayed(planner, kw):
-    budget = budget_of_a_third()
-    ctx = swap(planner, budget, **kw)
-    first = {}
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = train(ctx, first=first)
-    assert not [w for w in seen if issubclass(w.category, PlanOverBudgetWarning)]
+    budget, ctx, first, got, over = followed(planner, kw)
+    assert not over
     e = ctx.last_entry
     st = ctx.stats()
     assert st["last_iteration_peak_resident_bytes"] == replay(e.sequence, e.schedule).peak
@@ -146,11 +146,8 @@ def test_gradient_penalty_keeps_the_budget():
                 opt.step()
                 opt.zero_grad()
 
-        if ctx is None:
+        with ctx if ctx is not None else contextlib.nullcontext():
             loop()
-        else:
-            with ctx:
-                loop()
         return grads
 
     probe = scheduler.swap(device="cpu")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .sizes import SizeLike, check_budget_holds_a_chunk, parse_chunk_size, parse_optional_size
+from .sizes import SizeLike, parse_chunk_and_budget
 
 
 class _Owner:
@@ -37,9 +37,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     per-device registry with them (defaults: 2 MiB chunks, no budget).
     """
     # the arguments first: a bad one is named before CuPy or the native module is loaded
-    chunk = parse_chunk_size(chunk_size)
-    cap = parse_optional_size(budget, "budget") or 0
-    check_budget_holds_a_chunk(cap, chunk)
+    chunk, cap = parse_chunk_and_budget(chunk_size, budget)
     import cupy
 
     from .pluggable.registry import core as native_core

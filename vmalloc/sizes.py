@@ -6,7 +6,7 @@ One parser for every knob (``VMALLOC_CHUNK_SIZE``, ``VMALLOC_BUDGET``, ``VMALLOC
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 _PREFIXES = {"k": 1, "m": 2, "g": 3, "t": 4}
 # Keys are lowercase; _unit_key refuses the spellings that read two ways before the look-up.
@@ -138,6 +138,16 @@ def check_budget_holds_a_chunk(budget: Optional[int], chunk: int, budget_name: s
         raise ValueError(f"{budget_name}: {format_size_exact(budget)} ({budget} bytes) is smaller "
                          f"than one chunk ({chunk_name}: {format_size_exact(chunk)}), so nothing "
                          "could be allocated; give at least one chunk, or no budget")
+
+
+def parse_chunk_and_budget(chunk_size: Optional[SizeLike], budget: Optional[SizeLike]
+                           ) -> Tuple[int, int]:
+    """A CUDA allocator's ``chunk_size`` and ``budget`` arguments (``enable``, ``pool``,
+    ``vmalloc.cupy.enable``), checked: ``(chunk bytes, budget bytes or 0 for no cap)``."""
+    chunk = parse_chunk_size(chunk_size)
+    cap = parse_optional_size(budget, "budget") or 0
+    check_budget_holds_a_chunk(cap, chunk)
+    return chunk, cap
 
 
 def format_size(nbytes: Union[int, float]) -> str:

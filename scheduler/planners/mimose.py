@@ -128,6 +128,9 @@ class Mimose:
         # the last user's backward down to the first's (a block's measurement runs it alone:
         # ``scheduler.profile.shared_grads``); set by the runtime that feeds this Mimose
         self.extra_bw_tmp: Optional[List[float]] = None
+        # collections of sizes beyond the fit's reach whose measurement failed (the runtime
+        # counts them, and extrapolates past a few)
+        self.reach_failures = 0
 
     def fresh(self) -> "Mimose":
         """A Mimose with the same options and nothing learnt (for another setting)."""

@@ -195,7 +195,6 @@ class ChainRunner:
             if planner == "mimose" else None
         self._mimoses: Dict[Hashable, Mimose] = {}
         self._shapes = InputShapes(f"{name}: Mimose on '{list_name}'")
-        self._reach_failures: Dict[int, int] = {}  # per Mimose (id): failed beyond its reach
         self._collecting_into: Optional[Mimose] = None  # the collection step's Mimose
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
@@ -238,14 +237,13 @@ class ChainRunner:
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None,
-                     _reach_failures={})  # (by id: another process's ids mean nothing)
+                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None),
-                            ("_first_failures", 0), ("_reach_failures", {}),
+                            ("_first_failures", 0),
                             ("_shapes", InputShapes(f"{self.name}: Mimose on "
                                                     f"'{self.list_name}'"))):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
@@ -547,7 +545,7 @@ class ChainRunner:
             # through the backwards between its users, which no block's sample sees
             m.extra_bw_tmp = shared_grad_bytes(self.blocks)
         collect = not m.estimator.covers(size)  # (beyond the fit's reach: collected too)
-        if collect and m.ready and self._reach_failures.get(id(m), 0) >= REACH_TRIES:
+        if collect and m.ready and getattr(m, "reach_failures", 0) >= REACH_TRIES:
             collect = False  # measuring beyond the reach keeps failing: extrapolated (said)
         if fsdp_ranks:
             collect = distributed.any_rank(collect)
@@ -696,8 +694,7 @@ class ChainRunner:
         if missing:
             target = into or self.mimose
             if target is not None and target.ready:  # a size beyond the fit's reach
-                failed = self._reach_failures[id(target)] = \
-                    self._reach_failures.get(id(target), 0) + 1
+                failed = target.reach_failures = getattr(target, "reach_failures", 0) + 1
                 if failed == REACH_TRIES:
                     warnings.warn(
                         f"{self.name}: {' and '.join(missing)} not measured on {failed} Mimose "

@@ -17,7 +17,7 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Optional
 
-from ..sizes import SizeLike, check_budget_holds_a_chunk, parse_chunk_size, parse_optional_size
+from ..sizes import SizeLike, parse_chunk_and_budget
 from .registry import ALLOC_FN, FREE_FN, HOOKS, POOL_ALLOC_FN, REGISTRY, core, entry_point
 
 
@@ -36,9 +36,7 @@ def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = N
     if backend != "cuda":  # host memory handed to PyTorch as device memory would fault kernels
         raise ValueError(f"backend: vmalloc.enable() takes only 'cuda', got {backend!r} "
                          "(vmalloc.Allocator(backend='host') is the allocator without a GPU)")
-    chunk = parse_chunk_size(chunk_size)
-    cap = parse_optional_size(budget, "budget") or 0
-    check_budget_holds_a_chunk(cap, chunk)
+    chunk, cap = parse_chunk_and_budget(chunk_size, budget)
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)
                                or device < 0):
         raise ValueError(f"device: expected a CUDA device index >= 0 or None, got {device!r}")
@@ -87,9 +85,8 @@ def pool(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = Non
     segments, retries, and then raises its own ``torch.OutOfMemoryError``; no pressure callback
     is called in this mode (PyTorch holds its allocator lock there).
     """
-    chunk = parse_chunk_size(chunk_size)  # the arguments first: a bad one is named anywhere
-    cap = parse_optional_size(budget, "budget") or 0
-    check_budget_holds_a_chunk(cap, chunk)
+    # the arguments first: a bad one is named anywhere
+    chunk, cap = parse_chunk_and_budget(chunk_size, budget)
     import torch
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError("vmalloc.pool: this PyTorch has no torch.cuda.MemPool (added in 2.5); "
