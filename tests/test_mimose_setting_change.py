@@ -1,5 +1,5 @@
 """Mimose learns per input size, and the bytes a step holds per input size depend on the
-dtypes, the autocast state and train mode (``chain_runner._mimose_setting``): samples learnt
+dtypes, the autocast state and train mode (``mimose_steps.mimose_setting``): samples learnt
 under one setting never plan a step of another. A model learnt in bfloat16 and then cast to
 float32 (``model.float()``), or learnt under autocast and then trained without it, collects
 again and stays within its budget by the runner's own held bytes (``last_peak_bytes``), with
@@ -18,7 +18,7 @@ from torch import nn
 import scheduler
 from scheduler import simulate
 from scheduler.planners.mimose import Mimose, chain_from_estimate, plan_from_checkpoints
-from scheduler.runtime import chain_runner
+from scheduler.runtime import mimose_steps
 from scheduler.runtime.checkpoint import checkpointed
 
 from test_checkpoint_hf import VOCAB, assert_same, make, step
@@ -98,19 +98,19 @@ def cpu_autocast() -> Iterator[None]:
 def test_the_setting_is_dtypes_grad_mode_and_autocast_not_masks():
     x = torch.randn(2, 3, 4, requires_grad=True)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    base = chain_runner._mimose_setting((x,), {"attention_mask": None}, True)
+    base = mimose_steps.mimose_setting((x,), {"attention_mask": None}, True)
     # an integer or boolean tensor coming and going (dynamic padding's mask) and the shape:
     # the same setting; another dtype, gradient flag, mode or autocast state: another one
-    assert chain_runner._mimose_setting((x,), {"attention_mask": mask}, True) == base
-    assert chain_runner._mimose_setting((torch.randn(5, 7, 4, requires_grad=True),), {},
+    assert mimose_steps.mimose_setting((x,), {"attention_mask": mask}, True) == base
+    assert mimose_steps.mimose_setting((torch.randn(5, 7, 4, requires_grad=True),), {},
                                         True) == base
-    others = [chain_runner._mimose_setting((x.detach().bfloat16().requires_grad_(),), {}, True),
-              chain_runner._mimose_setting((x.detach(),), {}, True),
-              chain_runner._mimose_setting((x,), {}, False)]
+    others = [mimose_steps.mimose_setting((x.detach().bfloat16().requires_grad_(),), {}, True),
+              mimose_steps.mimose_setting((x.detach(),), {}, True),
+              mimose_steps.mimose_setting((x,), {}, False)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        others.append(chain_runner._mimose_setting((x,), {}, True))
+        others.append(mimose_steps.mimose_setting((x,), {}, True))
     assert len({base, *others}) == 5
-    said = chain_runner._describe_setting(others[-1])
+    said = mimose_steps.describe_setting(others[-1])
     assert "float32 on cpu" in said and "cpu autocast to bfloat16" in said
 
 
@@ -255,7 +255,7 @@ def test_a_shared_mimose_learnt_under_another_setting_is_not_reused(budget):
 
 
 def test_settings_beyond_the_limit_drop_the_oldest_loudly(budget, monkeypatch):
-    monkeypatch.setattr(chain_runner, "MIMOSE_SETTINGS", 1)
+    monkeypatch.setattr(mimose_steps, "MIMOSE_SETTINGS", 1)
     ref, model, r = twin(budget, torch.bfloat16)
     train(ref, model, r, budget, SIZES, 0, what="bf16")
     ref.float()

@@ -136,7 +136,7 @@ def test_collections_beyond_the_reach_that_keep_failing_stop(monkeypatch):
     (an out-of-memory at the longest length yet) was collected again at every step, forever;
     after REACH_TRIES such failures it is planned from the fit, said once."""
     from torch import nn
-    from scheduler.runtime import chain_runner, tail as tail_mod
+    from scheduler.runtime import mimose_steps, tail as tail_mod
     long = [False]
     orig = tail_mod.TailProbe._tail_chain
 
@@ -169,6 +169,6 @@ def test_collections_beyond_the_reach_that_keep_failing_stop(monkeypatch):
             long[0] = T > 20
             net(torch.randn(2, T, 32)).backward()
             planners.append(runner.last_plan.planner)
-    tries = chain_runner.REACH_TRIES
+    tries = mimose_steps.REACH_TRIES
     assert planners[3:] == ["mimose-collect"] * tries + ["mimose"] * (6 - tries), planners
     assert len([x for x in w if "planned from the fit (extrapolated)" in str(x.message)]) == 1

@@ -552,7 +552,7 @@ def test_a_first_mimose_sample_whose_measurement_failed_does_not_decide_the_run(
     """An out-of-memory in the tail (or while the blocks' transients are measured) on the
     first collection step: its sample is dropped and collected again, not taken as 'this model
     has no tail' for the whole run (every plan would then leave the tail's memory out)."""
-    from scheduler.runtime import chain_runner
+    from scheduler.runtime import mimose_steps
     ref, batch = make("gpt2")
     model = copy.deepcopy(ref)
     scheduler.checkpoint(model, 1 << 40, "mimose")
@@ -583,7 +583,7 @@ def test_a_first_mimose_sample_whose_measurement_failed_does_not_decide_the_run(
     r2.__dict__.update(r.__dict__, _mimose_tails=None, _mimose_tmp=None, _first_failures=0,
                        collections=0, mimose=scheduler.planners.mimose.Mimose(L))
     r = r2
-    for _ in range(chain_runner.FIRST_SAMPLE_TRIES - 1):
+    for _ in range(mimose_steps.FIRST_SAMPLE_TRIES - 1):
         with pytest.warns(UserWarning, match="before any"):
             failed_step(10)
     with pytest.warns(UserWarning, match="learns without them from now on"):

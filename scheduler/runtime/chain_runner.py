@@ -8,10 +8,10 @@ chain (``_chain_for``: given, measured, or measured at the end of a first forwar
 checkpoints every block), asks the planner for a Plan (``planning.make_plan``: its predicted
 peak and time are the simulator's own) and caches it (``PlanCache``); a new shape or a new
 budget plans again. With ``planner="mimose"`` the Mimose collector learns per-block memory
-online and plans per input size, one Mimose per setting of what changes the bytes per element
-(``_mimose_setting``: dtypes, autocast, train mode, as the plan key holds them). Each
-forward + backward is a ``chain_exec.ChainStep`` (non-reentrant), following the plan as
-``compiled_plan.CompiledPlan`` splits it.
+online and plans per input size (``mimose_steps.MimoseSteps``, mixed in). Each forward +
+backward is a ``chain_exec.ChainStep`` (non-reentrant), following the plan as
+``compiled_plan.CompiledPlan`` splits it. Ranks that must run one plan are checked at each
+step (``one_plan``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -27,30 +26,25 @@ from ..chain import Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
-from ..planners.mimose import (DEFAULT_SAMPLES, OUTSIDE_FIELDS, TAIL_FIELDS, Estimate, Mimose,
-                               chain_from_estimate)
-from ..profile.shared_grads import shared_grad_bytes
+from ..planners.mimose import DEFAULT_SAMPLES, Mimose, chain_from_estimate
 from ..units import format_bytes
-from . import accounting, distributed, first_run, fsdp, rng
+from . import distributed, first_run, fsdp, one_plan, rng
 from .bandwidth import default_bandwidth
-from .block_calls import describe_arguments, signature, tensor_leaves, weights_dtype
+from .block_calls import signature, tensor_leaves, weights_dtype
 from .chain_exec import ChainStep, RunStats
 from .chain_transfers import Transfers
 from .compiled_plan import CompiledPlan
 from .hf_outputs import outputs_not_captured
 from .input_aware import InputAwareChain
-from .input_shapes import InputShapes
 from .measuring import BoundBlock, measure_preserved
-from .planning import make_plan
 from .mimose_collector import ShuttlingCollector
+from .mimose_steps import MIMOSE_SAMPLE, MimoseSteps, collected
 from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_measure,
                       check_planner, default_input_size, parse_budget, parse_rate)
+from .outside import with_outside
+from .planning import make_plan
 
-MIMOSE_SAMPLE = "mimose-sample"  # the key of a Mimose collection step whose tail is measured
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
-MIMOSE_SETTINGS = 8  # Mimose settings whose samples are kept (the least recently used goes)
-FIRST_SAMPLE_TRIES = 3  # first Mimose samples with a failed measurement dropped before learning
-REACH_TRIES = 3  # failed collections beyond the fit's reach before such sizes are extrapolated
 
 
 def _shape_of(key: Hashable) -> Hashable:
@@ -58,44 +52,6 @@ def _shape_of(key: Hashable) -> Hashable:
     its budget: what a measured chain depends on."""
     signature_, _budget, training, autocast = key  # type: ignore[misc]
     return signature_, training, autocast
-
-
-def _mimose_setting(args: Sequence[Any], kwargs: Dict[str, Any], training: bool,
-                    weights: Optional[str] = None) -> Hashable:
-    """What Mimose's samples depend on besides the input size: what rotor's plan key
-    (``ChainRunner._key``) holds besides shapes and the budget, less what changes no byte
-    count. Kept: the dtypes and devices of block 0's floating-point tensors (``model.float()``
-    after learning in bfloat16 doubles every activation), the weights' dtype (``weights``,
-    ``block_calls.weights_dtype``: the same where block 0 takes only token ids), whether any
-    input needs a gradient, train mode (dropout's masks) and the autocast state (its
-    low-precision activations and weight copies). Left out: integer and boolean tensors and
-    constant arguments, whose presence changes from step to step under dynamic padding (an
-    attention mask that is None for a batch without padding) and would split the samples, and
-    shapes (the input size's job)."""
-    leaves = list(tensor_leaves((tuple(args), kwargs)))
-    floats = sorted({(str(t.dtype).replace("torch.", ""), str(t.device)) for t in leaves
-                     if t.is_floating_point() or t.is_complex()})
-    return (tuple(floats), weights, any(t.requires_grad for t in leaves), training,
-            rng.autocast_state())
-
-
-def _with_weights(setting: Hashable, weights: Optional[str]) -> Hashable:
-    """A ``_mimose_setting`` pickled before it held the weights' dtype, with ``weights``."""
-    if isinstance(setting, tuple) and len(setting) == 4:
-        return (setting[0], weights, *setting[1:])
-    return setting
-
-
-def _describe_setting(setting: Hashable) -> str:
-    """``_mimose_setting`` in words (warnings)."""
-    floats, weights, grad, training, autocast = setting  # type: ignore[misc]
-    tensors = ", ".join(f"{dtype} on {dev}" for dtype, dev in floats) or "no float tensors"
-    if weights is not None:
-        tensors += f", {weights} weights"
-    casts = ", ".join(f"{dev} autocast to {str(dtype).replace('torch.', '')}"
-                      for dev, on, dtype in autocast if on) or "no autocast"
-    return (f"{tensors}, {'train' if training else 'eval'} mode, {casts}, input "
-            f"{'with' if grad else 'without'} gradient")
 
 
 def needs_grad(blocks: Sequence[nn.Module], args: Sequence[Any],
@@ -110,24 +66,8 @@ def needs_grad(blocks: Sequence[nn.Module], args: Sequence[Any],
                for v in tensor_leaves((tuple(args), kwargs)))
 
 
-def _collected(step: ChainStep) -> Estimate:
-    """What a step's collector measured (per block: saved bytes, output bytes, forward time,
-    and the transients if it measured them; the chain's input bytes)."""
-    c = step.collector
-    tmp = c.tmp()
-    return Estimate(accounting.tensors_bytes(step.frames[0].call.x), np.array(c.xbar, float),
-                    np.array(c.out, float), np.array(c.fw, float),
-                    tmp=None if tmp is None else {k: np.array(v, float) for k, v in tmp.items()})
-
-
-def _with_outside(chain: Chain, step: ChainStep) -> Chain:
-    """``chain`` with what ``step`` held outside it (masks, the head's saved tensors, random
-    states: ``tail.outside`` at block 0 of a profiling or collection step), when measured."""
-    return chain if step.outside is None else add_outside(chain, step.outside.bytes)
-
-
 # ------------------------------------------------------------------------------ runner
-class ChainRunner:
+class ChainRunner(MimoseSteps):
     """Plans and steps for one list of blocks (see the module doc). ``call`` is what each
     block call goes through; ``name`` prefixes errors (the entry point the user called)."""
 
@@ -185,24 +125,13 @@ class ChainRunner:
         check_callable(input_size, "input_size", name, "a callable from block 0's arguments "
                        "to a number (the input size)")
         self.input_size = input_size or default_input_size
-        if mimose is not None and (not isinstance(mimose, Mimose) or mimose.n != self.L):
-            got = f"one for {mimose.n} blocks" if isinstance(mimose, Mimose) else repr(mimose)
-            raise ValueError(f"{name}: mimose= must be a scheduler.planners.mimose.Mimose "
-                             f"for {self.L} blocks, got {got}")
-        # the Mimose of the setting (``_mimose_setting``) the last step ran under, and each
-        # setting's (``_mimose_for``); the first setting's is the one given as mimose=
-        self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
-            if planner == "mimose" else None
-        self._mimoses: Dict[Hashable, Mimose] = {}
-        self._shapes = InputShapes(f"{name}: Mimose on '{list_name}'")
-        self._collecting_into: Optional[Mimose] = None  # the collection step's Mimose
+        self._init_mimose(mimose, planner == "mimose", samples, cache_size)
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
         self._transfers: Dict[str, Transfers] = {}
         self.current: Optional[ChainStep] = None
         self.passthrough = False   # recomputing or measuring: block calls go straight through
         self.last_stats: Optional[RunStats] = None
         self.last_plan: Optional[Plan] = None
-        self.collections = 0
         self.profiling_steps = 0
         self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
@@ -225,9 +154,6 @@ class ChainRunner:
         self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
         self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees),
         # decided at the first step in a process group
-        self._mimose_tails: Optional[bool] = None  # whether Mimose's samples carry the tail
-        self._mimose_tmp: Optional[bool] = None    # ... and the blocks' transients
-        self._first_failures = 0  # first samples dropped because a measurement failed
 
     # ---------------------------------------------------------------- copies and pickles
     def __getstate__(self) -> Dict[str, Any]:
@@ -242,25 +168,8 @@ class ChainRunner:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
-        for name, value in (("_learning", {}), ("_mimoses", {}), ("_collecting_into", None),
-                            ("_first_failures", 0),
-                            ("_shapes", InputShapes(f"{self.name}: Mimose on "
-                                                    f"'{self.list_name}'"))):
-            self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
-        # Mimose settings pickled before they held the weights' dtype (4 entries) get it at the
-        # next plan (``_upgrade_settings``): not here, where a deepcopy may not have filled in
-        # the blocks yet
-        self._old_settings = any(len(k) == 4 for k in self._mimoses if isinstance(k, tuple))
-
-    def _upgrade_settings(self) -> None:
-        """Old 4-entry Mimose settings with the weights' dtype now (as when they were saved,
-        unless the model was cast since)."""
-        self._old_settings = False
-        weights = weights_dtype(self.blocks)
-        self._mimoses = {_with_weights(k, weights): m for k, m in self._mimoses.items()}
-        for m in [self.mimose, *self._mimoses.values()]:
-            if m is not None and getattr(m, "setting", None) is not None:
-                m.setting = _with_weights(m.setting, weights)
+        self.__dict__.setdefault("_learning", {})  # (a runner pickled before it existed)
+        self._mimose_unpickled()
 
     # -------------------------------------------------------------------------- knobs
     @property
@@ -346,7 +255,7 @@ class ChainRunner:
         stages = [BoundBlock(b, c, c.anchored and s > 0, step.outside is not None)
                   for s, (b, c) in enumerate(zip(self.blocks, calls))]
         x0 = tuple(t.detach().requires_grad_(r) for t, r in zip(calls[0].x, calls[0].rg))
-        chain = self._with_casts(_with_outside(self._measure(stages, x0), step))
+        chain = self._with_casts(with_outside(self._measure(stages, x0), step.outside))
         return chain, signature(x0, {})
 
     def _with_casts(self, chain: Chain) -> Chain:
@@ -366,13 +275,7 @@ class ChainRunner:
         its forward, or once the model's tail was measured (``tail.TailProbe``). A Mimose
         collection step's key (``MIMOSE_SAMPLE``) records its sample instead."""
         if isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE:
-            tail, out = chain.meta.get("tail"), chain.meta.get("outside")
-            measured = isinstance(tail, dict) and all(k in tail for k in TAIL_FIELDS)
-            self._observe_sample(key[1], [tail[k] for k in TAIL_FIELDS] if measured else None,
-                                 [out[k] for k in OUTSIDE_FIELDS]
-                                 if measured and isinstance(out, dict) else None,
-                                 key[2] if len(key) > 2 else None,
-                                 tail_failed=isinstance(tail, dict) and "failed" in tail)
+            self._sample_with_tail(key, chain)
             return
         size = self._learning.pop(key, None)
         if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
@@ -442,9 +345,10 @@ class ChainRunner:
         key = self._key(args, kwargs)
         if step and distributed.active():  # before any measurement (``_chain_for`` agrees)
             if self._one_plan is None:
-                self._one_plan = self._needs_one_plan()
+                self._one_plan = one_plan.needs_one_plan(self.blocks, self.entries)
             if self._one_plan:
-                self._same_plan_keys(key, args, kwargs)
+                one_plan.check_same_keys(key not in self.cache, key, args, kwargs, self.blocks,
+                                         self._budget, self.name, self.list_name)
         if key in self.cache:
             return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
         # a new budget for a shape measured before plans on that chain (no measurement)
@@ -474,97 +378,6 @@ class ChainRunner:
                 "chain=scheduler.runtime.input_aware.InputAwareChain(blocks), which predict "
                 "new shapes from a few measured ones, or pad to a few fixed lengths",
                 stacklevel=2)
-
-    def _mimose_for(self, setting: Hashable) -> Mimose:
-        """The Mimose that learns and plans the steps run under ``setting``
-        (``_mimose_setting``), made current (``self.mimose``). Samples learnt under one
-        setting never plan a step of another: with another dtype or autocast state the same
-        input size holds other bytes (a float32 step planned from bfloat16 samples ran at
-        1.29x its budget). One Mimose per setting, kept side by side, rather than collecting
-        again over the old samples: a model that switches back (autocast on for training, off
-        for an evaluation with gradients) finds its samples again, for a few arrays each. A
-        new setting after the first collects again, said once per setting; beyond
-        MIMOSE_SETTINGS the least recently used setting's samples are dropped, said too.
-        A Mimose given as mimose= serves the setting it was first bound to (by this runner or
-        another that shares it), never another one."""
-        m = self._mimoses.get(setting)
-        if m is not None:
-            self._mimoses[setting] = self._mimoses.pop(setting)  # most recently used last
-            self.mimose = m
-            return m
-        m = self.mimose
-        bound = getattr(m, "setting", None)
-        if not self._mimoses and bound in (None, setting):  # the first setting
-            m.setting = setting
-        else:
-            if self._mimoses:
-                was = f"its samples so far were learnt with {_describe_setting(bound)}"
-            else:  # a shared mimose= another runner bound to its own setting
-                was = (f"the Mimose given as mimose= learnt its samples with "
-                       f"{_describe_setting(bound)}, in another runner")
-            m = m.fresh()
-            m.setting = setting
-            warnings.warn(
-                f"{self.name}: Mimose: block 0 of '{self.list_name}' is called with "
-                f"{_describe_setting(setting)}, where {was}; the bytes a step holds per input "
-                "size depend on that (dtypes, autocast, dropout masks), so those samples do "
-                f"not plan these steps: Mimose collects {m.estimator.samples} input sizes for "
-                "this setting (steps that checkpoint every block and run each block's forward "
-                f"twice), keeping the samples of up to {MIMOSE_SETTINGS} settings for when "
-                "theirs comes back", stacklevel=5)
-        self._mimoses[setting] = m
-        if len(self._mimoses) > MIMOSE_SETTINGS:
-            old = next(iter(self._mimoses))
-            gone = self._mimoses.pop(old)
-            warnings.warn(
-                f"{self.name}: Mimose: more than {MIMOSE_SETTINGS} settings of dtypes, "
-                f"autocast and train mode met on '{self.list_name}'; the samples learnt with "
-                f"{_describe_setting(old)} ({len(gone.estimator.sizes)} input sizes) are "
-                "dropped, and collected again if that setting comes back", stacklevel=5)
-        self.mimose = m
-        return m
-
-    def _plan_mimose(self, args: Sequence[Any], kwargs: Dict[str, Any], agree: bool = False
-                     ) -> Tuple[CompiledPlan, Optional[ShuttlingCollector]]:
-        """``agree`` (a step, not a query): under FSDP every rank collects at the same steps;
-        a collection's extra forwards gather parameters, and one rank collecting alone pairs
-        its collectives with another's backward (a hang until the group's timeout)."""
-        if self.__dict__.get("_old_settings"):
-            self._upgrade_settings()
-        size, exact = self.input_size(args), True
-        fsdp_ranks = agree and self._under_fsdp()
-        if self.input_size is default_input_size:
-            # (a smaller last batch: planned as the learnt batch; under FSDP every rank must
-            # collect at once, so there it is learnt as it is)
-            bound, exact = self._shapes.size_for(args, size)
-            size, exact = (size, True) if fsdp_ranks else (bound, exact)
-        m = self._mimose_for(_mimose_setting(args, kwargs, self.blocks[0].training,
-                                             weights_dtype(self.blocks)))
-        if getattr(m, "extra_bw_tmp", None) is None:
-            # weights several blocks share (one block object repeated): their gradient waits
-            # through the backwards between its users, which no block's sample sees
-            m.extra_bw_tmp = shared_grad_bytes(self.blocks)
-        collect = not m.estimator.covers(size)  # (beyond the fit's reach: collected too)
-        if collect and m.ready and getattr(m, "reach_failures", 0) >= REACH_TRIES:
-            collect = False  # measuring beyond the reach keeps failing: extrapolated (said)
-        if fsdp_ranks:
-            collect = distributed.any_rank(collect)
-        if collect:  # sheltered execution: shuttle
-            key = ("shuttle", self.L)
-            cplan = self.cache.get_or_plan(key, lambda: self._compile(
-                checkpoint_plan(self.L, range(self.L), planner="mimose-collect")))
-            if not exact:  # every block checkpointed, nothing learnt from a bound
-                return cplan, None
-            # the blocks' transients too (their backward once more), but not under FSDP,
-            # whose backward hooks must fire once per step
-            return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
-        if self._budget is None:
-            return self._compile(checkpoint_plan(self.L, [], planner="none")), None
-        try:
-            plan = m.plan(size, self._budget)
-        except InfeasibleError as e:
-            raise self._in_share(e) from e
-        return self._compile(plan), None
 
     def plan_for(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Plan:
         """The plan the next forward with block 0 called on ``args`` will run (planned and
@@ -628,8 +441,8 @@ class ChainRunner:
             dev = _device_of(step.frames[0].call.x, {})
             if step.collector is not None:  # FSDP: measured forward-only (``_begin``)
                 self.measurements += 1
-                chain = _with_outside(chain_from_estimate(_collected(step),
-                                                          name="forward-measured"), step)
+                chain = with_outside(chain_from_estimate(collected(step),
+                                                         name="forward-measured"), step.outside)
                 self._plan_measured(key, chain, key, dev)
                 return
             chain, agree_on = self._measure_step(step)
@@ -637,80 +450,8 @@ class ChainRunner:
                     self.tail.begin(self, key, chain, agree_on, tensor_leaves(out), step):
                 return  # planned when the model's forward returns, with its tail as stage L
             self._plan_measured(key, chain, agree_on, dev)
-        elif step.collector is not None:
-            est = _collected(step)
-            sample = (step.input_size, est.input_bytes, tuple(est.xbar), tuple(est.out),
-                      tuple(est.fw), step.collector.tmp(), step.collector.failed is not None)
-            if self.tail is not None and not self._under_fsdp():
-                # the model's tail is measured too, and the sample recorded with it when the
-                # model's forward returns (``_plan_measured``; without it if that fails)
-                # (the tail adds the tied gradients it finds). Not under FSDP, as for rotor's
-                # forward-only measurement there: the tail's replayed backward would run FSDP's
-                # root hooks (FSDP1 reshards the root before the real backward)
-                chain = _with_outside(chain_from_estimate(est, "mimose-sample"), step)
-                if self.tail.begin(self, (MIMOSE_SAMPLE, sample, self._collecting_into),
-                                   chain, None, tensor_leaves(out), step):
-                    return
-            self._observe_sample(sample, None, None, self._collecting_into)
-
-    def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],
-                        outside: Optional[List[float]], into: Optional[Mimose] = None,
-                        tail_failed: bool = False) -> None:
-        """One Mimose collection step's measurements (``sample``: size, input bytes, xbar,
-        out, fw, the blocks' transients or None, and whether measuring those failed), with
-        the model's tail and what the step held outside the chain, if measured
-        (``tail_failed``: its measurement failed, or the step raised in it), for ``into``
-        (the Mimose of the setting the step ran under; None: the current one). All or
-        nothing, for the tail and for the transients alike: the estimator fits every column
-        on every sample, so a sample without them (their measurement failed) among samples
-        with them would teach it zeros. Such a sample is dropped (the size is collected again
-        on its next step); once the first sample had no tail (no transients), none is learnt.
-        A first sample without them because their measurement failed (an out-of-memory in the
-        tail, a step interrupted) does not decide that for the run: it is dropped too, up to
-        ``FIRST_SAMPLE_TRIES`` times, since learning without the tail plans every later step
-        without the tail's memory."""
-        size, input_bytes, xbar, out, fw, tmp, tmp_failed = sample
-        if self._mimose_tails is None:
-            failed = [what for what, got, broke in (
-                ("the model's tail", tail, tail_failed),
-                ("the blocks' transients", tmp, tmp_failed)) if got is None and broke]
-            if failed:
-                self._first_failures += 1
-                if self._first_failures < FIRST_SAMPLE_TRIES:
-                    warnings.warn(
-                        f"{self.name}: measuring {' and '.join(failed)} failed on a Mimose "
-                        "collection step before any sample was learnt; its sample is dropped "
-                        "(the size is collected again) rather than learning without them for "
-                        "the whole run", stacklevel=2)
-                    return
-                warnings.warn(
-                    f"{self.name}: measuring {' and '.join(failed)} failed on the first "
-                    f"{FIRST_SAMPLE_TRIES} Mimose collection steps; Mimose learns without "
-                    "them from now on (their memory is not in its plans)", stacklevel=2)
-            self._mimose_tails, self._mimose_tmp = tail is not None, tmp is not None
-        missing = [what for what, carried, got in (
-            ("the model's tail", self._mimose_tails, tail),
-            ("the blocks' transients", self._mimose_tmp, tmp)) if carried and got is None]
-        if missing:
-            target = into or self.mimose
-            if target is not None and target.ready:  # a size beyond the fit's reach
-                failed = target.reach_failures = getattr(target, "reach_failures", 0) + 1
-                if failed == REACH_TRIES:
-                    warnings.warn(
-                        f"{self.name}: {' and '.join(missing)} not measured on {failed} Mimose "
-                        "collection steps of sizes beyond 1.5x the largest learnt; such sizes "
-                        "are planned from the fit (extrapolated) from now on", stacklevel=2)
-                    return
-            warnings.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
-                          "collection step; its sample is dropped (the size is collected "
-                          "again)", stacklevel=2)
-            return
-        if not self._mimose_tails:
-            tail = outside = None
-        if not self._mimose_tmp:
-            tmp = None
-        (into or self.mimose).observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
-        self.collections += 1
+        elif step.collector is not None:  # a Mimose collection step
+            self._end_collection(step, out)
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
         """Host bytes of the random states a step keeps: one per block it may recompute
@@ -759,71 +500,8 @@ class ChainRunner:
         if not distributed.active():
             return False
         if self._one_plan is None:  # before the first step (a query): as the blocks are now
-            return self._needs_one_plan()
+            return one_plan.needs_one_plan(self.blocks, self.entries)
         return self._one_plan
-
-    def _needs_one_plan(self) -> bool:
-        """``_agrees``'s answer from the blocks. Decided once, at block 0's call of the first
-        step in a process group (``_plan``): the blocks' wrapping does not change between
-        steps, FSDP1's flat-parameter views exist there (they are gone at the end of a
-        forward, where a profiling step agrees), and the scan (every block's tensors: about
-        2 ms at 32 blocks) stays off each step."""
-        return self._sharded() or any(isinstance(m, nn.SyncBatchNorm)
-                                      for b in self.blocks for m in b.modules())
-
-    def _same_plan_keys(self, key: Hashable, args: Sequence[Any],
-                        kwargs: Dict[str, Any]) -> None:
-        """Where the ranks must run one plan (``_agrees``), every rank runs the plan of the same
-        key (input signature, budget, mode, autocast) at every step, and needs a new plan at
-        the same steps. One all-reduce per step finds a rank that plans alone, or ranks that
-        run different cached plans (one recomputing from a checkpoint, its collectives paired
-        with another rank's gradient reduction), and stops every rank at once, where they
-        would otherwise hang until the process group's timeout (30 minutes by default)."""
-        new = key not in self.cache
-        mixed, differ = distributed.differ(new, key)
-        if not (mixed or differ):
-            return
-        if mixed:
-            n = distributed.ranks_with(new)
-            what = (f"{n} of {torch.distributed.get_world_size()} ranks meet a new input "
-                    f"signature for '{self.list_name}' at this step (this rank: "
-                    f"{'yes' if new else 'no'})")
-            must = "meet new shapes at the same steps"
-        else:
-            what = (f"the ranks call block 0 of '{self.list_name}' with different input "
-                    "signatures at this step, each known from an earlier step")
-            must = "call the blocks with the same signature at the same step"
-        raise RuntimeError(
-            f"{self.name}: {what}; where a recomputation runs collectives (FSDP units, "
-            f"SyncBatchNorm) every rank must run one plan, so every rank must {must}: pad "
-            "each step's batches to the same length on every rank, or use planner='mimose'"
-            f"{self._differences(args, kwargs)}")
-
-    def _differences(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
-        """What differs between this rank's call of block 0 and the other ranks' (a collective:
-        every rank is on this error path at once), for the message."""
-        mine = dict(describe_arguments(args, kwargs),
-                    **{"weights' dtype": repr(weights_dtype(self.blocks))},
-                    budget=repr(self._budget),
-                    mode="train" if self.blocks[0].training else "eval",
-                    autocast=repr(rng.autocast_state()))
-        everyone = distributed.gathered(mine)
-        me = torch.distributed.get_rank()
-        diffs = []
-        for name in dict.fromkeys(n for d in everyone for n in d):
-            seen = [d.get(name, "absent") for d in everyone]
-            if len(set(seen)) > 1:
-                diffs.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(seen)))
-        if not diffs:
-            return ""
-        hint = ""
-        if any(v in ("None", "absent") for d in everyone for k, v in d.items()
-               if "mask" in k):
-            hint = ("; a Hugging Face model passes no attention mask to its layers for a batch "
-                    "without padding (SDPA attention) and one for a batch with padding: load it "
-                    "with attn_implementation='eager' (a mask at every step), or use "
-                    "planner='mimose'")
-        return f" (rank {me}; what differs: {'; '.join(diffs)}){hint}"
 
     def _run_again(self, s: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         was, self.passthrough = self.passthrough, True

@@ -12,10 +12,11 @@ position embeddings before their sum), and the head's own backward after ``B 0``
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
+from ..chain import Chain, add_outside
 from ..profile.autograd_graph import graph_nodes
 from ..profile.storage import storage_bytes, storage_key
 from .block_calls import tensor_leaves
@@ -80,3 +81,9 @@ def head_census(args: Sequence[Any], kwargs: Dict[str, Any], not_ours: Set[int])
     finally:
         Frame.inspecting -= 1
     return Outside(storage_bytes(held, exclude=not_ours | x0), params)
+
+
+def with_outside(chain: Chain, outside: Optional[Outside]) -> Chain:
+    """``chain`` with what a profiling or collection step held outside it (``Outside``,
+    measured at block 0 where the model's tail is known; None: not measured)."""
+    return chain if outside is None else add_outside(chain, outside.bytes)
