@@ -21,7 +21,8 @@ from .chain import Number
 def parse_rate(bandwidth: Any, where: str = "parse_rate", *, name: str = "bandwidth",
                allow_zero: bool = False) -> Optional[float]:
     """``None`` (the caller's default) passes; else bytes per second as a float: a number
-    (``inf``: an instant channel) or a size per second, ``"12GB/s"`` (``"12GB"`` too).
+    (``inf``: an instant channel), as a string too (``"12e9"``), or a size per second,
+    ``"12GB/s"`` (``"12GB"`` too).
     ``where``: the entry point a bad value's ``ValueError`` starts with (``"scheduler.wrap"``);
     ``name``: the argument it names. ``allow_zero``: 0 means no transfer channel (the
     planners); the runtimes need a rate."""
@@ -31,10 +32,16 @@ def parse_rate(bandwidth: Any, where: str = "parse_rate", *, name: str = "bandwi
     why = ""
     if isinstance(bandwidth, str):
         from vmalloc.sizes import parse_size  # torch-free; lazily, as the planners do
-        try:
-            rate = parse_size(bandwidth.strip().removesuffix("/s"), name)
-        except ValueError as exc:  # the message below names the entry point and the forms
-            rate, why = None, f" ({exc})"
+        text = bandwidth.strip().removesuffix("/s").strip()
+        try:  # a plain number, as the message below suggests ('12e9', 'inf'), or a size
+            rate = float(text)
+            if math.isinf(rate) and text.lower().lstrip("+") not in ("inf", "infinity"):
+                rate, why = None, " (too large for a float)"  # ('1e400')
+        except ValueError:
+            try:
+                rate = parse_size(text, name)
+            except ValueError as exc:  # the message below names the entry point and forms
+                rate, why = None, f" ({exc})"
     ok = isinstance(rate, numbers.Real) and not isinstance(rate, bool) and \
         (rate > 0 or (allow_zero and rate == 0))  # (NaN fails both)
     value = float_or_none(rate) if ok else None
