@@ -373,15 +373,23 @@ def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Seque
             parts.append("No candidate's remaps stay under the threshold on every trace "
                          "(or no step time is known): no default can be chosen from this data.")
     if found:
-        parts.append(f"The current default ({label(default)}) is that value: keep it."
-                     if chosen == default else
-                     f"The current default is {label(default)}: the data says {label(chosen)} "
-                     "(csrc/alloc/allocator.hpp Config::cache_slack, vmalloc/allocator.py, "
-                     "csrc/bind/alloc_py.cpp, README's knobs table).")
+        where = ("(csrc/alloc/allocator.hpp Config::cache_slack, vmalloc/allocator.py, "
+                 "csrc/bind/alloc_py.cpp, README's knobs table)")
+        if chosen == default:
+            parts.append(f"The current default ({label(default)}) is that value: keep it.")
+        elif provisional:  # host remap costs and simulated traces: near the threshold, the
+            # choice moves with small changes of the traces; a GPU session decides
+            parts.append(f"The current default is {label(default)}; this provisional data "
+                         f"says {label(chosen)}: the default changes on a GPU session's "
+                         f"measurements (GPU remap costs, recorded traces) {where}.")
+        else:
+            parts.append(f"The current default is {label(default)}: the data says "
+                         f"{label(chosen)} {where}.")
     return {"cache_slack": chosen, "label": label(chosen) if found else None, "found": found,
             "meets_target": meets, "memory_candidate": pick, "provisional": bool(provisional),
             "provisional_why": provisional, "current_default": default,
-            "change_default": found and chosen != default, "verdict": " ".join(parts)}
+            "change_default": found and chosen != default and not provisional,
+            "verdict": " ".join(parts)}
 
 
 # ------------------------------------------------------------------------------ main

@@ -187,3 +187,10 @@ def test_traces_without_time_left_are_left_out_and_said_so(tmp_path):
     d = json.loads((tmp_path / "cache_slack.json").read_text())
     assert len(d["traces"]) == 1 and len(d["left_out"]) == 1
     assert d["decision"]["provisional"] and "left out for time" in d["verdict"]
+
+
+def test_provisional_data_never_asks_for_a_new_default():
+    # host remap costs (no GPU): the choice is said, but the default changes on a GPU's data
+    d = _decide(1.0, gpu=False)
+    assert d["provisional"] and d["cache_slack"] == 0.05 and not d["change_default"]
+    assert "this provisional data says 0.05" in d["verdict"]
