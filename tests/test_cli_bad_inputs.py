@@ -191,3 +191,167 @@ def test_python_dash_m_vmalloc_runs_the_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "vmalloc", "--help"], capture_output=True,
                        text=True, env=python_env(), cwd=str(tmp_path), timeout=120)
     assert r.returncode == 0 and "usage: vmalloc" in r.stdout
+
+
+# ---------------------------------------------------------------- one-line argument errors
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["demo", "--fraction", "abc"], "vmalloc demo: argument --fraction: invalid float value: 'abc'"),
+    (["report", "r.json", "--max-trace-size", "10XB"],
+     "vmalloc report: argument --max-trace-size: cannot read '10XB' as a byte size"),
+    (["replay", "t.json", "--device", "abc"],
+     "vmalloc replay: argument --device: invalid int value: 'abc'"),
+    (["demo", "--no-such-option"], "vmalloc demo: unrecognized arguments: --no-such-option"),
+    (["bogus"], "vmalloc: argument cmd: invalid choice: 'bogus'"),
+])
+def test_an_argument_error_is_one_line_exit_2(capsys, argv, words):
+    """argparse printed its usage block (4-5 lines) before the error; every other error of the
+    CLI is one line naming the command."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(words), lines
+
+
+@pytest.mark.parametrize("argv,value", [
+    (["demo", "--replay-only", "--budget", "-4GiB"], "-4GiB"),
+    (["replay", "t.json", "--chunk-size", "-2MiB"], "-2MiB"),
+    (["report", "r.json", "--max-trace-size", "-5"], "-5"),
+])
+def test_a_negative_size_is_named_not_taken_for_an_option(capsys, argv, value):
+    """``--chunk-size -2MiB`` was "expected one argument": argparse takes only a plain negative
+    number (-5) for a value. Now the size's own check names it."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {value!r} as a byte size" in err and "expected one argument" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_negative_size_after_a_double_dash_is_left_alone():
+    from vmalloc.cli import _join_negative_sizes
+    assert _join_negative_sizes(["replay", "--chunk-size", "-2MiB", "--", "--budget", "-4GiB"]) \
+        == ["replay", "--chunk-size=-2MiB", "--", "--budget", "-4GiB"]
+    assert _join_negative_sizes(["demo", "--budget"]) == ["demo", "--budget"]
+    assert _join_negative_sizes(["demo", "--budget", "--no-bisect"]) == \
+        ["demo", "--budget", "--no-bisect"]
+
+
+def test_report_of_an_empty_file_says_it_is_empty_once(tmp_path, capsys):
+    """It said "vmalloc report: report: '...' is not a JSON report (Expecting value: ...)"."""
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    assert main(["report", str(empty)]) == 2
+    assert capsys.readouterr().err.strip() == f"vmalloc report: {empty}: is empty"
+
+
+def test_report_of_json_that_is_no_report_has_one_prefix(tmp_path, capsys):
+    path = write_json(tmp_path, "list.json", [1, 2])
+    assert main(["report", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"vmalloc report: {path}: JSON but not a vmalloc report (expected 'memory' "
+                   "or 'comparison')")
+
+
+def test_demo_traces_that_is_a_file_says_it_is_not_a_directory(tmp_path, capsys):
+    f = write_json(tmp_path, "t.json", trace_with())
+    assert main(["demo", "--replay-only", "--traces", f]) == 2
+    assert capsys.readouterr().err.strip() == f"vmalloc demo: --traces {f}: is not a directory"
+
+
+def test_demo_refuses_a_budget_below_one_chunk_up_front(capsys, monkeypatch):
+    """``--budget 1`` passed, and the GPU demo's child then stopped naming VMALLOC_BUDGET."""
+    import vmalloc.cli_demo
+    monkeypatch.setattr(vmalloc.cli_demo, "_gpu_present", lambda: pytest.fail("probed the GPU"))
+    assert main(["demo", "--budget", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vmalloc demo: --budget: 1 B (1 bytes) is "
+                                                   "smaller than one chunk"), lines
+
+
+def test_a_core_that_is_not_built_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """A checkout newer than its build (_core_locator's ImportError): its message, which says
+    how to rebuild, was the last of a 23-line traceback."""
+    import vmalloc.replay
+    from vmalloc._core_locator import missing_message
+
+    def stale(*args, **kwargs):
+        raise ImportError(missing_message(os.path.dirname(vmalloc.replay.__file__), []),
+                          name="vmalloc._core")
+    monkeypatch.setattr(vmalloc.replay, "compare", stale)
+    assert main(["replay", write_json(tmp_path, "t.json", trace_with())]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vmalloc replay: vmalloc._core is not built")
+    assert "dev-build" in lines[0]
+
+
+def test_another_import_error_keeps_its_traceback(tmp_path, monkeypatch):
+    import vmalloc.replay
+
+    def broken(*args, **kwargs):
+        raise ImportError("no module named matplotlib.nope", name="matplotlib.nope")
+    monkeypatch.setattr(vmalloc.replay, "compare", broken)
+    with pytest.raises(ImportError, match="matplotlib.nope"):
+        main(["replay", write_json(tmp_path, "t.json", trace_with())])
+
+
+class _InterruptedTorchImport:
+    """A stand-in for ``import torch`` as it meets Ctrl-C: the signal lands while torch's C code
+    imports numpy, which swallows the KeyboardInterrupt raised there (as torch._C does)."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+        return importlib.util.spec_from_loader(name, self) if name == "torch" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        import signal
+        import types
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:   # what the C import of numpy does with it
+            pass
+        module.cuda = types.SimpleNamespace(is_available=lambda: False)
+
+
+def test_ctrl_c_while_the_demo_imports_torch_is_honoured(tmp_path, capsys, monkeypatch):
+    """5 of 60 Ctrl-C early in ``vmalloc demo`` were lost in ``import torch`` (the GPU probe)
+    and the demo ran to the end; the README promises one line and exit 130."""
+    import signal
+    import sys
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)   # (put back after the test)
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedTorchImport()] + sys.meta_path)
+    empty = tmp_path / "no-traces"
+    empty.mkdir()
+    try:   # (the demo would stop at the empty --traces directory if it went on)
+        rc = main(["demo", "--no-bisect", "--traces", str(empty)])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped vmalloc.cli.main")
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["vmalloc demo: interrupted"]
+    assert signal.getsignal(signal.SIGINT) is before   # the handler is put back
+
+
+def test_the_gpu_probe_puts_back_the_sigint_handler_it_found(monkeypatch):
+    import signal
+    from vmalloc.cli_demo import _sigint_held
+    mine = lambda signum, frame: None  # noqa: E731
+    old = signal.signal(signal.SIGINT, mine)
+    try:
+        with _sigint_held():
+            assert signal.getsignal(signal.SIGINT) is not mine
+        assert signal.getsignal(signal.SIGINT) is mine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # ignored stays ignored
+        with _sigint_held():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)

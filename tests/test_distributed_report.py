@@ -101,6 +101,13 @@ def test_every_report_names_its_process():
     assert f"pid {os.getpid()}" in text.splitlines()[1]
 
 
+@pytest.mark.parametrize("target", ["-", "stdout", "STDOUT"])
+def test_exit_report_to_stdout_writes_no_file(tmp_path, monkeypatch, capsys, target):
+    monkeypatch.chdir(tmp_path)
+    L.write_exit_report(target)
+    assert "vmalloc" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
 def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -182,3 +182,22 @@ def test_an_unused_chunk_size_is_said_and_the_program_runs(tmp_path):
     assert r.returncode == 0 and "went on" in r.stdout, r.stderr
     assert "ignored, since VMALLOC is unset: VMALLOC_CHUNK_SIZE=40MB (takes effect only with " \
            "VMALLOC=1)" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["stdout", "STDOUT", " Stdout "])
+def test_report_to_stdout_by_name_is_stdout_not_a_file(value, tmp_path, monkeypatch):
+    """VMALLOC_REPORT=stdout wrote a file named "stdout" in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    assert read_env({"VMALLOC_REPORT": value}).report == "-"
+    assert read_env({"VMALLOC_REPORT": "./stdout"}).report == str(tmp_path / "stdout")
+
+
+def test_report_to_stdout_writes_no_file(tmp_path):
+    """The exit report of a process run with VMALLOC_REPORT=stdout goes to its stdout."""
+    code = "from vmalloc import _autoload; _autoload.install(); import torch; print('went on')"
+    env = {k: v for k, v in python_env(VMALLOC_REPORT="stdout").items()
+           if k not in ("VMALLOC", "VMALLOC_WINDOW")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=str(tmp_path), env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "vmalloc report:" in r.stdout and not (tmp_path / "stdout").exists()

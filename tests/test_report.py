@@ -229,3 +229,23 @@ def test_json_report_with_a_non_json_section_is_json_and_says_which(capsys):
     assert "set is not JSON serializable" in rep["setty"]["error"] and "memory" in rep
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'setty'" in err[0], err
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_section_holding_nan_is_written_as_an_error_not_as_nan(tmp_path, capsys, value):
+    """json.dumps wrote NaN/Infinity, which JSON has not (strict readers, jq, refuse the file);
+    such a section is one that is not JSON, as the README says: {"error": ...}, named on stderr."""
+    path = tmp_path / "frag.json"
+    live_report.add_section("mine", lambda: {"v": value, "n": 3})
+    try:
+        live_report.write_exit_report(str(path))
+        rep = _report_fn(format="json")
+    finally:
+        live_report.remove_section("mine")
+    text = path.read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the report"))
+    assert "memory" in saved and "not JSON" in saved["mine"]["error"]
+    assert "not JSON" in rep["mine"]["error"]
+    json.dumps(rep, allow_nan=False)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "'mine'" in line]
+    assert len(err) == 2, err   # one for the file, one for report(format="json")

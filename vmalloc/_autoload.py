@@ -42,9 +42,9 @@ def install(environ: Optional[dict] = None) -> None:
         os._exit(2)   # SystemExit inside a .pth is a fatal site error with a traceback; this is clean
     env = os.environ if environ is None else environ
     _warn_unused(cfg, env)
-    if cfg.report:  # a RANK that cannot be read is said now, not only at exit
-        from .report_process import process_rank
-        process_rank(env)
+    if cfg.report:  # a RANK, WORLD_SIZE, ... that cannot be read is said now, not only at exit
+        from .report_process import check_launch_variables
+        check_launch_variables(env)
     if _installed or not (cfg.active or cfg.report):
         return
     _installed = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from .cli_demo import cmd_demo
 from .cli_replay import cmd_replay
@@ -20,12 +20,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if head.strip() and head.lstrip()[:1] not in (b"{", b"["):  # JSON: load() judges it
             raise ValueError(f"{args.file}: not a JSON report (starts with {head[:8].hex(' ')})")
     # a directory, /dev/zero, a huge file: refused here
-    read_bounded(args.file, args.max_size, check_head, option="vmalloc report --max-trace-size",
-                 what="report file")
+    raw = read_bounded(args.file, args.max_size, check_head,
+                       option="vmalloc report --max-trace-size", what="report file")
+    if not raw.strip():
+        raise ValueError(f"{args.file}: is empty")   # (as vmalloc replay says it)
     try:
         rep = load(args.file)
     except UnicodeDecodeError:
-        raise ValueError(f"report: {args.file!r} is not a JSON report (not text)") from None
+        raise ValueError(f"{args.file}: not a JSON report (not text)") from None
     try:
         text = to_text(rep)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
@@ -46,10 +48,52 @@ def _version() -> str:
     return f"vmalloc {__version__} ({os.path.dirname(os.path.abspath(init))})"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error in one line, ``vmalloc <cmd>: <message>``, exit 2, as every other
+    error of the CLI (argparse's own prints the usage block first). The subcommands' parsers
+    are of this class too (``add_subparsers`` makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+#: the options that take a byte size: a negative one, ``--budget -4GiB``, is their value, not
+#: an unknown option (argparse takes only plain negative numbers, ``-5``, for values)
+_SIZE_OPTIONS = ("--chunk-size", "--budget", "--max-trace-size")
+
+
+def _join_negative_sizes(argv: Sequence[str]) -> List[str]:
+    """``--budget -4GiB`` as ``--budget=-4GiB``, so that the size's own check names the value
+    (argparse would say "expected one argument"). Nothing after ``--`` is touched."""
+    out: List[str] = []
+    args = iter(argv)
+    for a in args:
+        if a == "--":
+            out.append(a)
+            out.extend(args)
+            break
+        out.append(a)
+        if a in _SIZE_OPTIONS:
+            nxt = next(args, None)
+            if nxt is None:
+                break
+            if nxt[:1] == "-" and nxt[1:2].isdigit():   # -4GiB, -2MiB, -5: a value
+                out[-1] = f"{a}={nxt}"
+            else:
+                out.append(nxt)
+    return out
+
+
+def _core_missing(exc: ImportError) -> bool:
+    """``vmalloc._core`` cannot be imported (not built, or an installation of other sources:
+    :mod:`vmalloc._core_locator` names it so): its message says what to do, in one line."""
+    return (exc.name or "").endswith("._core")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .env import VARIABLES
     env_help = "\n".join(f"  {k} (default {d}): {h}" for k, (d, h) in VARIABLES.items())
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="vmalloc", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="vmalloc: chunked virtual-addressing GPU allocator - reports, replays, demo",
         epilog="environment (read when torch is imported):\n" + env_help)
@@ -99,7 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--max-trace-size", dest="max_size", type=max_size, default=DEFAULT_MAX_BYTES,
                    help=size_help)
     d.set_defaults(fn=cmd_demo)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(_join_negative_sizes(sys.argv[1:] if argv is None else argv))
+    if extra:   # said by the command's parser, so that the message names the command
+        {"report": r, "replay": rp, "demo": d}[args.cmd].error(
+            f"unrecognized arguments: {' '.join(extra)}")
     try:
         rc = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
@@ -116,6 +163,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # one line, not a traceback; 130 = 128 + SIGINT, as a shell reports it
         print(f"vmalloc {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except ImportError as exc:
+        if not _core_missing(exc):
+            raise   # a bug, or a dependency missing: its traceback says where
+        print(f"vmalloc {args.cmd}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, RuntimeError, MemoryError, RecursionError) as exc:
         # one line naming the file and the problem (the readers put the file first)
         msg = str(exc) or type(exc).__name__

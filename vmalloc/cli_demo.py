@@ -9,15 +9,18 @@ scheduler lazily, only when it plans.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from .cli_replay import replay_one, table
-from .sizes import format_size, parse_size
+from .sizes import CUDA_GRANULARITY, check_budget_holds_a_chunk, format_size, parse_size
 
 
 def _bundle_roots() -> List[Path]:
@@ -123,23 +126,50 @@ def _plan_and_replay(args: argparse.Namespace, chain: Any, chunks: Sequence[int]
     print(table(replay_one(trace, chunks, not args.no_bisect, None)) + "\n")
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C inside the block is noted, not raised, and raised as ``KeyboardInterrupt`` when
+    the block ends: ``import torch`` imports numpy from C code that swallows the
+    ``KeyboardInterrupt`` raised inside it, so a Ctrl-C landing there was lost and the demo ran
+    on. Outside the main thread (no signal handlers there), with Ctrl-C ignored (``SIG_IGN``) or
+    under a handler set from C (which could not be put back) the block runs as it is."""
+    noted: List[int] = []
+    old = signal.getsignal(signal.SIGINT)
+    if old in (None, signal.SIG_IGN) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if noted:
+            raise KeyboardInterrupt
+
+
+def _gpu_present() -> bool:
+    """Whether torch is installed and sees a CUDA device; Ctrl-C meanwhile is honoured."""
+    with _sigint_held():
+        try:
+            import torch
+        except ImportError:
+            return False
+        return bool(torch.cuda.is_available())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``vmalloc demo``: train on the GPU when there is one, else plan and replay. Every
     option, and (without a GPU) every bundled file the steps read, is checked before step 1."""
-    parse_size(args.budget, "--budget")  # bad on the CPU too: say so now, not on a GPU later
+    # bad on the CPU too: say so now, not from the GPU demo's child later
+    check_budget_holds_a_chunk(parse_size(args.budget, "--budget"), CUDA_GRANULARITY, "--budget",
+                               "VMALLOC_CHUNK_SIZE")
     if not 0 < args.fraction <= 1:       # (NaN fails this too)
         raise ValueError(f"--fraction: expected a number in (0, 1] (a share of what storing "
                          f"every activation needs), got {args.fraction!r}")
     if args.traces and not os.path.isdir(args.traces):
-        raise ValueError(f"--traces {args.traces}: no such directory")
-    gpu = False
-    if not args.replay_only:
-        try:
-            import torch
-            gpu = torch.cuda.is_available()
-        except ImportError:
-            gpu = False
-    if gpu:
+        why = "is not a directory" if os.path.exists(args.traces) else "no such directory"
+        raise ValueError(f"--traces {args.traces}: {why}")
+    if not args.replay_only and _gpu_present():
         env = dict(os.environ, VMALLOC="1", VMALLOC_BUDGET=args.budget)
         here = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")

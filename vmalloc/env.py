@@ -22,7 +22,8 @@ VARIABLES = {
     "VMALLOC_BUDGET": ("none", "cap on physical bytes per device; 0 or unset = no cap"),
     "VMALLOC_WINDOW": ("unset", "turns on the byte-window swap runtime with this window (e.g. 2GiB)"),
     "VMALLOC_REPORT": ("unset", "where the fragmentation report goes at exit: a path (.json = JSON, "
-                                "else text; PATH.png beside it), '-' for stdout, 'stderr'"),
+                                "else text; PATH.png beside it), '-' or 'stdout' for stdout, "
+                                "'stderr'"),
 }
 
 
@@ -64,9 +65,16 @@ def _size(env: Mapping[str, str], name: str, allow_zero: bool) -> Optional[int]:
     return n
 
 
-#: ``VMALLOC_REPORT`` values that name a stream, not a path: ``-`` (stdout) and ``stderr``
-#: (in any case, as :func:`is_report_stream` compares them)
-REPORT_STREAMS = ("-", "stderr")
+#: ``VMALLOC_REPORT`` values that name a stream, not a path: ``-`` and ``stdout`` (stdout) and
+#: ``stderr``, in any case, as :func:`is_report_stream` compares them (a file of such a name is
+#: given as ``./stdout``)
+REPORT_STREAMS = ("-", "stdout", "stderr")
+
+
+def report_target(raw: str) -> str:
+    """The ``VMALLOC_REPORT`` value ``raw`` as the exit report reads it: ``stdout`` (any case)
+    as ``-``, the one name of stdout there; anything else unchanged."""
+    return "-" if raw.lower() == "stdout" else raw
 
 
 def is_report_stream(target: str) -> bool:
@@ -131,6 +139,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
         if report == "":
             report = None
         else:
+            report = report_target(report)
             check_report_target(report)
             if not is_report_stream(report):
                 report = output_path(report)

@@ -299,13 +299,13 @@ def save(rep: Mapping[str, Any], path: str) -> None:
 
     The whole text is made first and written whole or not at all (:func:`write_atomic`), so a
     report that cannot be rendered or written leaves the file as it was. A section that is not
-    JSON (a set, an object) is written as ``{"error": ...}`` and named in one line on stderr;
-    the rest of the report is kept."""
+    JSON (a set, an object, NaN or an infinity) is written as ``{"error": ...}`` and named in
+    one line on stderr; the rest of the report is kept."""
     if path.endswith(".json"):
         try:
-            text = json.dumps(rep, indent=1, sort_keys=True)
+            text = json.dumps(rep, indent=1, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError):   # a section is not JSON: find it, keep the rest
-            text = json.dumps(json_ready(rep), indent=1, sort_keys=True)
+            text = json.dumps(json_ready(rep), indent=1, sort_keys=True, allow_nan=False)
     else:
         text = to_text(rep) + "\n"
     write_atomic(path, text)
@@ -323,11 +323,13 @@ def save(rep: Mapping[str, Any], path: str) -> None:
 
 
 def json_ready(rep: Mapping[str, Any]) -> Dict[str, Any]:
-    """``rep`` as a dict ``json.dumps`` takes: itself when it does, else with each top-level
-    entry that is not JSON (a section holding a set, an object) replaced by ``{"error": ...}``
-    and named in one line on stderr (:func:`_json_sections`)."""
+    """``rep`` as a dict ``json.dumps`` takes and writes as standard JSON: itself when it does,
+    else with each top-level entry that is not JSON (a section holding a set, an object, NaN or
+    an infinity, which ``json.dumps`` would write as ``NaN``/``Infinity``, tokens JSON has not
+    and strict readers refuse) replaced by ``{"error": ...}`` and named in one line on stderr
+    (:func:`_json_sections`)."""
     try:
-        json.dumps(rep, sort_keys=True)
+        json.dumps(rep, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):
         return _json_sections(rep)
     return dict(rep)
@@ -339,10 +341,12 @@ def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, value in rep.items():
         try:
-            json.dumps(value, sort_keys=True)
+            json.dumps(value, sort_keys=True, allow_nan=False)
             out[name] = value
-        except (TypeError, ValueError) as exc:   # not JSON; mixed key types; a cycle
+        except (TypeError, ValueError) as exc:   # not JSON; mixed key types; a cycle; NaN
             why = f"{type(exc).__name__}: {exc}"
+            if "Out of range float" in str(exc):   # (Python before 3.12 does not name it)
+                why += " (a NaN or an infinity, which JSON has not)"
             print(f"vmalloc: report section {name!r} is not JSON ({why}); written as an error",
                   file=sys.stderr)
             out[name] = {"error": f"not JSON: {why}"}
@@ -355,11 +359,11 @@ def load(path: str) -> Dict[str, Any]:
         with open(path) as f:
             rep = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"report: no such file {path!r}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"report: {path!r} is not a JSON report ({exc})") from None
+        raise FileNotFoundError(f"{path}: no such report file") from None
+    except json.JSONDecodeError as exc:   # (the file first, as the trace readers say it)
+        raise ValueError(f"{path}: not a JSON report ({exc})") from None
     if not isinstance(rep, dict) or not ({"memory", "comparison"} & rep.keys()):
-        raise ValueError(f"report: {path!r} is JSON but not a vmalloc report "
+        raise ValueError(f"{path}: JSON but not a vmalloc report "
                          "(expected 'memory' or 'comparison')")
     return rep
 

@@ -7,6 +7,7 @@ report path (:func:`claim_report`, when torch is imported) and the path its exit
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Dict, Mapping, MutableMapping, Optional, Set, Tuple
 
@@ -87,12 +88,36 @@ def _is_child_process() -> bool:
         return False
 
 
+#: :data:`OWNER_VARIABLE` as vmalloc writes it (ASCII digits: ``str.isdigit`` passes a '²',
+#: which ``int`` refuses)
+_OWNER_FORM = re.compile(r"([0-9]+):([0-9]*)")
+
+
 def _owner(environ: Mapping[str, str]) -> Optional[Tuple[int, Optional[int]]]:
-    """``(pid, rank)`` of :data:`OWNER_VARIABLE`; ``None`` when unset or not of that form."""
-    pid, sep, rank = environ.get(OWNER_VARIABLE, "").partition(":")
-    if not sep or not pid.isdigit() or not (rank == "" or rank.isdigit()):
-        return None
-    return int(pid), (int(rank) if rank else None)
+    """``(pid, rank)`` of :data:`OWNER_VARIABLE`; ``None`` when unset or not of that form (said
+    once on stderr: vmalloc writes only that form, so another value was set by hand or mangled
+    on the way; it is treated as unset, and the process claims the path itself)."""
+    raw = environ.get(OWNER_VARIABLE, "")
+    form = _OWNER_FORM.fullmatch(raw.strip())
+    if form:
+        return int(form.group(1)), (int(form.group(2)) if form.group(2) else None)
+    if raw.strip() and (OWNER_VARIABLE, raw) not in _warned:
+        _warned.add((OWNER_VARIABLE, raw))
+        print(f"vmalloc: {OWNER_VARIABLE}={raw!r} is not <pid>:<rank>, the form vmalloc sets it "
+              "in (it is vmalloc's own, inherited from the process that owns the report path); "
+              "ignored, as if unset: unset it", file=sys.stderr, flush=True)
+    return None
+
+
+def check_launch_variables(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Say at start-up (the autoload, when ``VMALLOC_REPORT`` is set), not only at exit, what
+    the report would ignore: a ``RANK``, ``LOCAL_RANK`` or ``WORLD_SIZE`` that is not an integer
+    >= its least value, and a :data:`OWNER_VARIABLE` not of vmalloc's form; one stderr line
+    each, never again at exit. None stops the program: the report is written all the same."""
+    env = os.environ if environ is None else environ
+    for name in _MINIMUM:
+        _env_int(env, name)
+    _owner(env)
 
 
 def claim_report(environ: Optional[MutableMapping[str, str]] = None,

@@ -187,7 +187,7 @@ def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
         print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
         return
     try:
-        if path == "-":
+        if path == "-" or path.lower() == "stdout":  # (env.REPORT_STREAMS)
             print(to_text(rep), flush=True)
         elif path.lower() == "stderr":
             print(to_text(rep), file=sys.stderr, flush=True)
