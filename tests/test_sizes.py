@@ -41,3 +41,16 @@ def test_the_largest_size_is_accepted():
 def test_format_size_rolls_over_when_rounding_reaches_1024(n, shown):
     from vmalloc.sizes import format_size
     assert format_size(n) == shown
+
+
+def test_numpy_and_tensor_integers_are_sizes():
+    # a budget computed with numpy or torch (np.int64, a 0-d integer tensor) is its value
+    import numpy as np
+    import torch
+    for v in (np.int64(100_000_000), np.uint32(100_000_000), torch.tensor(100_000_000),
+              np.float64(1e8), np.float32(2 ** 20)):
+        assert parse_size(v, "budget") == int(v)
+    for bad in (np.bool_(True), torch.tensor(True), torch.tensor([1, 2]), np.float64(2.5),
+                np.int64(-5), torch.tensor(1.5)):
+        with pytest.raises(ValueError, match="budget"):
+            parse_size(bad, "budget")

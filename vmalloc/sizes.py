@@ -5,6 +5,8 @@ One parser for every knob (``VMALLOC_CHUNK_SIZE``, ``VMALLOC_BUDGET``, ``VMALLOC
 """
 from __future__ import annotations
 
+import numbers
+import operator
 import re
 from typing import Optional, Tuple, Union
 
@@ -55,6 +57,20 @@ def _ambiguous(value: str, number: str, unit: str, name: str) -> None:
                      f"(powers of 1024) or '{n}{p}B' (powers of 1000)")
 
 
+def _as_number(value: object) -> Optional[Union[int, float]]:
+    """An integer-like (``__index__``: ``np.int64``, a 0-d integer tensor) or real number
+    (``np.float32``) as a Python int or float; None for anything else (bools included)."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
 def parse_size(value: SizeLike, name: str = "size") -> int:
     """Return ``value`` in bytes; raise ``ValueError`` naming ``name`` if it is not a size.
 
@@ -74,7 +90,11 @@ def parse_size(value: SizeLike, name: str = "size") -> int:
             raise ValueError(f"{name}: expected a whole number of bytes, got {value!r}")
         return _bounded(int(value), value, name)
     if not isinstance(value, str):
-        raise ValueError(f"{name}: expected a byte size such as '2MiB' or 2097152, got {value!r}")
+        number = _as_number(value)  # numpy scalars, a 0-d integer tensor: read as their value
+        if number is None:
+            raise ValueError(f"{name}: expected a byte size such as '2MiB' or 2097152, "
+                             f"got {value!r}")
+        return parse_size(number, name)
     match = _SIZE.match(value)
     unit = _unit_key(match.group(2)) if match else None
     if match and unit is None:
