@@ -42,7 +42,7 @@ from .mimose_steps import MIMOSE_SAMPLE, MimoseSteps, collected
 from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_measure,
                       check_planner, default_input_size, parse_budget, parse_rate)
 from .outside import with_outside
-from .planning import make_plan
+from .planning import make_plan, profiling_peak
 
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 
@@ -151,6 +151,7 @@ class ChainRunner(MimoseSteps):
         self._step_in: Optional[int] = None
         self._pass_in: Optional[int] = None
         self._said_passes = False  # _several_passes's warning, given once
+        self._said_profiling = False  # _say_profiling_peak's warning, given once
         self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
         self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees),
         # decided at the first step in a process group
@@ -168,7 +169,8 @@ class ChainRunner(MimoseSteps):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_learning", {})  # (a runner pickled before it existed)
+        for name, value in (("_learning", {}), ("_said_profiling", False)):
+            self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
         self._mimose_unpickled()
 
     # -------------------------------------------------------------------------- knobs
@@ -287,6 +289,28 @@ class ChainRunner(MimoseSteps):
         if self.chain_source is None:
             self._remember(key, chain)
         self.cache.get_or_plan(key, lambda: self._plan_on(chain, device))
+        self._say_profiling_peak(chain)
+
+    def _say_profiling_peak(self, chain: Chain) -> None:
+        """Say once that the first step of each new shape (every block checkpointed while
+        its chain is measured) holds more than the budget, where it does: planned steps hold
+        the budget, but that one step does not, and a budget chosen to fit a device would
+        fail there without a word of why."""
+        if self._said_profiling or not isinstance(self._budget, int) or \
+                isinstance(self.planner, Plan) or callable(self.planner):
+            return
+        every = profiling_peak(chain)
+        if every <= self._budget:
+            return
+        self._said_profiling = True
+        warnings.warn(
+            f"{self.name}: the first step of each new input shape of '{self.list_name}' "
+            "checkpoints every block while its chain is measured, and holds about "
+            f"{format_bytes(int(every))} by the chain's model (the measurement adds about one "
+            f"block's forward and backward), above the budget {format_bytes(self._budget)}; "
+            "the planned steps after it hold the budget. Where that first step must fit too, "
+            "give a budget of at least that, or the chain (chain=, measured beforehand with "
+            "scheduler.profile.measure_chain)", stacklevel=2)
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))

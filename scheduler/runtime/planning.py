@@ -62,3 +62,11 @@ def make_plan(chain: Chain, budget: Optional[int], planner: PlannerArg = "rotor"
     if plan.chain is None:
         plan.chain = chain
     return plan
+
+
+def profiling_peak(chain: Chain) -> float:
+    """The peak the chain model gives the step that measured ``chain``: every block
+    checkpointed, the plan a profiling step runs (the measurement itself adds about one
+    block's forward and backward, as a recomputation does)."""
+    return simulate(chain, checkpoint_plan(chain.L, range(chain.L),
+                                           planner="profile")).peak_memory

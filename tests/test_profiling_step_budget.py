@@ -1,0 +1,89 @@
+"""The first step of each new input shape checkpoints every block while its chain is measured;
+where that holds more than the budget (by the chain's model), the runner says so once: planned
+steps hold the budget, that step does not, and a budget chosen to fit a device must not fail
+there without a word of why."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import scheduler
+from scheduler.planners import rotor
+from scheduler.runtime.checkpoint import checkpointed
+from scheduler.runtime.planning import profiling_peak
+from test_checkpoint_hf import budgets, fast, make, step
+
+SAID = "first step of each new input shape"
+
+
+def _said(model, batch, steps: int = 2) -> list:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            step(model, batch, seed=i)
+    return [w for w in got if SAID in str(w.message)]
+
+
+@pytest.mark.parametrize("which", [0, 2])   # just above rotor's least budget; store-all
+def test_said_once_exactly_when_the_profiling_step_exceeds_the_budget(which):
+    model, batch = make("gpt2")
+    budget = budgets("gpt2")[which]
+    scheduler.checkpoint(model, budget=budget, **fast("rotor"))
+    said = _said(model, batch)
+    runners = checkpointed(model).runners
+    over = [r for r in runners if profiling_peak(next(iter(r._measured.values()))) > r.budget]
+    assert len(said) == len(over)   # once per block list whose first step holds more
+    if which == 2:
+        assert not said
+    for w in said:
+        assert "above the budget" in str(w.message) and "chain=" in str(w.message)
+
+
+class _Deep(nn.Module):
+    """16 blocks, each keeping 4x its input: checkpointing every block keeps 16 inputs, where
+    rotor's least budget keeps a few."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(),
+                                                  nn.Linear(128, 32)) for _ in range(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _deep_steps(budget, steps: int = 3) -> list:
+    torch.manual_seed(0)
+    model, x = _Deep(), torch.randn(64, 32, requires_grad=True)
+    scheduler.checkpoint(model, budget=budget, blocks="layers", **fast("rotor"))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model(x).backward()
+    runner = checkpointed(model).runners[0]
+    return [w for w in got if SAID in str(w.message)], next(iter(runner._measured.values()))
+
+
+def test_said_once_for_a_budget_between_rotors_least_and_every_block():
+    _, chain = _deep_steps("1GiB")
+    least, every = rotor.min_memory(chain), profiling_peak(chain)
+    assert every > 1.5 * least  # (what the model is made for)
+    said, _ = _deep_steps(int(1.2 * least))
+    assert len(said) == 1
+    assert f"above the budget {scheduler.units.format_bytes(int(1.2 * least))}" in \
+        str(said[0].message)
+    said, _ = _deep_steps(int(every) + 1)
+    assert not said
+
+
+def test_not_said_for_a_plan_given_by_the_caller():
+    model, batch = make("gpt2")
+    n = len(model.transformer.h)
+    plan = scheduler.plan.checkpoint_plan(n, range(n), planner="mine")
+    scheduler.checkpoint(model, budget=1, planner=plan)
+    assert not _said(model, batch)
