@@ -8,9 +8,27 @@ Unverified on a GPU in this project (no device was available); see the README.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from .sizes import SizeLike, parse_chunk_and_budget
+
+
+_failed_frees = 0  # frees an owner could not make (said as the torch deleter says them)
+
+
+def _say_failed_free(ptr: int, exc: BaseException) -> None:
+    """A failed free on stderr: the first three in full, then the count at 10, 100, 1000, ...
+    (a sticky CUDA error fails every later free), as ``torch_c_api.cpp``'s deleter does."""
+    global _failed_frees
+    _failed_frees += 1
+    n = _failed_frees
+    if n <= 3:
+        more = " (further failed frees are counted, said at 10, 100, 1000, ...)" if n == 3 else ""
+        sys.stderr.write(f"vmalloc.cupy: free({ptr:#x}) failed: {exc}{more}\n")
+    elif str(n).rstrip("0") == "1":
+        sys.stderr.write(f"vmalloc.cupy: {n} frees have failed (the last: free({ptr:#x}): "
+                         f"{exc})\n")
 
 
 class _Owner:
@@ -25,8 +43,15 @@ class _Owner:
     def __del__(self) -> None:
         try:
             self.alloc.free(self.ptr)
-        except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter teardown)
-            pass
+        except Exception as exc:  # noqa: BLE001 - never raise from a finaliser
+            # a closed allocator (its memory went with it) or the interpreter's teardown:
+            # nothing to say; anything else (a double free: a bug elsewhere) is said
+            if sys.is_finalizing() or getattr(self.alloc, "closed", False):
+                return
+            try:
+                _say_failed_free(self.ptr, exc)
+            except Exception:  # noqa: BLE001 - stderr gone (teardown): nothing more to do
+                pass
 
 
 def enable(chunk_size: Optional[SizeLike] = None, budget: Optional[SizeLike] = None) -> None:
