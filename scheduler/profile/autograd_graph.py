@@ -63,7 +63,7 @@ class SavedTensors:
 
     def __init__(self) -> None:
         self.tensors: List[torch.Tensor] = []
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Every node that saves ``t`` keeps this hook (so ``self``) until the node is freed.
@@ -76,11 +76,17 @@ class SavedTensors:
         return t
 
     def __enter__(self) -> "SavedTensors":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
+        ctx, self._ctx = self._ctx, None
+        # (dropped: held, its ``self._pack`` would be a cycle, self -> hooks -> self, keeping
+        # every saved tensor until Python's collector runs: each stage of a measured chain
+        # on top of the last)
+        if ctx is not None:
+            ctx.__exit__(*exc)
 
     def keys(self) -> Set[int]:
         return {storage_key(t) for t in self.tensors}

@@ -119,9 +119,9 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
                 params: List[torch.Tensor], state_keys: Set[int], device: torch.device
                 ) -> Tuple[T.Tensors, Dict[str, int]]:
     """``stage_memory`` on CUDA: the sizes from what the saving forward saved, the transient
-    peaks from the CUDA allocator's statistics (no op tracer: it would keep every
-    intermediate of the stage alive at once, two or three times the stage's own peak, on a
-    device that may have no room for it). ``dead_output``: the bytes of the stage's output its
+    peaks from the CUDA allocator's statistics (measured, not the op tracer's estimate: the
+    allocator also sees the buffers kernels allocate for themselves, cuBLAS's and cuDNN's
+    workspaces, which no traced op returns). ``dead_output``: the bytes of the stage's output its
     own graph does not save, held here through the backward but not in a real step's ``B s``
     (``autograd_graph.saved_sizes``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:

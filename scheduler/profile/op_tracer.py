@@ -2,14 +2,18 @@
 bytes it moves (``OpTracer``), and from that the peak of the storages live at once; plus the
 ``F.dropout`` that saves what CUDA's does (``CudaLikeDropout``).
 
-While a trace runs it keeps every tensor it has seen alive, so no storage address (its key,
-``storage.storage_key``) is reused.
+A trace keeps no tensor alive (it would hold every intermediate and gradient of a stage at
+once: several times the stage's own peak). A storage address (its key,
+``storage.storage_key``) can then be reused within a trace by a storage made after the one
+there was freed: the tracer tells the two apart by the identity of their Python objects
+(``UntypedStorage`` objects are preserved while their storage lives and die with it, so a
+weak reference to one is alive exactly as long as its storage; ``_generation``).
 """
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,31 +71,69 @@ def _moves_bytes(func: Any) -> bool:
     return not view and name not in _FACTORIES
 
 
+@functools.lru_cache(maxsize=None)
+def _storages_preserved() -> bool:
+    """Whether this torch keeps a storage's Python object while the storage lives and frees it
+    with the storage (PyObject preservation of ``UntypedStorage``, torch 2.1 on), so that a weak
+    reference to it tells whether that storage still lives. Checked once, on a tensor of our own."""
+    t = torch.empty(1)
+    ref = weakref.ref(t.untyped_storage())  # (the object returned is dropped at once)
+    kept = ref() is not None and ref() is t.untyped_storage()
+    del t
+    return kept and ref() is None
+
+
+def _alive() -> bool:
+    return True  # a generation whose storage the tracer holds (``OpTracer._keep``)
+
+
 class OpTracer(TorchDispatchMode):
     """Records, for every ATen op, the storages it reads and writes, and the bytes it moves.
 
     ``traffic`` (bytes) is what the cost model charges against the memory bandwidth: tensor
     inputs plus outputs of every op that is not a pure view (views, ``detach``, factories move
-    nothing)."""
+    nothing).
+
+    ``ops`` and ``sizes`` name each storage by its ``storage_key`` while it lives, and by a
+    negative key of its own once it is freed (its address may be another storage's by then):
+    the key sets given to ``peak_live`` are the keys of storages alive when it is called."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
-        self.sizes: Dict[int, int] = {}
-        self.traffic = 0
+        # per storage seen, a *generation* (an index): the ops name generations, not
+        # addresses, since an address freed during the trace can be taken by a new storage
+        self._ops: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
+        self._latest: Dict[int, int] = {}  # address -> the last generation seen there
+        self._address: List[int] = []  # generation -> its storage_key
+        self._size: List[int] = []  # generation -> the largest nbytes seen
+        self._ref: List[Callable[[], Any]] = []  # generation -> its storage object, weakly
+        # where a weak reference cannot follow a storage (no PyObject preservation), the
+        # storages are held instead, so that no address is reused during the trace
+        self._weak = _storages_preserved()
         self._keep: List[Any] = []
+        self.traffic = 0
         self.marks: List[int] = []  # op counts at which an autograd node finished
 
     def mark(self) -> None:
-        self.marks.append(len(self.ops))
+        self.marks.append(len(self._ops))
 
-    def _key(self, t: torch.Tensor) -> int:
+    def _generation(self, t: torch.Tensor) -> int:
         s = t.untyped_storage()
         k = s._cdata  # ``storage_key``, with the size from the same lookup (on every op)
         n = s.nbytes()
-        if n > self.sizes.get(k, -1):
-            self.sizes[k] = n
-        return k
+        g = self._latest.get(k)
+        if g is None or (self._weak and self._ref[g]() is not s):  # a new storage
+            g = self._latest[k] = len(self._address)
+            self._address.append(k)
+            self._size.append(n)
+            if self._weak:
+                self._ref.append(weakref.ref(s))
+            else:
+                self._ref.append(_alive)
+                self._keep.append(s)
+        elif n > self._size[g]:
+            self._size[g] = n
+        return g
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,11 +143,34 @@ class OpTracer(TorchDispatchMode):
         _tensors_in(kwargs, ins)
         outs: List[torch.Tensor] = []
         _tensors_in(out, outs)
-        self.ops.append((tuple(self._key(t) for t in ins), tuple(self._key(t) for t in outs)))
+        self._ops.append((tuple(self._generation(t) for t in ins),
+                          tuple(self._generation(t) for t in outs)))
         if _moves_bytes(func):
             self.traffic += sum(dense_bytes(t) for t in ins) + sum(dense_bytes(t) for t in outs)
-        self._keep.append((args, kwargs, out))  # no storage is freed (and its address reused)
         return out
+
+    def _keys(self) -> List[int]:
+        """Each generation's key now: its storage_key while its storage lives, else its own
+        negative one (no storage_key is negative)."""
+        return [k if ref() is not None else -1 - g
+                for g, (k, ref) in enumerate(zip(self._address, self._ref))]
+
+    def _named(self) -> Tuple[List[Tuple[Tuple[int, ...], Tuple[int, ...]]], Dict[int, int]]:
+        """``ops`` and ``sizes``, from one reading of which storages live."""
+        keys = self._keys()
+        ops = [(tuple(keys[g] for g in reads), tuple(keys[g] for g in writes))
+               for reads, writes in self._ops]
+        return ops, {keys[g]: n for g, n in enumerate(self._size)}
+
+    @property
+    def ops(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        """Per op, the keys of the storages it read and of those it wrote."""
+        return self._named()[0]
+
+    @property
+    def sizes(self) -> Dict[int, int]:
+        """Per storage key, the largest size (bytes) its storage had in the trace."""
+        return self._named()[1]
 
     def peak_live(self, skip: Set[int], keep: Set[int] = frozenset(),
                   release: Set[int] = frozenset(), by_node: bool = False) -> int:
@@ -121,13 +186,15 @@ class OpTracer(TorchDispatchMode):
         ``by_node``: a storage born here is freed when the node that last used it has finished
         (not right after that use): a node's incoming gradients and the values its formula
         holds live until it returns (an upper bound for the formula's shorter temporaries).
-        Never below 0."""
-        n = len(self.ops)
+        The keys are ``storage_key``s of storages alive now (a storage freed since has a
+        negative key of its own, see the class). Never below 0."""
+        ops, sizes = self._named()
+        n = len(ops)
         birth: Dict[int, int] = {}
         last: Dict[int, int] = {}
         known: Set[int] = set()
         last_read: Dict[int, int] = {}
-        for i, (reads, writes) in enumerate(self.ops):
+        for i, (reads, writes) in enumerate(ops):
             for k in reads:
                 last_read[k] = i
                 if k not in known:
@@ -146,13 +213,13 @@ class OpTracer(TorchDispatchMode):
         for k in release:
             if k in known and k not in birth and k in last_read:
                 end = next((m for m in marks if m > last_read[k]), n)
-                diff[min(end, n)] -= self.sizes[k]
+                diff[min(end, n)] -= sizes[k]
         for k, b in birth.items():
             end = n if k in keep else last[k] + 1
             if by_node and k not in keep:  # held until the node that last used it returned
                 end = next((m for m in marks if m > last[k]), end)
-            diff[b] += self.sizes[k]
-            diff[min(end, n)] -= self.sizes[k]
+            diff[b] += sizes[k]
+            diff[min(end, n)] -= sizes[k]
         peak = cur = 0
         for i in range(n):
             cur += diff[i]
@@ -172,9 +239,8 @@ def _mark_nodes(outputs: Sequence[torch.Tensor], tracer: OpTracer,
     (``AccumulateGrad`` nodes belong to the parameters: left alone; ``stop``: nodes not to go
     past, as ``graph_nodes``). Returns the hooks' handles (a graph that outlives the trace,
     the model's own, should have them removed)."""
-    # a weak reference: the hooks live on the graph's C++ nodes, which the tracer's kept
-    # tensors hold; a strong one would be a cycle Python's collector cannot see (a leak of
-    # every traced tensor, once per measured stage)
+    # a weak reference: the hooks live on the graph's C++ nodes, which can outlive the trace
+    # (the model's own graph, in the tail's replay) and must not keep the tracer's record
     ref = weakref.ref(tracer)
     return [node.register_hook(functools.partial(_mark, ref))
             for node in graph_nodes([o.grad_fn for o in outputs], stop)

@@ -5,6 +5,7 @@ A storage is identified by its ``StorageImpl`` address (``untyped_storage()._cda
 works on the ``meta`` device too (there every data pointer is 0). An address is only an
 identity while its storage lives: whoever compares keys across time keeps the storages alive
 (``keys_held``), not the tensors, since a tensor given a new ``.data`` lets go of its old one.
+(The op tracer, which must hold nothing, follows storages by their Python objects instead.)
 """
 from __future__ import annotations
 
