@@ -86,14 +86,19 @@ def run_point(chain: Chain, M: float, bw: float) -> Dict[str, Optional[float]]:
         assert r.peak_memory <= M * (1 + 1e-9), (name, r.peak_memory, M)
         out[name] = seq / r.makespan
         if name == "pofo":
-            out["pofo_sim_over_dp"] = r.makespan / p.meta["dp_value"]
-            out["pofo_sim_over_paper_dp"] = r.makespan / p.meta["paper_dp_value"]
+            out["pofo_sim_over_dp"] = _ratio(r.makespan, p.meta["dp_value"])
+            out["pofo_sim_over_paper_dp"] = _ratio(r.makespan, p.meta["paper_dp_value"])
             out["pofo_dp_model"] = p.meta["dp_model"]
             out["pofo_variant"] = p.meta["variant"]
     others = [out[k] for k in planners if k != "pofo" and out.get(k)]
     if out.get("pofo") and others:   # throughputs: >= 1 means pofo is at least as fast
         out["pofo_over_best_other"] = out["pofo"] / max(others)
     return out
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, or None where either is unknown (pofo's DP values are None when not finite)."""
+    return None if a is None or b is None or b == 0 else a / b
 
 
 RANDOM_SEEDS = 60
@@ -125,21 +130,23 @@ def random_sweep(quick: bool) -> Dict:
                            dp_model=p.meta["dp_model"], paper_dp_value=pdv,
                            pofo=r.makespan, paper=p.meta["paper_time"],
                            variant=p.meta["variant"], solve_s=solve_s,
-                           sim_over_dp=r.makespan / dpv, dp_over_sim=dpv / r.makespan,
-                           sim_over_paper_dp=r.makespan / pdv,
-                           paper_over_dp=p.meta["paper_time"] / pdv)
+                           sim_over_dp=_ratio(r.makespan, dpv), dp_over_sim=_ratio(dpv, r.makespan),
+                           sim_over_paper_dp=_ratio(r.makespan, pdv),
+                           paper_over_dp=_ratio(p.meta["paper_time"], pdv))
                 if L <= ORACLE_MAX_L:
                     best = pofo_class_optimum(c, M, bw)
                     row["class_optimum"] = best
                     if best is not None:
-                        row["class_over_dp"] = best / pdv   # the paper's DP value
-                        row["class_over_whole_dp"] = best / dpv
+                        row["class_over_dp"] = _ratio(best, pdv)   # the paper's DP value
+                        row["class_over_whole_dp"] = _ratio(best, dpv)
                         row["pofo_over_class"] = r.makespan / best
                 rows.append(row)
-    ratios = [r["sim_over_dp"] for r in rows]
+    # (a DP value that is not finite, None, has no ratio: such a case is in "cases" only)
+    ratios = [x for x in (r["sim_over_dp"] for r in rows) if x is not None]
     orc = [r for r in rows if r.get("class_over_dp")]
-    paper_ratios = [r["sim_over_paper_dp"] for r in rows]
-    tight = [r["dp_over_sim"] for r in rows]
+    paper_ratios = [x for x in (r["sim_over_paper_dp"] for r in rows) if x is not None]
+    tight = [x for x in (r["dp_over_sim"] for r in rows) if x is not None]
+    paper_over = [x for x in (r["paper_over_dp"] for r in rows) if x is not None]
     summary = {
         "cases": len(rows), "goal_sim_over_dp": 1.02,
         "sim_over_dp_max": max(ratios), "sim_over_dp_mean": sum(ratios) / len(ratios),
@@ -151,8 +158,8 @@ def random_sweep(quick: bool) -> Dict:
         "sim_over_paper_dp_max": max(paper_ratios),
         "sim_over_paper_dp_mean": sum(paper_ratios) / len(paper_ratios),
         "sim_over_paper_dp_over_goal": sum(x > 1.02 + 1e-12 for x in paper_ratios),
-        "paper_over_dp_max": max(r["paper_over_dp"] for r in rows),
-        "paper_over_goal": sum(r["paper_over_dp"] > 1.02 + 1e-12 for r in rows),
+        "paper_over_dp_max": max(paper_over), "unknown_dp_cases": len(rows) - len(ratios),
+        "paper_over_goal": sum(x > 1.02 + 1e-12 for x in paper_over),
         "oracle_cases": len(orc),
         "class_over_dp_max": max((r["class_over_dp"] for r in orc), default=None),
         "class_over_goal": sum(r["class_over_dp"] > 1.02 + 1e-12 for r in orc),
@@ -160,7 +167,7 @@ def random_sweep(quick: bool) -> Dict:
         "pofo_slower_than_class": sum(r["pofo_over_class"] > 1 + 1e-12 for r in orc),
         "solve_s_max": max(r["solve_s"] for r in rows),
         "total_s": time.perf_counter() - t_all}
-    worst = sorted(rows, key=lambda r: -r["sim_over_dp"])[:8]
+    worst = sorted(rows, key=lambda r: -(r["sim_over_dp"] or 0))[:8]
     print_table(worst, ["seed", "L", "bandwidth", "memory", "dp_value", "paper_dp_value", "pofo",
                         "paper", "class_optimum", "sim_over_dp", "variant"],
                 title="random chains: the worst pofo simulated time / DP value")

@@ -8,6 +8,8 @@ field is a sequence of length ``L + 1``. Times are seconds, sizes bytes.
 ``bw``      backward time of stage s (u_B)
 ``x``       size of the input activation of stage s (``x[0]`` is the network input)
 ``xbar``    size of all the forward of stage s keeps for its backward, output included
+            (``xbar[s] >= x[s+1]`` on profiled chains; a smaller one is taken as given, not
+            refused: the input of stage s+1 held as ``xbar[s]`` then counts ``xbar[s]``)
 ``delta``   size of the gradient w.r.t. ``x[s]`` (made by B s, consumed by B s-1)
 ``fw_tmp``  transient memory of the forward of stage s that keeps xbar[s] (F_all)
 ``bw_tmp``  transient memory of the backward of stage s
@@ -41,10 +43,22 @@ def _plain(values: Tuple[Any, ...]) -> bool:
         return False
     if not values:
         return True
-    try:  # a NaN or infinity makes the sum one; an overflow just takes the slow path
-        return min(values) >= 0 and (float not in types or math.isfinite(sum(values)))
+    try:  # a NaN or infinity makes the sum one; an overflow (an int past float's range,
+        # 10**400) just takes the slow path, which names it
+        return min(values) >= 0 and math.isfinite(
+            sum(values) if float in types else float(max(values)))
     except OverflowError:
         return False
+
+
+def _fits_float(v: int) -> bool:
+    """``float(v)`` does not overflow (10**400 does). (units.float_or_none says the same, but
+    units imports this module.)"""
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def _sized(values: Any) -> bool:
@@ -74,6 +88,9 @@ def _as_tuple(name: str, values: Sequence[Any]) -> Tuple[Number, ...]:
         # (an int is finite however large: math.isfinite would overflow converting it)
         if (isinstance(v, float) and not math.isfinite(v)) or v < 0:
             raise ValueError(f"Chain.{name}[{s}]: must be finite and non-negative, got {v!r}")
+        if isinstance(v, int) and not _fits_float(v):   # the planners sum sizes as floats
+            raise ValueError(f"Chain.{name}[{s}]: an int of {v.bit_length()} bits is too "
+                             f"large for a float (at most about 1.8e308)")
         out.append(v)
     return tuple(out)
 
@@ -175,7 +192,10 @@ class Chain:
             raise ValueError(f"Chain.from_json: expected JSON text or a path, got "
                              f"{type(text_or_path).__name__}")
         text, source = text_or_path, "text"
-        if is_path or not text_or_path.lstrip().startswith(("{", "[")):
+        # a string is a path when it names a file ('[run1]chain.json'), else JSON text when it
+        # starts like JSON, else a path to report as unreadable
+        if is_path or os.path.isfile(text_or_path) or \
+                not text_or_path.lstrip().startswith(("{", "[")):
             source = text_or_path
             try:
                 with open(text_or_path) as f:

@@ -215,7 +215,14 @@ class Plan:
                    transfer_chunk=d.get("transfer_chunk"), bandwidth=bandwidth)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict())
+        """The plan as strict JSON: a number JSON cannot hold (inf, NaN) is an error naming
+        where it is, not an ``Infinity`` other parsers refuse."""
+        d = self.to_dict()
+        try:
+            return json.dumps(d, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"Plan.to_json: {_non_finite(d, 'plan')} is not finite, and "
+                             "strict JSON has no Infinity or NaN (store None there)") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -224,6 +231,19 @@ class Plan:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Plan.from_json: not JSON ({exc})") from None
         return cls.from_dict(d)
+
+
+def _non_finite(value: Any, where: str) -> str:
+    """The path of the first non-finite float in a JSON-like ``value`` (``plan.meta.x``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where} = {value!r}"
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        got = _non_finite(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}")
+        if got:
+            return got
+    return ""
 
 
 def checkpoint_plan(L: int, checkpointed: Iterable[int], planner: str = "mimose") -> Plan:

@@ -145,7 +145,9 @@ class SimResult:
     transfer_time: float
     final_memory: float
     peak_index: int                         # op running when the peak was first reached (-1: x[0])
-    timeline: List[Tuple[float, float]]     # (time, memory in use from then on), one per change
+    # (time, memory in use from then on), one per instant memory changes; two at one instant
+    # where memory peaks and drops at once (a zero-length op): max() over it is peak_memory
+    timeline: List[Tuple[float, float]]
     steps: List[Step]
     alloc_trace: Dict[str, Any] = field(repr=False)
     bandwidth: Optional[float] = None
@@ -401,7 +403,10 @@ def simulate(chain: Chain, plan: Plan,
 
     def changed(t: float) -> None:
         nonlocal peak, peak_index
-        if timeline[-1][0] == t:
+        # several changes at one instant make one point, except a peak that memory drops from
+        # at the same instant (a zero-length op's): it is kept, so the timeline's max is the peak
+        last = timeline[-1]
+        if last[0] == t and (mem >= last[1] or (len(timeline) > 1 and timeline[-2][1] >= last[1])):
             timeline[-1] = (t, mem)
         else:
             timeline.append((t, mem))

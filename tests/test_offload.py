@@ -216,3 +216,17 @@ def test_relaxation_is_a_lower_bound_at_any_bandwidth(L, seed, frac, bw):
         p = offload.dynprog(c, M, bw, slots=None, improve=improve)
         assert p.meta["dp_value"] == pytest.approx(best, abs=1e-9)
         assert p.meta["dp_value"] <= simulate(c, p).makespan + 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_without_a_channel_the_error_names_the_store_all_peak(name):
+    """Bandwidth 0 (no channel) below the offloading bound named that bound, where the
+    planner then said "bandwidth 0 cannot offload, and the chain needs 75 B": it names the
+    store-all peak, where it plans."""
+    c = Chain.random(4, seed=1)
+    peak = offload.peak_memory(c)
+    for M in (offload.min_memory(c) - 1, offload.min_memory(c), peak - 1):
+        with pytest.raises(InfeasibleError, match="bandwidth 0 cannot offload") as e:
+            PLANNERS[name](c, M, 0)
+        assert e.value.min_memory == peak == 75
+    assert simulate(c, PLANNERS[name](c, peak, 0), None).peak_memory <= peak

@@ -3,7 +3,6 @@
 The oracle enumerates every persistent sequence of a tiny chain (tests/_oracle.py) and
 every subset of the inputs it keeps through the forward phase to offload, converts each to
 whole-activation transfers exactly as pofo does, and scores it with the simulator."""
-import math
 import random
 
 import pytest
@@ -67,29 +66,39 @@ def test_offloading_only_helps_and_plans_are_exact_or_simulated():
 
 @pytest.mark.parametrize("split_tmp", [False, True])
 def test_exhaustive_oracle_on_tiny_chains(split_tmp):
-    """The paper's dp value (continuous transfers) <= the best simulated plan of its class
-    <= pofo's (split_tmp: the no-grad forwards' transient differs from F_all's)."""
+    """The best simulated plan of pofo's class <= pofo's (split_tmp: the no-grad forwards'
+    transient differs from F_all's). The paper's DP value bounds neither way (its continuous
+    release can promise less, its Lemma 1 idle placement more: 43 against a class optimum
+    of 39 on one chain), so it is not compared here."""
     n = 0
     for c, rng in _chains(10, max_L=3, seed0=200, split_tmp=split_tmp):
         lo, hi = pofo.min_memory(c), pofo.max_memory(c)
         for M in sorted({lo, (lo + hi) // 2, (lo + 3 * hi) // 4}):
             bw = rng.choice([1, 2, 4])
             best = _oracle(c, M, bw)
-            p = pofo.solve(c, M, bw, slots=None)
-            assert best is not None
-            assert p.meta["dp_time"] <= best + 1e-9
-            assert best <= p.predicted_time + 1e-9
+            try:
+                p = pofo.solve(c, M, bw, slots=None)
+            except InfeasibleError:   # (the bound is not always met; nor by the class)
+                assert best is None
+                continue
+            assert best is not None and best <= p.predicted_time + 1e-9
             n += 1
     assert n >= 20
 
 
 def test_infeasible_names_the_smallest_memory():
+    """Below pofo's bound (a lower bound, not always met), the least whole limit that works
+    (exact units); without a channel, rotor's minimum (exact)."""
     for c, _ in _chains(6, seed0=300):
-        need = pofo.min_memory(c)
+        bound = pofo.min_memory(c)
         with pytest.raises(InfeasibleError) as e:
-            pofo.solve(c, need - 1, 2, slots=None)
-        assert e.value.min_memory == need
+            pofo.solve(c, bound - 1, 2, slots=None)
+        need = e.value.min_memory
+        assert need >= bound
         _check(c, pofo.solve(c, need, 2, slots=None), need, 2)
+        if need > bound:
+            with pytest.raises(InfeasibleError):
+                pofo.solve(c, need - 1, 2, slots=None)
         rneed = rotor.min_memory(c)
         with pytest.raises(InfeasibleError) as e:
             pofo.solve(c, rneed - 1, 0, slots=None)
@@ -241,7 +250,7 @@ def test_pofo_plans_at_the_limit_where_only_its_heuristics_fit():
         p = pofo.solve(chain, M, bw)
         assert p.predicted_time <= greedy.predicted_time
         assert simulate(chain, p, bw).peak_memory <= M
-        assert p.meta["dp_time"] == math.inf and p.meta["variant"].startswith(
+        assert p.meta["dp_time"] is None and p.meta["variant"].startswith(
             ("dynprog", "greedy", "opportunist", "autocapper", "pofo@"))
 
 

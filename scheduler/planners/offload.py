@@ -314,11 +314,12 @@ def _setup(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, st
            who: str) -> Tuple[Chain, Number, float]:
     chain, memory = check_chain(chain), memory_arg(memory)
     beta = bandwidth_arg(bandwidth, allow_zero=True, where=who)
-    _check_feasible(chain, memory, who)
+    # (no channel first: the offloading bound below is no limit that works without one)
     if beta == 0 and peak_memory(chain) > memory:
         raise InfeasibleError(f"{who}: bandwidth 0 cannot offload, and the chain needs "
                               f"{format_bytes(peak_memory(chain))} > {format_bytes(memory)} "
                               "without offloading", peak_memory(chain))
+    _check_feasible(chain, memory, who)
     return chain, memory, beta
 
 

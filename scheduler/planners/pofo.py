@@ -50,9 +50,11 @@ that needs it. Then:
   ``slots`` is coarser and the store-all sequence when it fits, so ``pofo <= rotor`` and ``pofo <= offload-only`` at every memory
   limit, in simulated time (``meta["variant"]`` says which one won). Where the DPs' slot grid
   (sizes rounded up) leaves no sequence, :func:`_improve`'s candidates (DYNPROG, GREEDY,
-  opportunist, autocapper) are weighed before giving up, ``improve`` or not (``dp_time`` is
-  then inf), so pofo plans at every limit where an offload-only planner does; its
-  ``InfeasibleError`` names a limit at which it was checked to find a plan.
+  opportunist, autocapper) are weighed before giving up, ``improve`` or not (``dp_time``,
+  ``dp_value`` and ``paper_dp_value`` are then None), so pofo plans at every limit where an
+  offload-only planner does; its ``InfeasibleError`` names a limit at which it was checked
+  to find a plan (in exact units, the least whole one; :func:`min_memory` is a lower bound,
+  not always met).
 """
 from __future__ import annotations
 
@@ -173,27 +175,29 @@ def solve(chain: Chain, memory: Union[Number, str], bandwidth: Union[Number, str
                          f"{shown(delta_step)}")
     floor = min_memory(chain) if beta > 0 else None
     if floor is not None and memory < floor:
-        # the bound is in exact units: on the slot grid it may not work, so say what does
+        # a bound, not always met (and in exact units: the slot grid rounds sizes up), so
+        # the error names a limit solve is checked to find a plan at
         need = _working_limit(chain, memory, beta, slots, delta_step, floor, ())
-        more = ("" if need == floor else
-                f"; with slots={slots} no limit that works is known" if need is None else
-                f"; with slots={slots} a sequence fits at {format_bytes(need)}")
-        raise InfeasibleError(f"pofo.solve: memory {format_bytes(memory)} is below the "
-                              f"smallest limit any sequence of {chain.name or 'this chain'} "
-                              f"can meet ({format_bytes(floor)}){more}", need)
+        raise InfeasibleError(f"pofo.solve: memory {format_bytes(memory)} is below "
+                              f"{format_bytes(floor)}, a lower bound on the limit any sequence "
+                              f"of {chain.name or 'this chain'} can meet; {_at(need)}", need)
     needs: List[Optional[Number]] = []   # what the candidates that failed reported
     plan = _search(chain, memory, beta, slots, delta_step, improve, model, needs)
     if plan is None:
-        # the slot grid's rounding failed, not the limit: a limit that works is one of the
-        # failed candidates' (or rotor's on its grid), checked by solving there
+        # the limit, or the slot grid's rounding: a limit that works is one of the failed
+        # candidates' (or the bounds', rotor's on its grid, the store-all peak), checked
         need = _working_limit(chain, memory, beta, slots, delta_step, floor, needs)
-        why = (f"the slot grid rounds sizes up; at {need!r} a sequence fits, or more slots "
-               f"may fit this limit" if need is not None else
-               "the slot grid rounds sizes up, and no limit that works is known; more slots "
-               "may fit this limit")
-        raise InfeasibleError(f"pofo.solve: no sequence fits memory {memory!r} with "
-                              f"slots={slots} ({why})", need)
+        grid = (f" with slots={slots} (the slot grid rounds sizes up: more slots may fit this "
+                "limit)" if slots is not None else "")
+        raise InfeasibleError(f"pofo.solve: no sequence of {chain.name or 'this chain'} fits "
+                              f"memory {format_bytes(memory)}{grid}; {_at(need)}", need)
     return plan
+
+
+def _at(need: Optional[Number]) -> str:
+    """What an ``InfeasibleError`` says of the limit it names."""
+    return (f"at {format_bytes(need)} a sequence fits" if need is not None else
+            "no limit that works is known")
 
 
 def _search(chain: Chain, memory: Number, beta: float, slots: Optional[int], delta_step: int,
@@ -284,13 +288,19 @@ def _search(chain: Chain, memory: Number, beta: float, slots: Optional[int], del
     stamp(plan, sim, chain, memory, beta, "pofo")
     # the whole-activation DP's value (ours) is reached by its own plan; the paper's may not be
     dp_value = min(whole_time, exact_time) if math.isfinite(whole_time) else dp_time
-    plan.meta.update(dp_time=dp_time, dp_value=dp_value, paper_dp_value=dp_time,
-                     whole_dp_value=whole_time if math.isfinite(whole_time) else None,
+    # (None where no DP found a sequence, a heuristic's plan won: strict JSON has no inf)
+    plan.meta.update(dp_time=_finite(dp_time), dp_value=_finite(dp_value),
+                     paper_dp_value=_finite(dp_time), whole_dp_value=_finite(whole_time),
                      dp_model="whole" if math.isfinite(whole_time) else "paper",
                      variant=name, exact=not plan.has_transfers,
                      delta_step=delta_step, simulated_time=sim.makespan,
                      paper_time=paper_time, improve=improve)
     return plan
+
+
+def _finite(value: float) -> Optional[float]:
+    """A DP value for ``meta``: None where there is none (inf)."""
+    return value if math.isfinite(value) else None
 
 
 def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number,
@@ -316,15 +326,21 @@ def _improve(chain: Chain, plan: Plan, sim: SimResult, name: str, memory: Number
 
     ``candidates=False``: those candidates were weighed already (:func:`solve` weighs them
     before giving up where the DP finds no sequence)."""
+    starts = [(plan, sim, name)]   # the plans the placement search starts from
     if candidates:
         got = _fastest_candidate(chain, memory, beta, _candidates(chain, slots, delta_step),
                                  (plan, sim, name), [])
         assert got is not None  # (the current plan is one)
+        if got[0] is not plan:
+            # the DP's plan too: its transfers re-placed can beat the fastest candidate (a
+            # limit one byte higher dropped a 33 s plan for a 34 s one)
+            starts.insert(0, got)
         plan, sim, name = got
-    if plan.has_transfers:
-        better, bsim, _ = improve_transfers(chain, plan, memory, beta)
-        if bsim.makespan < sim.makespan:
-            plan, sim, name = better, bsim, name + "+placement"
+    for start, ssim, sname in starts:
+        if start.has_transfers:
+            better, bsim, _ = improve_transfers(chain, start, memory, beta)
+            if bsim.makespan < sim.makespan - 1e-12 * sim.makespan:
+                plan, sim, name = better, bsim, sname + "+placement"
     if chain.L <= REMAT_MAX_L:
         plan, sim, name = _recompute_instead(chain, plan, sim, name, memory, beta, slots,
                                              delta_step)
@@ -378,11 +394,17 @@ def _fastest_candidate(chain: Chain, memory: Number, beta: float, cands: List[Ca
 def _working_limit(chain: Chain, memory: Number, beta: float, slots: Optional[int],
                    delta_step: int, floor: Optional[Number],
                    needs: Sequence[Optional[Number]]) -> Optional[Number]:
-    """The least limit above ``memory`` at which :func:`solve` is checked to find a plan,
-    among pofo's bound (``floor``), rotor's least limit on the grid pofo tries it on, and
-    the limits its failed candidates named (bounds, some of them: each is solved at before
-    it is named); None if none of them works."""
-    limits = list(needs) + [floor]
+    """The least limit above ``memory`` at which :func:`solve` is checked to find a plan (it
+    passes solve's own checks: at least ``floor``, pofo's bound, and a plan found there),
+    among that bound, offload-only's, rotor's least limit on the grid pofo tries it on, the
+    limits its failed candidates named and the store-all peak (where storing everything
+    fits, so some limit is named); None if none of them works (a DP past its units). In
+    exact units (``slots=None``), the least whole limit that works, bisected below that one.
+    A check is one :func:`_search` without the improvement step: a few DP solves, and the
+    heuristics' plans where those find nothing; limits are checked from the least up."""
+    limits = list(needs) + [floor, max_memory(chain)]
+    if beta > 0:
+        limits.append(offload.min_memory(chain))
     try:
         limits.append(_rotor_min(chain, 500 if slots is not None and slots < 500 else slots,
                                  memory))
@@ -390,13 +412,24 @@ def _working_limit(chain: Chain, memory: Number, beta: float, slots: Optional[in
         pass
 
     def works(limit: Number) -> bool:
+        if floor is not None and limit < floor:
+            return False   # (solve refuses it before searching)
         # the feasibility of the full solve: improvement and the whole-activation DP only
         # make a plan faster, and the heuristics are weighed whenever the DP fails
         try:
             return _search(chain, limit, beta, slots, delta_step, False, "paper", []) is not None
         except ValueError:   # (past what the DP takes in these units: no limit for solve)
             return False
-    return least_working(limits, memory, works)
+    need = least_working(limits, memory, works)
+    if need is None or slots is not None or not isinstance(need, int):
+        return need
+    # exact units: the least whole limit that works (the bounds above are not always met;
+    # a DP's feasibility grows with the limit), by bisection between a refused limit and it
+    lo = math.floor(max(memory, floor - 1 if floor is not None else memory))
+    while need - lo > 1:
+        mid = (lo + need) // 2
+        lo, need = (lo, mid) if works(mid) else (mid, need)
+    return need
 
 
 def _derated(chain: Chain, memory: Number, beta: float, factor: float, slots: Optional[int],

@@ -195,26 +195,33 @@ def _autocapper(chain: Chain, memory: Number, beta: float, levels: int = 40,
 
 def _autocapper_limit(chain: Chain, memory: Number, beta: float, levels: int,
                       slots: Optional[int]) -> Optional[Number]:
-    """A limit above ``memory`` at which autocapper finds a plan, or None: pofo's bound
-    (:func:`~scheduler.planners.pofo_bounds.min_memory`, with offloading) where autocapper
-    meets it (checked: the capped sequences may not reach it), else rotor's least limit on
-    its slot grid, where its first cap (the limit itself) is rotor's plan, which fits
-    without offloading (checked by running that capper)."""
-    if beta > 0:
-        floor = min_memory(chain)
-        if floor > memory:
-            try:
-                _autocapper(chain, floor, beta, levels, slots)
-                return floor
-            except InfeasibleError:
-                pass
+    """The least limit above ``memory`` at which autocapper finds a plan (checked), among
+    pofo's bound with offloading, rotor's least limit on its slot grid (autocapper's first
+    cap, the limit itself, is then rotor's plan, which fits without offloading) and the
+    store-all peak (where that plan stores everything); None if none does. A check costs one
+    rotor solve where the limit's own cap fits, else a full autocapper run (``levels``
+    cappers: a rotor solve and up to L + 2 simulations each); three checks at most."""
+    def works(limit: Number) -> bool:
+        if capper(chain, limit, beta, limit, slots) is not None:
+            return True   # (autocapper's first cap: it finds this plan or a faster one)
+        try:
+            _autocapper(chain, limit, beta, levels, slots)
+            return True
+        except InfeasibleError:
+            return False
+    return least_working(_limits(chain, memory, beta, slots), memory, works)
+
+
+def _limits(chain: Chain, memory: Number, beta: float, slots: Optional[int]
+            ) -> List[Optional[Number]]:
+    """The limits the heuristics' errors try (each checked before it is named): pofo's bound
+    with offloading, rotor's least limit on the slot grid (searched from ``memory``; None
+    where the grid has too few slots for this chain at any limit), the store-all peak."""
     try:
-        need = _rotor_min(chain, slots, memory)
-    except ValueError:   # (too few slots for this chain at any limit)
-        return None
-    if not need > memory or capper(chain, need, beta, need, slots) is None:
-        return None
-    return need
+        rotor_least: Optional[Number] = _rotor_min(chain, slots, memory)
+    except ValueError:
+        rotor_least = None
+    return [min_memory(chain) if beta > 0 else None, rotor_least, max_memory(chain)]
 
 
 # ---------------------------------------------------------------------------- opportunist
@@ -247,12 +254,7 @@ def _opportunist_limit(chain: Chain, memory: Number, beta: float,
             return True
         except InfeasibleError:
             return False
-    try:
-        rotor_least: Optional[Number] = _rotor_min(chain, slots, memory)
-    except ValueError:   # (too few slots for this chain at any limit)
-        rotor_least = None
-    return least_working([min_memory(chain) if beta > 0 else None, rotor_least,
-                          max_memory(chain)], memory, works)
+    return least_working(_limits(chain, memory, beta, slots), memory, works)
 
 
 def _opportunist(chain: Chain, memory: Number, beta: float, slots: Optional[int]) -> Plan:
