@@ -30,8 +30,7 @@ if __name__ == "__main__":  # run as a script (bench/ is first on sys.path)
 
 from bench.common import output_dir, run_meta, say_nothing_written, trace_files  # noqa: E402
 from vmalloc.replay import TraceFileError, compare, default_contenders, load  # noqa: E402
-# module functions (vmalloc.report the attribute is the report() function)
-from vmalloc.report import draw_replay_timelines, side_by_side  # noqa: E402
+from vmalloc.report_format import draw_replay_timelines, side_by_side  # noqa: E402
 
 GOAL = 1.05
 TRACES = os.path.join(HERE, "traces")   # the bundled traces (the default of --traces)

@@ -22,11 +22,19 @@ DEFAULT_CHAIN = "resnet101-i1000-b2"   # seed 002's Figure 3 model at 1000x1000 
 BANDWIDTH = 12e9                       # bytes/s host<->device, seed 001's setting
 
 
+def bundle_roots() -> List[Path]:
+    """Where the bundled files (``bench/chains``, ``bench/traces``) are looked for, in order:
+    the working directory, then the source checkout this package runs from (its parent
+    directory). The one search of ``vmalloc demo`` too (here, not in vmalloc: this module stays
+    free of the vmalloc package, which imports it)."""
+    checkout = Path(__file__).resolve().parent.parent
+    return list(dict.fromkeys([Path(os.getcwd()).resolve(), checkout]))   # (once when the same)
+
+
 def bundled_chains() -> List[str]:
-    """Names of the bundled chains (``bench/chains/*.json`` of the working directory or of
-    the source checkout)."""
-    here = Path(__file__).resolve().parent.parent
-    for root in (Path(os.getcwd()), here):
+    """Names of the bundled chains: ``bench/chains/*.json`` of the first of
+    :func:`bundle_roots` that has any."""
+    for root in bundle_roots():
         found = sorted(p.stem for p in (root / "bench" / "chains").glob("*.json"))
         if found:
             return found
@@ -34,12 +42,11 @@ def bundled_chains() -> List[str]:
 
 
 def find_chain(name: str = DEFAULT_CHAIN) -> Chain:
-    """A bundled chain (``bench/chains/NAME.json`` of the working directory or of the source
-    checkout). Where no chain is bundled at all (an installed package), the default name gives
+    """A bundled chain (``bench/chains/NAME.json`` of the first of :func:`bundle_roots` that
+    has it). Where no chain is bundled at all (an installed package), the default name gives
     a random 40-stage chain in MiB so the demo still runs anywhere; any other name that is not
     bundled is an error listing those that are."""
-    here = Path(__file__).resolve().parent.parent
-    for root in (Path(os.getcwd()), here):
+    for root in bundle_roots():
         path = root / "bench" / "chains" / f"{name}.json"
         if path.is_file():
             return Chain.from_json(str(path))

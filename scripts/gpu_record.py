@@ -12,6 +12,7 @@ cost the next session their 200+ s again).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -180,6 +181,18 @@ def from_verbose_log(log_path: Optional[Path], meta: Dict[str, Any], why: str) -
 
 
 def write_json(path: Path, doc: Dict[str, Any]) -> None:
+    """Write ``doc`` whole or not at all: to a temporary file beside ``path``, then renamed over
+    it. gpu-check is killed at its time limits; written in place, a kill mid-write left an
+    empty record, and every later gpu-check stopped on it ("is not JSON"). (What
+    vmalloc.atomic_file.write_atomic does, inline: gpu-check has only scripts/ on its path, so
+    ``import vmalloc`` there would fail, or find an installed copy, not the checkout's.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-
+    text = json.dumps(doc, indent=1) + "\n"
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):   # the write's own error is the one to see
+            tmp.unlink()
+        raise

@@ -10,9 +10,11 @@ import random
 import threading
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from vmalloc import Allocator, OutOfMemoryError, _core
 from vmalloc.allocator import granularity
+from vmalloc.sizes import parse_chunk_and_budget
 
 from test_alloc_memory import memory_for
 
@@ -64,13 +66,49 @@ def test_chunk_size_garbage_is_a_size_error():
 
 
 def test_budget_smaller_than_one_chunk():
-    with pytest.raises(ValueError, match=r"budget: '1MiB' \(1048576 bytes\) is smaller than one chunk"):
+    with pytest.raises(ValueError, match=r"budget: 1 MiB \(1048576 bytes\) is smaller than one chunk"):
         Allocator(chunk_size="2MiB", budget="1MiB")
     with pytest.raises(ValueError, match="budget"):
         Allocator(chunk_size="2MiB", budget=0)
     with pytest.raises(ValueError, match="budget: .*-5"):
         Allocator(budget=-5)
 
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4).map(lambda k: k * (2 * MiB)), st.data())
+def test_a_budget_below_one_chunk_gets_one_message_wherever_it_is_given(chunk, data):
+    """``Allocator(budget=)``, ``Allocator.set_budget`` and the CUDA allocators' check
+    (``enable``, ``pool``, ``VMALLOC_BUDGET``: ``sizes.check_budget_holds_a_chunk``) refuse a
+    budget below one chunk in the same words (the allocator said it in words of its own)."""
+    budget = data.draw(st.integers(1, chunk - 1))
+    said = []
+    for refuse in (lambda: Allocator(chunk_size=chunk, budget=budget),
+                   lambda: Allocator(chunk_size=chunk).set_budget(budget),
+                   lambda: parse_chunk_and_budget(chunk, budget)):
+        with pytest.raises(ValueError) as exc:
+            refuse()
+        said.append(str(exc.value))
+    assert said[0] == said[1] == said[2] and "smaller than one chunk" in said[0], said
+
+
+def test_the_python_defaults_are_the_cores():
+    """One place sets the allocator's defaults: the core's Config (allocator.hpp). The binding's
+    keyword defaults, vmalloc.Allocator's and the registry's history size read it."""
+    import inspect
+
+    from vmalloc.pluggable.registry import TRACE_CAPACITY
+    defaults = _core.DEFAULT_CONFIG
+    params = inspect.signature(Allocator).parameters
+    assert {k: params[k].default for k in defaults if k != "budget"} == \
+        {k: v for k, v in defaults.items() if k != "budget"}
+    assert params["budget"].default is None and defaults["budget"] == 0   # both: no cap
+    a = _core.Allocator()
+    try:
+        assert {k: getattr(a, k) for k in defaults} == defaults
+    finally:
+        a.close()
+    assert TRACE_CAPACITY == defaults["trace_capacity"]
 
 @pytest.mark.parametrize("slack", [-0.5, "lots", float("nan"), True])
 def test_bad_cache_slack(slack):

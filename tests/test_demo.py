@@ -50,3 +50,22 @@ def test_cli_demo_plans_and_replays(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[1/3] planning gpt2-s256-b1" in out and "[2/3] replaying" in out
     assert "[3/3] replaying the 1 bundled" in out and "trace tiny" in out
+
+
+def test_the_cli_default_chain_is_the_demos():
+    """``vmalloc demo --chain``'s default (vmalloc.cli.DEFAULT_CHAIN, spelled there so that every
+    command does not load the scheduler) is the chain scheduler.demo falls back from."""
+    from vmalloc import cli
+    assert cli.DEFAULT_CHAIN == demo.DEFAULT_CHAIN
+    args = cli._parser().parse_args(["demo"])
+    assert args.chain == demo.DEFAULT_CHAIN
+
+
+def test_vmalloc_demo_looks_for_bundled_files_where_scheduler_demo_does(tmp_path, monkeypatch):
+    """One search for the bundled files (scheduler.demo.bundle_roots): the working directory,
+    then the checkout."""
+    from vmalloc import cli_demo
+    monkeypatch.chdir(tmp_path)
+    roots = demo.bundle_roots()
+    assert roots[0] == tmp_path.resolve() and (roots[-1] / "scheduler" / "demo.py").is_file()
+    assert cli_demo._bundle_roots() == roots

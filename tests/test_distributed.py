@@ -26,7 +26,7 @@ import pytest
 
 import dist_worker as W
 from _subproc import autoload_env, python_env
-from vmalloc.report import load as load_report
+from vmalloc.report_format import load as load_report
 
 # the VMALLOC_* variables act through the autoload .pth, installed in a user site-packages; where
 # that is disabled (a venv), the DDP/FSDP matrix still runs, the window and report cases skip

@@ -9,7 +9,7 @@ import pytest
 
 from vmalloc import report_process as P
 from vmalloc.pluggable import live_report as L
-from vmalloc.report import load, to_text
+from vmalloc.report_format import load, to_text
 
 
 @pytest.mark.parametrize("target,env,want", [
@@ -106,6 +106,14 @@ def test_exit_report_to_stdout_writes_no_file(tmp_path, monkeypatch, capsys, tar
     monkeypatch.chdir(tmp_path)
     L.write_exit_report(target)
     assert "vmalloc" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("target", ["stderr", "StdErr"])
+def test_exit_report_to_stderr_writes_no_file(tmp_path, monkeypatch, capsys, target):
+    monkeypatch.chdir(tmp_path)
+    L.write_exit_report(target)
+    out, err = capsys.readouterr()
+    assert "vmalloc report" in err and not out and not list(tmp_path.iterdir())
 
 
 def test_exit_report_goes_to_the_rank_path(tmp_path, monkeypatch):

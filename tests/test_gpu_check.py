@@ -1,6 +1,7 @@
 """scripts/gpu-check on a machine without a GPU: it runs, skips its GPU steps cleanly, leaves
 few files in OUTDIR (the device tool returns at most 8, 2 folders deep), and a failing step stops
 it with the command named."""
+import errno
 import importlib.machinery
 import importlib.util
 import json
@@ -702,3 +703,42 @@ def test_failed_rows_of_a_bench_that_exits_0_fail_its_step(monkeypatch, tmp_path
     assert gc2.row_errors({"gpu": {"rows": [{"status": "error"}, {"status": "ok"}]}}) == [
         {"status": "error"}]
     assert gc2.row_errors({"models": [{"model": "m", "error": "x"}]})[0]["note"] == "x"
+
+
+WRITE_CUT_SHORT = """
+import resource, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import gpu_record
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # past the limit: an OSError (EFBIG), no kill
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    gpu_record.write_json(Path(sys.argv[2]), {"steps": {"demo": {"note": "x" * 100000}}})
+except OSError as exc:
+    print("cut short: errno", exc.errno)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE as on Linux")
+def test_a_record_write_cut_short_leaves_the_last_record(tmp_path):
+    """A write of gpu-progress.json that stops part-way (gpu-check killed at a time limit; here
+    the file-size limit stops it after 4 KiB) leaves the record as it was and no temporary
+    file: written in place it left a truncated file, and every later gpu-check stopped on it
+    ("is not JSON")."""
+    import gpu_record
+    path = tmp_path / gpu_record.PROGRESS
+    path.parent.mkdir(parents=True)
+    last = {"steps": {"build": {"status": "ok", "seconds": 60.0}}}
+    path.write_text(json.dumps(last))
+    r = subprocess.run([sys.executable, "-c", WRITE_CUT_SHORT, str(Path(ROOT) / "scripts"),
+                        str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"cut short: errno {errno.EFBIG}" in r.stdout, r.stdout + r.stderr
+    assert gpu_record.load_progress(tmp_path) == last
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_a_record_is_written_whole(tmp_path):
+    import gpu_record
+    doc = {"steps": {"demo": {"status": "ok", "seconds": 12.5}}}
+    gpu_record.write_json(tmp_path / gpu_record.PROGRESS, doc)
+    assert gpu_record.load_progress(tmp_path) == doc

@@ -10,7 +10,7 @@ from vmalloc.pluggable import live_report
 from vmalloc.replay import Event, Trace, compare
 from vmalloc.replay.run import Contender, caching_factory
 
-rpt = __import__("importlib").import_module("vmalloc.report")
+from vmalloc import report_format as rpt
 MiB = 1 << 20
 
 
@@ -179,7 +179,7 @@ def test_save_leaves_the_file_untouched_when_the_report_cannot_be_rendered(tmp_p
 def test_replay_table_keeps_its_columns_for_empty_traces_and_huge_ratios():
     """An empty trace's phys/req is null (JSON has no NaN) and needs 0 B; a ratio of 10000 or
     more must not run into the next column."""
-    from vmalloc.report import side_by_side_from_json
+    from vmalloc.report_format import side_by_side_from_json
     row = {"allocator": "vmalloc 2MiB", "requested_peak": 0, "physical_peak": 0, "ratio": None,
            "fragmentation": 0.0, "min_budget": 0, "ok": True, "budget_ratio": None,
            "chunk_size": 2 << 20, "if_peak": 0, "if_bound": 0}

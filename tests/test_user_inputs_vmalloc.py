@@ -189,7 +189,7 @@ def test_a_bad_world_size_is_said_and_left_out(P, capsys):
 
 def test_an_unreadable_rank_loses_no_exit_report(P, tmp_path, monkeypatch, capsys):
     from vmalloc.pluggable import live_report as L
-    from vmalloc.report import load
+    from vmalloc.report_format import load
     monkeypatch.setenv("RANK", "abc")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     L.write_exit_report(str(tmp_path / "frag.json"))
@@ -293,7 +293,7 @@ def test_a_timeline_starts_where_dropped_events_left_it():
 
 def test_a_report_without_a_timeline_says_why_there_is_no_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rpt = importlib.import_module("vmalloc.report")   # (vmalloc.report is the function)
+    from vmalloc import report_format as rpt
     rep = rpt.build({"requested_peak": MiB, "physical_peak": 2 * MiB}, source="test")
     rpt.save(rep, str(tmp_path / "frag.json"))
     err = capsys.readouterr().err
@@ -485,7 +485,7 @@ def test_demo_finds_the_checkout_from_the_package_when_run_elsewhere(tmp_path, m
 
 def test_a_png_that_cannot_be_written_keeps_the_report(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from vmalloc.report import save
+    from vmalloc.report_format import save
     path = tmp_path / "frag.json"
     os.mkdir(str(path) + ".png")   # savefig cannot write a file where a directory is
     save({"title": "t", "timeline": {"event": [0, 1], "requested": [0, 4096]}}, str(path))

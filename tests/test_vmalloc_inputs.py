@@ -193,7 +193,7 @@ def test_report_section_name_must_be_a_non_empty_str(name, exc):
 
 
 def test_text_and_json_reports_get_distinct_pngs(tmp_path, monkeypatch):
-    rpt = sys.modules["vmalloc.report"]   # vmalloc.report is the function
+    from vmalloc import report_format as rpt
     drawn = []
     monkeypatch.setattr(rpt, "plot_timeline", lambda rep, path: drawn.append(path))
     rep = {"timeline": [[0.0, 1, 1, 1]]}

@@ -52,17 +52,20 @@ def test_import_of_sizes_and_core_loads_nothing_else(tmp_path):
     assert set(got["vmalloc"]) == LEAVES and not got["torch"], got
 
 
-def test_vmalloc_report_stays_the_function_when_the_module_is_imported_first(tmp_path):
-    """The submodule ``vmalloc.report`` and the function ``vmalloc.report`` share a name: the
-    function wins whichever is imported first, and carries ``add_section`` (README)."""
+def test_vmalloc_report_is_the_function_and_no_module_takes_its_name(tmp_path):
+    """``vmalloc.report`` is the function (DESIGN.md) and carries ``add_section`` (README); the
+    module that builds and renders reports is ``vmalloc.report_format``, so importing it (first,
+    here) binds no module over the function, and there is no ``vmalloc.report`` module."""
     loaded_after("""
-from vmalloc.report import to_text        # the submodule first
+from vmalloc.report_format import to_text        # the format module first
+import importlib.util
 import vmalloc
 assert callable(vmalloc.report) and vmalloc.report.__module__ == "vmalloc.pluggable.live_report"
 assert vmalloc.report.add_section is vmalloc.add_report_section
 vmalloc.report.add_section("lazy", lambda: {"n": 1})
 assert vmalloc.report(format="json")["lazy"] == {"n": 1}
 assert "lazy:" in to_text(vmalloc.report(format="json"))
-import vmalloc.report as again            # bound again by a later import: still the function
-assert again is vmalloc.report
+from vmalloc import report
+assert report is vmalloc.report
+assert importlib.util.find_spec("vmalloc.report") is None
 """, tmp_path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import sys
 import types
 from typing import Any, List
 
@@ -78,17 +77,3 @@ def __dir__() -> List[str]:
     loaded = {n for n, v in globals().items()
               if isinstance(v, types.ModuleType) and v.__name__ == f"{__name__}.{n}"}
     return sorted(own | set(__all__) | set(_SUBMODULES) | loaded)
-
-
-class _Package(types.ModuleType):
-    """This package's module type. Importing the submodule ``vmalloc.report`` binds it as the
-    package's attribute ``report`` (the import system does), which would hide the function
-    ``vmalloc.report``; that one binding is dropped, and the function is found on first use."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "report" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -11,13 +11,15 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Optional
 
-from .sizes import SizeLike, parse_optional_size, parse_size
+from .sizes import SizeLike, check_budget_holds_a_chunk, parse_optional_size, parse_size
 
 # not built: an ImportError naming the directory imported and the two remedies (vmalloc/__init__.py)
 from . import _import_core
 _core = _import_core()
 
 BACKENDS = ("host", "host-lazy", "cuda")
+# the core's own defaults (csrc/alloc/allocator.hpp, Config): the one place they are set
+_DEFAULTS = _core.DEFAULT_CONFIG
 
 # cache_slack at or above _NO_CAP_CHUNKS * chunk_size - 1 is no cap. Below it the native cap,
 # (chunks in use) * (1 + slack), stays under 2**64 for up to 2**57 bytes in use (57-bit virtual
@@ -106,20 +108,21 @@ class Allocator(_core.Allocator):
     is dead (every call raises, ``close()`` releases nothing of the parent's).
     """
 
-    def __init__(self, backend: str = "host", chunk_size: SizeLike = 2 << 20,
-                 budget: Optional[SizeLike] = None, device: int = 0, *,
-                 small_threshold: SizeLike = 1 << 20, split_cached: bool = True,
-                 prefer_remap: bool = False, cache_slack: Optional[float] = 0.25,
-                 trace_capacity: int = 100000) -> None:
+    def __init__(self, backend: str = _DEFAULTS["backend"],
+                 chunk_size: SizeLike = _DEFAULTS["chunk_size"],
+                 budget: Optional[SizeLike] = None, device: int = _DEFAULTS["device"], *,
+                 small_threshold: SizeLike = _DEFAULTS["small_threshold"],
+                 split_cached: bool = _DEFAULTS["split_cached"],
+                 prefer_remap: bool = _DEFAULTS["prefer_remap"],
+                 cache_slack: Optional[float] = _DEFAULTS["cache_slack"],
+                 trace_capacity: int = _DEFAULTS["trace_capacity"]) -> None:
         _check_backend(backend)
         device = _check_device(device)
         chunk = parse_size(chunk_size, "chunk_size")
         if chunk <= 0:
             raise ValueError(f"chunk_size: must be positive, got {chunk_size!r}")
         nbudget = parse_optional_size(budget, "budget")
-        if nbudget is not None and nbudget < chunk:
-            raise ValueError(
-                f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk ({chunk} bytes)")
+        check_budget_holds_a_chunk(nbudget, chunk, zero_is_no_cap=False)
         small = parse_size(small_threshold, "small_threshold")
         if cache_slack is None:
             slack = -1.0
@@ -145,10 +148,7 @@ class Allocator(_core.Allocator):
     def set_budget(self, budget: Optional[SizeLike]) -> None:
         """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""
         nbudget = parse_optional_size(budget, "budget")
-        if nbudget is not None and nbudget < self.chunk_size:
-            raise ValueError(
-                f"budget: {budget!r} ({nbudget} bytes) is smaller than one chunk "
-                f"({self.chunk_size} bytes)")
+        check_budget_holds_a_chunk(nbudget, self.chunk_size, zero_is_no_cap=False)
         super().set_budget(nbudget or 0)
 
     def set_trace_capacity(self, events: int) -> None:

@@ -1,5 +1,6 @@
-"""The ``vmalloc`` command: ``report FILE.json`` (here), ``replay TRACE`` (:mod:`.cli_replay`),
-``demo`` (:mod:`.cli_demo`)."""
+"""The ``vmalloc`` command: its argument parser and the one way every subcommand ends (exit
+status, one-line errors). The subcommands: ``report FILE.json`` (:mod:`.cli_report`),
+``replay TRACE`` (:mod:`.cli_replay`), ``demo`` (:mod:`.cli_demo`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,35 +10,12 @@ from typing import List, NoReturn, Optional, Sequence
 
 from .cli_demo import cmd_demo
 from .cli_replay import cmd_replay
-from .report import load, to_text
+from .cli_report import cmd_report
 from .sizes import format_size, parse_size
 
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from .replay.files import read_bounded
-
-    def check_head(head: bytes) -> None:  # /dev/zero, a binary file: refused before reading on
-        if head.strip() and head.lstrip()[:1] not in (b"{", b"["):  # JSON: load() judges it
-            raise ValueError(f"{args.file}: not a JSON report (starts with {head[:8].hex(' ')})")
-    # a directory, /dev/zero, a huge file: refused here
-    raw = read_bounded(args.file, args.max_size, check_head,
-                       option="vmalloc report --max-trace-size", what="report file")
-    if not raw.strip():
-        raise ValueError(f"{args.file}: is empty")   # (as vmalloc replay says it)
-    try:
-        rep = load(args.file)
-    except UnicodeDecodeError:
-        raise ValueError(f"{args.file}: not a JSON report (not text)") from None
-    try:
-        text = to_text(rep)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
-        # JSON with a 'memory' or 'comparison' key but not the rest of a report: report.py
-        # reads it as a report would be, so say which part is missing or of the wrong type
-        what = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args \
-            else str(exc)
-        raise ValueError(f"{args.file}: not a complete vmalloc report ({what})") from None
-    print(text)
-    return 0
+#: the bundled chain ``vmalloc demo`` plans (scheduler.demo.DEFAULT_CHAIN, not imported here:
+#: every command would load the scheduler; tests/test_demo.py keeps the two equal)
+DEFAULT_CHAIN = "resnet101-i1000-b2"
 
 
 def _version() -> str:
@@ -90,7 +68,35 @@ def _core_missing(exc: ImportError) -> bool:
     return (exc.name or "").endswith("._core")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _max_trace_size(text: str) -> int:
+    """``--max-trace-size``: a positive byte size. An ``ArgumentTypeError``: argparse shows its
+    message (a ValueError's it drops), after the option's name (so parse_size's own
+    "--max-trace-size: " prefix goes)."""
+    try:
+        n = parse_size(text, "--max-trace-size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    if n == 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive byte size such as 256MiB, 1GiB or 268435456, got {text!r}")
+    return n
+
+
+def _add_input_options(p: argparse.ArgumentParser, *, bisect: bool) -> None:
+    """The options every command that reads files shares: ``--max-trace-size``, and for those
+    that replay (``bisect``) ``--no-bisect``."""
+    from .replay.files import DEFAULT_MAX_BYTES
+    if bisect:
+        p.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
+    p.add_argument("--max-trace-size", dest="max_size", type=_max_trace_size,
+                   default=DEFAULT_MAX_BYTES,
+                   help=f"largest (decompressed) input file read, in bytes or e.g. 1GiB (default "
+                        f"{format_size(DEFAULT_MAX_BYTES)}): a bigger one is refused")
+
+
+def _parser() -> _Parser:
+    """The ``vmalloc`` parser; each subcommand's sets ``fn`` (what runs it) and ``parser``
+    (itself: an unknown argument is said in its name)."""
     from .env import VARIABLES
     env_help = "\n".join(f"  {k} (default {d}): {h}" for k, (d, h) in VARIABLES.items())
     p = _Parser(
@@ -99,54 +105,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         epilog="environment (read when torch is imported):\n" + env_help)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
-    from .replay.files import DEFAULT_MAX_BYTES
-    size_help = (f"largest (decompressed) input file read, in bytes or e.g. 1GiB (default "
-                 f"{format_size(DEFAULT_MAX_BYTES)}): a bigger one is refused")
-
-    def max_size(text: str) -> int:
-        # ArgumentTypeError: argparse shows its message (a ValueError's it drops), after the
-        # option's name (so parse_size's own "--max-trace-size: " prefix goes)
-        try:
-            n = parse_size(text, "--max-trace-size")
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
-        if n == 0:
-            raise argparse.ArgumentTypeError(
-                f"expected a positive byte size such as 256MiB, 1GiB or 268435456, got {text!r}")
-        return n
     r = sub.add_parser("report", help="print a saved report (VMALLOC_REPORT=FILE.json or replay --json)")
     r.add_argument("file")
-    r.add_argument("--max-trace-size", dest="max_size", type=max_size, default=DEFAULT_MAX_BYTES,
-                   help=size_help)
-    r.set_defaults(fn=_cmd_report)
+    _add_input_options(r, bisect=False)
+    r.set_defaults(fn=cmd_report, parser=r)
     rp = sub.add_parser("replay", help="replay allocation traces: vmalloc vs PyTorch's caching allocator")
     rp.add_argument("trace", nargs="+", help="JSON trace (.json/.json.gz) or PyTorch snapshot pickle")
     rp.add_argument("--chunk-size", action="append",
                     help="vmalloc chunk size (repeatable; default 2MiB and 20MiB)")
-    rp.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
     rp.add_argument("--device", type=int, default=None, help="snapshot device (default: busiest)")
     rp.add_argument("--json", help="write the comparison as JSON here")
     rp.add_argument("--png", help="write memory-over-time plots here (needs matplotlib)")
-    rp.add_argument("--max-trace-size", dest="max_size", type=max_size,
-                    default=DEFAULT_MAX_BYTES, help=size_help)
-    rp.set_defaults(fn=cmd_replay)
+    _add_input_options(rp, bisect=True)
+    rp.set_defaults(fn=cmd_replay, parser=rp)
     d = sub.add_parser("demo", help="the main job: replay bundled traces (no GPU) or train under a budget (GPU)")
     d.add_argument("--traces", help="directory of traces (default: bench/traces)")
-    d.add_argument("--no-bisect", action="store_true", help="skip the smallest-budget search")
     d.add_argument("--replay-only", action="store_true",
                    help="only replay the bundled traces (no planning; no training even with a GPU)")
-    d.add_argument("--chain", default="resnet101-i1000-b2",
-                   help="bundled chain to plan (bench/chains/NAME.json; default resnet101-i1000-b2)")
+    d.add_argument("--chain", default=DEFAULT_CHAIN,
+                   help="bundled chain to plan (bench/chains/NAME.json; default %(default)s)")
     d.add_argument("--fraction", type=float, default=0.4,
                    help="memory limit as a fraction of what storing every activation needs (default 0.4)")
     d.add_argument("--budget", default="4GiB", help="GPU demo: VMALLOC_BUDGET (default 4GiB)")
-    d.add_argument("--max-trace-size", dest="max_size", type=max_size, default=DEFAULT_MAX_BYTES,
-                   help=size_help)
-    d.set_defaults(fn=cmd_demo)
-    args, extra = p.parse_known_args(_join_negative_sizes(sys.argv[1:] if argv is None else argv))
-    if extra:   # said by the command's parser, so that the message names the command
-        {"report": r, "replay": rp, "demo": d}[args.cmd].error(
-            f"unrecognized arguments: {' '.join(extra)}")
+    _add_input_options(d, bisect=True)
+    d.set_defaults(fn=cmd_demo, parser=d)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; every way it can end is an exit status, and every error one
+    line on stderr naming the command."""
     try:
         rc = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
@@ -175,6 +163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             msg = f"{exc.filename}: {exc.strerror}"
         print(f"vmalloc {args.cmd}: {' '.join(msg.split())}", file=sys.stderr)
         return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, extra = _parser().parse_known_args(
+        _join_negative_sizes(sys.argv[1:] if argv is None else argv))
+    if extra:   # said by the command's parser, so that the message names the command
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return _run(args)
 
 
 if __name__ == "__main__":

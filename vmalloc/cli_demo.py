@@ -4,7 +4,7 @@ bundled traces (``bench/traces``); with one, train a small model under ``VMALLOC
 
 This is the one vmalloc module that uses the ``scheduler`` package (its planners and
 ``scheduler.demo``): the demo sits above both packages, like the autoload hook, and imports the
-scheduler lazily, only when it plans.
+scheduler lazily, when it plans or looks for the bundled files (``scheduler.demo.bundle_roots``).
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from .sizes import CUDA_GRANULARITY, check_budget_holds_a_chunk, format_size, pa
 
 
 def _bundle_roots() -> List[Path]:
-    """Where the bundled files (``bench/chains``, ``bench/traces``) are looked for: the working
-    directory, then the source checkout this package runs from (its parent directory)."""
-    return list(dict.fromkeys([Path(os.getcwd()).resolve(), Path(__file__).resolve().parent.parent]))
+    """Where the bundled files are looked for: ``scheduler.demo.bundle_roots``, the one search
+    (the working directory, then the checkout the packages run from)."""
+    from scheduler.demo import bundle_roots
+    return bundle_roots()
 
 
 def _missing(*what: str) -> FileNotFoundError:
@@ -71,7 +72,7 @@ def _demo_inputs(args: argparse.Namespace) -> Tuple[Any, List[str]]:
     if not traces:
         missing.append("bench/traces/*.json(.gz) (or pass --traces DIR)")
     if not args.replay_only:
-        from scheduler import demo   # (it looks where _bundle_roots says, from its own checkout)
+        from scheduler import demo
         if not demo.bundled_chains():
             missing.append(f"bench/chains/*.json (--chain {args.chain} is planned from "
                            f"bench/chains/{args.chain}.json)")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from .atomic_file import write_atomic
 from .env import check_output_path, output_path
-from .report import comparison_json, draw_replay_timelines, side_by_side_from_json
+from .report_format import comparison_json, draw_replay_timelines, side_by_side_from_json
 from .sizes import format_size, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -150,11 +150,16 @@ def parse_chunk_size(value: Optional[SizeLike], name: str = "chunk_size") -> int
 
 
 def check_budget_holds_a_chunk(budget: Optional[int], chunk: int, budget_name: str = "budget",
-                               chunk_name: str = "chunk_size") -> None:
-    """Refuse a budget (bytes; ``None`` or 0: no cap) below one chunk, naming both knobs: the
+                               chunk_name: str = "chunk_size", *, zero_is_no_cap: bool = True
+                               ) -> None:
+    """Refuse a budget (bytes; ``None``: no cap) below one chunk, naming both knobs: the
     allocator would refuse it at its first allocation, out of whatever op allocated first, and
-    again from every later one. ``chunk`` is the chunk size in bytes (the default when not given)."""
-    if budget and budget < chunk:
+    again from every later one. ``chunk`` is the chunk size in bytes (the default when not given).
+    A budget of 0 is no cap too (``VMALLOC_BUDGET=0``, ``enable(budget=0)``), unless
+    ``zero_is_no_cap`` is False (``vmalloc.Allocator``, whose no cap is ``None`` only)."""
+    if budget is None or (budget == 0 and zero_is_no_cap):
+        return
+    if budget < chunk:
         raise ValueError(f"{budget_name}: {format_size_exact(budget)} ({budget} bytes) is smaller "
                          f"than one chunk ({chunk_name}: {format_size_exact(chunk)}), so nothing "
                          "could be allocated; give at least one chunk, or no budget")

@@ -123,6 +123,20 @@ void bind_alloc(nb::module_& m) {
     }
   });
 
+  // every keyword default below, and DEFAULT_CONFIG, is the core's own (allocator.hpp: Config)
+  const vmalloc::Config defaults;
+  nb::dict default_config;
+  default_config["backend"] = defaults.backend;
+  default_config["chunk_size"] = defaults.chunk_size;
+  default_config["budget"] = defaults.budget;
+  default_config["device"] = defaults.device;
+  default_config["small_threshold"] = defaults.small_threshold;
+  default_config["split_cached"] = defaults.split_cached;
+  default_config["prefer_remap"] = defaults.prefer_remap;
+  default_config["cache_slack"] = defaults.cache_slack;
+  default_config["trace_capacity"] = defaults.trace_capacity;
+  m.attr("DEFAULT_CONFIG") = default_config;
+
   nb::class_<Allocator>(m, "Allocator",
                         "Native chunked VMM allocator. Use vmalloc.Allocator (it validates arguments).")
       .def(
@@ -142,9 +156,11 @@ void bind_alloc(nb::module_& m) {
             cfg.trace_capacity = trace_capacity;
             new (self) Allocator(cfg);
           },
-          "backend"_a = "host", "chunk_size"_a = size_t(2) << 20, "budget"_a = 0, "device"_a = 0,
-          "small_threshold"_a = size_t(1) << 20, "split_cached"_a = true, "prefer_remap"_a = false,
-          "cache_slack"_a = 0.25, "trace_capacity"_a = vmalloc::Config().trace_capacity)
+          "backend"_a = defaults.backend, "chunk_size"_a = defaults.chunk_size,
+          "budget"_a = defaults.budget, "device"_a = defaults.device,
+          "small_threshold"_a = defaults.small_threshold, "split_cached"_a = defaults.split_cached,
+          "prefer_remap"_a = defaults.prefer_remap, "cache_slack"_a = defaults.cache_slack,
+          "trace_capacity"_a = defaults.trace_capacity)
       .def(
           "malloc",
           [](Allocator& a, nb::handle n, nb::handle s) -> uintptr_t {

@@ -1,8 +1,8 @@
 """The live report of the running process: ``vmalloc.report()``, its added sections (e.g. the
 swap runtime's ``"swap"``, kept on the per-device registry) and the ``VMALLOC_REPORT`` exit
 report. The figures are vmalloc's when it is registered, else PyTorch's native allocator's;
-:mod:`vmalloc.report` builds and renders them, :mod:`vmalloc.report_process` says which process
-writes which file."""
+:mod:`vmalloc.report_format` builds and renders them, :mod:`vmalloc.report_process` says which
+process writes which file."""
 from __future__ import annotations
 
 import atexit
@@ -10,8 +10,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ..env import is_report_stream
-from ..report import RESERVED_SECTION_NAMES, build, from_torch_stats, json_ready, save, to_text
+from ..env import is_report_stream, report_target
+from ..report_format import (RESERVED_SECTION_NAMES, build, from_torch_stats, json_ready, save,
+                             to_text)
 from ..report_process import process_identity, report_path
 from .history import drain_history, history_info
 from .registry import REGISTRY, device_index, devices, stats
@@ -166,7 +167,8 @@ def report(format: str = "text", device: Optional[int] = None) -> Any:
     return json_ready(rep) if format == "json" else to_text(rep)
 
 
-# ``vmalloc.report`` is this function (DESIGN.md); ``vmalloc.report.add_section(...)`` works too
+# ``vmalloc.report`` is this function (DESIGN.md); the README documents
+# ``vmalloc.report.add_section(...)`` (also ``vmalloc.add_report_section``)
 report.add_section = add_section  # type: ignore[attr-defined]
 
 
@@ -187,10 +189,9 @@ def write_exit_report(target: str, owner_pid: Optional[int] = None) -> None:
         print(f"vmalloc: could not build the exit report: {exc}", file=sys.stderr)
         return
     try:
-        if path == "-" or path.lower() == "stdout":  # (env.REPORT_STREAMS)
-            print(to_text(rep), flush=True)
-        elif path.lower() == "stderr":
-            print(to_text(rep), file=sys.stderr, flush=True)
+        if is_report_stream(path):   # "-" or "stdout" (report_target: "-"), or "stderr"
+            stream = sys.stdout if report_target(path) == "-" else sys.stderr
+            print(to_text(rep), file=stream, flush=True)
         else:
             save(rep, path)
     except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback

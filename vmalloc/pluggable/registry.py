@@ -7,11 +7,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Set
 
+from .. import _import_core
+
+# the native module: an ImportError naming the fix when it is not built (vmalloc/__init__.py)
+_core = _import_core()
+
 ALL_DEVICES = -1
 # Allocation-history events kept per device: the native ring (Allocator trace_capacity) and the
 # Python history both keep the newest this many and count what they drop, so a long training
-# run with VMALLOC_REPORT set does not grow. Change with history.set_trace_capacity().
-TRACE_CAPACITY = 100_000
+# run with VMALLOC_REPORT set does not grow. Change with history.set_trace_capacity(). The
+# native default (allocator.hpp, Config), the one place it is set.
+TRACE_CAPACITY: int = _core.DEFAULT_CONFIG["trace_capacity"]
 
 # exported symbol names of csrc/bind/torch_c_api.cpp
 ALLOC_FN = "vmalloc_torch_malloc"            # throws c10::OutOfMemoryError (global mode)
@@ -70,7 +76,7 @@ class Registry:
                     out[name] = dict(fn())
                 except Exception as exc:  # noqa: BLE001 - a broken section must not hide the report
                     why = f"{type(exc).__name__}: {exc}"
-                    # said as a section that is not JSON is (vmalloc.report.save)
+                    # said as a section that is not JSON is (report_format.save)
                     print(f"vmalloc: report section {name!r} failed ({why}); written as an error",
                           file=sys.stderr)
                     out[name] = {"error": why}
@@ -85,13 +91,7 @@ def registry() -> Registry:
 
 
 def core() -> Any:
-    """The native module vmalloc._core (RuntimeError naming the fix when it is not built)."""
-    try:
-        from .. import _import_core
-        _core = _import_core()
-    except ImportError as exc:
-        raise RuntimeError("vmalloc's native module vmalloc._core is not built "
-                           f"(run scripts/dev-build or pip install the package): {exc}") from None
+    """The native module vmalloc._core."""
     return _core
 
 

@@ -32,16 +32,82 @@ def _entry(e: Any, device: int, k: int) -> Tuple[str, int, int, int, Any]:
             checked_int(e.get("stream", 0) or 0, f"{where}.stream"), us)
 
 
-def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
-                  name: Optional[str] = None) -> Trace:
-    """Turn a PyTorch memory snapshot's ``device_traces`` into a :class:`Trace`.
+class _Fold:
+    """One device's entries folded into events: the blocks live so far and the events made.
 
-    A block counts as freed at ``free_completed`` (when the native allocator could reuse it),
-    or at ``free_requested`` when no completion follows (snapshots made by
-    ``torch.cuda.memory._profile_to_snapshot`` or traces cut short). Frees of addresses allocated
-    before recording started become allocations at the start of the trace, and so do blocks that
-    the snapshot's ``segments`` show live but the trace never allocated.
-    """
+    A block starts live at its ``alloc``, or at the start of the trace (``pre``) when the
+    trace frees it without allocating it (allocated before recording began) or the snapshot's
+    ``segments`` show it live. It ends at ``free_completed``, or at ``free_requested`` when no
+    completion follows."""
+
+    def __init__(self) -> None:
+        self.pre: List[Event] = []          # allocations that predate the recording
+        self.events: List[Event] = []
+        self.live: Dict[int, Tuple[int, int]] = {}   # addr -> (id, size)
+        self.stream_of: Dict[int, int] = {}          # addr -> allocation stream
+        self.pending: Dict[int, float] = {}          # addr -> time of a free not completed
+        self.next_id = 0
+        self.t0: Optional[float] = None
+
+    def time_of(self, e: Mapping[str, Any]) -> float:
+        """An entry's time in seconds from the first timed entry; without ``time_us``, the
+        number of events so far."""
+        us = e.get("time_us")
+        if us is None:
+            return float(len(self.events))
+        us = float(us)  # _entry checked it is finite as a float: no int overflow below
+        if self.t0 is None:
+            self.t0 = us
+        return (us - self.t0) / 1e6
+
+    def start(self, addr: int, size: int, stream: int, time: Optional[float] = None) -> None:
+        """``addr`` live from ``time``; ``None``: from before the recording (``pre``)."""
+        ident = self.next_id
+        self.next_id += 1
+        self.live[addr] = (ident, size)
+        self.stream_of[addr] = stream
+        if time is None:
+            self.pre.append(Event("alloc", ident, size, stream, 0.0))
+        else:
+            self.events.append(Event("alloc", ident, size, stream, time))
+
+    def end(self, addr: int, time: float) -> None:
+        """``addr`` freed at ``time``."""
+        ident, size = self.live.pop(addr)
+        self.pending.pop(addr, None)
+        self.events.append(Event("free", ident, size, self.stream_of.pop(addr, 0), time))
+
+    def add(self, e: Mapping[str, Any], device: int, k: int) -> None:
+        """Entry ``k`` of the device's trace."""
+        action, addr, size, stream, _ = _entry(e, device, k)
+        if action == "alloc":
+            if addr in self.live:     # address reused before a completion we never saw
+                self.end(addr, self.time_of(e))
+            self.start(addr, size, stream, self.time_of(e))
+        elif action in ("free_requested", "free_completed"):
+            if addr not in self.live:
+                if action == "free_completed" and addr in self.pending:
+                    return
+                self.start(addr, size, stream)   # allocated before recording began
+            if action == "free_requested":
+                self.pending[addr] = self.time_of(e)
+            else:
+                self.end(addr, self.time_of(e))
+
+    def end_pending(self) -> None:
+        """Frees requested but never completed within the trace end when requested."""
+        for addr, time in list(self.pending.items()):
+            if addr in self.live:
+                self.end(addr, time)
+
+    def trace(self, meta: Dict[str, Any]) -> Trace:
+        return Trace(self.pre + self.events, meta)
+
+
+def _device_entries(snapshot: Mapping[str, Any], device: Optional[int]
+                    ) -> Tuple[int, List[Any]]:
+    """The device to read (``None``: the busiest) and its ``device_traces`` entries, with the
+    snapshot's shape checked."""
     traces = snapshot.get("device_traces")
     if "device_traces" not in snapshot:
         raise ValueError("snapshot: no 'device_traces' (record with "
@@ -59,56 +125,12 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
         n = len(traces)
         which = "no device" if n == 0 else "device 0 only" if n == 1 else f"devices 0..{n - 1}"
         raise ValueError(f"device: the snapshot has traces for {which}, got {device!r}")
-    entries = traces[device]
-    pre: List[Event] = []            # allocations that predate the recording
-    events: List[Event] = []
-    live: Dict[int, Tuple[int, int]] = {}   # addr -> (id, size)
-    stream_of: Dict[int, int] = {}          # addr -> allocation stream
-    pending: Dict[int, Tuple[int, int, int, float]] = {}  # addr -> requested free not completed
-    next_id = 0
-    t0 = None
+    return device, traces[device]
 
-    def t_of(e: Mapping[str, Any]) -> float:
-        nonlocal t0
-        us = e.get("time_us")
-        if us is None:
-            return float(len(events))
-        us = float(us)  # _entry checked it is finite as a float: no int overflow below
-        if t0 is None:
-            t0 = us
-        return (us - t0) / 1e6
 
-    def emit_free(addr: int, time: float) -> None:
-        ident, size = live.pop(addr)
-        pending.pop(addr, None)
-        events.append(Event("free", ident, size, stream_of.pop(addr, 0), time))
-
-    for k, e in enumerate(entries):
-        action, addr, size, stream, _ = _entry(e, device, k)
-        if action == "alloc":
-            if addr in live:     # address reused before a completion we never saw
-                emit_free(addr, t_of(e))
-            live[addr] = (next_id, size)
-            stream_of[addr] = stream
-            events.append(Event("alloc", next_id, size, stream, t_of(e)))
-            next_id += 1
-        elif action in ("free_requested", "free_completed"):
-            if addr not in live:
-                if action == "free_completed" and addr in pending:
-                    continue
-                # allocated before recording began: make it live from the start
-                pre.append(Event("alloc", next_id, size, stream, 0.0))
-                live[addr] = (next_id, size)
-                stream_of[addr] = stream
-                next_id += 1
-            if action == "free_requested":
-                pending[addr] = live[addr] + (stream, t_of(e))
-            else:
-                emit_free(addr, t_of(e))
-    for addr in list(pending):   # requested but never completed within the trace
-        if addr in live:
-            emit_free(addr, pending[addr][3])
-    # live blocks the trace never allocated (pre-existing, still live at snapshot time)
+def _start_segment_blocks(snapshot: Mapping[str, Any], device: int, fold: _Fold) -> None:
+    """Blocks the snapshot's ``segments`` show live (``active_allocated``) on ``device`` that
+    the trace never allocated: live from the start (pre-existing, still live at snapshot time)."""
     segments = snapshot.get("segments", [])
     if not isinstance(segments, list):
         raise ValueError(f"snapshot segments: expected a list, got {type(segments).__name__}")
@@ -123,15 +145,30 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
             if b.get("state") != "active_allocated":
                 continue
             addr = checked_int(b.get("address"), f"snapshot segments[{j}] block address")
-            if addr not in live:
+            if addr not in fold.live:
                 size = checked_int(b.get("requested_size") or b.get("size") or 0,
-                            f"snapshot segments[{j}] block size")
+                                   f"snapshot segments[{j}] block size")
                 if size > 0:
-                    pre.append(Event("alloc", next_id, size,
-                                     checked_int(seg.get("stream", 0) or 0,
-                                          f"snapshot segments[{j}].stream"), 0.0))
-                    live[addr] = (next_id, size)
-                    next_id += 1
+                    fold.start(addr, size, checked_int(seg.get("stream", 0) or 0,
+                                                       f"snapshot segments[{j}].stream"))
+
+
+def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
+                  name: Optional[str] = None) -> Trace:
+    """Turn a PyTorch memory snapshot's ``device_traces`` into a :class:`Trace`.
+
+    A block counts as freed at ``free_completed`` (when the native allocator could reuse it),
+    or at ``free_requested`` when no completion follows (snapshots made by
+    ``torch.cuda.memory._profile_to_snapshot`` or traces cut short). Frees of addresses allocated
+    before recording started become allocations at the start of the trace, and so do blocks that
+    the snapshot's ``segments`` show live but the trace never allocated.
+    """
+    device, entries = _device_entries(snapshot, device)
+    fold = _Fold()
+    for k, e in enumerate(entries):
+        fold.add(e, device, k)
+    fold.end_pending()
+    _start_segment_blocks(snapshot, device, fold)
     meta = {"source": "pytorch-snapshot", "device": device, "units": "bytes, seconds",
             "name": name or "snapshot"}
     incomplete = snapshot.get("vmalloc_incomplete")   # vmalloc's own snapshots say so
@@ -140,4 +177,4 @@ def from_snapshot(snapshot: Mapping[str, Any], device: Optional[int] = None,
         warnings.warn(f"{name or 'snapshot'}: incomplete ({incomplete}): allocations live "
                       "before its recording, or whose events were dropped, are not in it, so "
                       "its replay under-counts memory", RuntimeWarning, stacklevel=2)
-    return Trace(pre + events, meta)
+    return fold.trace(meta)

@@ -72,9 +72,6 @@ class Trace:
             peak = max(peak, cur)
         return peak
 
-    def num_allocs(self) -> int:
-        return sum(1 for e in self.events if e.action == "alloc")
-
     def to_json(self) -> Dict[str, Any]:
         return {"meta": dict(self.meta), "events": [e.to_json() for e in self.events]}
 

@@ -1,5 +1,6 @@
-"""Fragmentation reports: text and JSON, live (``vmalloc.report()``), at exit (``VMALLOC_REPORT``)
-and for trace replays (``vmalloc replay``, ``vmalloc demo``).
+"""The format of fragmentation reports: building, rendering (text) and saving/loading (JSON)
+them, for the live report (``vmalloc.report()``), the exit report (``VMALLOC_REPORT``) and
+trace replays (``vmalloc replay``, ``vmalloc demo``).
 
 Internal fragmentation follows seed 003 section 4. A request of ``m_r`` bytes gets
 ``m_a = k * m_c`` bytes of mapped memory, ``k = ceil(m_r / m_c)``, so
@@ -17,7 +18,8 @@ renders several allocators' rows on one trace. This module builds, renders and f
 from figures it is given; the live report of the running process (``vmalloc.report()``, its
 sections such as ``"swap"`` from the swap runtime, contract 3, and the exit report) is
 :mod:`vmalloc.pluggable.live_report`, and which process writes which report
-:mod:`vmalloc.report_process`.
+:mod:`vmalloc.report_process`. (The module is not ``vmalloc.report``: that name is the
+function ``vmalloc.report()``, DESIGN.md's API.)
 """
 from __future__ import annotations
 
@@ -354,12 +356,25 @@ def _json_sections(rep: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def load(path: str) -> Dict[str, Any]:
-    """Read a report saved as JSON; a clear error otherwise."""
+    """Read a report saved as JSON; a clear error otherwise (:func:`loads`)."""
     try:
-        with open(path) as f:
-            rep = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such report file") from None
+    return loads(raw, path)
+
+
+def loads(raw: bytes, path: str) -> Dict[str, Any]:
+    """The report in ``raw``, the bytes read from ``path`` (named in every error): the one
+    parser of :func:`load` and of ``vmalloc report``, which reads the file once, bounded and
+    gunzipped (a pipe cannot be read twice)."""
+    if not raw.strip():
+        raise ValueError(f"{path}: is empty")
+    try:
+        rep = json.loads(raw)
+    except UnicodeDecodeError:   # (a ValueError too: before JSONDecodeError's own message)
+        raise ValueError(f"{path}: not a JSON report (not text)") from None
     except json.JSONDecodeError as exc:   # (the file first, as the trace readers say it)
         raise ValueError(f"{path}: not a JSON report ({exc})") from None
     if not isinstance(rep, dict) or not ({"memory", "comparison"} & rep.keys()):
@@ -408,20 +423,3 @@ def draw_replay_timelines(ax: Any, timelines: Mapping[str, Mapping[str, Any]],
     ax.set_xlabel("event")
     ax.set_ylabel(unit_name)
     ax.legend(fontsize=7)
-
-
-# names this module had before the live report and the per-process paths got modules of their
-# own (``pluggable.live_report``, ``report_process``): resolved on use, so importing this module
-# still loads neither (that import order was a cycle)
-_MOVED = {"add_section": "pluggable.live_report", "remove_section": "pluggable.live_report",
-          "collect": "pluggable.live_report", "report": "pluggable.live_report",
-          "write_exit_report": "pluggable.live_report", "report_path": "report_process",
-          "process_rank": "report_process", "is_launcher": "report_process",
-          "process_identity": "report_process"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-        return getattr(importlib.import_module(f"vmalloc.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
