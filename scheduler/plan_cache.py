@@ -30,11 +30,10 @@ class PlanCache(Generic[T]):
         self.planning_seconds = 0.0
 
     def get_or_plan(self, key: Hashable, plan: Callable[[], T]) -> T:
-        """The cached plan for ``key``, or ``plan()``'s result, timed and stored."""
+        """The cached plan for ``key`` (a hit), or ``plan()``'s result, timed and stored (a
+        miss)."""
         if key in self._plans:
-            self.hits += 1
-            self._plans.move_to_end(key)
-            return self._plans[key]
+            return self._hit(key)
         self.misses += 1
         start = time.perf_counter()
         value = plan()
@@ -45,7 +44,14 @@ class PlanCache(Generic[T]):
         return value
 
     def get(self, key: Hashable) -> Optional[T]:
-        return self._plans.get(key)
+        """The cached plan for ``key``, counted as a hit and kept as the most recent, or
+        ``None`` (not counted: the caller plans, through ``get_or_plan``, or not at all)."""
+        return self._hit(key) if key in self._plans else None
+
+    def _hit(self, key: Hashable) -> T:
+        self.hits += 1
+        self._plans.move_to_end(key)
+        return self._plans[key]
 
     def clear(self) -> None:
         self._plans.clear()
@@ -57,5 +63,9 @@ class PlanCache(Generic[T]):
         return key in self._plans
 
     def stats(self) -> Dict[str, float]:
+        """The cache's figures. ``plans_computed`` and ``plan_cache_hits`` repeat ``misses``
+        and ``hits`` under the swap runtime's names (``swap_stats``), so both runtimes'
+        ``stats()`` answer to them."""
         return {"plans_cached": len(self._plans), "hits": self.hits, "misses": self.misses,
-                "plans_computed": self.misses, "planning_seconds": self.planning_seconds}
+                "plans_computed": self.misses, "plan_cache_hits": self.hits,
+                "planning_seconds": self.planning_seconds}

@@ -195,7 +195,7 @@ def test_storages_left_out_of_the_activations_keep_their_addresses_while_in_use(
                      lambda *a: None)
     taken = 0
     for _ in range(50):
-        with step._not_activations(0) as skip:   # e.g. around a block's measuring run
+        with step.offloader.not_activations(0) as skip:   # e.g. around a block's measuring run
             blocks[0].w = _flat_view(64)   # the next unshard: a new view, the old one dropped
             activations = [torch.empty(16) for _ in range(8)]
             taken += sum(accounting.storage_key(a) in skip for a in activations)

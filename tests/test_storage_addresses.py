@@ -77,9 +77,9 @@ def test_a_dead_passed_through_storage_is_no_longer_protected():
     blocks = [nn.Identity(), nn.Identity()]
     step = ChainStep(blocks, CompiledPlan.of(plan_from_checkpoints(2, []), 2), lambda *a: None)
     x = torch.randn(16)
-    step._note_passed([x], BlockCall((x,), {}, None))   # block 0 returned its argument
-    assert step.passed_through() == {x.untyped_storage()._cdata}
+    step.offloader.note_passed([x], BlockCall((x,), {}, None))  # block 0 returned its argument
+    assert step.offloader.passed_through() == {x.untyped_storage()._cdata}
     del x   # the value died: its address may be a new activation's
     taken = [torch.empty(16).untyped_storage()._cdata for _ in range(8)]
-    assert not step.passed_through() & set(taken)
-    assert step.passed_through() == set()
+    assert not step.offloader.passed_through() & set(taken)
+    assert step.offloader.passed_through() == set()

@@ -156,7 +156,7 @@ def test_an_interrupt_in_a_hook_stops_training(monkeypatch, where):
                     "pack": (swap_sequence.SwapSequence, "step_begin"),
                     "unpack": (swap_sequence.SwapSequence, "step_end"),
                     # the bookkeeping of a dead handle, half done: the exit's sweep redoes it
-                    "freeing": (swap_transfers.Transfers, "forget")}[where]
+                    "freeing": (swap_transfers.SwapTransfers, "forget")}[where]
     real = getattr(target, name)
     calls = []
 

@@ -471,7 +471,7 @@ def test_the_tensors_one_node_reads_are_one_step_and_stay_until_it_runs(monkeypa
     need, step = seq.min_budget()
     assert seq.phases[step] == "B" and len(seq.steps[step]) == 2 and need == 2 * 4096
     released_while_held = []
-    drop = swap_transfers.Transfers._drop_device
+    drop = swap_transfers.SwapTransfers._drop_device
 
     def checked_drop(self, var):  # a device copy let go during the backward must be freed
         storage = var.storage
@@ -480,7 +480,7 @@ def test_the_tensors_one_node_reads_are_one_step_and_stay_until_it_runs(monkeypa
         drop(self, var)
         if ref is not None and ref() is not None and torch._C._current_graph_task_id() != -1:
             released_while_held.append(var.vid)
-    monkeypatch.setattr(swap_transfers.Transfers, "_drop_device", checked_drop)
+    monkeypatch.setattr(swap_transfers.SwapTransfers, "_drop_device", checked_drop)
     ctx = scheduler.swap(window="1MiB", budget=need, device="cpu", min_bytes=4096)
     assert_bit_identical(train(*MODELS["product"], ctx=ctx), reference("product"))
     st = ctx.stats()

@@ -31,7 +31,7 @@ GARBAGE = 0x7F  # what swapped-in memory holds until its copy lands
 
 class FakeStream:
     """A side or compute stream: ``role`` is "out"/"in" for the runtime's pair (it makes them
-    in that order, ``Transfers.streams_for``), the name given otherwise."""
+    in that order, ``SwapTransfers.streams_for``), the name given otherwise."""
 
     made = 0
 
@@ -151,7 +151,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(swap_transfers, "copy_bytes", fake_copy_bytes)
     monkeypatch.setattr(swap_mod, "Var", StreamVar)
     faults: List[str] = []
-    ensure = swap_transfers.Transfers.ensure_resident
+    ensure = swap_transfers.SwapTransfers.ensure_resident
 
     def checked(self, var, budget):
         ensure(self, var, budget)
@@ -168,7 +168,7 @@ def fake_cuda(monkeypatch):
         if not any(e[0] == "record" and e[1]() is storage and e[2] is stream for e in LOG):
             faults.append(f"var {var.vid} read on {stream}, which was not recorded")
 
-    monkeypatch.setattr(swap_transfers.Transfers, "ensure_resident", checked)
+    monkeypatch.setattr(swap_transfers.SwapTransfers, "ensure_resident", checked)
     yield faults
     CURRENT[0] = DEFAULT
 
@@ -294,14 +294,14 @@ def test_every_stream_that_reads_a_swapped_in_tensor_waits_for_its_copy(fake_cud
     ref = train(model, x)
     ctx = gpu_like(scheduler.swap(window="1GiB", planner=plan_from(build), device="cpu"))
     reads: List[Tuple[int, str]] = []
-    ensure = swap_transfers.Transfers.ensure_resident
+    ensure = swap_transfers.SwapTransfers.ensure_resident
 
     def logged(self, var, budget):
         ensure(self, var, budget)
         reads.append((var.vid, CURRENT[0].name))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(swap_transfers.Transfers, "ensure_resident", logged)
+        mp.setattr(swap_transfers.SwapTransfers, "ensure_resident", logged)
         got = train(model, x, ctx)
     assert ctx.stats()["swapped_in_bytes"] > 0, "nothing swapped in: not a test of the order"
     # h was read from both side streams (and the default one, by tanh's backward)
@@ -319,7 +319,7 @@ def test_a_called_off_swap_out_keeps_its_storage_until_the_copy_ends(fake_cuda, 
     """The swap-out's copy still reads the device storage when the swap-out is called off (a
     swap-in while it is OUT, or the forward saving the tensor again): the storage must
     outlive every handle until that copy's event completed, and go at the next poll after."""
-    transfers = swap_transfers.Transfers(False, new_counters(), Residency())
+    transfers = swap_transfers.SwapTransfers(False, new_counters(), Residency())
     transfers.cuda = True  # (the pool unpinned: CPU tensors)
     t = torch.randn(1024)
     storage = t.untyped_storage()

@@ -226,7 +226,7 @@ def test_an_interrupted_tail_records_nothing_until_the_next_call():
     w = torch.randn(64, 64, requires_grad=True)
     for _ in range(3):
         (torch.tanh(w @ w) * w).sum().backward()
-    assert isinstance(tracer, tail_mod._TailTracer) and not tracer.active and not tracer._keep
+    assert isinstance(tracer, tail_mod.TailTracer) and not tracer.active and not tracer._keep
     assert not hooks.recording and not hooks.saved
     with pytest.warns(UserWarning, match="interrupted"):
         lm = step(model, batch, 1)

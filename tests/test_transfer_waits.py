@@ -1,9 +1,9 @@
 """The chain runtime waits for every prefetch before the data is read, as CUDA needs.
 
 On the CPU a prefetch's copy is done when ``prefetch_storage`` returns, so a read that skips
-``Transfers.wait`` goes unnoticed; on a GPU the copy runs on a side stream and such a read
+``ChainTransfers.wait`` goes unnoticed; on a GPU the copy runs on a side stream and such a read
 gets whatever the memory held (silently wrong gradients). ``deferred_copies`` makes the CPU
-behave like the GPU here: a prefetched storage holds garbage until ``Transfers.wait`` (the
+behave like the GPU here: a prefetched storage holds garbage until ``ChainTransfers.wait`` (the
 compute stream's wait on the copy's event) is called for it. Under it, plans with transfers
 (written by hand, from every offloading planner, and random ones the simulator accepts) must
 still give plain training's gradients bit for bit; and a prefetch must leave alone a storage
@@ -56,7 +56,7 @@ class _CopyInFlight:
 def deferred_copies(monkeypatch):
     """Prefetches behave as on a GPU: the data is there only once waited for. Returns the
     list of (storage bytes before, whether it copied) of every prefetch the runtime issued."""
-    prefetch, seen = chain_transfers.Transfers.prefetch_storage, []
+    prefetch, seen = chain_transfers.ChainTransfers.prefetch_storage, []
 
     def prefetch_storage(self, sc):
         before, copied = sc.storage.nbytes(), self.prefetched_bytes
@@ -73,8 +73,8 @@ def deferred_copies(monkeypatch):
             sc.event.land()
             sc.event = None
 
-    monkeypatch.setattr(chain_transfers.Transfers, "prefetch_storage", prefetch_storage)
-    monkeypatch.setattr(chain_transfers.Transfers, "wait", staticmethod(wait))
+    monkeypatch.setattr(chain_transfers.ChainTransfers, "prefetch_storage", prefetch_storage)
+    monkeypatch.setattr(chain_transfers.ChainTransfers, "wait", staticmethod(wait))
     return seen
 
 

@@ -424,7 +424,7 @@ def test_an_offloaded_value_a_backward_reads_goes_once_that_backward_ran(monkeyp
     recompute = chain_exec.ChainStep._recompute
 
     def spy(self, index, kind, s):
-        leaving_at_recompute.append(dict(self.leaving_xbar))
+        leaving_at_recompute.append(dict(self.offloader.leaving_xbar))
         return recompute(self, index, kind, s)
 
     monkeypatch.setattr(chain_exec.ChainStep, "_recompute", spy)

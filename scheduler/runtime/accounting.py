@@ -6,8 +6,9 @@ Two uses: the Mimose collector measures what a block's forward keeps for its bac
 the chain runner reports the peak of activation memory it held while following a plan, to
 compare with the plan's predicted peak on machines without a device allocator to ask (CPU).
 Parameters and buffers are not activations: their storages are left out. Views count once.
-And the one check, for both runtimes, that a saved tensor was not changed in place before
-its backward (``check_unchanged``).
+And, for both runtimes, the one check that a saved tensor was not changed in place before
+its backward (``check_unchanged``) and the one byte view of a storage their copies move
+(``storage_bytes_view``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ from ..profile import autograd_graph, storage
 storage_key = storage.storage_key
 keys_held = storage.keys_held
 SavedTensors = autograd_graph.SavedTensors
+
+
+def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all the bytes of ``storage``, on its device (what a copy to or
+    from the host moves)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),))
 
 
 def tensors_of(values: Iterable[object]) -> List[torch.Tensor]:

@@ -27,16 +27,15 @@ first run where that run changed them in place (spectral norm's power iteration)
 the block's buffers (batch-norm statistics) put back afterwards: the values, dropout masks
 included, are those of plain training, so gradients are bit-identical. Recomputations call
 the block module again (its hooks fire: FSDP2 gathers its parameters), with the arguments of
-the loop's call (``block_calls``).
+the loop's call (``block_calls``). Offloads and prefetches are ``chain_offload``'s: the step
+owns an ``Offloader`` and calls it at each op.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
-import warnings
 import weakref
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterator, List, Optional,
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Protocol,
                     Sequence, Set, Tuple)
 
 import torch
@@ -45,9 +44,10 @@ from torch import nn
 from ..errors import InvalidPlanError
 from ..plan import FORWARD_KINDS
 from ..profile.autograd_graph import differentiable
-from . import accounting, buffers, first_run, fsdp, rng
+from . import accounting, buffers, first_run, rng
 from .block_calls import BlockCall, tensor_leaves
-from .chain_transfers import StorageCopy, Transfers
+from .chain_offload import Offloader
+from .chain_transfers import ChainTransfers
 from .compiled_plan import CompiledPlan
 from .frames import Frame, Tensors
 from .hf_outputs import outputs_not_captured
@@ -75,14 +75,15 @@ class RunStats:
     input_offloads_skipped: int = 0  # offloads of the caller's input (frees nothing)
 
 
-class Collector:
-    """Interface of the Mimose collector (``mimose_collector.ShuttlingCollector``): the step
-    hands it the forward-phase run of every ``F_ck`` block before running it."""
+class Collector(Protocol):
+    """What the step asks of a measuring collector (``mimose_collector.ShuttlingCollector``
+    is one): it hands it the forward-phase run of every ``F_ck`` block before running it."""
 
-    def measure(self, s: int, block: nn.Module, run: Any, inp: Tensors, rg: Sequence[bool],
-                state: Optional["rng.RngState"], exclude: Set[int],
-                shared: Sequence[torch.Tensor] = ()) -> None:
-        raise NotImplementedError  # pragma: no cover - interface
+    def measure(self, s: int, block: nn.Module, run: Callable[[Tuple[Any, ...]], Any],
+                inp: Tuple[Any, ...], rg: Sequence[bool], state: Optional["rng.RngState"],
+                exclude: Set[int], shared: Sequence[torch.Tensor] = ()) -> None:
+        """Measure block ``s`` on ``inp`` (``run`` calls it); ``exclude``: storages that are
+        not activations (weights); ``shared``: the call's other tensors (masks)."""
 
 
 # ------------------------------------------------------------------------------------ step
@@ -109,7 +110,7 @@ class ChainStep:
     def __init__(self, blocks: Sequence[nn.Module], cplan: CompiledPlan,
                  run_again: Callable[[int, Tuple[Any, ...], Dict[str, Any]], Any], *,
                  track_memory: bool = False,
-                 transfers: Optional[Callable[[torch.device], Transfers]] = None,
+                 transfers: Optional[Callable[[torch.device], ChainTransfers]] = None,
                  collector: Optional[Collector] = None,
                  state_tensors: Sequence[torch.Tensor] = (), name: str = "scheduler.wrap",
                  in_place: Optional[first_run.InPlaceBuffers] = None):
@@ -118,13 +119,12 @@ class ChainStep:
         self.L = cplan.L
         self.run_again = run_again
         self.track = track_memory
-        self.transfers = transfers  # the transfer engine of a storage's device
         self.collector = collector
         # which buffers the blocks' forwards change in place (kept by the runner across steps)
         self.in_place = in_place if in_place is not None else first_run.InPlaceBuffers()
-        # what the blocks held as the step began (weights, buffers): never activations
-        # (``_state_keys``)
-        self.state_tensors = list(state_tensors)
+        # the offloads and prefetches, on ``transfers`` (the transfer engine of a storage's
+        # device); ``state_tensors``: what the blocks held as the step began, never activations
+        self.offloader = Offloader(self, transfers, state_tensors)
         self.b_reached: Optional[int] = None  # the op of the B autograd was left to run
         self.name = name
         self.frames: List[Optional[Frame]] = [None] * self.L
@@ -133,11 +133,6 @@ class ChainStep:
         self.anchors: Dict[int, Tensors] = {}         # x[s] the loop changed between blocks
         self.anchor_versions: Dict[int, Tuple[int, ...]] = {}  # of anchors[s] when anchored
         self.xbars: Dict[int, Frame] = {}             # F_all results, until B s
-        self.host: Dict[int, Offloaded] = {}          # offloaded x[s]
-        self.pending: Dict[int, List[StorageCopy]] = {}  # prefetched x[s], copy maybe in flight
-        self.leaving: Dict[int, Tuple[Tensors, int]] = {}  # offloaded, still read until op k
-        self.leaving_xbar: Dict[int, int] = {}           # xbar[t] offloaded, read until op k
-        self.offload_events: Dict[int, List[Any]] = {}   # offload op index -> copy events
         self.stats = RunStats()
         self.devices: List[int] = []
         self.fptr = 0
@@ -147,11 +142,9 @@ class ChainStep:
         # their value (detached); see ``_previous``
         self.prev_out: Optional[Tuple[Tuple[weakref.ReferenceType, ...], Tensors]] = None
         self.failed_call: Optional[BlockCall] = None  # the call of the block running now
-        # storages blocks return unchanged, by key, each weakly (``passed_through``)
-        self._passed: Dict[int, weakref.ReferenceType] = {}
         # each block's outputs as the loop got them (weakly): alive after the forward, they
         # are held outside the plan (returned, kept in a list, saved by autograd outside the
-        # blocks), and an offload must not leave them empty (``_restore_escaped``)
+        # blocks), and an offload must not leave them empty (``Offloader.restore_escaped``)
         self.loop_outs: Dict[int, Tuple[weakref.ReferenceType, ...]] = {}
         self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
         # set by the runner: the plan key a profiling step measures its chain for, the input
@@ -175,8 +168,9 @@ class ChainStep:
                 f.call.kept = []
                 f.out = ()
         self.frames = [None] * self.L
-        for d in (self.xs, self.anchors, self.xbars, self.host, self.pending, self.leaving):
+        for d in (self.xs, self.anchors, self.xbars):
             d.clear()
+        self.offloader.clear()
 
     # -------------------------------------------------------------------------- values
     def _hold(self, s: int, value: Tensors) -> None:
@@ -195,59 +189,44 @@ class ChainStep:
             self._check_version(s, self.anchors[s], self.anchor_versions[s])
             return self.anchors[s]
         if s in self.xs:
-            self._ready_x(s)
+            self.offloader.ready_x(s)
             self._check_version(s, self.xs[s], self.versions[s])
             return self.xs[s]
         if s - 1 in self.xbars:
             f = self._ready_xbar(s - 1, index, kind)
             self._check_version(s, f.out, f.out_version)
             return f.out
-        if s in self.leaving and kind in ("F_ck", "F_all"):  # read while the copy runs
-            return self.leaving[s][0]
-        if s in self.host and not self.host[s].copies and kind in ("F_ck", "F_all"):
-            return self.host[s].comps  # the caller's input: "offloaded" but never moved
-        where = " (it is offloaded: prefetch it first)" if s in self.host else ""
+        moving = self.offloader.readable(s) if kind in ("F_ck", "F_all") else None
+        if moving is not None:  # read while its copy out runs, or the caller's input
+            return moving
+        where = " (it is offloaded: prefetch it first)" if self.offloader.offloaded(s) else ""
         raise InvalidPlanError(f"op {index} ({kind} {s}): the input of stage {s} is not in "
                                f"memory{where}", index)
 
-    # On a GPU a prefetch's bytes arrive on a side stream: whatever reads them (a block's
-    # forward, a recomputation, autograd's backward of a block) must first make the compute
-    # stream wait for the copy. Every read of a value that may have been prefetched goes
-    # through one of these (tests/test_transfer_waits.py checks it on the CPU).
-    def _ready_x(self, s: int) -> None:
-        """Wait for the prefetch of x[s], if one is in flight."""
-        for sc in self.pending.pop(s, ()):
-            Transfers.wait(sc)
-
-    def _wait_xbar(self, f: Frame) -> None:
-        """Wait for the prefetch of what F_all ``f.s`` kept, if one is in flight."""
-        if f.host is not None and not f.released and f.s not in self.leaving_xbar:
-            for sc in f.host:
-                Transfers.wait(sc)
-
+    # A prefetched value's bytes may still be in flight on a side stream: every read of one
+    # waits for its copy first (``Offloader.ready_x``/``wait_xbar``)
     def _ready_input(self, s: int) -> None:
         """Wait for block ``s``'s input, wherever it was prefetched: as x[s], or with what
         F_all s-1 kept (its output; block s's graph may have saved it)."""
-        self._ready_x(s)
+        self.offloader.ready_x(s)
         f = self.xbars.get(s - 1)
         if f is not None:
-            self._wait_xbar(f)
+            self.offloader.wait_xbar(f)
 
     def _ready_xbar(self, t: int, index: int, kind: str) -> Frame:
         f = self.xbars[t]
         if f.released:
             raise InvalidPlanError(f"op {index} ({kind}): xbar[{t}] is offloaded; prefetch "
                                    f"{t + 1} first", index)
-        self._wait_xbar(f)
+        self.offloader.wait_xbar(f)
         return f
 
     def _held_tensors(self) -> List[torch.Tensor]:
         """Every tensor the step holds for the plan (values, F_all results)."""
         ts: List[torch.Tensor] = []
         for comps in list(self.xs.values()) + list(self.anchors.values()) + \
-                [c for c, _ in self.leaving.values()] + \
-                [h.comps for h in self.host.values() if not h.copies]:
-            ts.extend(comps)  # (released storages count 0 bytes; the caller's input counts)
+                self.offloader.held():
+            ts.extend(comps)
         for f in self.xbars.values():
             ts.extend(f.out)
             ts.extend(f.saved())
@@ -256,7 +235,7 @@ class ChainStep:
     def _live(self) -> None:
         if not self.track:
             return
-        b = accounting.tensors_bytes(self._held_tensors(), self._state_keys())
+        b = accounting.tensors_bytes(self._held_tensors(), self.offloader.state_keys())
         if self.stats.peak_bytes is None or b > self.stats.peak_bytes:
             self.stats.peak_bytes = b
 
@@ -288,7 +267,7 @@ class ChainStep:
             frame.state = rng.capture(self.devices)
         if self.collector is not None and kind == "F_ck":
             # (Mimose's measurement: not the model's outputs)
-            with self._not_activations(s) as weights, outputs_not_captured():
+            with self.offloader.not_activations(s) as weights, outputs_not_captured():
                 self.collector.measure(s, block, lambda xs: run_first(*call.bind(xs)), call.x,
                                        call.rg, frame.state, weights, call.shared_tensors())
         pack = frame.pack_keep if kind == "F_all" else frame.pack_drop
@@ -303,7 +282,7 @@ class ChainStep:
         held = _detached(outs)
         self.prev_out = (tuple(weakref.ref(t) for t in outs), held)
         self.loop_outs[s] = self.prev_out[0]
-        self._note_passed(outs, call)
+        self.offloader.note_passed(outs, call)
         if kind == "F_all":
             frame.out = held
             frame.out_version = tuple(t._version for t in frame.out)
@@ -320,64 +299,13 @@ class ChainStep:
         call.unlink()
         self.next = s + 1
         self._live()
-        self._after(index)
+        self.offloader.after(index)
         if s == self.L - 1:
             self._forward_ops_until(None)
             self.prev_out = None
-            self._restore_escaped()
+            loop_outs, self.loop_outs = self.loop_outs, {}
+            self.offloader.restore_escaped(loop_outs)
         return out
-
-    def _restore_escaped(self) -> None:
-        """The forward's last block ran: the loop holds none of the earlier blocks' outputs
-        any more, unless the model keeps them (HF's ``output_hidden_states``, deep
-        supervision, a hook) or autograd outside the blocks saved them. An offload released
-        their memory (resized to 0: reading them would crash or read garbage): bring it back
-        now; the plan's memory saving is lost for them, and a warning says so. The last
-        block's input cannot be judged here (the loop passes it to the running block)."""
-        loop_outs, self.loop_outs = self.loop_outs, {}
-        if not any(sc.released for f in self.xbars.values() for sc in (f.host or ())) and \
-                not any(sc.released for off in self.host.values() for sc in off.copies):
-            return  # nothing offloaded is off the device (rotor's plans: never)
-        # the step's own tensors on each storage (distinct objects: distinct TensorImpls), and
-        # the bases of its views (a view keeps its base, which holds the storage too)
-        mine: Dict[int, int] = {}
-        ids = set()
-        for t in accounting.tensors_of(self._held_tensors() + [
-                t for off in self.host.values() for t in off.comps]):
-            for u in (t, t._base):
-                if u is not None and id(u) not in ids:
-                    ids.add(id(u))
-                    key = accounting.storage_key(u)
-                    mine[key] = mine.get(key, 0) + 1
-        back = []
-        for s, refs in loop_outs.items():
-            if s >= self.L - 2:  # the last block's input and output are the loop's own now
-                continue
-            # the loop's own objects, unless the step holds them (a frozen block's input is
-            # saved as itself): the caller kept them; any other tensor on the storage (a
-            # detached alias, autograd outside the blocks) shows in its use count, beyond the
-            # step's tensors and the StorageCopy's storage object
-            kept = {accounting.storage_key(t) for t in (r() for r in refs)
-                    if t is not None and id(t) not in ids}
-            f = self.xbars.get(s)
-            copies = list(f.host or ()) if f is not None else []
-            off = self.host.get(s + 1)
-            copies += off.copies if off is not None else []
-            released = [sc for sc in copies if sc.released and (
-                sc.storage._cdata in kept or
-                torch._C._storage_Use_Count(sc.storage._cdata) > mine.get(sc.storage._cdata, 0)
-                + 1)]
-            for sc in released:
-                self.transfers(sc.storage.device).restore(sc)
-            if released:
-                back.append(s)
-        if back:  # (Python's default filter shows it once per message)
-            warnings.warn(
-                f"{self.name}: the outputs of blocks {back} are held outside the blocks (the "
-                "model returns or keeps them, or autograd saved them outside the blocks): the "
-                "plan offloaded them, so their memory came back at the end of the forward and "
-                "the budget may be exceeded; plan without offloading (planner='rotor'), or do "
-                "not keep them", RuntimeWarning, stacklevel=2)
 
     def _previous(self) -> Optional[Tensors]:
         """The last block's outputs for the next call's ``BlockCall``: those the loop still
@@ -399,15 +327,15 @@ class ChainStep:
         while self.fptr < len(ops):
             index, kind, st = ops[self.fptr]
             self.fptr += 1
-            self._sync_before(index)
+            self.offloader.sync_before(index)
             if kind in FORWARD_KINDS:
                 if st == s:
                     return index, kind
                 # F L: the chain's output goes to the caller (held by the loop, not by us)
                 self.xs.pop(self.L, None)
             else:
-                self._transfer(index, kind, st)
-            self._after(index)
+                self.offloader.transfer(index, kind, st)
+            self.offloader.after(index)
         return -1, ""
 
     # -------------------------------------------------------------------------- backward
@@ -420,20 +348,20 @@ class ChainStep:
                 f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
                 f"({LAYERDROP})")
         if self.b_reached is not None:  # autograd ran that B since: what it read may go
-            self._after(self.b_reached)
+            self.offloader.after(self.b_reached)
             self.b_reached = None
         ops = self.cplan.backward_ops
         while self.bptr < len(ops):
             index, kind, st = ops[self.bptr]
             self.bptr += 1
-            self._sync_before(index)
+            self.offloader.sync_before(index)
             if kind == "B":
                 if st == self.L:
                     self.xs.pop(self.L, None)
                 elif st == target:
                     self._ready_for_b(index, st)
                     # B target runs once this returns: what it reads goes at the next call
-                    self._after(index - 1)
+                    self.offloader.after(index - 1)
                     self.b_reached = index
                     return
                 elif st > target:
@@ -445,8 +373,8 @@ class ChainStep:
             elif kind in FORWARD_KINDS:
                 self._recompute(index, kind, st)
             else:
-                self._transfer(index, kind, st)
-            self._after(index)
+                self.offloader.transfer(index, kind, st)
+            self.offloader.after(index)
         raise InvalidPlanError(f"the plan has no B {target} after op {len(self.cplan.plan.ops)}",
                                len(self.cplan.plan.ops))
 
@@ -512,191 +440,3 @@ class ChainStep:
         if kind == "F_none":
             self.xs.pop(s, None)
         self._live()
-
-    # ------------------------------------------------------------------------ transfers
-    def _sync_before(self, index: int) -> None:
-        for o in self.cplan.sync_before.get(index, ()):
-            for ev in self.offload_events.pop(o, ()):
-                ev.synchronize()  # the simulator reuses this memory from here on
-
-    def _after(self, index: int) -> None:
-        if self.leaving:  # drop device copies of offloaded values nobody reads any more
-            for t in [t for t, (_, last) in self.leaving.items() if last <= index]:
-                del self.leaving[t]
-                self._release_x(t)
-        if self.leaving_xbar:
-            for t in [t for t, last in self.leaving_xbar.items() if last <= index]:
-                del self.leaving_xbar[t]
-                self._release_xbar(t)
-
-    def _transfer(self, index: int, kind: str, s: int) -> None:
-        if kind == "offload":
-            self._offload(index, s)
-        else:
-            self._prefetch(index, s)
-
-    @contextlib.contextmanager
-    def _not_activations(self, *stages: int) -> Iterator[Set[int]]:
-        """Storages that are never activations, for the body: what the blocks' weights and
-        buffers hold now (the step's start's tensors, which FSDP1 may have given new
-        ``.data``) and what blocks ``stages`` hold now (FSDP1 gives a block new views of its
-        unit's gathered flat parameter at each of the unit's forwards)."""
-        now = [t for s in stages if 0 <= s < self.L for t in fsdp.block_tensors(self.blocks[s])]
-        # the storages are held for the body (not the tensors: ``keys_held``), not for
-        # longer: FSDP2 frees some shards by dropping them
-        with accounting.keys_held(itertools.chain(self.state_tensors, now)) as keys:
-            yield keys
-
-    def _state_keys(self) -> Set[int]:
-        """The keys of the storages the step's weights and buffers hold now, for a use right
-        away: not kept from the step's start, whose storages may since be freed and their
-        addresses taken by activations (``_not_activations``)."""
-        return {accounting.storage_key(t) for t in self.state_tensors}
-
-    def _movable(self, mine: Sequence[torch.Tensor], consumer: Optional[Frame],
-                 skip: Set[int]) -> List[torch.UntypedStorage]:
-        """The storages of ``mine`` (one stored item) that may move to the host: not in
-        ``skip`` and shared with no other held item, the tensors that ``consumer`` (the
-        F_all that read this very value) saved of it aside."""
-        keys = {accounting.storage_key(t) for t in accounting.tensors_of(mine)}
-        skip = skip | self._protected()
-        ours = {id(t) for t in mine}
-        if consumer is not None:
-            ours |= {id(t) for t in consumer.saved() if accounting.storage_key(t) in keys}
-        others = {accounting.storage_key(t) for t in accounting.tensors_of(self._held_tensors())
-                  if id(t) not in ours}
-        storages = {}
-        for t in accounting.tensors_of(mine):
-            k = accounting.storage_key(t)
-            if k not in skip and k not in others and t.untyped_storage().nbytes() > 0:
-                storages[k] = t.untyped_storage()
-        return list(storages.values())
-
-    def _note_passed(self, outs: Sequence[torch.Tensor], call: BlockCall) -> None:
-        """Note the outputs that are the call's own arguments (passed through unchanged)."""
-        ins = {id(t) for t in call.x} | {id(t) for t in call.shared_tensors()}
-        self._passed.update((accounting.storage_key(t), weakref.ref(t.untyped_storage()))
-                            for t in outs if id(t) in ins)
-
-    def passed_through(self) -> Set[int]:
-        """The storages blocks returned unchanged (T5's position bias) that still live: a key
-        is an address, and a dead one may be a new activation's since."""
-        return {k for k, ref in self._passed.items() if ref() is not None}
-
-    def _protected(self) -> Set[int]:
-        """Storages the plan must not move: the loop's own arguments (masks, rotary tables
-        passed to every block) and values blocks pass through unchanged (T5's position bias):
-        later blocks read them whatever the plan says about the stage they came from."""
-        keys = self.passed_through()
-        for f in self.frames:
-            if f is not None:
-                keys |= {accounting.storage_key(t) for t in f.call.shared_tensors()}
-        return keys
-
-    def _release_copies(self, copies: Sequence[StorageCopy]) -> None:
-        protected = self._protected()  # blocks run since the offload may read it
-        for sc in copies:
-            if sc.storage._cdata not in protected:
-                Transfers.release(sc)
-
-    def _offload(self, index: int, s: int) -> None:
-        if self.transfers is None:
-            raise InvalidPlanError(f"op {index} (offload {s}): no transfer engine", index)
-        prev = self.xbars.get(s - 1)
-        if s not in self.xs and prev is not None and not prev.released and \
-                s - 1 not in self.leaving_xbar:  # on the device: never moved, or back
-            self._wait_xbar(prev)  # a prefetch still in flight lands before it is copied out
-            self._offload_xbar(index, s - 1)
-            return
-        if s not in self.xs:
-            raise InvalidPlanError(f"op {index} (offload {s}): the input of stage {s} is not "
-                                   "in memory", index)
-        self._ready_x(s)
-        comps = self.xs.pop(s)
-        self.versions.pop(s, None)
-        self.stats.offloaded += 1
-        if s == 0:
-            # the caller's input: the caller still holds it, so moving it would free nothing
-            self.host[0] = Offloaded(comps, [], released=True)
-            self.stats.input_offloads_skipped += 1
-            return
-        with self._not_activations(s - 1, s) as weights:
-            storages = self._movable(comps, self.xbars.get(s), weights)
-        self.host[s] = Offloaded(comps, self._copy_out(index, storages))
-        release = self.cplan.release.get(index, index)
-        if release > index:
-            self.leaving[s] = (comps, release)
-        else:
-            self._release_x(s)
-
-    def _copy_out(self, index: int, storages: Sequence[torch.UntypedStorage]
-                  ) -> List[StorageCopy]:
-        """Start copying ``storages`` to the host, each on its device's transfer engine;
-        offload op ``index`` keeps the copies' events (``_sync_before``)."""
-        copies = [self.transfers(st.device).offload_storage(st) for st in storages]
-        self.offload_events[index] = [sc.host.event for sc in copies if sc.host.event is not None]
-        return copies
-
-    def _copy_in(self, copies: Sequence[StorageCopy]) -> None:
-        """Prefetch ``copies`` (each copies back only if its memory was released)."""
-        for sc in copies:
-            self.transfers(sc.storage.device).prefetch_storage(sc)
-
-    def _release_x(self, s: int) -> None:
-        off = self.host.get(s)
-        if off is not None and not off.released:
-            self._release_copies(off.copies)
-            off.released = True
-
-    def _offload_xbar(self, index: int, t: int) -> None:
-        """Move what F_all t keeps (saved tensors and output, not its input) to the host."""
-        f = self.xbars[t]
-        inp = self.xs.get(t) or self.anchors.get(t) or \
-            (self.xbars[t - 1].out if t - 1 in self.xbars else ())
-        with self._not_activations(t) as weights:
-            skip = weights | {accounting.storage_key(c) for c in accounting.tensors_of(inp)}
-            storages = self._movable(list(f.saved()) + list(f.out), self.xbars.get(t + 1), skip)
-        f.host = self._copy_out(index, storages)
-        release = self.cplan.release.get(index, index)
-        if release > index:
-            self.leaving_xbar[t] = release
-        else:
-            self._release_xbar(t)
-        self.stats.offloaded += 1
-
-    def _release_xbar(self, t: int) -> None:
-        f = self.xbars.get(t)
-        if f is None:
-            return
-        self._release_copies(f.host or ())
-        f.released = True
-
-    def _prefetch(self, index: int, s: int) -> None:
-        # a value still leaving (its copy out may run yet) never lost its memory: it stays,
-        # and prefetch_storage copies only what was released (it hands the buffers back)
-        f = self.xbars.get(s - 1)
-        if s not in self.host and f is not None and f.host is not None and \
-                (f.released or s - 1 in self.leaving_xbar):
-            self.leaving_xbar.pop(s - 1, None)
-            self._copy_in(f.host)
-            f.released = False
-        elif s in self.host:
-            off = self.host.pop(s)
-            self.leaving.pop(s, None)
-            self._copy_in(off.copies)
-            if off.released:
-                self.pending[s] = off.copies
-            self._hold(s, off.comps)
-        else:
-            raise InvalidPlanError(f"op {index} (prefetch {s}): x[{s}] was never offloaded",
-                                   index)
-        self.stats.prefetched += 1
-        self._live()
-
-
-@dataclass
-class Offloaded:
-    """x[s] while it is on the host: the same tensor objects, their storages emptied."""
-    comps: Tensors
-    copies: List[StorageCopy]
-    released: bool = False

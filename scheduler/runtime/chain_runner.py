@@ -32,7 +32,7 @@ from . import distributed, first_run, fsdp, one_plan, rng
 from .bandwidth import default_bandwidth
 from .block_calls import signature, tensor_leaves, weights_dtype
 from .chain_exec import ChainStep, RunStats
-from .chain_transfers import Transfers
+from .chain_transfers import ChainTransfers
 from .compiled_plan import CompiledPlan
 from .hf_outputs import outputs_not_captured
 from .input_aware import InputAwareChain
@@ -127,7 +127,7 @@ class ChainRunner(MimoseSteps):
         self.input_size = input_size or default_input_size
         self._init_mimose(mimose, planner == "mimose", samples, cache_size)
         self._compiled: Dict[int, Tuple[Plan, CompiledPlan]] = {}
-        self._transfers: Dict[str, Transfers] = {}
+        self._transfers: Dict[str, ChainTransfers] = {}
         self.current: Optional[ChainStep] = None
         self.passthrough = False   # recomputing or measuring: block calls go straight through
         self.last_stats: Optional[RunStats] = None
@@ -373,8 +373,9 @@ class ChainRunner(MimoseSteps):
             if self._one_plan:
                 one_plan.check_same_keys(key not in self.cache, key, args, kwargs, self.blocks,
                                          self._budget, self.name, self.list_name)
-        if key in self.cache:
-            return self.cache.get_or_plan(key, lambda: None), None  # type: ignore[arg-type]
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, None
         # a new budget for a shape measured before plans on that chain (no measurement)
         chain = self._measured.get(_shape_of(key)) if self.chain_source is None else None
         if chain is None:
@@ -416,11 +417,11 @@ class ChainRunner(MimoseSteps):
     def _needs_grad(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
         return needs_grad(self.blocks, args, kwargs)
 
-    def _transfers_for(self, dev: torch.device) -> Transfers:
+    def _transfers_for(self, dev: torch.device) -> ChainTransfers:
         """The copy streams and pinned pool of ``dev``: one per device a moved storage lives
         on (blocks spread over GPUs, a ``device_map``, copy on their own device's streams)."""
         if str(dev) not in self._transfers:
-            self._transfers[str(dev)] = Transfers(dev)
+            self._transfers[str(dev)] = ChainTransfers(dev)
         return self._transfers[str(dev)]
 
     def _begin(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> ChainStep:
@@ -513,14 +514,15 @@ class ChainRunner(MimoseSteps):
 
     def _agrees(self) -> bool:
         """Whether the ranks must run one plan, so a measured chain is agreed (the max over
-        ranks, issue 15) before planning: where a recomputation runs collectives every rank
-        must join: FSDP shards the blocks (a unit gathers its parameters), or a block holds a
-        ``SyncBatchNorm`` (its training forward all-reduces statistics). Otherwise, under DDP,
-        each rank plans on its own measurement: a plan changes no gradient, and an agreement,
-        a collective of its own at each rank's profiling steps, would pair with another rank's
-        gradient all-reduce when ranks meet new shapes at different steps (per-rank dynamic
-        padding): a crash with gloo, undefined with NCCL. (Other collectives inside blocks,
-        tensor parallelism by hand, MoE all-to-alls, cannot be seen: ``on_chain=agree_chain``.)"""
+        ranks, ``distributed.agree_chain``) before planning: where a recomputation runs
+        collectives every rank must join: FSDP shards the blocks (a unit gathers its
+        parameters), or a block holds a ``SyncBatchNorm`` (its training forward all-reduces
+        statistics). Otherwise, under DDP, each rank plans on its own measurement: a plan
+        changes no gradient, and an agreement, a collective of its own at each rank's profiling
+        steps, would pair with another rank's gradient all-reduce when ranks meet new shapes at
+        different steps (per-rank dynamic padding): a crash with gloo, undefined with NCCL.
+        (Other collectives inside blocks, tensor parallelism by hand, MoE all-to-alls, cannot be
+        seen: ``on_chain=agree_chain``.)"""
         if not distributed.active():
             return False
         if self._one_plan is None:  # before the first step (a query): as the blocks are now

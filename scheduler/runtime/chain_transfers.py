@@ -26,6 +26,7 @@ from typing import List, Optional
 
 import torch
 
+from .accounting import storage_bytes_view
 from .host_pool import HostPool
 
 
@@ -43,12 +44,6 @@ class HostCopy:
         return self.buf.view(self.dtype).view(self.shape)
 
 
-def storage_bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over all the bytes of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-        storage, 0, (storage.nbytes(),))
-
-
 @dataclass
 class StorageCopy:
     """A device storage whose bytes are on the host (its device memory released, unless a
@@ -56,14 +51,15 @@ class StorageCopy:
     storage: torch.UntypedStorage
     host: HostCopy
     event: Optional[object] = None      # of the prefetch, once issued
-    released: bool = False              # its device memory was freed (``Transfers.release``)
-    # hands the host buffer to ``Transfers.orphans`` if this copy is dropped before its
-    # prefetch (``Transfers.offload_storage``); detached once the buffer went back
+    released: bool = False              # its device memory was freed (``ChainTransfers.release``)
+    # hands the host buffer to ``ChainTransfers.orphans`` if this copy is dropped before its
+    # prefetch (``ChainTransfers.offload_storage``); detached once the buffer went back
     orphaned: Optional[weakref.finalize] = field(default=None, repr=False, compare=False)
 
 
-class Transfers:
-    """The two copy streams and the pinned pool of one device."""
+class ChainTransfers:
+    """The two copy streams and the pinned pool of one device (the swap runtime's counterpart,
+    per ``SwapContext``, is ``swap_transfers.SwapTransfers``)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -86,6 +82,10 @@ class Transfers:
             self.pool.give_away(self.orphans.pop())
 
     def offload(self, t: torch.Tensor) -> HostCopy:
+        """Start copying ``t`` into a pooled (pinned) host buffer: on CUDA on the d2h stream
+        after the compute stream's work, with an event, ``t``'s memory kept from reuse until
+        the copy read it; on the CPU a plain copy. The buffer comes back to the pool through
+        ``_give_back`` (or ``orphans``)."""
         nbytes = t.numel() * t.element_size()
         self.drain_orphans()
         buf = self.pool.acquire(nbytes)
@@ -105,7 +105,9 @@ class Transfers:
                 host.copy_(t)
         except BaseException:
             # (a Ctrl-C mid-copy): not reused, since a copy may still write it; freed with
-            # its last holder (PyTorch's pinned allocator waits for the copy's own event)
+            # its last holder (PyTorch's pinned allocator waits for the copy's own event).
+            # Given away, not waited for and released as ``SwapTransfers.swap_out`` does: no
+            # stream wait while an interrupt unwinds a step; one buffer lost to reuse
             self.pool.give_away(buf)
             raise
         self.offloaded_bytes += nbytes
@@ -129,6 +131,8 @@ class Transfers:
 
     @staticmethod
     def release(sc: StorageCopy) -> None:
+        """Free ``sc``'s device memory (its bytes are on the host; a prefetch brings them
+        back)."""
         # offload() recorded the copy stream on this memory: the caching allocator reuses it
         # only once the copy has read it
         sc.storage.resize_(0)

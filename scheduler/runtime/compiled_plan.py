@@ -30,6 +30,12 @@ class CompiledPlan:
 
     @classmethod
     def of(cls, plan: Plan, L: int) -> "CompiledPlan":
+        """Check ``plan`` for a chain of ``L`` blocks plus the loss (whole-tensor transfers,
+        stages in range, each stage run once in order before ``B L``) and split it at its
+        first backward. Prefetches its memory-limited simulation started later move there
+        (``transfer_timing``, with the host waits ``sync_before``), and each offload gets the
+        last op that still reads its value (``release``), after which its device memory goes,
+        as in the simulator. Raises ``InvalidPlanError`` naming the op."""
         ops = [(i, op.kind, op.stage) for i, op in enumerate(plan.ops)]
         if plan.transfer_chunk is not None and any(op.kind in ("offload", "prefetch")
                                                    for op in plan.ops):

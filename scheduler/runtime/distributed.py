@@ -1,4 +1,5 @@
-"""Plans that agree across ranks (issue 15).
+"""Plans that agree across ranks (data-parallel training: one plan where ranks must join
+the same collectives).
 
 Each rank measures its own chain, and measured times differ from rank to rank (and sizes too,
 when the ranks see different shapes), so planning on each rank's own measurement can give the

@@ -69,6 +69,9 @@ class InPlaceBuffers:
         self.said: Set[Tuple[str, str]] = set()  # (module type, buffer name) warned of
 
     def before(self, s: int, block: nn.Module) -> Before:
+        """Block ``s``'s buffers before its first run, with a copy of those it may change in
+        place (those learned for its current train/eval modes, all of them if not learned
+        yet): ``moved`` compares and learns after the run."""
         mods = list(block.modules())
         modes = tuple(m.training for m in mods)
         learned = self.known.get(s)

@@ -93,6 +93,9 @@ class Frame:
     @staticmethod
     @torch.compiler.disable
     def unpack(h: Holder) -> torch.Tensor:
+        """Autograd reads a saved tensor of a block: its first read in the block's backward
+        runs the plan up to ``B s`` (``ChainStep.backward_reaches``: recomputations fill the
+        holders, prefetches land), then the value, checked unchanged since it was saved."""
         if Frame.inspecting:
             raise LookupError("a chain's saved tensor: not read while inspecting a graph")
         f = h.frame

@@ -44,6 +44,7 @@ class KVCacheGuard:
 
     @classmethod
     def say(cls) -> None:
+        """Warn, once per process, that training steps run without the KV cache."""
         if not cls.warned:
             cls.warned = True
             warnings.warn(f"{NAME}: training steps run the blocks without their KV cache "
@@ -54,6 +55,11 @@ class KVCacheGuard:
     @classmethod
     def clean(cls, block: nn.Module, s: int, args: Tuple[Any, ...],
               kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """Block ``s``'s call arguments without its KV cache (``use_cache=False``, every
+        cache argument ``None``), as HF's gradient checkpointing runs blocks: a recomputed
+        block would write its cache twice. Unchanged for a block that only reads its cache
+        (``_can_checkpoint_with_cache``); a cache that already holds positions raises
+        (``_check_empty``). Said once (``say``)."""
         if getattr(block, "_can_checkpoint_with_cache", False):  # HF: it only reads the cache
             return args, kwargs
         utils = sys.modules.get("transformers.cache_utils")

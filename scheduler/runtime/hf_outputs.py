@@ -19,6 +19,9 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def outputs_not_captured() -> Iterator[None]:
+    """Turn transformers' output collector off for the body (module doc), whichever form this
+    transformers version keeps it in: none, a plain global while ``torch.compile`` traces,
+    or a ``ContextVar``."""
     capturing = sys.modules.get("transformers.utils.output_capturing")
     var = getattr(capturing, "_active_collector", None)
     if var is None:  # transformers not imported, or a version without a collector

@@ -1,7 +1,7 @@
 """The autograd and dispatch stacks as the tail probe (``tail.TailProbe``) uses them: whether
-they are clean (``_stacks_clean``), the entries it pushes (``_Hooks``: saved-tensor pack hooks;
-``_TailTracer``: the op tracer), popped only when on top of their stack (``_pop_hooks``,
-``_pop_tracer``), and those that were not, inert until they can be (``_stale``, ``_sweep``).
+they are clean (``stacks_clean``), the entries it pushes (``Hooks``: saved-tensor pack hooks;
+``TailTracer``: the op tracer), popped only when on top of their stack (``pop_hooks``,
+``pop_tracer``), and those that were not, inert until they can be (``_stale``, ``sweep``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _top_hooks() -> Any:
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
-def _stacks_clean() -> bool:
+def stacks_clean() -> bool:
     """No saved-tensor hooks and no dispatch mode active (ours would shadow them)."""
     return _top_hooks() is None and dispatch._get_current_dispatch_mode() is None
 
@@ -52,7 +52,7 @@ def running(frame: FrameType) -> bool:
     return False
 
 
-class _Within:
+class Within:
     """The model call a recording belongs to (its ``_call_impl`` frame, on its thread): once
     that call has ended without saying so (an interrupt), the recording's entries (``entries``:
     its tracer and hooks) turn inert and are queued to be popped (``_stale``), instead of
@@ -75,13 +75,13 @@ class _Within:
                 threading.get_ident() == self.thread and not running(self.frame):
             self.ended, self.frame = True, None  # (its caller's locals let go)
             for entry in self.entries:  # (no one reads the recording of a call that ended so)
-                _retire(entry, forget=True)
+                retire(entry, forget=True)
             self.entries = []
         return self.ended
 
 
 # the calls being watched (weakly: a probe drops its own at the end of the call)
-_calls: "weakref.WeakSet[_Within]" = weakref.WeakSet()
+_calls: "weakref.WeakSet[Within]" = weakref.WeakSet()
 
 
 def _gc_start(phase: str, info: Dict[str, Any]) -> None:
@@ -95,14 +95,14 @@ def _gc_start(phase: str, info: Dict[str, Any]) -> None:
 gc.callbacks.append(_gc_start)
 
 
-class _TailTracer(OpTracer):
+class TailTracer(OpTracer):
     """The op tracer, inert once its recording is over (if it could not be popped at once) or
-    once the model call it records in has ended without popping it (``_Within``)."""
+    once the model call it records in has ended without popping it (``Within``)."""
 
     active = True
     queued = False  # in ``_stale``
 
-    def __init__(self, within: Optional[_Within] = None) -> None:
+    def __init__(self, within: Optional[Within] = None) -> None:
         super().__init__()
         self.within = within
 
@@ -114,19 +114,20 @@ class _TailTracer(OpTracer):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Hooks:
+class Hooks:
     """The pack/unpack pair pushed for the tail. Packs keep what autograd would keep (the
     tensor, unlinked from its history as ``chain_exec`` does: no reference cycle) and, while
     recording (within the model call of ``within``), note it."""
 
     queued = False  # in ``_stale``
 
-    def __init__(self, within: Optional[_Within] = None) -> None:
+    def __init__(self, within: Optional[Within] = None) -> None:
         self.saved: List[torch.Tensor] = []
         self.recording = True
         self.within = within
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Keep ``t`` for autograd (unlinked) and note it while recording."""
         # noted unlinked too: with its history, a noted tensor would lead back to the nodes
         # that keep this hook (a cycle through the C++ graph) until ``saved`` is cleared
         t = unlinked(t)
@@ -141,13 +142,13 @@ class _Hooks:
         return t
 
 
-def _retire(entry: Any, forget: bool = False) -> None:
+def retire(entry: Any, forget: bool = False) -> None:
     """Make a pushed entry inert (the tracer records and keeps nothing, the hooks note
-    nothing more) and queue it to be popped at the next safe point (``_sweep``, at a model
+    nothing more) and queue it to be popped at the next safe point (``sweep``, at a model
     call): never popped here, inside an op's dispatch or a garbage collection. What the hooks
     noted stays for the measurement that reads it, unless ``forget``."""
     entry.within = None
-    if isinstance(entry, _TailTracer):
+    if isinstance(entry, TailTracer):
         entry.active, entry._keep = False, []
     else:
         entry.recording = False
@@ -155,7 +156,7 @@ def _retire(entry: Any, forget: bool = False) -> None:
             entry.saved.clear()
     if not entry.queued:
         entry.queued = True
-        _stale.append(("tracer" if isinstance(entry, _TailTracer) else "hooks", entry))
+        _stale.append(("tracer" if isinstance(entry, TailTracer) else "hooks", entry))
 
 
 # pushed entries that were not on top of their stack when their call ended: popped as soon as
@@ -163,7 +164,8 @@ def _retire(entry: Any, forget: bool = False) -> None:
 _stale: List[Tuple[str, Any]] = []
 
 
-def _pop_hooks(h: _Hooks) -> bool:
+def pop_hooks(h: Hooks) -> bool:
+    """Pop ``h`` if it is the top saved-tensor hooks pair; whether it was."""
     top = _top_hooks()
     if top is not None and getattr(top[0], "__self__", None) is h:
         torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -171,20 +173,21 @@ def _pop_hooks(h: _Hooks) -> bool:
     return False
 
 
-def _pop_tracer(tr: _TailTracer) -> bool:
+def pop_tracer(tr: TailTracer) -> bool:
+    """Exit ``tr`` if it is the current dispatch mode; whether it was."""
     if dispatch._get_current_dispatch_mode() is tr:
         tr.__exit__(None, None, None)
         return True
     return False
 
 
-def _sweep() -> None:
+def sweep() -> None:
     """Pop stale entries that are on top of their stacks now."""
     changed = True
     while changed and _stale:
         changed = False
         for item in list(_stale):
             kind, obj = item
-            if (_pop_hooks(obj) if kind == "hooks" else _pop_tracer(obj)):
+            if (pop_hooks(obj) if kind == "hooks" else pop_tracer(obj)):
                 _stale.remove(item)
                 changed = True

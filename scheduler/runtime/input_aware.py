@@ -1,5 +1,5 @@
-"""Input-aware optimal plans (issue 13 item 4): rotor or pofo on a chain predicted for each
-new input shape, instead of profiling every shape again.
+"""Input-aware optimal plans (for inputs whose shape changes): rotor or pofo on a chain
+predicted for each new input shape, instead of profiling every shape again.
 
     source = InputAwareChain(blocks)                 # samples=10 distinct sizes profiled
     model = scheduler.wrap(blocks, "2GiB", planner="rotor", chain=source)

@@ -22,7 +22,7 @@ def measure_preserved(blocks: Sequence[nn.Module], stages: Sequence[nn.Module],
     """``measure_chain`` of ``stages`` on ``x0`` (block 0's arguments), with ``loss`` as the
     loss stage; the random state, buffers and gradients of ``blocks`` are put back afterwards.
     The input's gradient is measured when one of ``x0`` wants it."""
-    from ..profile import measure_chain  # issue 4: rotor's parameter estimation
+    from ..profile import measure_chain  # rotor's chain parameters, measured per stage
     keep = PreservedState(blocks, x0)
     grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in x0)
     try:

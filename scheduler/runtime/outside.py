@@ -1,10 +1,11 @@
-"""Memory a profiling step holds outside the chain while the blocks run (issue 13): masks and
-rotary embeddings the blocks are called with (the runner keeps them for recomputation), what
-the model's head saved for its backward (an embedding dropout's mask, the input of the
-embedding's norm), the runner's random states, and the gradients of tail weights tied to the
-head's. The chain has no item for it: it is added to every op's transient (``fw_tmp``,
-``fck_tmp``, ``bw_tmp``: the simulator and the planners count a stage's transient while, and
-only while, one of its ops runs, and some op always runs), recorded in ``meta["outside"]``.
+"""Memory a profiling step holds outside the chain while the blocks run (counted so the measured
+chain predicts the real peak): masks and rotary embeddings the blocks are called with (the
+runner keeps them for recomputation), what the model's head saved for its backward (an embedding
+dropout's mask, the input of the embedding's norm), the runner's random states, and the
+gradients of tail weights tied to the head's. The chain has no item for it: it is added to every
+op's transient (``fw_tmp``, ``fck_tmp``, ``bw_tmp``: the simulator and the planners count a
+stage's transient while, and only while, one of its ops runs, and some op always runs), recorded
+in ``meta["outside"]``.
 
 Not seen: the model's local variables that live only during its forward (GPT-2's token and
 position embeddings before their sum), and the head's own backward after ``B 0``.

@@ -29,6 +29,8 @@ class RngState:
 
 
 def autocast_state() -> Tuple[Tuple[str, bool, Optional[torch.dtype]], ...]:
+    """Whether autocast is on, and its dtype, for the CPU and CUDA: a recomputation runs
+    under the settings of the first run (off where this torch cannot say per device)."""
     out = []
     for dev in ("cpu", "cuda"):
         try:

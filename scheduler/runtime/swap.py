@@ -68,7 +68,7 @@ from .swap_args import device_arg, window_arg
 from .swap_planning import PLANNERS, Entry, PlannerLike, PlanOverBudgetWarning, SwapPlanner
 from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
-from .swap_transfers import Transfers
+from .swap_transfers import SwapTransfers
 from .accounting import check_unchanged
 from .swap_vars import DeathQueue, Handle, Kept, Var
 
@@ -104,7 +104,8 @@ class SwapContext:
     """Swap saved tensors between device and host following a per-sequence schedule.
 
     ``window``: look-ahead in bytes for swap-ins (``"2GiB"``, ints, as ``vmalloc.parse_size``),
-    positive (0 is refused, as ``VMALLOC_WINDOW=0`` is); smaller than a saved tensor is allowed
+    >= 0 (0: no look-ahead, each saved tensor fetched for its next use only; ``VMALLOC_WINDOW=0``
+    is refused instead, see ``swap_args.window_arg``); smaller than a saved tensor is allowed
     (no look-ahead past it; warned once).
     ``budget``: bytes of saved tensors allowed on the device at once, positive (None: no
     limit; 0 is refused rather than read as no limit).
@@ -149,7 +150,7 @@ class SwapContext:
         self._exited = False
         self._counters = new_counters()
         self._residency = Residency()
-        self._transfers = Transfers(self._cuda, self._counters, self._residency)
+        self._transfers = SwapTransfers(self._cuda, self._counters, self._residency)
         self._eviction = Eviction(self._transfers, self._residency, self._counters, self.budget)
         self._transfers.make_room = self._eviction.make_room
         self._seq = SwapSequence(self._planner, self._transfers, self._eviction,
@@ -452,7 +453,7 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
     ctx = SwapContext(w, b)
     ctx.__enter__()
     _installed.ctx = ctx
-    try:  # the vmalloc report's "swap" section (vmalloc.report.add_section, issue 3)
+    try:  # the swap stats as a "swap" section of the vmalloc report (``add_section``)
         from vmalloc.pluggable.live_report import add_section
         add_section("swap", ctx.stats)
     except Exception as exc:  # noqa: BLE001 - the report is optional; swapping is not

@@ -10,13 +10,13 @@ from typing import Dict, List, Optional, Tuple
 
 from ..planners.swap_schedule import DEVICE, IN
 from .swap_stats import Residency
-from .swap_transfers import Transfers
+from .swap_transfers import SwapTransfers
 from .swap_vars import Var
 
 
 class Eviction:
-    def __init__(self, transfers: Transfers, residency: Residency, counters: Dict[str, float],
-                 budget: Optional[int]):
+    def __init__(self, transfers: SwapTransfers, residency: Residency,
+                 counters: Dict[str, float], budget: Optional[int]):
         self.transfers = transfers
         self.residency = residency
         self.counters = counters

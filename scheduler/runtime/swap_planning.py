@@ -123,6 +123,7 @@ class SwapPlanner:
 
     @property
     def name(self) -> str:
+        """The planner's name in stats and messages (``"custom"`` for a callable)."""
         return self.planner if isinstance(self.planner, str) else "custom"
 
     def entry(self, seq: VariableSequence, key: int, events: Sequence[Tuple[int, str, int]],
@@ -156,6 +157,10 @@ class SwapPlanner:
             stacklevel=3)
 
     def plan(self, seq: VariableSequence) -> SwapSchedule:
+        """The schedule of ``seq`` from the configured planner: a callable, ``window``
+        (warning once if the window is smaller than a saved tensor), ``lms``, or an offload
+        planner (``greedy``/``dynprog``) on the chain built from the sequence. Raises
+        ``InfeasibleError`` first if a step cannot fit the budget on its own."""
         opts = self.options
         if self.budget is not None:  # every planner: a step must fit (lms, a callable too)
             check_budget(seq, self.budget)

@@ -26,7 +26,7 @@ from ..planners.swap_schedule import HOST, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_planning import Entry, SwapPlanner
 from .swap_stats import Residency
-from .swap_transfers import Transfers
+from .swap_transfers import SwapTransfers
 from .swap_vars import Var
 
 # the least length (events) at which a recording of mostly dead forward-only graphs is dropped
@@ -34,7 +34,7 @@ DEAD_RECORDING_EVENTS = 1024
 
 
 class SwapSequence:
-    def __init__(self, planner: SwapPlanner, transfers: Transfers, eviction: Eviction,
+    def __init__(self, planner: SwapPlanner, transfers: SwapTransfers, eviction: Eviction,
                  residency: Residency, counters: Dict[str, float], cache_size: int):
         self.planner = planner
         self.transfers = transfers
@@ -51,6 +51,8 @@ class SwapSequence:
         self.new_iteration()
 
     def new_iteration(self) -> None:
+        """Start recording an iteration: no events, vars or running node yet; it follows the
+        active schedule, if there is one, until an event departs from it."""
         self.events: List[Tuple[int, str, int]] = []
         self.step_of: List[int] = []   # per event: its step (its autograd node's unpacks)
         self.times: List[float] = []
@@ -180,6 +182,10 @@ class SwapSequence:
         self._next_iteration()
 
     def end_iteration(self) -> None:
+        """The iteration is over: plan its recorded sequence (or count a hit when
+        every event followed the active schedule, with no sequence rebuilt), make that plan
+        the one the next iteration follows, and start recording the next iteration. A step
+        an exception cut short is not planned (``plan_mismatches``)."""
         events = self.events
         if not events:
             return

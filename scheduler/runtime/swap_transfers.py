@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..planners.swap_schedule import DEVICE, FREED, HOST, IN, OUT
+from .accounting import storage_bytes_view
 from .host_pool import HostPool
 from .swap_stats import Residency
 from .swap_vars import Var
@@ -35,8 +36,9 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None
     dst.copy_(src, non_blocking=non_blocking)
 
 
-class Transfers:
-    """Copies between device and host for the vars of one ``SwapContext``."""
+class SwapTransfers:
+    """Copies between device and host for the vars of one ``SwapContext`` (the chain
+    runtime's counterpart, per device, is ``chain_transfers.ChainTransfers``)."""
 
     def __init__(self, cuda: bool, counters: Dict[str, float], residency: Residency):
         self.cuda = cuda
@@ -54,6 +56,7 @@ class Transfers:
         self.make_room: Optional[Callable[[int, Optional[Var]], None]] = None
 
     def streams_for(self, device: Any) -> Tuple[Any, Any]:
+        """The (out, in) copy streams of ``device``, made at its first swap."""
         s = self._streams.get(device)
         if s is None:  # one stream out (device-to-host), one stream in (host-to-device)
             s = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
@@ -74,7 +77,7 @@ class Transfers:
             var.copied_version = views[0]._version if views else None
             buf = self.pool.acquire(var.nbytes)
             try:
-                src = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
+                src = storage_bytes_view(storage)
                 if self.cuda:
                     out_stream, _ = self.streams_for(var.device)
                     # after the op that saved it (its stream, not the current one: a swap-out
@@ -90,7 +93,9 @@ class Transfers:
                 del src
             except BaseException:
                 # an interrupted copy: the buffer holds nothing (the next swap-out copies again);
-                # on CUDA it is reused only after whatever was queued on the out stream
+                # on CUDA it is reused only after whatever was queued on the out stream. Waited
+                # for and kept, not given away as ``ChainTransfers.offload`` does: the buffer
+                # (pinned: slow to make) stays in the pool the next iteration reuses
                 if self.cuda:
                     self.streams_for(var.device)[0].synchronize()
                 self.pool.release(buf, None)
@@ -158,7 +163,7 @@ class Transfers:
             var.out_event.synchronize()
         self.copying.pop(var, None)  # (done now)
         var.inflight = None
-        dev = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(storage)
+        dev = storage_bytes_view(storage)
         if not torch.equal(dev.cpu(), host):
             for h in var.live_handles():
                 h.modified = True
@@ -253,7 +258,7 @@ class Transfers:
             self.gpu_stalls.append((start, end))
         t = var.in_tensor
         if t is None:  # (read before from another stream: a tensor on the same bytes)
-            t = torch.empty((0,), dtype=torch.uint8, device=var.device).set_(var.storage)
+            t = storage_bytes_view(var.storage)
         t.record_stream(stream)
         var.in_readers.append(stream)
 
@@ -345,6 +350,8 @@ class Transfers:
         self.parked.clear()
 
     def resolve_gpu_stalls(self, wait: bool) -> None:
+        """Add the compute-stream waits timed with events (``_read_after_copy``) to
+        ``stall_seconds``: those finished, or all of them after waiting (``wait``)."""
         keep = []
         for start, end in self.gpu_stalls:
             if wait:

@@ -122,7 +122,8 @@ class Var:
         self.in_readers: Optional[List[Any]] = None
         self.handles: List[HandleRef] = []
         # the version counter of its saved tensors when the host copy was made (None: unknown),
-        # to tell whether the bytes a new save hands over changed since (``Transfers.save_again``)
+        # to tell whether the bytes a new save hands over changed since
+        # (``SwapTransfers.save_again``)
         self.copied_version: Optional[int] = None
 
     # the device storage, while the bytes are on the device and a handle is alive

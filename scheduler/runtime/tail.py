@@ -1,5 +1,6 @@
-"""The model's tail as the chain's loss stage ``L`` (issue 13), measured on a profiling step
-(and on each of Mimose's collection steps, whose estimator learns it: ``chain_runner``).
+"""The model's tail as the chain's loss stage ``L`` (so plans count its memory), measured on a
+profiling step (and on each of Mimose's collection steps, whose estimator learns it:
+``chain_runner``).
 
 Under ``scheduler.checkpoint`` the blocks run inside the model's own forward; what runs after
 the last block returns (a final norm, the LM head, the loss: logits and the log-softmax that
@@ -23,7 +24,7 @@ outlives the call; ``nn.Module`` forward pre-hook and an ``always_call`` forward
   ``fw_tmp[L]`` = the forward's peak above that (tracer / ``max_memory_allocated``), ``fw[L]``
   its time. Then the tail's backward is replayed once (``torch.autograd.grad`` from the
   model's loss, or from its outputs, to those of the last block's outputs the tail reads
-  itself (``_read_by_tail``), ``retain_graph=True``:
+  itself (``read_by_tail``), ``retain_graph=True``:
   nothing accumulates, the user's backward later runs on the same graph): ``bw[L]`` its time,
   ``bw_tmp[L]`` its peak less the gradients it makes (counted from when they are made), plus
   the largest of the tail's weight gradients (transient) or, for weights tied to the head's,
@@ -57,10 +58,10 @@ from ..profile.autograd_graph import differentiable
 from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
-from .hook_stack import (_Hooks, _pop_hooks, _pop_tracer, _retire, _stacks_clean, _sweep,
-                         _TailTracer, _Within, module_call_frame)
+from .hook_stack import (Hooks, TailTracer, Within, module_call_frame, pop_hooks, pop_tracer,
+                         retire, stacks_clean, sweep)
 from .outside import Outside, head_census
-from .tail_graph import _read_by_tail, _tail_graph, has_backward_hooks
+from .tail_graph import has_backward_hooks, read_by_tail, tail_graph
 from .weak import WeakFields
 
 _warned: Set[str] = set()
@@ -86,8 +87,8 @@ class _Recording:
         self.depth = depth
         self.step = step  # the profiling ChainStep: the replay must not enter its blocks
         self.thread = threading.get_ident()
-        self.hooks = _Hooks()
-        self.tracer: Optional[_TailTracer] = None
+        self.hooks = Hooks()
+        self.tracer: Optional[TailTracer] = None
         self.m0 = 0
         self.t0 = 0.0
         self.pushed = False
@@ -124,7 +125,7 @@ class TailProbe(WeakFields):
         self.calls = 0  # outermost calls of the model so far: which forward a block runs in
         # the outermost call's frame while it runs, on its thread: an interrupt ends the call
         # without the forward hook (``_enter`` and the recording's entries tell by it)
-        self._call: Optional[_Within] = None
+        self._call: Optional[Within] = None
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
@@ -159,12 +160,12 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             self.calls += 1
             self.clean, self.handling = [], []
-            self._call = _Within(module_call_frame())
+            self._call = Within(module_call_frame())
             # the caller's tensors existed before the step: never counted as its memory
             self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
-        _sweep()
+        sweep()
         self.depth += 1
-        self.clean.append(_stacks_clean())
+        self.clean.append(stacks_clean())
         # the exception being handled around this call, if any (a retry inside ``except``):
         # only a new one at the forward hook means the forward raised
         self.handling.append(sys.exc_info()[1])
@@ -220,7 +221,7 @@ class TailProbe(WeakFields):
         or None outside the model's forward or with saved-tensor hooks or a dispatch mode
         around it (reading what the head saved would run their unpack hooks)."""
         if not self.measures or self.depth == 0 or \
-                not (self.clean and self.clean[-1] and _stacks_clean()):
+                not (self.clean and self.clean[-1] and stacks_clean()):
             return None
         state = {storage_key(t) for t in
                  list(self.model.parameters()) + list(self.model.buffers())}
@@ -254,12 +255,12 @@ class TailProbe(WeakFields):
                        f"{type(self.model).__name__}'s forward; the chain's loss stage is "
                        "measure_chain's stand-in, not the model's tail")
             return False
-        if not (self.clean[-1] and _stacks_clean()):
+        if not (self.clean[-1] and stacks_clean()):
             _warn_once("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are active "
                        "around the model's forward; its tail (stage L) is not measured, the "
                        "chain keeps measure_chain's stand-in loss stage")
             return False
-        passed = step.passed_through()
+        passed = step.offloader.passed_through()
         lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
                  storage_key(t) not in passed]
         if not lasts:
@@ -275,7 +276,7 @@ class TailProbe(WeakFields):
             rec.m0 = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         else:
-            rec.tracer = _TailTracer(self._call)
+            rec.tracer = TailTracer(self._call)
         rec.hooks.within = self._call
         if self._call is not None:  # made inert by it if the call ends without saying so
             self._call.entries = [e for e in (rec.tracer, rec.hooks) if e is not None]
@@ -290,7 +291,7 @@ class TailProbe(WeakFields):
     # ------------------------------------------------------------------------ ending
     def _release(self, rec: _Recording) -> None:
         """Pop what ``begin`` pushed (tracer first: pushed last), or leave it inert and queued
-        (``hook_stack._retire``; already so if its call ended without saying so)."""
+        (``hook_stack.retire``; already so if its call ended without saying so)."""
         rec.hooks.recording = False
         rec.hooks.within = None
         if rec.tracer is not None:
@@ -299,13 +300,13 @@ class TailProbe(WeakFields):
             return
         rec.pushed = False
         stale = False
-        for entry, pop in ((rec.tracer, _pop_tracer), (rec.hooks, _pop_hooks)):
+        for entry, pop in ((rec.tracer, pop_tracer), (rec.hooks, pop_hooks)):
             if entry is None or entry.queued:
                 continue
             if pop(entry):
                 entry.queued = True  # (popped: never queued again)
             else:
-                _retire(entry)
+                retire(entry)
                 stale = True
         if stale:
             _warn_once("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
@@ -436,10 +437,10 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     roots = [t for t in outs if t.requires_grad and differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
-    lasts = _read_by_tail(roots, rec.lasts)
+    lasts = read_by_tail(roots, rec.lasts)
     if not roots or not lasts:
         return None
-    params, custom = _tail_graph(roots, lasts)
+    params, custom = tail_graph(roots, lasts)
     if custom or has_backward_hooks(model):
         _warn_once("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks "
                    "or custom autograd Functions, which a replay of its backward would run a "

@@ -1,7 +1,7 @@
 """Questions about the autograd graph of the model's tail, asked before its backward is
 replayed (``tail._replay``): which of the last block's outputs the tail reads
-(``_read_by_tail``), which weights its backward reaches and whether it runs a custom autograd
-Function (``_tail_graph``), and whether the model has module backward hooks a replay would call
+(``read_by_tail``), which weights its backward reaches and whether it runs a custom autograd
+Function (``tail_graph``), and whether the model has module backward hooks a replay would call
 (``has_backward_hooks``).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def has_backward_hooks(model: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
-def _read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
+def read_by_tail(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
                   ) -> List[torch.Tensor]:
     """The last block's outputs whose gradients the replay asks for: those the tail reads
     itself, less those another output is computed from by ops that saved tensors (BLOOM's
@@ -76,7 +76,7 @@ def _saves(node: Any) -> bool:
     return any(name.startswith("_raw_saved_") for name in dir(node))
 
 
-def _tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
+def tail_graph(roots: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor]
                 ) -> Tuple[List[torch.Tensor], bool]:
     """The parameters the tail's backward reaches (``AccumulateGrad`` nodes) from ``roots``
     without going past the last block's outputs, and whether it runs a custom autograd

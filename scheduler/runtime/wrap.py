@@ -47,12 +47,15 @@ class CheckpointedChain(nn.Module):
         return self.runner.plan_for(args)
 
     def stats(self) -> Dict[str, Any]:
+        """The runner's figures (``ChainRunner.stats``: plan cache, last peak, offloads)."""
         return self.runner.stats()
 
     # torch.compile leaves the runner to run eagerly (it pushes autograd hooks, reads the
     # graph, moves storages): a graph break around the chain, compiled code around it
     @torch.compiler.disable
     def forward(self, *args: Any) -> Any:
+        """The blocks in order through the runner (which follows the plan): each block's
+        output, a tensor or a tuple of them, is the next block's arguments."""
         if not args:
             raise TypeError("scheduler.wrap: the wrapped chain needs at least one input")
         value: Tuple[Any, ...] = args
