@@ -44,3 +44,27 @@ def test_storage_bytes_view_spans_the_whole_storage_whatever_the_view():
     assert torch.equal(b.view(torch.float32), base)
     b.view(torch.float32)[5] = -1.0   # the same memory, not a copy
     assert view[2].item() == -1.0
+
+
+def test_a_copy_dropped_before_its_prefetch_runs_no_python_code():
+    # its host buffer is queued by a C callback (a Python finalizer is where a Ctrl-C's
+    # KeyboardInterrupt would be lost: CPython only prints it), and goes at the next drain
+    import sys
+    from scheduler.runtime.chain_transfers import ChainTransfers
+    engine = ChainTransfers(torch.device("cpu"))
+    t = torch.randn(256)
+    sc = engine.offload_storage(t.untyped_storage())
+    ran = []
+    sys.setprofile(lambda frame, event, arg: ran.append(frame.f_code.co_name)
+                   if event == "call" else None)
+    try:
+        del sc
+    finally:
+        sys.setprofile(None)
+    assert ran == [] and len(engine.dead) == 1
+    engine.drain_orphans()
+    assert engine.dead == [] and engine._watched == {}
+    kept = engine.offload_storage(t.untyped_storage())  # a copy prefetched: nothing queued
+    engine.prefetch_storage(kept)
+    del kept
+    assert engine.dead == [] and engine._watched == {}

@@ -90,3 +90,53 @@ def test_frozen_blocks_are_offloaded_without_a_warning():
             model.zero_grad(set_to_none=True)
             plain.zero_grad(set_to_none=True)
     assert scheduler.runtime.checkpoint.checkpointed(model).runners[0].stats()["last_offloads"] > 0
+
+
+def _stopped_forward(model, x, where, exc):
+    """Run ``model`` on ``x`` with ``exc`` raised as block 5 begins (``where``: in the block's
+    own pre-hook, between blocks; or in its first layer, inside the runner's call of it), the
+    block outputs a forward hook kept, and the traceback's ``mid`` (what a debugger reads)."""
+    kept = {}
+    handles = [b.register_forward_hook(lambda m, a, out, i=i: kept.__setitem__(i, out))
+               for i, b in enumerate(model.blocks)]
+
+    def boom(m, a):
+        raise exc("stopped in block 5")
+
+    target = model.blocks[5] if where == "between" else model.blocks[5].lin
+    handles.append(target.register_forward_pre_hook(boom))
+    try:
+        torch.manual_seed(7)
+        model(x)
+    except exc as e:
+        tb = e.__traceback__
+        while tb is not None and "mid" not in tb.tb_frame.f_locals:
+            tb = tb.tb_next
+        mid = tb.tb_frame.f_locals["mid"]
+    for h in handles:
+        h.remove()
+    return kept, mid
+
+
+@pytest.mark.parametrize("where,exc", [("inside", KeyboardInterrupt), ("inside", ValueError),
+                                       ("between", ValueError)])
+def test_outputs_held_outside_stay_readable_when_the_forward_stops_under_pofo(where, exc):
+    # the step lets go of an interrupted forward; an output it offloaded (its storage emptied)
+    # that a hook or the traceback still holds gets its memory back, as at a forward's end.
+    # (Sizes are checked before any read: reading an emptied storage crashes the process)
+    plain = DeepSupervision().eval()  # (no dropout: the values compare without the rng)
+    model = copy.deepcopy(plain)
+    scheduler.checkpoint(model, "150KB", "pofo", blocks="blocks")
+    x = torch.randn(32, 64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="held outside"):
+        model(x)[0].sum().backward()  # the profiling step, then a planned one
+        model(x)[0].sum().backward()
+    runner = scheduler.runtime.checkpoint.checkpointed(model).runners[0]
+    assert any(op.kind == "offload" for op in runner.last_plan.ops)
+    kept, mid = _stopped_forward(model, x, where, exc)
+    want, want_mid = _stopped_forward(plain, x, where, exc)
+    assert sorted(kept) == [0, 1, 2, 3, 4] and runner.current is None
+    sizes = {i: t.untyped_storage().nbytes() for i, t in kept.items()}
+    assert sizes == {i: t.numel() * t.element_size() for i, t in kept.items()}
+    assert mid.untyped_storage().nbytes() == mid.numel() * mid.element_size()
+    assert all(torch.equal(kept[i], want[i]) for i in kept) and torch.equal(mid, want_mid)

@@ -158,7 +158,9 @@ class ChainStep:
         """The forward failed half way: drop every reference to values and to the partial
         graph. (The failed call's arguments reach the graph, whose holders reach the frames and
         this step: a cycle through autograd's C++ nodes that the garbage collector cannot see,
-        so it would never be freed.)"""
+        so it would never be freed.) Offloaded values still used outside the step get their
+        memory back first (``Offloader.abandon``), judged once the calls' references, which
+        are the step's, are gone."""
         self.prev_out = None
         if self.failed_call is not None:
             self.failed_call.x, self.failed_call.kept = (), []
@@ -166,11 +168,16 @@ class ChainStep:
             if f is not None:
                 f.call.x = ()
                 f.call.kept = []
-                f.out = ()
-        self.frames = [None] * self.L
-        for d in (self.xs, self.anchors, self.xbars):
-            d.clear()
-        self.offloader.clear()
+        loop_outs, self.loop_outs = self.loop_outs, {}
+        try:
+            self.offloader.abandon(loop_outs)
+        finally:
+            for f in self.frames:
+                if f is not None:
+                    f.out = ()
+            self.frames = [None] * self.L
+            for d in (self.xs, self.anchors, self.xbars):
+                d.clear()
 
     # -------------------------------------------------------------------------- values
     def _hold(self, s: int, value: Tensors) -> None:

@@ -8,7 +8,8 @@ The step owns one ``Offloader`` and calls it: ``transfer`` (an ``offload``/``pre
 ``sync_before`` and ``after`` (around every op), ``ready_x``/``wait_xbar`` (before reading a
 value that may have been prefetched), ``readable``/``offloaded``/``held`` (x[s] while it is
 moved), ``not_activations``/``state_keys``/``note_passed``/``passed_through`` (which storages
-are not the plan's), ``restore_escaped`` (the forward's end) and ``clear`` (a failed forward).
+are not the plan's), ``restore_escaped`` (the forward's end) and ``abandon`` (a forward stopped
+half way).
 """
 from __future__ import annotations
 
@@ -73,9 +74,32 @@ class Offloader:
         return step
 
     def clear(self) -> None:
-        """The forward failed half way: let go of every value held on the host side."""
+        """Let go of every value held on the host side (``abandon`` first restores what is
+        still read outside the step)."""
         for d in (self.host, self.pending, self.leaving):
             d.clear()
+
+    def abandon(self, loop_outs: Dict[int, Tuple[weakref.ReferenceType, ...]]) -> None:
+        """The forward stopped half way (an exception, a Ctrl-C in a block): no backward will
+        come, so the step lets go of its values. An offloaded value still used outside the step
+        (``loop_outs``, the blocks' outputs as the loop got them, weakly: a forward hook's list,
+        the model's locals in the traceback a debugger reads, a detached alias) has an empty
+        storage (released): its memory comes back first, as at the forward's end
+        (``restore_escaped``), or reading it would crash the process. The rest is let go. The
+        step's own references to the calls must be dropped before (they would count as uses
+        from outside)."""
+        try:
+            for copies in self.pending.values():  # a prefetch in flight lands before any read
+                for sc in copies:
+                    ChainTransfers.wait(sc)
+            if self._released_copies():
+                mine, ids = self._own_uses()
+                kept: Set[int] = set()
+                for refs in loop_outs.values():
+                    kept |= self._kept(refs, ids)
+                self._restore_used(self._released_copies(), kept, mine)
+        finally:
+            self.clear()
 
     # ------------------------------------------------------------------- values held
     def readable(self, s: int) -> Optional[Tensors]:
@@ -312,32 +336,18 @@ class Offloader:
         warning says so. The last block's input cannot be judged here (the loop passes it to
         the running block)."""
         step = self.step
-        if not any(sc.released for f in step.xbars.values() for sc in (f.host or ())) and \
-                not any(sc.released for off in self.host.values() for sc in off.copies):
+        if not self._released_copies():
             return  # nothing offloaded is off the device (rotor's plans: never)
         mine, ids = self._own_uses()
         back = []
         for s, refs in loop_outs.items():
             if s >= step.L - 2:  # the last block's input and output are the loop's own now
                 continue
-            # the loop's own objects, unless the step holds them (a frozen block's input is
-            # saved as itself): the caller kept them; any other tensor on the storage (a
-            # detached alias, autograd outside the blocks) shows in its use count, beyond the
-            # step's tensors and the StorageCopy's storage object
-            kept = {accounting.storage_key(t) for t in (r() for r in refs)
-                    if t is not None and id(t) not in ids}
             f = step.xbars.get(s)
             copies = list(f.host or ()) if f is not None else []
             off = self.host.get(s + 1)
             copies += off.copies if off is not None else []
-            released = [sc for sc in copies if sc.released and (
-                sc.storage._cdata in kept or
-                torch._C._storage_Use_Count(sc.storage._cdata) > mine.get(sc.storage._cdata, 0)
-                + 1)]
-            for sc in released:
-                assert self.transfers is not None  # (a released copy was offloaded by one)
-                self.transfers(sc.storage.device).restore(sc)
-            if released:
+            if self._restore_used(copies, self._kept(refs, ids), mine):
                 back.append(s)
         if back:  # (Python's default filter shows it once per message)
             warnings.warn(
@@ -346,6 +356,34 @@ class Offloader:
                 "plan offloaded them, so their memory came back at the end of the forward and "
                 "the budget may be exceeded; plan without offloading (planner='rotor'), or do "
                 "not keep them", RuntimeWarning, stacklevel=2)
+
+    def _released_copies(self) -> List[StorageCopy]:
+        """The copies whose device memory is released now (F_all results and x[s])."""
+        return [sc for sc in itertools.chain(
+            (sc for f in self.step.xbars.values() for sc in (f.host or ())),
+            (sc for off in self.host.values() for sc in off.copies)) if sc.released]
+
+    @staticmethod
+    def _kept(refs: Tuple[weakref.ReferenceType, ...], ids: Set[int]) -> Set[int]:
+        """The storages of a block's outputs as the loop got them (``refs``, weakly) that are
+        still alive, unless the step holds the very objects (``ids``: a frozen block's input
+        is saved as itself): someone outside the step kept them."""
+        return {accounting.storage_key(t) for t in (r() for r in refs)
+                if t is not None and id(t) not in ids}
+
+    def _restore_used(self, copies: Sequence[StorageCopy], kept: Set[int],
+                      mine: Dict[int, int]) -> bool:
+        """Bring back the released storages among ``copies`` that are used outside the step:
+        in ``kept``, or by more tensors than the step's own (``mine``, ``_own_uses``) and the
+        StorageCopy's storage object (a detached alias, autograd outside the blocks). Whether
+        any came back."""
+        used = [sc for sc in copies if sc.released and (
+            sc.storage._cdata in kept or
+            torch._C._storage_Use_Count(sc.storage._cdata) > mine.get(sc.storage._cdata, 0) + 1)]
+        for sc in used:
+            assert self.transfers is not None  # (a released copy was offloaded by one)
+            self.transfers(sc.storage.device).restore(sc)
+        return bool(used)
 
     def _own_uses(self) -> Tuple[Dict[int, int], Set[int]]:
         """The step's own tensors on each storage (distinct objects: distinct TensorImpls) and

@@ -43,6 +43,8 @@ from .options import (ChainArg, PlannerArg, check_bool, check_callable, check_me
                       check_planner, default_input_size, parse_budget, parse_rate)
 from .outside import with_outside
 from .planning import make_plan, profiling_peak
+from .weak import gone
+from .tail import TAIL_TRIES
 
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
 
@@ -137,6 +139,8 @@ class ChainRunner(MimoseSteps):
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
         # profiling steps whose chain an InputAwareChain learns: profile key -> input size
         self._learning: Dict[Hashable, float] = {}
+        # profiling steps whose tail measurement failed, by shape (``_tail_failed``)
+        self._tail_failures: Dict[Hashable, int] = {}
         self._said_shapes = False  # MEASUREMENTS_SAID's warning, given once
         self.calls = 0  # block calls through the runner (a list its model never calls: 0)
         self.said_uncalled = False  # tail.TailProbe's warning that they never were, given
@@ -144,7 +148,7 @@ class ChainRunner(MimoseSteps):
         self._in_place = first_run.InPlaceBuffers()  # buffers the blocks change in place
         # scheduler.checkpoint's measurement of the model's tail (stage L), or None: the
         # chain's loss stage is measure_chain's ``loss`` (scheduler.wrap, or loss= given)
-        self.tail: Any = None
+        self.tail = None
         # the model's forward (tail.forward_number) the step in flight began in, and the one
         # the last whole pass over the list ended in: a second pass or a repeated block 0 in
         # one forward is told apart from a new forward after one that raised
@@ -164,16 +168,35 @@ class ChainRunner(MimoseSteps):
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None)
+                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None,
+                     _tail=self.tail)  # (the copy's probe, in a copy of the model)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        tail = state.pop("_tail", None) or state.pop("tail", None)  # (pickled strongly once)
         self.__dict__.update(state)
-        for name, value in (("_learning", {}), ("_said_profiling", False)):
+        self.tail = tail
+        for name, value in (("_learning", {}), ("_said_profiling", False),
+                            ("_tail_failures", {})):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
         self._mimose_unpickled()
 
     # -------------------------------------------------------------------------- knobs
+    @property
+    def tail(self) -> Any:
+        """The model's ``tail.TailProbe`` (``scheduler.checkpoint``), or None. Held weakly:
+        a recording in progress holds the profiling step's graph, whose holders reach this
+        runner (``ChainStep.run_again``): held strongly, a Ctrl-C in the model's tail would
+        leave a cycle through autograd's C++ nodes, which the garbage collector cannot see
+        (the probe, its recording, the step and the blocks, never freed). The model holds the
+        probe (its hooks)."""
+        return self._tail()
+
+    @tail.setter
+    def tail(self, probe: Any) -> None:
+        self._tail = gone if probe is None else weakref.ref(probe)
+
     @property
     def budget(self) -> Optional[int]:
         return self._budget
@@ -280,16 +303,47 @@ class ChainRunner(MimoseSteps):
             self._sample_with_tail(key, chain)
             return
         size = self._learning.pop(key, None)
-        if size is not None:  # InputAwareChain learns the chain agreed, before on_chain
-            if agree_on is not None and self._agrees():
+        tail = chain.meta.get("tail")  # (``tail.TailProbe``'s; a Mimose estimate's is a word)
+        failed = isinstance(tail, dict) and bool(tail.get("failed"))
+        if self._measure_again(key, failed):
+            return  # at the shape's next step (this step's forward is over: it needs no plan)
+        if size is not None and not failed:  # InputAwareChain learns the chain agreed, before
+            if agree_on is not None and self._agrees():  # on_chain
                 chain = distributed.agree_chain(chain, key=agree_on)
             agree_on = None
             self.chain_source.learn(size, chain)
         chain = self._check_chain(chain, agree_on=agree_on)
-        if self.chain_source is None:
+        if self.chain_source is None and not failed:
             self._remember(key, chain)
         self.cache.get_or_plan(key, lambda: self._plan_on(chain, device))
         self._say_profiling_peak(chain)
+
+    def _measure_again(self, key: Hashable, failed: bool) -> bool:
+        """Whether the chain of a profiling step is dropped because measuring the model's tail
+        ``failed`` on it (an exception or a Ctrl-C in the tail, an out-of-memory in its
+        replay): its stage L is the stand-in loss (the tail costs nothing), and remembered,
+        cached or taught to an ``InputAwareChain`` it would plan the shape without the tail's
+        memory for good. The shape is measured again at its next step, up to ``TAIL_TRIES``
+        failures; then it is planned on the stand-in for this key (not remembered, not
+        learnt), with a warning. Where the ranks must run one plan (``_agrees``) it is
+        planned at once (a rank measuring again alone would leave the others' agreement
+        unmatched)."""
+        shape = _shape_of(key)
+        if not failed:
+            self._tail_failures.pop(shape, None)
+            return False
+        if len(self._tail_failures) > 4 * self.cache.capacity:  # (shapes never seen again)
+            self._tail_failures.clear()
+        tries = self._tail_failures[shape] = self._tail_failures.get(shape, 0) + 1
+        if tries < TAIL_TRIES and not self._agrees():
+            return True
+        self._tail_failures.pop(shape, None)
+        warnings.warn(
+            f"{self.name}: measuring the model's tail (what runs after the last block of "
+            f"'{self.list_name}': final norm, head, loss) failed on {tries} profiling step(s) "
+            "of this input shape; it is planned on measure_chain's stand-in loss stage, which "
+            "counts none of the tail's memory: the budget may not hold for it", stacklevel=3)
+        return False
 
     def _say_profiling_peak(self, chain: Chain) -> None:
         """Say once that the first step of each new shape (every block checkpointed while

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -52,9 +52,9 @@ class StorageCopy:
     host: HostCopy
     event: Optional[object] = None      # of the prefetch, once issued
     released: bool = False              # its device memory was freed (``ChainTransfers.release``)
-    # hands the host buffer to ``ChainTransfers.orphans`` if this copy is dropped before its
-    # prefetch (``ChainTransfers.offload_storage``); detached once the buffer went back
-    orphaned: Optional[weakref.finalize] = field(default=None, repr=False, compare=False)
+    # queues the host buffer as an orphan if this copy is dropped before its prefetch
+    # (``ChainTransfers.offload_storage``); forgotten once the buffer went back
+    orphaned: Optional[weakref.ref] = field(default=None, repr=False, compare=False)
 
 
 class ChainTransfers:
@@ -65,10 +65,14 @@ class ChainTransfers:
         self.device = device
         self.cuda = device.type == "cuda"
         self.pool = HostPool(pin_memory=self.cuda)
-        # host buffers of copies dropped before their prefetch (a forward that raised, a
-        # graph dropped without its backward): the pool lets them go at the next offload.
-        # (A finalizer only queues them: it may run in the middle of a pool call.)
-        self.orphans: List[torch.Tensor] = []
+        # copies dropped before their prefetch (a forward that raised, a graph dropped without
+        # its backward): their host buffers (``_watched``, by the id of the copy's weak
+        # reference) go at the next offload. The reference's callback only queues it (``dead``:
+        # it may run in the middle of a pool call), and is a C function, so no Python code runs
+        # as a copy dies: a Ctrl-C's KeyboardInterrupt raised there would be lost (CPython only
+        # prints it), as the swap runtime's handles avoid too
+        self.dead: List[weakref.ref] = []
+        self._watched: Dict[int, Tuple[weakref.ref, torch.Tensor]] = {}
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
@@ -78,8 +82,9 @@ class ChainTransfers:
     def drain_orphans(self) -> None:
         """Let the host buffers of copies dropped before their prefetch go (the runner calls
         this at every step; offloads and prefetches too)."""
-        while self.orphans:
-            self.pool.give_away(self.orphans.pop())
+        while self.dead:
+            _, buf = self._watched.pop(id(self.dead.pop()))
+            self.pool.give_away(buf)
 
     def offload(self, t: torch.Tensor) -> HostCopy:
         """Start copying ``t`` into a pooled (pinned) host buffer: on CUDA on the d2h stream
@@ -120,13 +125,15 @@ class ChainTransfers:
             raise RuntimeError("scheduler.wrap: cannot offload a tensor whose storage is not "
                                "resizable (created from external memory)")
         sc = StorageCopy(storage, self.offload(storage_bytes_view(storage)))
-        sc.orphaned = weakref.finalize(sc, self.orphans.append, sc.host.buf)
+        sc.orphaned = weakref.ref(sc, self.dead.append)
+        self._watched[id(sc.orphaned)] = (sc.orphaned, sc.host.buf)
         return sc
 
     def _give_back(self, sc: StorageCopy, event: Optional[object]) -> None:
         """``sc``'s host buffer goes back to the pool, reused once ``event`` is done."""
-        if sc.orphaned is not None:
-            sc.orphaned.detach()
+        if sc.orphaned is not None:  # (the reference dies here: its callback never runs)
+            self._watched.pop(id(sc.orphaned), None)
+            sc.orphaned = None
         self.pool.release(sc.host.buf, event)
 
     @staticmethod

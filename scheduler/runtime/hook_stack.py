@@ -1,16 +1,18 @@
 """The autograd and dispatch stacks as the tail probe (``tail.TailProbe``) uses them: whether
 they are clean (``stacks_clean``), the entries it pushes (``Hooks``: saved-tensor pack hooks;
 ``TailTracer``: the op tracer), popped only when on top of their stack (``pop_hooks``,
-``pop_tracer``), and those that were not, inert until they can be (``_stale``, ``sweep``).
+``pop_tracer``), and those that were not, inert until they can be (``_stale``, ``sweep``;
+``let_go`` when their probe is gone), and the model call they belong to (``Within``).
 """
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.utils import _python_dispatch as dispatch
@@ -40,16 +42,23 @@ def module_call_frame() -> Optional[FrameType]:
     return f
 
 
-def running(frame: FrameType) -> bool:
-    """Whether ``frame`` is on this thread's stack: its call has not ended. (Held, so compared
-    by identity: exact. A KeyboardInterrupt ends a module's call without its ``always_call``
-    forward hooks, which PyTorch runs on ``Exception`` only.)"""
+def _frame_at(depth: int) -> Optional[FrameType]:
+    """The frame ``depth`` calls below the bottom of this thread's stack (0: the outermost),
+    if the stack is that deep."""
+    stack = []
     f = sys._getframe(1)
     while f is not None:
-        if f is frame:
-            return True
+        stack.append(f)
         f = f.f_back
-    return False
+    return stack[-1 - depth] if depth < len(stack) else None
+
+
+def _depth(frame: FrameType) -> int:
+    """How many calls ``frame`` is above the bottom of its thread's stack (``_frame_at``)."""
+    n = 0
+    while frame.f_back is not None:
+        frame, n = frame.f_back, n + 1
+    return n
 
 
 class Within:
@@ -57,42 +66,48 @@ class Within:
     that call has ended without saying so (an interrupt), the recording's entries (``entries``:
     its tracer and hooks) turn inert and are queued to be popped (``_stale``), instead of
     recording whatever runs next (a Ctrl-C handler saving the model) until the model is called
-    again. Found at the entries' next use, or at the next garbage collection (``_gc_start``):
-    the frame, held until then, keeps the caller's locals (the model, its optimizer)."""
+    again. Found at the entries' next use, or at the model's next call.
+
+    The frame is not held (it holds the caller's locals, the model among them: a cycle through
+    the model's hooks that only the garbage collector frees): it is known by its place, the
+    frame at its depth on the stack, its id, code and module (``self``); a later call in that
+    place (``over(entering=...)``: the model's next call) ends it too."""
 
     def __init__(self, frame: Optional[FrameType]) -> None:
-        self.frame = frame  # None: not known (no check)
+        self.where: Optional[Tuple[int, int]] = None  # (depth, id); None: not known (no check)
+        self.module: Any = None  # the module called there, weakly
+        if frame is not None:
+            self.where = (_depth(frame), id(frame))
+            try:
+                self.module = weakref.ref(frame.f_locals["self"])
+            except (KeyError, TypeError):  # (no check of the module then)
+                pass
         self.thread = threading.get_ident()
         self.ended = False
         self.entries: List[Any] = []
-        if frame is not None:
-            _calls.add(self)
 
-    def over(self) -> bool:
+    def _running(self) -> bool:
+        """Whether the call's frame is on this thread's stack still."""
+        depth, key = self.where  # type: ignore[misc]
+        f = _frame_at(depth)
+        if f is None or id(f) != key or f.f_code is not _CALL_IMPL:
+            return False
+        return self.module is None or f.f_locals.get("self") is self.module()
+
+    def over(self, entering: Optional[FrameType] = None) -> bool:
         """The call has ended (judged on its own thread only: autograd's device threads run
-        the replayed backward's ops with our entries too, outside that stack)."""
-        if not self.ended and self.frame is not None and \
-                threading.get_ident() == self.thread and not running(self.frame):
-            self.ended, self.frame = True, None  # (its caller's locals let go)
+        the replayed backward's ops with our entries too, outside that stack). ``entering``:
+        the frame of a new call of the module, which is not the same call even where it has
+        the old one's place and id."""
+        if not self.ended and self.where is not None and \
+                threading.get_ident() == self.thread and \
+                (not self._running() or (entering is not None and
+                                         (_depth(entering), id(entering)) == self.where)):
+            self.ended = True
             for entry in self.entries:  # (no one reads the recording of a call that ended so)
                 retire(entry, forget=True)
             self.entries = []
         return self.ended
-
-
-# the calls being watched (weakly: a probe drops its own at the end of the call)
-_calls: "weakref.WeakSet[Within]" = weakref.WeakSet()
-
-
-def _gc_start(phase: str, info: Dict[str, Any]) -> None:
-    """At each collection's start: calls that ended without saying so let their frames go,
-    so the collection can free what only those frames held."""
-    if phase == "start" and _calls:
-        for call in list(_calls):
-            call.over()
-
-
-gc.callbacks.append(_gc_start)
 
 
 class TailTracer(OpTracer):
@@ -182,7 +197,8 @@ def pop_tracer(tr: TailTracer) -> bool:
 
 
 def sweep() -> None:
-    """Pop stale entries that are on top of their stacks now."""
+    """Pop stale entries that are on top of their stacks now. (Called where no op is being
+    dispatched: a model call, a probe's removal; ``let_go`` below.)"""
     changed = True
     while changed and _stale:
         changed = False
@@ -191,3 +207,24 @@ def sweep() -> None:
             if (pop_hooks(obj) if kind == "hooks" else pop_tracer(obj)):
                 _stale.remove(item)
                 changed = True
+
+
+# whether a garbage collection is under way: each collection's phase moves its name last in
+# this dict ("start", then "stop"), by a C function (a Python callback would run bytecode,
+# where a Ctrl-C's KeyboardInterrupt raised in it would be lost: CPython only prints it)
+_gc_phase: "collections.OrderedDict[str, None]" = collections.OrderedDict(start=None, stop=None)
+gc.callbacks.append(_gc_phase.move_to_end)  # (called as move_to_end(phase, info): info is true)
+
+
+def let_go(entries: List[Any]) -> None:
+    """The owner of ``entries`` (a tail probe, with its model) is gone, its recording with it:
+    they turn inert, and what is on top of its stack is popped now, unless a garbage collection
+    runs this (it may have begun inside an op's dispatch, where popping a dispatch mode would
+    break that op): then at the next ``sweep``. Without this, a Ctrl-C in a model's tail left
+    its tracer on the dispatch stack for good once the model was gone: ``torch.compile``
+    compiled nothing, every op ran through it."""
+    for entry in entries:
+        retire(entry, forget=True)
+    entries.clear()
+    if next(reversed(_gc_phase)) != "start":
+        sweep()

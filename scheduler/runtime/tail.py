@@ -58,19 +58,16 @@ from ..profile.autograd_graph import differentiable
 from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
-from .hook_stack import (Hooks, TailTracer, Within, module_call_frame, pop_hooks, pop_tracer,
-                         retire, stacks_clean, sweep)
+from .hook_stack import (Hooks, TailTracer, Within, let_go, module_call_frame, pop_hooks,
+                         pop_tracer, retire, stacks_clean, sweep)
 from .outside import Outside, head_census
 from .tail_graph import has_backward_hooks, read_by_tail, tail_graph
 from .weak import WeakFields
 
-_warned: Set[str] = set()
-
-
-def _warn_once(reason: Hashable, message: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(message, stacklevel=3)
+# profiling steps of one shape whose tail measurement failed before the shape is planned on
+# the stand-in loss stage (``ChainRunner._measure_again``): a failure is that step's (a bad
+# batch, a Ctrl-C), not the shape's
+TAIL_TRIES = 3
 
 
 class _Recording:
@@ -123,11 +120,24 @@ class TailProbe(WeakFields):
         self.rec: Optional[_Recording] = None
         self.given: Set[int] = set()  # storages of the outermost call's tensor arguments
         self.calls = 0  # outermost calls of the model so far: which forward a block runs in
-        # the outermost call's frame while it runs, on its thread: an interrupt ends the call
-        # without the forward hook (``_enter`` and the recording's entries tell by it)
+        # the outermost call while it runs (known by its frame's place on its thread's stack):
+        # an interrupt ends the call without the forward hook (``_enter`` and the recording's
+        # entries tell by it)
         self._call: Optional[Within] = None
+        # the entries ``begin`` pushed, until popped or queued: a Ctrl-C in the tail leaves
+        # them pushed, and if the model is never called again they go with this probe
+        self._live: List[Any] = []
+        self._let_go_with_me()
+        self._warned: Set[Hashable] = set()  # this probe's warnings given (``_warn``)
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
+
+    def _warn(self, reason: Hashable, message: str) -> None:
+        """Say ``message`` once per ``reason`` for this probe's model (another model's
+        measurement failing the same way is said too)."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(message, stacklevel=3)
 
     @property
     def model(self) -> nn.Module:
@@ -136,17 +146,34 @@ class TailProbe(WeakFields):
         return model
 
     def remove(self) -> None:
-        """Undo: drop a recording in progress (nothing is planned for it), unhook."""
+        """Undo: drop a recording in progress (nothing is planned for it), unhook, and pop
+        what is left stale on top of the stacks (an interrupted tail's entries)."""
         self._abort(None, plan=False)
         for h in self.handles:
             h.remove()
         self.handles = []
+        let_go(self._live)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_live=[], rec=None, _call=None, depth=0, clean=[], handling=[])
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._let_go_with_me()  # (the copy's own)
+
+    def _let_go_with_me(self) -> None:
+        """``hook_stack.let_go`` this probe's live entries when it is freed (with its model);
+        nothing at the process's exit."""
+        weakref.finalize(self, let_go, self._live).atexit = False
 
     # ------------------------------------------------------------------------ model hooks
     # (never traced by torch.compile: they read the autograd and dispatch stacks and push hooks)
     @torch.compiler.disable
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.depth > 0 and self._call is not None and self._call.over():
+        here = module_call_frame()
+        if self.depth > 0 and self._call is not None and self._call.over(entering=here):
             # the last call ended without its forward hook (a KeyboardInterrupt: PyTorch
             # runs ``always_call`` hooks on Exception only): not a call inside it
             self._abort("was interrupted")
@@ -160,7 +187,7 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             self.calls += 1
             self.clean, self.handling = [], []
-            self._call = Within(module_call_frame())
+            self._call = Within(here)
             # the caller's tensors existed before the step: never counted as its memory
             self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         sweep()
@@ -251,12 +278,12 @@ class TailProbe(WeakFields):
         if self.rec is not None:
             self._abort(None)
         if self.depth == 0:
-            _warn_once("outside", f"{self.name}: the blocks ran outside "
+            self._warn("outside", f"{self.name}: the blocks ran outside "
                        f"{type(self.model).__name__}'s forward; the chain's loss stage is "
                        "measure_chain's stand-in, not the model's tail")
             return False
         if not (self.clean[-1] and stacks_clean()):
-            _warn_once("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are active "
+            self._warn("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are active "
                        "around the model's forward; its tail (stage L) is not measured, the "
                        "chain keeps measure_chain's stand-in loss stage")
             return False
@@ -264,7 +291,7 @@ class TailProbe(WeakFields):
         lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
                  storage_key(t) not in passed]
         if not lasts:
-            _warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
+            self._warn("nograd", f"{self.name}: the last block's output needs no gradient; "
                        "the model's tail (stage L) is not measured")
             return False
         # the tail's own device (where its memory is read and its time synchronised), not
@@ -280,6 +307,7 @@ class TailProbe(WeakFields):
         rec.hooks.within = self._call
         if self._call is not None:  # made inert by it if the call ends without saying so
             self._call.entries = [e for e in (rec.tracer, rec.hooks) if e is not None]
+        self._live[:] = [e for e in (rec.tracer, rec.hooks) if e is not None]
         torch._C._autograd._push_saved_tensors_default_hooks(rec.hooks.pack, rec.hooks.unpack)
         if rec.tracer is not None:
             rec.tracer.__enter__()
@@ -299,6 +327,7 @@ class TailProbe(WeakFields):
         if not rec.pushed:
             return
         rec.pushed = False
+        self._live.clear()  # (popped now, or queued: ``sweep``'s)
         stale = False
         for entry, pop in ((rec.tracer, pop_tracer), (rec.hooks, pop_hooks)):
             if entry is None or entry.queued:
@@ -309,7 +338,7 @@ class TailProbe(WeakFields):
                 retire(entry)
                 stale = True
         if stale:
-            _warn_once("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
+            self._warn("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
                        "during the model's forward was still open when it returned; the tail "
                        "measurement's own entries are inert and popped when they can be")
 
@@ -323,9 +352,9 @@ class TailProbe(WeakFields):
         rec.tracer, rec.lasts, rec.step = None, [], None
         chain = rec.chain
         if reason is not None:
-            _warn_once(reason, f"{self.name}: the model's forward {reason} after its last block; "
-                       "the tail (stage L) was not measured, the plan uses measure_chain's "
-                       "stand-in loss stage")
+            self._warn(reason, f"{self.name}: the model's forward {reason} after its last "
+                       "block; the tail (stage L) was not measured on this step: its shape "
+                       f"is measured again at its next step (up to {TAIL_TRIES} tries)")
             # (a failure, not a tail that cannot be measured: Mimose does not learn from it)
             chain = chain.replace(meta={**chain.meta, "tail": {"failed": reason}})
         if plan:
@@ -345,8 +374,9 @@ class TailProbe(WeakFields):
             chain = self._tail_chain(rec, output, fw, held if cuda else 0,
                                      peak if cuda else 0)
         except Exception as e:  # measuring must not break training: say so, plan as before
-            _warn_once(("failed", self.name, type(e)), f"{self.name}: measuring the model's "
-                       f"tail failed ({e!r}); the plan uses measure_chain's stand-in loss stage")
+            self._warn(("failed", type(e)), f"{self.name}: measuring the model's tail "
+                       f"failed ({e!r}); its shape is measured again at its next step (up "
+                       f"to {TAIL_TRIES} tries)")
             chain = chain.replace(meta={**chain.meta, "tail": {"failed": repr(e)}})
         finally:
             rec.tracer, rec.lasts, rec.step = None, [], None
@@ -373,9 +403,9 @@ class TailProbe(WeakFields):
         saved = {storage_key(t) for t in rec.hooks.saved} - kept
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
-        bw = _replay(self.model, outs, rec, saved)
+        bw = _replay(self.model, outs, rec, self._warn, saved)
         if bw is None:
-            _warn_once("unreached", f"{self.name}: the model's output does not depend on its "
+            self._warn("unreached", f"{self.name}: the model's output does not depend on its "
                        "last block's output through a gradient; the tail (stage L) is not "
                        "measured, the plan uses measure_chain's stand-in loss stage")
             return chain
@@ -426,14 +456,16 @@ def _cpu_forward(rec: _Recording, outs: Sequence[torch.Tensor], skip: Set[int]
 
 
 def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
-            saved: Set[int] = frozenset()) -> Optional[Tuple[float, int, int]]:
+            warn: Callable[[Hashable, str], None], saved: Set[int] = frozenset()
+            ) -> Optional[Tuple[float, int, int]]:
     """Time and transient peak of the tail's backward, replayed from the model's loss (a
     one-element output with a gradient; else every output with a gradient, seeded with ones)
     to the last block's output, and the bytes of the gradients of the tail's weights tied to
     a weight the head uses (held until the head's backward). ``None`` if no output reaches
     the last block's output. ``saved``: storages the tail saved that its real backward frees
     once the node that reads them has run (the replay keeps the graph: on the CPU, the
-    estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot)."""
+    estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot). ``warn``:
+    the probe's ``_warn``."""
     roots = [t for t in outs if t.requires_grad and differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
@@ -442,10 +474,10 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
         return None
     params, custom = tail_graph(roots, lasts)
     if custom or has_backward_hooks(model):
-        _warn_once("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks "
-                   "or custom autograd Functions, which a replay of its backward would run a "
-                   "second time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
-                   "measure_chain's)")
+        warn("bwhooks", "scheduler.checkpoint: the model's tail has module backward hooks or "
+             "custom autograd Functions, which a replay of its backward would run a second "
+             "time; the tail's backward is not measured (bw[L], bw_tmp[L] stay "
+             "measure_chain's)")
         c, L = rec.chain, rec.chain.L
         outside = c.meta.get("outside", {}).get("forward", 0)  # added back by the caller
         return (c.bw[L], c.bw_tmp[L] - outside if c.bw_tmp else 0, 0)
