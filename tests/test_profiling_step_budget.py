@@ -87,3 +87,32 @@ def test_not_said_for_a_plan_given_by_the_caller():
     plan = scheduler.plan.checkpoint_plan(n, range(n), planner="mine")
     scheduler.checkpoint(model, budget=1, planner=plan)
     assert not _said(model, batch)
+
+
+class _TwoLists(nn.Module):
+    """Two 16-block lists: each gets half the budget (by block count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = _Deep().layers, _Deep().layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in [*self.enc, *self.dec]:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_shares_warning_names_the_share_and_the_whole_budget_needed():
+    _, chain = _deep_steps("1GiB")
+    least, every = rotor.min_memory(chain), profiling_peak(chain)
+    torch.manual_seed(0)
+    model, x = _TwoLists(), torch.randn(64, 32, requires_grad=True)
+    scheduler.checkpoint(model, budget=int(2.4 * least), blocks=["enc", "dec"], **fast("rotor"))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        model(x).backward()
+    said = [str(w.message) for w in got if SAID in str(w.message)]
+    assert said and all("share of the budget (16/32 of it" in m for m in said)
+    for m, r in zip(said, checkpointed(model).runners):
+        every_here = profiling_peak(next(iter(r._measured.values())))
+        assert f"at least {scheduler.units.format_bytes(-(-int(every_here) * 2 // 1))}" in m

@@ -11,6 +11,7 @@ PyTorch hooks through this file.
 from __future__ import annotations
 
 import importlib
+import os
 import importlib.machinery
 import types
 from typing import Any, List
@@ -44,12 +45,24 @@ def _import_core() -> types.ModuleType:
     (``_core_locator``: ``python -c`` from the checkout after ``pip install .``); neither: an
     ImportError naming the directory imported, why, and both remedies."""
     try:
-        return importlib.import_module(f"{__name__}._core")
+        return _current(importlib.import_module(f"{__name__}._core"))
     except ModuleNotFoundError as exc:
         if exc.name != f"{__name__}._core":
             raise
     from . import _core_locator
-    return _core_locator.load(__name__, __path__[0])  # noqa: F821 - the package's own
+    return _current(_core_locator.load(__name__, __path__[0]))  # noqa: F821 - the package's own
+
+
+def _current(core: types.ModuleType) -> types.ModuleType:
+    """``core``, unless it was built from older sources than this package's Python (a ``git
+    pull`` without a rebuild): then an ImportError saying so (the CLI prints it as one line),
+    rather than an AttributeError deep in the first call that needs what it lacks."""
+    if not hasattr(core, "DEFAULT_CONFIG"):  # (the newest name the Python side reads)
+        raise ImportError(f"{core.__file__} was built from older sources than "
+                          f"{os.path.dirname(os.path.abspath(__file__))}: rebuild it "
+                          "(scripts/dev-build, or pip install the package)",
+                          name=f"{__name__}._core")
+    return core
 
 
 def __getattr__(name: str) -> Any:

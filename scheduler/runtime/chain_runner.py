@@ -357,13 +357,19 @@ class ChainRunner(MimoseSteps):
         if every <= self._budget:
             return
         self._said_profiling = True
+        budget, need = f"the budget {format_bytes(self._budget)}", int(every)
+        if self.budget_share is not None:  # this list's share: say it in the user's terms
+            n, n_all = self.budget_share
+            budget = (f"'{self.list_name}''s share of the budget ({n}/{n_all} of it, by block "
+                      f"count: {format_bytes(self._budget)})")
+            need = -(-need * n_all // n)
         warnings.warn(
             f"{self.name}: the first step of each new input shape of '{self.list_name}' "
             "checkpoints every block while its chain is measured, and holds about "
             f"{format_bytes(int(every))} by the chain's model (the measurement adds about one "
-            f"block's forward and backward), above the budget {format_bytes(self._budget)}; "
-            "the planned steps after it hold the budget. Where that first step must fit too, "
-            "give a budget of at least that, or the chain (chain=, measured beforehand with "
+            f"block's forward and backward), above {budget}; the planned steps after it hold "
+            "the budget. Where that first step must fit too, give a budget of at least "
+            f"{format_bytes(need)}, or the chain (chain=, measured beforehand with "
             "scheduler.profile.measure_chain)", stacklevel=2)
 
     def _compile(self, plan: Plan) -> CompiledPlan:

@@ -7,17 +7,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Set
 
-from .. import _import_core
-
-# the native module: an ImportError naming the fix when it is not built (vmalloc/__init__.py)
-_core = _import_core()
-
 ALL_DEVICES = -1
 # Allocation-history events kept per device: the native ring (Allocator trace_capacity) and the
 # Python history both keep the newest this many and count what they drop, so a long training
 # run with VMALLOC_REPORT set does not grow. Change with history.set_trace_capacity(). The
-# native default (allocator.hpp, Config), the one place it is set.
-TRACE_CAPACITY: int = _core.DEFAULT_CONFIG["trace_capacity"]
+# native default (allocator.hpp, Config; a test holds them equal): written here, since the
+# registry is imported without the native module (reports, the swap runtime on the CPU)
+TRACE_CAPACITY = 100_000
 
 # exported symbol names of csrc/bind/torch_c_api.cpp
 ALLOC_FN = "vmalloc_torch_malloc"            # throws c10::OutOfMemoryError (global mode)
@@ -91,8 +87,13 @@ def registry() -> Registry:
 
 
 def core() -> Any:
-    """The native module vmalloc._core."""
-    return _core
+    """The native module vmalloc._core (RuntimeError naming the fix when it is not built)."""
+    try:
+        from .. import _import_core
+        return _import_core()
+    except ImportError as exc:
+        raise RuntimeError("vmalloc's native module vmalloc._core is not built "
+                           f"(run scripts/dev-build or pip install the package): {exc}") from None
 
 
 def entry_point(native: Any, name: str) -> int:
