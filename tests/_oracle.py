@@ -62,30 +62,41 @@ def pofo_class_optimum(c: Chain, M: float, bw: float) -> Optional[float]:
     None if nothing fits. Used by tests/test_pofo.py and ``bench/pofo.py --random``."""
     from scheduler.planners import offload
     best = None
+    for ops, loss, sub in pofo_class(c):
+        new, idx, pre = [], {}, []
+        for i, op in enumerate(ops):
+            if i in sub:
+                new.append(Op("offload", op.stage))
+            idx[i] = len(new)
+            new.append(op)
+        for i in sub:
+            pre.append((ops[i].stage, idx[first_use(ops, loss, ops[i].stage)]))
+        try:
+            if pre:
+                _, sim = offload.with_prefetches(c, new, sorted(pre, key=lambda p: p[1]),
+                                                 M, bw, idx[loss] + 1, "oracle")
+            else:
+                sim = simulate(c, Plan(new), None, memory=M)
+        except InvalidPlanError:
+            continue
+        best = sim.makespan if best is None else min(best, sim.makespan)
+    return best
+
+
+def pofo_class(c: Chain):
+    """pofo's class on ``c``, unplaced: every persistent sequence (its ops, the index of the
+    loss stage's F_all) x every subset of the indices of its forward-phase heads (F_all,
+    F_ck) whose input is offloaded."""
     for seq in persistent_sequences(0, c.L):
         ops = [Op(k, s) for k, s in seq]
         loss = ops.index(Op("F_all", c.L))
         heads = [i for i in range(loss) if ops[i].kind in ("F_all", "F_ck")]
         for k in range(len(heads) + 1):
             for sub in itertools.combinations(heads, k):
-                new, idx, pre = [], {}, []
-                for i, op in enumerate(ops):
-                    if i in sub:
-                        new.append(Op("offload", op.stage))
-                    idx[i] = len(new)
-                    new.append(op)
-                for i in sub:
-                    s = ops[i].stage
-                    use = next(j for j in range(loss + 1, len(ops))
-                               if ops[j].stage == s and ops[j].kind != "F_none")
-                    pre.append((s, idx[use]))
-                try:
-                    if pre:
-                        _, sim = offload.with_prefetches(c, new, sorted(pre, key=lambda p: p[1]),
-                                                         M, bw, idx[loss] + 1, "oracle")
-                    else:
-                        sim = simulate(c, Plan(new), None, memory=M)
-                except InvalidPlanError:
-                    continue
-                best = sim.makespan if best is None else min(best, sim.makespan)
-    return best
+                yield ops, loss, sub
+
+
+def first_use(ops, loss: int, s: int) -> int:
+    """The index of the first op of the backward phase that reads stage ``s``'s input."""
+    return next(j for j in range(loss + 1, len(ops))
+                if ops[j].stage == s and ops[j].kind != "F_none")

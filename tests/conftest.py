@@ -16,6 +16,19 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.fixture
+def no_gc():
+    """Python's cyclic collector off for one test: what must be freed at once must be freed by
+    reference counts alone."""
+    import gc
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.fixture
 def deterministic_kernels():
     """Deterministic kernels for one test (bit-for-bit comparisons on a GPU: a kernel that adds
     with atomics then raises instead of differing by run-to-run noise); put back after it, since

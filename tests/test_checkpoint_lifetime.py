@@ -5,7 +5,6 @@ like plain training, checkpointed as the original was."""
 from __future__ import annotations
 
 import copy
-import gc
 import io
 import pickle
 import weakref
@@ -17,17 +16,6 @@ import scheduler
 from scheduler.runtime.checkpoint import checkpointed
 from test_block_wrappers import Net, _step
 from test_checkpoint_hf import FAST, assert_same, make, step
-
-
-@pytest.fixture
-def no_gc():
-    """Reference counting alone: what the cyclic collector would free does not count."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _trained(model, run, steps=3):

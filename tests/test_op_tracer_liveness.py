@@ -7,9 +7,8 @@ storage apart, so its numbers are those of a tracer that holds every storage (no
 which it falls back to on a torch without PyObject preservation of storages."""
 from __future__ import annotations
 
-import gc
 import weakref
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -26,24 +25,13 @@ from wrap_models import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture
-def no_collector() -> Iterator[None]:
-    """Python's cyclic collector off: what is freed must be freed by reference counts."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-@pytest.fixture
 def holding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """Switch the tracer to the fallback that holds every storage it sees."""
     return lambda: monkeypatch.setattr(op_tracer, "_storages_preserved", lambda: False)
 
 
 # ------------------------------------------------------------------------------ (a) nothing held
-def test_an_intermediate_is_freed_during_the_trace(no_collector):
+def test_an_intermediate_is_freed_during_the_trace(no_gc):
     x = torch.randn(1000)
     with OpTracer():
         y = x * 2
@@ -75,7 +63,7 @@ def _trace(block: nn.Module, x: torch.Tensor) -> Tuple[T.Tensors, dict]:
                          list(block.parameters()), set(), cuda_dropout=False, flops=False)
 
 
-def test_a_traced_stage_leaves_nothing_for_the_collector(no_collector):
+def test_a_traced_stage_leaves_nothing_for_the_collector(no_gc):
     block, x = _Spy(), torch.randn(8, 16)
     _trace(block, x)  # (a first trace imports lazily: an import's frames may outlive it)
     block.refs.clear()

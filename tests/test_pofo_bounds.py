@@ -6,13 +6,12 @@ min_memory is a lower bound: no plan of pofo's class (every persistent sequence 
 offload subset, enumerated on tiny chains) and no planner's plan peaks below it. It is not
 always met, so solve's error names a limit it was checked to plan at (in exact units the
 least whole one), never one solve then refuses."""
-import itertools
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from _oracle import persistent_sequences
+from _oracle import first_use, pofo_class
 from scheduler import Chain, InfeasibleError, InvalidPlanError, Plan, simulate
 from scheduler.plan import Op
 from scheduler.planners import improve, offload, pofo, pofo_heuristics, rotor
@@ -42,24 +41,16 @@ def class_plans(c: Chain):
     """Every persistent sequence x every subset of its forward-phase heads' inputs
     offloaded (right before the head), each prefetched right before its first use in the
     backward: pofo's class, with the prefetches placed where they hold memory least."""
-    for seq in persistent_sequences(0, c.L):
-        ops = [Op(k, s) for k, s in seq]
-        loss = ops.index(Op("F_all", c.L))
-        heads = [i for i in range(loss) if ops[i].kind in ("F_all", "F_ck")]
-        for k in range(len(heads) + 1):
-            for sub in itertools.combinations(heads, k):
-                use = {}
-                for i in sub:
-                    s = ops[i].stage
-                    first = next(j for j in range(loss + 1, len(ops))
-                                 if ops[j].stage == s and ops[j].kind != "F_none")
-                    use.setdefault(first, []).append(s)
-                out = []
-                for i, op in enumerate(ops):
-                    out += [Op("offload", op.stage)] if i in sub else []
-                    out += [Op("prefetch", s) for s in use.get(i, [])]
-                    out.append(op)
-                yield Plan(out), bool(sub)
+    for ops, loss, sub in pofo_class(c):
+        use = {}
+        for i in sub:
+            use.setdefault(first_use(ops, loss, ops[i].stage), []).append(ops[i].stage)
+        out = []
+        for i, op in enumerate(ops):
+            out += [Op("offload", op.stage)] if i in sub else []
+            out += [Op("prefetch", s) for s in use.get(i, [])]
+            out.append(op)
+        yield Plan(out), bool(sub)
 
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
