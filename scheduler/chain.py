@@ -51,14 +51,13 @@ def _plain(values: Tuple[Any, ...]) -> bool:
         return False
 
 
-def _fits_float(v: int) -> bool:
-    """``float(v)`` does not overflow (10**400 does). (units.float_or_none says the same, but
-    units imports this module.)"""
+def float_or_none(value: Any) -> Optional[float]:
+    """``float(value)``, or None past float's range (an int such as 10**400). (Here, the lowest
+    module, for the chain's checks; ``units`` serves it to the rest.)"""
     try:
-        float(v)
+        return float(value)
     except OverflowError:
-        return False
-    return True
+        return None
 
 
 def _sized(values: Any) -> bool:
@@ -88,7 +87,7 @@ def _as_tuple(name: str, values: Sequence[Any]) -> Tuple[Number, ...]:
         # (an int is finite however large: math.isfinite would overflow converting it)
         if (isinstance(v, float) and not math.isfinite(v)) or v < 0:
             raise ValueError(f"Chain.{name}[{s}]: must be finite and non-negative, got {v!r}")
-        if isinstance(v, int) and not _fits_float(v):   # the planners sum sizes as floats
+        if isinstance(v, int) and float_or_none(v) is None:  # the planners sum them as floats
             raise ValueError(f"Chain.{name}[{s}]: an int of {v.bit_length()} bits is too "
                              f"large for a float (at most about 1.8e308)")
         out.append(v)

@@ -15,7 +15,7 @@ import math
 import numbers
 from typing import Any, Optional
 
-from .chain import Number
+from .chain import Number, float_or_none  # (float_or_none: served from here too)
 
 
 def parse_rate(bandwidth: Any, where: str = "parse_rate", *, name: str = "bandwidth",
@@ -98,14 +98,6 @@ def parse_memory(value: Any, name: str, *, allow_zero: bool = False,
                          + (" (too large for a float)" if as_float is None else ""))
     # ints stay ints (the exact-unit DPs and byte-exact limits need them), other reals floats
     return int(value) if isinstance(value, numbers.Integral) else as_float
-
-
-def float_or_none(value: Any) -> Optional[float]:
-    """``float(value)``, or None past float's range (an int such as 10**400)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return None
 
 
 def shown(value: Any, width: int = 60) -> str:

@@ -362,7 +362,7 @@ class ChainRunner(MimoseSteps):
             n, n_all = self.budget_share
             budget = (f"'{self.list_name}''s share of the budget ({n}/{n_all} of it, by block "
                       f"count: {format_bytes(self._budget)})")
-            need = -(-need * n_all // n)
+            need = self._whole_budget(need)
         warnings.warn(
             f"{self.name}: the first step of each new input shape of '{self.list_name}' "
             "checkpoints every block while its chain is measured, and holds about "
@@ -404,13 +404,19 @@ class ChainRunner(MimoseSteps):
         if self.budget_share is None or self._budget is None:
             return e
         n, n_all = self.budget_share
-        need = None if e.min_memory is None else -(-int(e.min_memory) * n_all // n)
+        need = None if e.min_memory is None else self._whole_budget(int(e.min_memory))
         return InfeasibleError(
             f"{self.name}: '{self.list_name}' gets {n}/{n_all} of the budget, a share of "
             f"{format_bytes(self._budget)} (the model's block lists share the budget by block "
             f"count), and {e}" + ("" if need is None else
                                  f"; for that share to fit, the whole budget must be at "
                                  f"least {format_bytes(need)}"), need)
+
+    def _whole_budget(self, share: int) -> int:
+        """The whole budget that gives this list a share of at least ``share`` bytes (the
+        lists share it by block count, ``budget_share``)."""
+        n, n_all = self.budget_share  # type: ignore[misc]
+        return -(-share * n_all // n)
 
     @property
     def _transfers_planned(self) -> bool:
