@@ -249,7 +249,8 @@ def test_enable_after_cuda_init_says_why():
         del x
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        print("FREED", vmalloc.device_allocator(0).stats()["requested_current"])
+        from vmalloc import torch_allocator as ta   # the registry's allocators (pool mode too)
+        print("FREED", ta.device_allocator(0).stats()["requested_current"])
     """)
     assert "OK" in out and "POOL" in out and "FREED" in out, out
 
@@ -268,7 +269,7 @@ def test_pool_mode_oom_is_pytorchs_own_after_its_retry():
                 print("OOM")
             else:
                 raise AssertionError(f"no OOM past the pool's 64 MiB budget: "
-                                     f"{vmalloc.device_allocator(0).stats()}")
+                                     f"{vmalloc.torch_allocator.device_allocator(0).stats()}")
             del keep
             again = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
         print("OK")

@@ -43,10 +43,13 @@ class Eviction:
         self.free_bytes(self.residency.bytes + incoming - budget, None, evict=False)
         return self.residency.bytes + incoming <= budget
 
-    def free_bytes(self, needed: int, keep: Optional[Var],
-                   evict: bool = True) -> Tuple[int, int]:
+    def free_bytes(self, needed: int, keep: Optional[Var], evict: bool = True,
+                   device_memory: bool = False) -> Tuple[int, int]:
         """Free ``needed`` resident bytes, never ``keep`` nor the running step's vars:
-        ``(bytes freed, variables evicted)``. ``evict=False``: only by completing swap-outs."""
+        ``(bytes freed, variables evicted)``. ``evict=False``: only by completing swap-outs.
+        Vars the program holds too (``Var.held_elsewhere``) go last: releasing one frees no
+        device memory. ``device_memory``: only device memory counts, so those are skipped (no
+        wait for their copies, no copy made) and none counts as freed."""
         in_use = self.in_use
         t = self.transfers
         freed = evicted = 0
@@ -55,20 +58,28 @@ class Eviction:
                 return freed, evicted
             if var is not keep and var not in in_use and (
                     var.out_event is None or var.out_event.query()):
+                frees = not var.held_elsewhere()
                 t.release(var, True)
-                freed += var.nbytes
+                freed += var.nbytes if frees or not device_memory else 0
         for var in list(t.pending):  # then wait for the oldest copies
             if freed >= needed:
                 return freed, evicted
-            if var is not keep and var not in in_use:
+            if var is not keep and var not in in_use and not (
+                    device_memory and var.held_elsewhere()):
                 t.release(var, True)
                 freed += var.nbytes
         if not evict:
             return freed, evicted
-        for var in list(self.residency.order):
+        candidates = [var for var in self.residency.order
+                      if var is not keep and var not in in_use and var.state in (DEVICE, IN)]
+        held = {var for var in candidates if var.held_elsewhere()}
+        order = [var for var in candidates if var not in held]
+        if not device_memory:  # the budget counts them: evicted after every other
+            order += [var for var in candidates if var in held]
+        for var in order:
             if freed >= needed:
                 break
-            if var is keep or var in in_use or var.state not in (DEVICE, IN):
+            if var.state not in (DEVICE, IN):  # (released by an earlier one's swap-out)
                 continue
             t.swap_out(var)
             if var.state != DEVICE and var.state != IN:
@@ -78,9 +89,11 @@ class Eviction:
         return freed, evicted
 
     def on_pressure(self, needed: int) -> int:
-        """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Bytes released
-        (they only come back if nothing else still references those tensors)."""
+        """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Device bytes
+        released: a saved tensor the program holds too frees nothing, so it is neither swapped
+        out nor counted (counting it made vmalloc retry in vain and fail with "budget" where the
+        callback had freed nothing: the program's batch is the oldest saved tensor)."""
         self.counters["pressure_calls"] += 1
-        freed, _ = self.free_bytes(max(int(needed), 1), None)
+        freed, _ = self.free_bytes(max(int(needed), 1), None, device_memory=True)
         self.counters["pressure_freed_bytes"] += freed
         return freed

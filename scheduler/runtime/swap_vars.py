@@ -159,6 +159,19 @@ class Var:
     def live_handles(self) -> List[Handle]:
         return [h for h in (r() for r in self.handles) if h is not None]
 
+    def held_elsewhere(self) -> bool:
+        """The program also holds the device storage (the batch its loop keeps, a module's
+        buffer, the output the next layer is reading): dropping the runtime's references would
+        free no device memory. Told from the storage's reference count: the runtime's own are
+        the keeper's storage object, its handles' views and a swap-in's tensor, one each."""
+        storage = self.storage
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if storage is None or use_count is None:  # (a private API: without it, assume not)
+            return False
+        ours = (1 + sum(1 for h in self.live_handles() if h.view is not None)
+                + (self.in_tensor is not None))
+        return use_count(storage._cdata) > ours
+
 
 class DeathQueue:
     """Handles that died, appended by C code (``deque.append`` as the weakref callback)."""
