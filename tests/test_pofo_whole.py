@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from scheduler import Chain, Plan, simulate
+from scheduler.errors import InfeasibleError
 from scheduler.planners import pofo
 
 
@@ -39,7 +40,14 @@ def test_whole_dp_value_is_achieved_by_its_plan(L, seed, frac, bw):
        bw=st.sampled_from([0.5, 2.0]))
 def test_solve_keeps_the_whole_dp_promise(L, seed, frac, bw):
     c, M = _case(L, seed, frac)
-    p = pofo.solve(c, M, bw, slots=None)
+    try:
+        p = pofo.solve(c, M, bw, slots=None)
+    except InfeasibleError as exc:
+        # min_memory is a lower bound, not always met (random-L4-seed623: 28, a plan at 32):
+        # the error names a limit that works
+        assert exc.min_memory is not None and exc.min_memory > M, (M, exc)
+        pofo.solve(c, exc.min_memory, bw, slots=None)
+        return
     r = simulate(c, p, bw)
     assert r.makespan == p.predicted_time and r.peak_memory <= M
     if p.meta["dp_model"] == "whole":
