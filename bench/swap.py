@@ -250,6 +250,13 @@ def _gpu_models(quick: bool) -> Dict[str, Tuple[Dict[str, Any], List[int]]]:
             "gpt2": ({"name": "gpt2", "seq_len": 1024}, [4, 8, 16, 24, 32, 48, 64, 96])}
 
 
+# vmalloc's counters a window+vmalloc row keeps (the first GPU run's was 27% slower than the
+# window row at ResNet-50 batch 256, with nothing recorded to say why: remaps? stream waits?)
+VMALLOC_KEYS = ("requested_peak", "physical_peak", "num_malloc", "num_map", "num_unmap",
+                "num_remaps", "num_cache_hits", "num_splits", "num_chunks_created",
+                "num_pressure_calls", "num_stream_waits", "driver_seconds")
+
+
 def gpu_worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """One (model, method, batch) configuration, in its own process."""
     method, budget = cfg["method"], cfg["budget"]
@@ -315,6 +322,10 @@ def gpu_worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
                    if method != "window+vmalloc" else None)
         if ctx is not None:
             out["swap"] = ctx.stats()
+        if method == "window+vmalloc":  # what the allocator did: why the row runs as it does
+            import vmalloc
+            vs = vmalloc.stats()
+            out["vmalloc"] = {k: vs.get(k) for k in VMALLOC_KEYS}
     except torch.cuda.OutOfMemoryError as exc:
         out.update(status="oom", error=str(exc).splitlines()[0])
     except Exception as exc:  # noqa: BLE001 - one failed configuration must not end the run
@@ -353,6 +364,7 @@ def _worker_row(mname: str, cfg: Dict[str, Any], timeout: float = WORKER_TIMEOUT
     """One configuration's row, from a worker process of its own, killed after ``timeout``
     seconds: a hung worker is a kept ``timeout`` row (resuming does not run it again) rather
     than a step that never ends and repeats every session."""
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, __file__, "--gpu-worker", json.dumps(cfg)],
                               capture_output=True, text=True, timeout=timeout)
@@ -365,6 +377,7 @@ def _worker_row(mname: str, cfg: Dict[str, Any], timeout: float = WORKER_TIMEOUT
         except (IndexError, json.JSONDecodeError):
             row = dict(cfg, status="error", error=(proc.stderr or "no output")[-300:])
     row["model"] = mname
+    row["worker_s"] = round(time.perf_counter() - t0, 1)  # the device time a row costs
     print(f"  {mname:9s} {cfg['method']:15s} batch {cfg['batch']:5d}: {row['status']}"
           + (f" {row['throughput']:.1f} {row['unit']}" if row["status"] == "ok" else ""),
           flush=True)
