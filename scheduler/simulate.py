@@ -350,16 +350,17 @@ PLAN_BANDWIDTH: Any = _PlanBandwidth()
 
 
 def _cyclic_gc_paused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with the cyclic garbage collector paused (as it was before, afterwards). The
-    event loop makes a few small containers per op and event, all alive until it returns and
-    none in a cycle: the collector's passes over them took half the time of a ResNet-50
+    """Run ``fn`` with the cyclic garbage collector paused (enabled again afterwards if it was
+    before: the switch is the process's, so a thread that disables it meanwhile is overruled).
+    The event loop makes a few small containers per op and event, all alive until it returns
+    and none in a cycle: the collector's passes over them took half the time of a ResNet-50
     simulation, and planners simulate hundreds of plans."""
     @functools.wraps(fn)
     def paused(*args: Any, **kwargs: Any) -> Any:
         if not gc.isenabled():
             return fn(*args, **kwargs)
-        gc.disable()
         try:
+            gc.disable()  # (inside: a Ctrl-C landing right after it still enables it again)
             return fn(*args, **kwargs)
         finally:
             gc.enable()

@@ -47,9 +47,11 @@ class Eviction:
                    device_memory: bool = False) -> Tuple[int, int]:
         """Free ``needed`` resident bytes, never ``keep`` nor the running step's vars:
         ``(bytes freed, variables evicted)``. ``evict=False``: only by completing swap-outs.
-        Vars the program holds too (``Var.held_elsewhere``) go last: releasing one frees no
-        device memory. ``device_memory``: only device memory counts, so those are skipped (no
-        wait for their copies, no copy made) and none counts as freed."""
+        ``device_memory`` (vmalloc's pressure): only device memory counts. A var the program
+        holds too (``Var.held_elsewhere``) frees none: its finished copy is still released (it
+        costs nothing, and is re-attached at its use) but not counted, and it is neither waited
+        for nor swapped out. (The saved-tensor budget counts such vars as resident like any
+        other, so its evictions take them in their turn.)"""
         in_use = self.in_use
         t = self.transfers
         freed = evicted = 0
@@ -58,9 +60,9 @@ class Eviction:
                 return freed, evicted
             if var is not keep and var not in in_use and (
                     var.out_event is None or var.out_event.query()):
-                frees = not var.held_elsewhere()
+                frees = not (device_memory and var.held_elsewhere())
                 t.release(var, True)
-                freed += var.nbytes if frees or not device_memory else 0
+                freed += var.nbytes if frees else 0
         for var in list(t.pending):  # then wait for the oldest copies
             if freed >= needed:
                 return freed, evicted
@@ -70,16 +72,12 @@ class Eviction:
                 freed += var.nbytes
         if not evict:
             return freed, evicted
-        candidates = [var for var in self.residency.order
-                      if var is not keep and var not in in_use and var.state in (DEVICE, IN)]
-        held = {var for var in candidates if var.held_elsewhere()}
-        order = [var for var in candidates if var not in held]
-        if not device_memory:  # the budget counts them: evicted after every other
-            order += [var for var in candidates if var in held]
-        for var in order:
+        for var in list(self.residency.order):
             if freed >= needed:
                 break
-            if var.state not in (DEVICE, IN):  # (released by an earlier one's swap-out)
+            if var is keep or var in in_use or var.state not in (DEVICE, IN):
+                continue
+            if device_memory and var.held_elsewhere():
                 continue
             t.swap_out(var)
             if var.state != DEVICE and var.state != IN:
