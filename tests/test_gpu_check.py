@@ -84,13 +84,19 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--next", str(tmp_path / "n")],
                        capture_output=True, text=True, timeout=120, env=python_env())
     assert r.returncode == 0, r.stderr
-    order = ["-m pytest -m gpu", "vmalloc.cli demo", "bench/alloc_micro.py",
-             "bench/checkpoint_real.py", "bench/swap.py --quick --gpu-only --stop-at",
-             "bench/e2e.py --quick", "record_gpu.py",
-             "bench/cache_slack.py", "bench/hf.py", "--models resnet50 --resume",
-             "--models bert-dyn --resume", "--coexist 512"]
-    at = [r.stdout.index(cmd) for cmd in order]
-    assert at == sorted(at), r.stdout
+    order = [("pytest-gpu", "-m pytest -m gpu"), ("demo", "vmalloc.cli demo"),
+             ("alloc_micro", "bench/alloc_micro.py"), ("checkpoint_real", "bench/checkpoint_real.py"),
+             ("swap", "bench/swap.py --quick --gpu-only --stop-at"),
+             ("e2e-quick", "bench/e2e.py --quick"), ("traces", "record_gpu.py"),
+             ("cache_slack", "bench/cache_slack.py"), ("hf", "bench/hf.py"),
+             ("e2e-resnet50", "--models resnet50 --resume"),
+             ("e2e-bert-dyn", "--models bert-dyn --resume"), ("e2e-coexist", "--coexist 512")]
+    # steps the committed progress record holds as done (or failed for this very source) are
+    # named as skipped instead: a GPU session's results are committed with it
+    skipped = {name for ln in r.stdout.splitlines() if " SKIP " in ln
+               for name in ln.split(" SKIP ", 1)[1].strip().split(":", 1)[0].split(",")}
+    at = [r.stdout.index(cmd) for name, cmd in order if name not in skipped]
+    assert at == sorted(at) and len(at) >= len(order) // 2, r.stdout
     assert "--resume bench/results/e2e-GPU-quick.json --stop-at" in r.stdout
     # the coexist pair alone: not ResNet-50's window+vmalloc sweep again before it
     coexist = next(ln for ln in r.stdout.splitlines() if "DRY   e2e-coexist:" in ln)
