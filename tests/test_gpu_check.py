@@ -87,8 +87,8 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
     order = [("pytest-gpu", "-m pytest -m gpu"), ("demo", "vmalloc.cli demo"),
              ("alloc_micro", "bench/alloc_micro.py"), ("checkpoint_real", "bench/checkpoint_real.py"),
              ("swap", "bench/swap.py --quick --gpu-only --stop-at"),
-             ("e2e-quick", "bench/e2e.py --quick"), ("traces", "record_gpu.py"),
-             ("cache_slack", "bench/cache_slack.py"), ("hf", "bench/hf.py"),
+             ("traces", "record_gpu.py"), ("cache_slack", "bench/cache_slack.py"),
+             ("e2e-quick", "bench/e2e.py --quick"), ("hf", "bench/hf.py"),
              ("e2e-resnet50", "--models resnet50 --resume"),
              ("e2e-bert-dyn", "--models bert-dyn --resume"), ("e2e-coexist", "--coexist 512")]
     # steps the committed progress record holds as done (or failed for this very source) are
