@@ -177,7 +177,14 @@ def bench_model(key: str, spec: Dict[str, Any], device: str, steps: int, bandwid
     budgets = []
     for segs in seg_counts:
         def ck_step(segs: int = segs) -> None:
-            loss_fn(checkpoint_sequential(seq, segs, x, use_reentrant=False)).backward()
+            # the output held through the backward, as plain_step holds it and as our runtime
+            # (and the chain model: x[L] until B L) does: let go, it frees the logits before the
+            # loss's backward (GPT-2 batch 4: 823 MB, 25% of checkpoint_sequential(7)'s peak
+            # on an H100), and the budgets taken from these rows were not ones the others could
+            # meet whatever their plan
+            out = checkpoint_sequential(seq, segs, x, use_reentrant=False)
+            loss_fn(out).backward()
+            del out
         if device == "cuda":
             row = record(f"checkpoint_sequential({segs})", runner.run(ck_step, params, None,
                                                                       x0_bytes), segments=segs)
