@@ -96,7 +96,9 @@ def _preserved(block: nn.Module, device: torch.device) -> Iterator[None]:
                     b.copy_(old)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for elsewhere):
+    around a timing, and before reading memory counters."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -106,10 +108,10 @@ def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: tor
     times: List[float] = []
     for i in range(warmup + repeat):
         arg = prepare()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         run(arg)
-        _sync(device)
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -125,11 +127,11 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     own graph does not save, held here through the backward but not in a real step's ``B s``
     (``autograd_graph.saved_sizes``)."""
     def peak_of(run: Callable[[], Any]) -> tuple:
-        _sync(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         m0 = torch.cuda.memory_allocated(device)
         out = run()
-        _sync(device)
+        sync(device)
         return out, torch.cuda.max_memory_allocated(device) - m0
 
     with torch.no_grad():  # first use of the stage's kernels: cuBLAS's workspace (kept) is

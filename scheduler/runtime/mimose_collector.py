@@ -28,14 +28,16 @@ from torch import nn
 
 from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
 from ..profile.autograd_graph import hooks_silenced
+from ..profile.measure import sync
 from . import accounting, buffers, rng
 from .block_calls import tensor_leaves
 
 
 def _sync(comps: Sequence[Any]) -> None:
+    """``measure.sync`` on the device of the first CUDA tensor among ``comps``."""
     for c in comps:
         if isinstance(c, torch.Tensor) and c.device.type == "cuda":
-            torch.cuda.synchronize(c.device)
+            sync(c.device)
             return
 
 

@@ -123,23 +123,25 @@ class MimoseSteps:
         # setting's (``_mimose_for``); the first setting's is the one given as mimose=
         self.mimose = (mimose or Mimose(self.L, samples=samples, cache_size=cache_size)) \
             if on else None
-        self._mimoses = {}
-        self._shapes = InputShapes(f"{self.name}: Mimose on '{self.list_name}'")
-        self._collecting_into = None  # the collection step's Mimose
-        self.collections = 0  # samples learnt
-        self._mimose_tails = None  # whether Mimose's samples carry the tail
-        self._mimose_tmp = None    # ... and the blocks' transients
-        self._first_failures = 0  # first samples dropped because a measurement failed
+        self.__dict__.update(self._fresh_mimose_state())
+
+    def _fresh_mimose_state(self) -> Dict[str, Any]:
+        """The rest of the Mimose state as a new runner starts it: the one list of its
+        defaults (also for a runner pickled before a field existed)."""
+        return {"_mimoses": {},
+                "_shapes": InputShapes(f"{self.name}: Mimose on '{self.list_name}'"),
+                "_collecting_into": None,  # the collection step's Mimose
+                "collections": 0,          # samples learnt
+                "_mimose_tails": None,     # whether Mimose's samples carry the tail
+                "_mimose_tmp": None,       # ... and the blocks' transients
+                "_first_failures": 0}      # first samples dropped: a measurement failed
 
     def _mimose_unpickled(self) -> None:
         """After ``__setstate__``: the state a runner pickled before it existed gets its
         default. Mimose settings pickled before they held the weights' dtype (4 entries) get
         it at the next plan (``_upgrade_settings``): not here, where a deepcopy may not have
         filled in the blocks yet."""
-        for name, value in (("_mimoses", {}), ("_collecting_into", None),
-                            ("_first_failures", 0),
-                            ("_shapes", InputShapes(f"{self.name}: Mimose on "
-                                                    f"'{self.list_name}'"))):
+        for name, value in self._fresh_mimose_state().items():
             self.__dict__.setdefault(name, value)
         self._old_settings = any(len(k) == 4 for k in self._mimoses if isinstance(k, tuple))
 

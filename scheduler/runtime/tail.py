@@ -55,6 +55,7 @@ from torch import nn
 
 from ..chain import Chain, add_outside
 from ..profile.autograd_graph import differentiable
+from ..profile.measure import sync
 from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
@@ -90,11 +91,6 @@ class _Recording:
         self.t0 = 0.0
         self.pushed = False
         self.outside: Optional[Outside] = getattr(step, "outside", None)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class TailProbe(WeakFields):
@@ -299,7 +295,7 @@ class TailProbe(WeakFields):
         dev = lasts[0].device
         rec = _Recording(runner, key, chain, agree_on, dev, lasts, self.depth, step)
         if dev.type == "cuda":
-            _sync(dev)
+            sync(dev)
             rec.m0 = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         else:
@@ -362,7 +358,7 @@ class TailProbe(WeakFields):
 
     def _finish(self, output: Any) -> None:
         rec, self.rec = self.rec, None
-        _sync(rec.device)
+        sync(rec.device)
         fw = time.perf_counter() - rec.t0
         cuda = rec.device.type == "cuda"
         if cuda:
@@ -485,7 +481,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     dev = rec.device
     tracer = None
     if dev.type == "cuda":
-        _sync(dev)
+        sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         m0 = torch.cuda.memory_allocated(dev)
     else:
@@ -502,7 +498,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
         if tracer is not None:
             for h in marks:  # the graph is the model's: the user's backward runs it next
                 h.remove()
-    _sync(dev)
+    sync(dev)
     bw = time.perf_counter() - t0
     made = [g for g in grads if g is not None]
     if not made:
