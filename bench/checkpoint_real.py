@@ -184,7 +184,6 @@ def bench_model(key: str, spec: Dict[str, Any], device: str, steps: int, bandwid
             # meet whatever their plan
             out = checkpoint_sequential(seq, segs, x, use_reentrant=False)
             loss_fn(out).backward()
-            del out
         if device == "cuda":
             row = record(f"checkpoint_sequential({segs})", runner.run(ck_step, params, None,
                                                                       x0_bytes), segments=segs)

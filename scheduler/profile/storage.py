@@ -10,7 +10,7 @@ identity while its storage lives: whoever compares keys across time keeps the st
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Sequence, Set, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -19,6 +19,13 @@ Tensors = Tuple[torch.Tensor, ...]
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def use_count(storage: torch.UntypedStorage) -> Optional[int]:
+    """How many references hold ``storage``'s bytes (each tensor on it, and its Python storage
+    object, one each); None on a torch without that private API (callers assume the worst)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(storage._cdata)
 
 
 @contextlib.contextmanager

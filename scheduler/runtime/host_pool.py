@@ -38,6 +38,8 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from ..profile.storage import use_count
+
 
 CACHE_FACTOR = 2  # cached bytes at most this x the peak lent at once
 SLAB_BYTES = 256 << 20  # a power of two: PyTorch's pinned cache holds it without rounding
@@ -93,10 +95,8 @@ class Slab:
     def outside_users(self) -> bool:
         """Some tensor that is not the slab or a pool-held buffer uses its storage (a buffer
         given away, or a view made from any buffer)."""
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if use_count is None:  # (a private API: without it, assume the worst)
-            return True
-        return use_count(self.storage._cdata) > 2 + self.held
+        n = use_count(self.storage)
+        return n is None or n > 2 + self.held  # (unknown: assume the worst)
 
 
 class HostPool:

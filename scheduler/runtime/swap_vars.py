@@ -23,6 +23,7 @@ from typing import Any, Deque, List, Optional
 import torch
 
 from ..planners.swap_schedule import DEVICE
+from ..profile.storage import use_count
 
 
 class Keeper:
@@ -165,12 +166,12 @@ class Var:
         free no device memory. Told from the storage's reference count: the runtime's own are
         the keeper's storage object, its handles' views and a swap-in's tensor, one each."""
         storage = self.storage
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if storage is None or use_count is None:  # (a private API: without it, assume not)
+        n = None if storage is None else use_count(storage)
+        if n is None:  # (unknown: assume not, as before this was asked)
             return False
         ours = (1 + sum(1 for h in self.live_handles() if h.view is not None)
                 + (self.in_tensor is not None))
-        return use_count(storage._cdata) > ours
+        return n > ours
 
 
 class DeathQueue:
