@@ -190,61 +190,104 @@ def with_prefetches(chain: Chain, ops: Sequence[Op], prefetches: Sequence[Tuple[
 # Past GALLOP_AFTER simulations, a prefetch blocked again right where the last move put it moves
 # twice as far each time, up to GALLOP_MAX ops: an early placement (the no-wait policy's) under a
 # tight limit otherwise walks one op per simulation through the forward (ResNet-50's 700 ops: 280
-# simulations, 76 s on an H100 machine's host for the swap runtime's ``dynprog``). Such a prefetch
-# may then be issued up to GALLOP_MAX ops later than the first place it runs from; shorter repairs
-# (the bundled chains' but a few) are exact
+# simulations, 76 s on an H100 machine's host for the swap runtime's ``dynprog``). A long move
+# that gets the prefetch past its block is then bisected back to the first position that does
+# (a few simulations more), where the one-op walk would have stopped when blocks only ever move
+# later with the prefetch
 GALLOP_AFTER = 32
 GALLOP_MAX = 16
+
+# what one placement of the prefetches gives: the plan and its simulation, or where it blocks
+# for good (the prefetch to move and the op, an index into ``ops``), or None (no move helps)
+_Attempt = Union[Tuple[Plan, SimResult], Tuple[int, int], None]
+
+
+def _attempt(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
+             pos: Sequence[int], memory: Number, bandwidth: float, planner: str,
+             chunk: Optional[float]) -> _Attempt:
+    """Simulate the plan with the prefetches issued before ``ops[pos[k]]``: the plan and its
+    simulation; else, for the op blocked for good, the prefetch that blocks it and the op's
+    index in ``ops`` (a prefetch that never fits blocks itself; an op waiting for memory is
+    blocked by the last prefetch issued before it whose data is for a later op); None when no
+    prefetch is to blame."""
+    merged: List[Op] = []
+    where: Dict[int, int] = {}           # plan index of each prefetch
+    k = 0
+    for i, op in enumerate(ops):
+        while k < len(pos) and pos[k] <= i:
+            where[len(merged)] = k
+            merged.append(Op("prefetch", prefetches[k][0]))
+            k += 1
+        merged.append(op)
+    plan = Plan(merged, planner=planner, transfer_chunk=chunk)
+    try:
+        return plan, simulate(chain, plan, bandwidth, memory=memory)
+    except InvalidPlanError as err:
+        bad = err.index
+        if bad is None or bad >= len(merged):
+            return None
+        blocked_op = sum(1 for j in range(bad) if j not in where)
+        if bad in where:                 # a prefetch that never fits: issue it later
+            return where[bad], blocked_op
+        cands = [where[j] for j in range(bad) if j in where
+                 and prefetches[where[j]][1] > blocked_op]
+        return (max(cands), blocked_op) if cands else None
+
+
+def _blocked_again(got: _Attempt, culprit: int, at: int) -> Optional[int]:
+    """The op ``got`` is blocked at, when ``culprit`` (moved to ``at``) still blocks it there
+    or later; else None."""
+    if got is None or isinstance(got[0], Plan) or got[0] != culprit or got[1] < at:
+        return None
+    return int(got[1])
 
 
 def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
             pos: List[int], memory: Number, bandwidth: float, planner: str,
             chunk: Optional[float]) -> Optional[Tuple[Plan, SimResult]]:
     """Simulate the plan with the prefetches at ``pos``; while an op is blocked for good, move
-    the prefetches that block it past it (keeping the channel's order) and try again. The plan
-    and its simulation, or None when a prefetch would have to move past its consumer."""
+    the prefetch that blocks it past it (and those after it, keeping the channel's order) and
+    try again. The plan and its simulation, or None when a prefetch would have to move past
+    its consumer."""
+    def attempt(p: Sequence[int]) -> _Attempt:
+        return _attempt(chain, ops, prefetches, p, memory, bandwidth, planner, chunk)
+
+    def moved_to(culprit: int, at: int) -> List[int]:
+        return pos[:culprit] + [max(p, at) for p in pos[culprit:]]
+
+    got = attempt(pos)
     moved: Optional[Tuple[int, int]] = None  # the last move: (prefetch, position)
     step = 1
     for tries in range(4 * len(ops) + 8):
-        merged: List[Op] = []
-        where: Dict[int, int] = {}           # plan index of each prefetch
-        k = 0
-        for i, op in enumerate(ops):
-            while k < len(pos) and pos[k] <= i:
-                where[len(merged)] = k
-                merged.append(Op("prefetch", prefetches[k][0]))
-                k += 1
-            merged.append(op)
-        plan = Plan(merged, planner=planner, transfer_chunk=chunk)
-        try:
-            return plan, simulate(chain, plan, bandwidth, memory=memory)
-        except InvalidPlanError as err:
-            bad = err.index
-            if bad is None or bad >= len(merged):
-                return None
-            # the op blocked for good, as an index into `ops` (prefetches are not in `ops`)
-            if bad in where:                 # a prefetch that never fits: issue it later
-                k = where[bad]
-                blocked_op = sum(1 for j in range(bad) if j not in where)
-                culprit = k
-            else:
-                blocked_op = sum(1 for j in range(bad) if j not in where)
-                # the last prefetch issued before it whose data is not for this op
-                cands = [where[j] for j in range(bad) if j in where
-                         and prefetches[where[j]][1] > blocked_op]
-                if not cands:
-                    return None
-                culprit = max(cands)
-            again = moved is not None and moved[0] == culprit and blocked_op >= moved[1]
-            step = min(2 * step, GALLOP_MAX) if again and tries >= GALLOP_AFTER else 1
-            if blocked_op + 1 > prefetches[culprit][1]:
-                return None
-            newpos = min(blocked_op + step, prefetches[culprit][1])
-            moved = (culprit, newpos)
-            for j in range(culprit, len(pos)):
-                pos[j] = max(pos[j], newpos)
-            if any(pos[j] > prefetches[j][1] for j in range(len(pos))):
-                return None
+        if got is None or isinstance(got[0], Plan):
+            return got  # type: ignore[return-value]
+        culprit, blocked_op = got
+        again = moved is not None and moved[0] == culprit and blocked_op >= moved[1]
+        step = min(2 * step, GALLOP_MAX) if again and tries >= GALLOP_AFTER else 1
+        if blocked_op + 1 > prefetches[culprit][1]:
+            return None
+        at = min(blocked_op + step, prefetches[culprit][1])
+        if any(max(p, at) > prefetches[j][1] for j, p in enumerate(pos) if j >= culprit):
+            return None
+        got = attempt(moved_to(culprit, at))
+        if got is None and at - blocked_op > 1:  # a long move to a dead end: take one op
+            at = blocked_op + 1
+            got = attempt(moved_to(culprit, at))
+        if at - blocked_op > 1 and got is not None and _blocked_again(got, culprit, at) is None:
+            # past its block: bisect for the first position that is (a position where no
+            # move helps counts as blocked: the plan found at ``at`` is not given up)
+            lo, hi = blocked_op, at
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                trial = attempt(moved_to(culprit, mid))
+                still = mid if trial is None else _blocked_again(trial, culprit, mid)
+                if still is None:
+                    hi, got = mid, trial
+                else:
+                    lo = min(still, hi - 1)
+            at = hi
+        pos[:] = moved_to(culprit, at)
+        moved = (culprit, at)
     return None
 
 
