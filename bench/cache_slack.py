@@ -10,12 +10,13 @@ measurements, each taken from the best source there is (the JSON says which one 
 
 * the traces: real allocation traces recorded on a GPU (``*-gpu.json.gz``, from
   ``bench/traces/record_gpu.py``; ``--traces-dir`` first, then ``bench/traces``) when there are
-  any, else the bundled CPU-made ones (``bench/traces/make_traces.py``: simulated swap
-  schedules). Each is replayed through vmalloc (host backend: real page mappings, 2 MiB chunks
+  any (provisional until there is one of every record_gpu.py job), else the bundled CPU-made
+  ones (``bench/traces/make_traces.py``: simulated swap schedules). Each is replayed through vmalloc (host backend: real page mappings, 2 MiB chunks
   as on a GPU, ``vmalloc.replay.replay``) once per candidate slack, and cut into training steps:
   at ``meta.step_starts`` (recorded by record_gpu.py), else where no allocation is live (the
   bundled traces free everything at an iteration's end), else the whole trace is one step.
-  Per step: chunks mapped, unmapped and created; over the trace: physical / requested peak.
+  What a recorded trace allocates before its first step (model, optimizer) is its set-up,
+  counted apart (``setup``), so the steps after the first are the steady ones. Per step: chunks mapped, unmapped and created; over the trace: physical / requested peak.
   ``prefer_remap=True`` is ``cache_slack=0`` without a budget (``gather`` in
   csrc/alloc/allocator.cpp), and with a budget the slack does not apply: so no second axis.
 * the remap cost per chunk (one unmap + one map): ``bench/results/alloc_micro.json``'s cuda rows
@@ -96,6 +97,14 @@ def find_traces(dirs: Sequence[str]) -> Tuple[List[str], bool]:
     bundled = sorted(p for p in glob.glob(os.path.join(HERE, "traces", "*.json.gz"))
                      if not p.endswith("-gpu.json.gz"))
     return bundled, False
+
+
+def missing_gpu_traces(paths: Sequence[str]) -> List[str]:
+    """The recordings of ``bench/traces/record_gpu.py``'s jobs that are not among ``paths``:
+    a default decided on some of them would stand as if decided on all."""
+    from bench.traces.record_gpu import JOBS
+    names = {os.path.basename(p) for p in paths}
+    return [j.stem for j in JOBS if f"{j.stem}.json.gz" not in names]
 
 
 def step_cuts(trace: Any) -> Tuple[List[int], str]:
@@ -236,9 +245,11 @@ def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float]) -> D
         counter = _StepCounter(a, starts)
         res = replay(trace, counter)
         end = dict(a.stats())
-    marks = [counter.at[s] for s in starts if s in counter.at] + [end]
+    # a step's counts run from its first event to the next step's (or the end); what a
+    # recorded trace allocates before its first step (the model, the optimizer, the batch)
+    # is the set-up, counted apart: ``steady`` must drop the first *training* step
     zero = dict.fromkeys(("num_map", "num_unmap", "num_chunks_created"), 0)
-    marks = ([zero] if 0 not in counter.at else []) + marks   # a cut the replay never reached
+    marks = [zero] + [counter.at[s] for s in starts if s in counter.at] + [end]
     per_step = []
     for before, after in zip(marks, marks[1:]):
         maps = after["num_map"] - before["num_map"]
@@ -249,6 +260,7 @@ def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float]) -> D
                          "remapped": max(maps - created, unmaps),
                          "physical_peak": after.get("physical_peak"),
                          "requested_peak": after.get("requested_peak")})
+    head = per_step.pop(0)  # before the first step: the set-up (nothing when it starts at 0)
     req = end["requested_peak"]
     row: Dict[str, Any] = {
         "cache_slack": slack, "label": label(slack), "complete": res.ok,
@@ -256,6 +268,8 @@ def replay_steps(trace: Any, starts: Sequence[int], slack: Optional[float]) -> D
         "ratio": end["physical_peak"] / req if req else None,
         "maps": end["num_map"], "unmaps": end["num_unmap"], "created": end["num_chunks_created"],
         "mallocs": end["num_malloc"], "per_step": per_step}
+    if starts and starts[0] > 0:
+        row["setup"] = head
     if not res.ok:
         row["stopped"] = f"ran out of memory at event {res.failed_at} of {len(trace)}"
     return row
@@ -294,9 +308,10 @@ def memory_ok(trace: Dict[str, Any], row: Dict[str, Any]) -> bool:
 
 def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Sequence[Optional[float]],
            real_traces: bool, default: Optional[float] = None,
-           left_out: Sequence[str] = ()) -> Dict[str, Any]:
+           left_out: Sequence[str] = (), missing: Sequence[str] = ()) -> Dict[str, Any]:
     """The rule of the module docstring on replayed ``traces`` (each with ``rows`` per candidate,
-    ``ratio_limit``, ``step_seconds``); returns the decision and its verdict paragraph."""
+    ``ratio_limit``, ``step_seconds``); returns the decision and its verdict paragraph.
+    ``left_out``: traces not replayed for time; ``missing``: GPU recordings not made yet."""
     def rows_of(s: Optional[float]) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
         return [(t, next(r for r in t["rows"] if r["cache_slack"] == s)) for t in traces]
 
@@ -318,6 +333,8 @@ def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Seque
         provisional.append("step times not measured on a GPU for every trace")
     if left_out:
         provisional.append(f"traces left out for time: {', '.join(left_out)}")
+    if missing:
+        provisional.append(f"no GPU trace yet of {', '.join(missing)}")
     finite = [s for s in candidates if s is not None]
     fits = [s for s in finite if all(memory_ok(t, r) for t, r in rows_of(s))]
     # the tightest first, no cap last
@@ -504,7 +521,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{cost['measured_on']}); created chunk: {cost['us_per_chunk_created']} us")
     traces, left_out = run(paths, cost, candidates, args.out or RESULTS, args.max_seconds,
                            args.stop_at)
-    decision = decide(traces, cost, candidates, real, current_default(), left_out)
+    missing = missing_gpu_traces(paths) if real and not args.quick else []
+    decision = decide(traces, cost, candidates, real, current_default(), left_out, missing)
     print("\n" + decision["verdict"])
 
     import torch

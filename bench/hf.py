@@ -34,7 +34,7 @@ bert-cls's FFN 3072, Llama's 2304 with 6 key-value heads). ``--quick`` keeps tin
 either device (2 layers, hidden 64, sequence 32).
 
     python bench/hf.py [--quick] [--device cpu|cuda] [--models gpt2,bert,bert-cls,llama]
-                       [--steps N] [--threads N] [--out DIR]
+                       [--steps N] [--threads N] [--out DIR] [--resume] [--stop-at EPOCH]
 
 Writes bench/results/hf-<device>.json and .png; the README section comes from
 ``bench/readme_results.py``. ``--quick`` (CI smoke, seconds) writes nothing unless ``--out``.
@@ -45,6 +45,7 @@ rows are kept, and the exit status is 1. A method's row that raises is a row wit
 """
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -275,9 +276,17 @@ def checkpoint_row(method: str, budget: Optional[int], planner: Any, make: Calla
 def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int, int],
                 device: str, steps: int, fractions: Tuple[float, ...],
                 quick: bool = False) -> Dict[str, Any]:
+    # built once (a GPT-2-sized model takes seconds on the host, and some 30 methods and
+    # budgets each want a fresh one): each gets a copy, with the random state a build from
+    # seed 0 leaves
+    torch.manual_seed(0)
+    template = make()
+    built_rng = torch.get_rng_state()
+
     def fresh() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return make().to(device)
+        torch.manual_seed(0)              # every device's generator, as before a build
+        torch.set_rng_state(built_rng)    # the host's, as after it
+        return copy.deepcopy(template).to(device)
 
     ids = torch.randint(1, 512, shape, generator=torch.Generator().manual_seed(1)).to(device)
     rows: List[Dict[str, Any]] = []
@@ -305,7 +314,7 @@ def bench_model(name: str, make: Callable[[], torch.nn.Module], shape: Tuple[int
             rows.append(checkpoint_row(planner, budget, planner, fresh, ids, steps, device))
     chain = every_block.chain  # type: ignore[attr-defined]
     return {"model": name, "batch": shape[0], "seq_len": shape[1],
-            "params": sum(p.numel() for p in fresh().parameters()), "rows": rows,
+            "params": sum(p.numel() for p in template.parameters()), "rows": rows,
             "hf_budget_on_chain": hf_budget, "goal": goal_check(rows, hf_budget),
             **({"rotor_at_hf_peak": plan_at(chain, hf["peak"])} if chain is not None and
                hf.get("status") == "ok" else {})}
@@ -371,19 +380,26 @@ def argv_of(args: Any) -> List[str]:
         (["--steps", str(args.steps)] if args.steps else [])
 
 
-def in_subprocess(name: str, argv: List[str], shape: Tuple[int, int]) -> Dict[str, Any]:
+def in_subprocess(name: str, argv: List[str], shape: Tuple[int, int],
+                  timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
     """One model's rows from a fresh process: every model starts from the same allocator
     and interpreter state, and one model's leftovers (allocator caches, a leak) cannot
     change the next model's figures or exhaust the machine. A process that fails gives
     :func:`failed_model`'s entry with its exit status (what it recorded itself, if anything),
-    so the other models go on."""
+    so the other models go on; one still running after ``timeout`` seconds (``--stop-at``) is
+    killed and gives None (not run: ``--resume`` runs it)."""
     import json
     import subprocess
     import sys
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, __file__, "--models", name, "--out", tmp, *argv],
-                              stderr=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--models", name, "--out", tmp,
+                                   *argv], stderr=subprocess.PIPE, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr or b""
+            sys.stderr.write(err.decode(errors="replace") if isinstance(err, bytes) else err)
+            return None
         sys.stderr.write(proc.stderr)   # (stdout went straight through: the model's table)
         try:
             with open(next(os.path.join(tmp, f) for f in os.listdir(tmp)
@@ -421,6 +437,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                        help="keep the models the results file already has without an error "
                             "(same device and settings) and run the others: a run cut off at a "
                             "time limit goes on where it stopped")
+        p.add_argument("--stop-at", type=float, default=None, metavar="EPOCH",
+                       help="start no model once fewer than max(60 s, the longest model so "
+                            "far) are left before EPOCH (seconds since the epoch), and stop a "
+                            "model's process still running then; the models not run are left "
+                            "for --resume and the file's meta says incomplete")
     args = parse_args(__doc__.split("\n")[0], argv, extra)
     unknown = [n for n in args.models.split(",") if n not in MODELS.split(",")]
     if unknown:   # before any model runs
@@ -444,15 +465,29 @@ def main(argv: Optional[List[str]] = None) -> None:
     failed = []
     done = resumed(os.path.join(args.out, name + ".json"), results["meta"]) \
         if args.resume and write else {}
+    not_run: List[str] = []
+    longest = 0.0
     for model_name in args.models.split(","):
         make, shape = zoo[model_name]
         if model_name in done:
             print(f"{model_name}: kept from the results file (--resume)\n")
             results["models"].append(done[model_name])
             continue
+        left = None if args.stop_at is None else args.stop_at - time.time()
+        if left is not None and left < max(60.0, longest):
+            print(f"{model_name}: not started, {max(left, 0):.0f} s left before --stop-at "
+                  "(--resume runs it)\n")
+            not_run.append(model_name)
+            continue
+        t0 = time.time()
         if len(args.models.split(",")) > 1 and not quick:
             # each model in a fresh process, which prints its own table
-            m = in_subprocess(model_name, argv_of(args), shape)
+            got = in_subprocess(model_name, argv_of(args), shape, left)
+            if got is None:
+                print(f"{model_name}: stopped at --stop-at (--resume runs it again)\n")
+                not_run.append(model_name)
+                continue
+            m = got
         else:
             try:
                 m = bench_model(model_name, make, shape, device, steps, fractions, quick)
@@ -462,11 +497,17 @@ def main(argv: Optional[List[str]] = None) -> None:
                 m = failed_model(model_name, shape, f"{type(exc).__name__}: {exc}"[:300])
             else:
                 print_model(m)
+        longest = max(longest, time.time() - t0)
         results["models"].append(m)
         if "error" in m:
             failed.append(model_name)
             print(f"{model_name}: failed ({m['error']})\n")
         if write:   # after every model: a later failure loses nothing
+            write_json(name, results, args.out)
+    if not_run:   # scripts/gpu-check then goes on in a later call (--resume)
+        results["meta"].update({"incomplete": True, "not_run": len(not_run),
+                                "left_out": not_run})
+        if write:
             write_json(name, results, args.out)
     if not results["meta"]["checkpoint_available"]:
         print(checkpoint_missing())

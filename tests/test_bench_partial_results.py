@@ -156,6 +156,45 @@ def test_resume_keeps_the_models_done_and_runs_the_rest(hf, monkeypatch, tmp_pat
     assert ran == ["gpt2", "bert", "llama"]
 
 
+def test_stop_at_stops_a_model_in_time_and_leaves_the_rest_for_resume(hf, monkeypatch,
+                                                                       tmp_path):
+    """--stop-at (gpu-check's hf step): a model's process still running at the deadline is
+    stopped and not recorded (no error row: --resume runs it), no model starts without the
+    time the longest one took, and the file says incomplete, naming what is left."""
+    row = {"method": "plain", "budget": None, "status": "ok", "step_s": 0.1, "peak": 1000}
+    ran, timeouts = [], []
+    clock = [1000.0]
+    monkeypatch.setattr(hf.time, "time", lambda: clock[0])
+
+    def run(cmd, timeout=None, **kw):
+        name, out = cmd[cmd.index("--models") + 1], cmd[cmd.index("--out") + 1]
+        ran.append(name)
+        timeouts.append(timeout)
+        if name == "bert" and len(timeouts) == 2:   # runs past the first call's deadline
+            clock[0] += timeout
+            raise subprocess.TimeoutExpired(cmd, timeout, stderr="half way\n")
+        clock[0] += 100.0    # gpt2 takes 100 s
+        with open(f"{out}/hf-cpu.json", "w") as f:
+            json.dump({"meta": {}, "models": [{"model": name, "batch": 4, "seq_len": 256,
+                                               "rows": [row], "goal": {}}]}, f)
+        return subprocess.CompletedProcess(cmd, 0, None, "")
+    monkeypatch.setattr(subprocess, "run", run)
+    argv = ["--device", "cpu", "--models", "gpt2,bert,llama", "--out", str(tmp_path),
+            "--resume"]
+    hf.main(argv + ["--stop-at", "1250"])
+    # gpt2: 250 s left; bert: 150 s left >= 100 s, killed at the deadline; llama: none left
+    assert ran == ["gpt2", "bert"] and timeouts == [250.0, 150.0]
+    d = json.loads((tmp_path / "hf-cpu.json").read_text())
+    assert [m["model"] for m in d["models"]] == ["gpt2"]
+    assert d["meta"]["incomplete"] and d["meta"]["left_out"] == ["bert", "llama"]
+    ran.clear()
+    hf.main(argv + ["--stop-at", "5000"])
+    assert ran == ["bert", "llama"]
+    d = json.loads((tmp_path / "hf-cpu.json").read_text())
+    assert [m["model"] for m in d["models"]] == ["gpt2", "bert", "llama"]
+    assert "incomplete" not in d["meta"]
+
+
 def test_a_model_that_raises_in_process_is_recorded(hf, monkeypatch, tmp_path):
     def boom(*a, **kw):
         raise RuntimeError("boom")

@@ -394,12 +394,12 @@ def test_a_provisional_cache_slack_is_partial_and_waits_for_gpu_inputs(monkeypat
 
     outcomes = {"cache_slack": cache_slack}
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
-    steps = "cache_slack,hf"
+    steps = "traces,cache_slack,hf"
     gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
-    assert ran == ["cache_slack", "hf"]
+    assert ran == ["traces", "cache_slack", "hf"]
     rec = json.loads((root / PROGRESS).read_text())["steps"]["cache_slack"]
     assert rec["status"] == "partial" and rec["provisional"] == ["no real GPU traces"]
-    assert rec["inputs"] == {"gpu_traces": 0, "cuda_remap_rows": False}
+    assert rec["inputs"] == {"gpu_traces": [], "cuda_remap_rows": False}
     assert "PROV  cache_slack: its decision is provisional" in (
         tmp_path / "a" / "gpu-check.log").read_text()
     # nothing new to decide from: not run, nothing built for it
@@ -408,16 +408,44 @@ def test_a_provisional_cache_slack_is_partial_and_waits_for_gpu_inputs(monkeypat
     assert ran == []
     assert "SKIP  cache_slack: decided provisionally before" in (
         tmp_path / "b" / "gpu-check.log").read_text()
-    # a step before it in the same call records the GPU traces: it runs in that call
+    # a traces step in the same call records a GPU trace: it runs in that call
     (root / "bench/traces").mkdir(parents=True)
+    progress = json.loads((root / PROGRESS).read_text())
+    del progress["steps"]["traces"]   # (as for a changed source)
+    for where in (root, gc.STATE):    # (the copy a call on the same machine puts back)
+        (where / PROGRESS).write_text(json.dumps(progress))
 
     def traces(cmd):
         (Path(gc.ROOT) / "bench/traces/resnet50-b256-native-gpu.json.gz").write_bytes(b"x")
         return 0
     outcomes["traces"] = traces
     ran.clear()
-    gc.main(["--next", "--no-build", "--only", "traces,cache_slack,hf", str(tmp_path / "c")])
+    gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "c")])
     assert ran == ["traces", "cache_slack"]
+
+
+def test_cache_slack_waits_for_every_trace(monkeypatch, tmp_path):
+    """A traces step that failed (one recording of six timed out) or never ran leaves
+    cache_slack waiting under --next: a decision on some of the traces would be recorded and
+    never revisited. --only without --next runs it anyway."""
+    from gpu_record import PROGRESS
+
+    def cache_slack(cmd):
+        path = Path(gc.ROOT) / "bench/results/cache_slack.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {}, "decision": {"provisional": False}}))
+        return 0
+
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"traces": 1, "cache_slack": cache_slack})
+    with pytest.raises(SystemExit):
+        gc.main(["--next", "--no-build", "--only", "traces,cache_slack,hf", str(tmp_path / "a")])
+    assert ran == ["traces", "hf"]
+    assert json.loads((root / PROGRESS).read_text())["steps"]["traces"]["status"] == "failed"
+    assert "SKIP  cache_slack: it rests on traces, which is recorded failed" in (
+        tmp_path / "a" / "gpu-check.log").read_text()
+    ran.clear()
+    gc.main(["--no-build", "--only", "cache_slack", str(tmp_path / "b")])
+    assert ran == ["cache_slack"]
 
 
 def test_the_traces_step_is_not_started_without_time_for_one_recording(monkeypatch, tmp_path):
