@@ -245,8 +245,8 @@ def test_a_galloping_repair_finds_the_one_op_walks_plan(name, planner, monkeypat
     chain = Chain.from_json(Path(__file__).parents[1] / "bench" / "chains" / f"{name}.json")
     memory = 0.3 * (sum(chain.xbar) + sum(chain.x))
     bisected = []
-    real = offload._blocked_again
-    monkeypatch.setattr(offload, "_blocked_again",
+    real = offload._first_past_block
+    monkeypatch.setattr(offload, "_first_past_block",
                         lambda *a: (bisected.append(1), real(*a))[1])
     gallop_after = offload.GALLOP_AFTER
 
@@ -260,3 +260,23 @@ def test_a_galloping_repair_finds_the_one_op_walks_plan(name, planner, monkeypat
     assert walk_bisections == 0 and fast_bisections > 0   # it galloped, and bisected
     assert fast.ops == walk.ops and fast.predicted_time == walk.predicted_time
     assert simulate(chain, fast, 12e9, memory=memory).makespan == fast.predicted_time
+
+
+@pytest.mark.parametrize("clear_at", [45, 55, 58])
+def test_the_repair_walks_on_where_a_gallop_would_pass_a_consumer(clear_at, monkeypatch):
+    """A galloped move of prefetch 0 that would push prefetch 1 past its consumer (op 60,
+    before prefetch 0's: ``schedule(first=...)`` orders them so) or onto a dead end falls back
+    to one op and walks on: the repair finds the placement the one-op walk finds. Simulations
+    stubbed: prefetch 0 blocks itself at its own position until ``clear_at``."""
+    from scheduler.plan import Op, Plan
+    done = Plan([Op("F_all", 0), Op("B", 0)])
+
+    def attempt(chain, ops, prefetches, pos, *rest):
+        return (done, "simulated") if pos[0] >= clear_at else (0, pos[0])
+
+    monkeypatch.setattr(offload, "_attempt", attempt)
+    monkeypatch.setattr(offload, "GALLOP_AFTER", 2)
+    pos = [0, 0]
+    got = offload._repair(None, [Op("F_all", 0)] * 120, [(0, 100), (1, 60)], pos, 0, 1.0,
+                          "test", None)
+    assert got == (done, "simulated") and pos == [clear_at, clear_at]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._native import core
 from ..chain import Chain, Number
@@ -242,6 +242,23 @@ def _blocked_again(got: _Attempt, culprit: int, at: int) -> Optional[int]:
     return int(got[1])
 
 
+def _first_past_block(attempt: Callable[[int], _Attempt], culprit: int, lo: int, hi: int,
+                      got: _Attempt) -> Tuple[int, _Attempt]:
+    """Bisect (lo, hi] for the first position of prefetch ``culprit`` that gets it past its
+    block (``attempt(at)``: the placement with it moved to ``at``; ``lo`` is blocked, ``hi``
+    is past it with ``got``): the position and what it gives. A position where no move helps
+    counts as blocked, so what was found at ``hi`` is not given up for a dead end."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = attempt(mid)
+        still = mid if trial is None else _blocked_again(trial, culprit, mid)
+        if still is None:
+            hi, got = mid, trial
+        else:
+            lo = min(still, hi - 1)
+    return hi, got
+
+
 def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
             pos: List[int], memory: Number, bandwidth: float, planner: str,
             chunk: Optional[float]) -> Optional[Tuple[Plan, SimResult]]:
@@ -249,11 +266,14 @@ def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
     the prefetch that blocks it past it (and those after it, keeping the channel's order) and
     try again. The plan and its simulation, or None when a prefetch would have to move past
     its consumer."""
-    def attempt(p: Sequence[int]) -> _Attempt:
-        return _attempt(chain, ops, prefetches, p, memory, bandwidth, planner, chunk)
+    def moved_to(culprit: int, at: int) -> Optional[List[int]]:
+        """``pos`` with ``culprit`` moved to ``at``; None if a prefetch would pass its consumer."""
+        new = pos[:culprit] + [max(p, at) for p in pos[culprit:]]
+        return None if any(p > prefetches[j][1] for j, p in enumerate(new)) else new
 
-    def moved_to(culprit: int, at: int) -> List[int]:
-        return pos[:culprit] + [max(p, at) for p in pos[culprit:]]
+    def attempt(p: Optional[List[int]]) -> _Attempt:
+        return None if p is None else \
+            _attempt(chain, ops, prefetches, p, memory, bandwidth, planner, chunk)
 
     got = attempt(pos)
     moved: Optional[Tuple[int, int]] = None  # the last move: (prefetch, position)
@@ -264,31 +284,24 @@ def _repair(chain: Chain, ops: List[Op], prefetches: Sequence[Tuple[int, int]],
         culprit, blocked_op = got
         again = moved is not None and moved[0] == culprit and blocked_op >= moved[1]
         step = min(2 * step, GALLOP_MAX) if again and tries >= GALLOP_AFTER else 1
-        if blocked_op + 1 > prefetches[culprit][1]:
-            return None
         at = min(blocked_op + step, prefetches[culprit][1])
-        if any(max(p, at) > prefetches[j][1] for j, p in enumerate(pos) if j >= culprit):
+        if at <= blocked_op:  # it would have to move past its consumer
             return None
         got = attempt(moved_to(culprit, at))
-        if got is None and at - blocked_op > 1:  # a long move to a dead end: take one op
-            at = blocked_op + 1
+        if got is None and at - blocked_op > 1:
+            # a long move to a dead end (or past a later prefetch's consumer): one op, and
+            # walk from there
+            at, step = blocked_op + 1, 1
             got = attempt(moved_to(culprit, at))
-        if at - blocked_op > 1 and got is not None and _blocked_again(got, culprit, at) is None:
-            # past its block: bisect for the first position that is (a position where no
-            # move helps counts as blocked: the plan found at ``at`` is not given up)
-            lo, hi = blocked_op, at
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                trial = attempt(moved_to(culprit, mid))
-                still = mid if trial is None else _blocked_again(trial, culprit, mid)
-                if still is None:
-                    hi, got = mid, trial
-                else:
-                    lo = min(still, hi - 1)
-            at = hi
-        pos[:] = moved_to(culprit, at)
+        elif at - blocked_op > 1 and _blocked_again(got, culprit, at) is None:
+            # past its block: back to the first position that is
+            at, got = _first_past_block(lambda a: attempt(moved_to(culprit, a)), culprit,
+                                        blocked_op, at, got)
+        if got is None:
+            return None
+        pos[:] = moved_to(culprit, at)  # type: ignore[assignment]
         moved = (culprit, at)
-    return None
+    return got if got is not None and isinstance(got[0], Plan) else None  # type: ignore
 
 
 def schedule(chain: Chain, offloaded: Sequence[int], memory: Number, bandwidth: float,
