@@ -65,6 +65,9 @@ QUICK_FRACTIONS = (0.4,)
 MODELS = "gpt2,bert,bert-cls,llama"
 CLASSES = 4  # bert-cls's labels
 BELOW_HF = 0.8
+# --stop-at: a model's process given this long and still running is recorded as timed out
+# (kept), not left for --resume to start over in every later device call
+MODEL_TIMEOUT_S = 300
 GOAL = ("at HF checkpointing's peak rotor is faster; at HF checkpointing's step time rotor "
         "holds less memory; rotor reaches budgets below HF checkpointing's peak")
 
@@ -416,6 +419,14 @@ def in_subprocess(name: str, argv: List[str], shape: Tuple[int, int],
     return model
 
 
+def timed_out_model(name: str, shape: Tuple[int, int], seconds: float) -> Dict[str, Any]:
+    """A model whose process was still running after ``seconds`` (``--stop-at``): recorded
+    without an error, so ``--resume`` keeps it."""
+    return {"model": name, "batch": shape[0], "seq_len": shape[1], "rows": [],
+            "status": "timeout", "note": f"still running after {seconds:.0f} s (--stop-at): "
+            "longer than a device call allows; run it alone (--models)"}
+
+
 def failed_model(name: str, shape: Tuple[int, int], error: str) -> Dict[str, Any]:
     """A model whose run failed before it had rows to give: recorded with its error."""
     return {"model": name, "batch": shape[0], "seq_len": shape[1], "rows": [],
@@ -441,7 +452,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                        help="start no model once fewer than max(60 s, the longest model so "
                             "far) are left before EPOCH (seconds since the epoch), and stop a "
                             "model's process still running then; the models not run are left "
-                            "for --resume and the file's meta says incomplete")
+                            "for --resume and the file's meta says incomplete (one stopped "
+                            f"after {MODEL_TIMEOUT_S} s or more is recorded as timed out)")
     args = parse_args(__doc__.split("\n")[0], argv, extra)
     unknown = [n for n in args.models.split(",") if n not in MODELS.split(",")]
     if unknown:   # before any model runs
@@ -483,11 +495,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         if len(args.models.split(",")) > 1 and not quick:
             # each model in a fresh process, which prints its own table
             got = in_subprocess(model_name, argv_of(args), shape, left)
-            if got is None:
+            if got is None and left is not None and left < MODEL_TIMEOUT_S:
                 print(f"{model_name}: stopped at --stop-at (--resume runs it again)\n")
                 not_run.append(model_name)
                 continue
-            m = got
+            # one that had MODEL_TIMEOUT_S and did not finish never will in a device call:
+            # recorded, kept by --resume (a later call would start it over for nothing)
+            m = got if got is not None else timed_out_model(model_name, shape, left or 0.0)
         else:
             try:
                 m = bench_model(model_name, make, shape, device, steps, fractions, quick)

@@ -385,8 +385,8 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     rows = []
     measured_any = False
     for m in d["models"]:
-        if m.get("error"):   # the model's run failed before it had rows
-            rows.append((m["model"], "-", "-", "-", "-", "-", "error"))
+        if m.get("error") or m.get("status") == "timeout":   # no rows: failed, or too long
+            rows.append((m["model"], "-", "-", "-", "-", "-", m.get("status") or "error"))
         for r in m["rows"]:
             ok = r.get("status") == "ok"
             if r.get("status") == "skipped":
@@ -411,11 +411,14 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
             ctx.goal(f"hf ({where})", f"{m['model']}: {what}", "yes" if ok else "no", ok)
     failed = [f"{m['model']}: {m['error']}" for m in d["models"] if m.get("error")] + [
         f"{m['model']} {r['method']}: {r.get('note', '')}" for m in d["models"]
-        for r in m["rows"] if r.get("status") == "error"]
+        for r in m["rows"] if r.get("status") == "error"] + [
+        f"{m['model']}: {m.get('note', 'timed out')}" for m in d["models"]
+        if m.get("status") == "timeout"]
     if not measured_any:
         ctx.goal(f"hf ({'CPU' if cpu else meta.get('gpu')})", meta.get("goal", "rotor vs HF "
-                 "checkpointing"), "not run: every model failed (see its errors)" if failed
-                 and all(m.get("error") for m in d["models"]) else "not run: no rotor rows "
+                 "checkpointing"), "not run: every model failed or timed out (see below)"
+                 if failed and all(m.get("error") or m.get("status") == "timeout"
+                                   for m in d["models"]) else "not run: no rotor rows "
                  "(scheduler.checkpoint not in the build that made this file)", None)
     out += table(["model", "method", "budget", "step ms", "peak", "forwards", "status"], rows,
                  right=(2, 3, 4, 5))

@@ -3,6 +3,7 @@ bench/alloc_micro.py record a failed configuration or model as an error entry, k
 write) everything else, and bench/readme_results.py renders such files. No GPU needed: the
 failures are injected."""
 import json
+import re
 import subprocess
 import sys
 
@@ -193,6 +194,31 @@ def test_stop_at_stops_a_model_in_time_and_leaves_the_rest_for_resume(hf, monkey
     d = json.loads((tmp_path / "hf-cpu.json").read_text())
     assert [m["model"] for m in d["models"]] == ["gpt2", "bert", "llama"]
     assert "incomplete" not in d["meta"]
+
+
+def test_a_model_longer_than_a_call_is_recorded_timed_out_and_kept(hf, monkeypatch, tmp_path):
+    """A model's process given MODEL_TIMEOUT_S or more and still running at --stop-at would be
+    started over, and stopped again, by every later call (and hold up the steps after hf):
+    it is recorded as timed out, kept by --resume, and the README table says so."""
+    clock = [1000.0]
+    monkeypatch.setattr(hf.time, "time", lambda: clock[0])
+    ran = []
+
+    def run(cmd, timeout=None, **kw):
+        ran.append(cmd[cmd.index("--models") + 1])
+        clock[0] += timeout
+        raise subprocess.TimeoutExpired(cmd, timeout, stderr=b"")
+    monkeypatch.setattr(subprocess, "run", run)
+    argv = ["--device", "cpu", "--models", "gpt2,bert", "--out", str(tmp_path), "--resume"]
+    hf.main(argv + ["--stop-at", str(1000 + hf.MODEL_TIMEOUT_S)])
+    d = json.loads((tmp_path / "hf-cpu.json").read_text())
+    (gpt2,) = d["models"]
+    assert gpt2["status"] == "timeout" and "error" not in gpt2 and "still running" in gpt2["note"]
+    assert d["meta"]["left_out"] == ["bert"]
+    ran.clear()
+    hf.main(argv + ["--stop-at", str(clock[0] + 100)])   # kept; bert: too short, left again
+    assert ran == ["bert"]
+    assert re.search(r"gpt2\s*\|(\s*-\s*\|){5}\s*timeout", render(tmp_path))
 
 
 def test_a_model_that_raises_in_process_is_recorded(hf, monkeypatch, tmp_path):

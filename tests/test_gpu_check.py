@@ -380,26 +380,33 @@ def test_rows_unavailable_count_as_done_and_the_log_names_them(monkeypatch, tmp_
 
 
 def test_a_provisional_cache_slack_is_partial_and_waits_for_gpu_inputs(monkeypatch, tmp_path):
-    """cache_slack deciding from the bundled CPU traces or host remap costs is recorded partial
-    (not done), the call goes on to hf, and --next runs it again only once real GPU traces or
-    alloc_micro's cuda rows exist (before that it would decide the same, in device time)."""
+    """cache_slack deciding provisionally (host remap costs, or GPU traces of some jobs only)
+    is recorded partial (not done), the call goes on to hf, and --next runs it again only once
+    what it lacked changed: new GPU traces or alloc_micro's cuda rows (before that it would
+    decide the same, in device time)."""
     from gpu_record import PROGRESS
 
     def cache_slack(cmd):
         path = Path(gc.ROOT) / "bench/results/cache_slack.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"meta": {}, "decision": {
-            "provisional": True, "provisional_why": ["no real GPU traces"]}}))
+            "provisional": True, "provisional_why": ["no GPU trace yet of bert-dyn-b32"]}}))
         return 0
 
-    outcomes = {"cache_slack": cache_slack}
+    def traces(cmd, name="resnet50-b256-native-gpu.json.gz"):
+        (Path(gc.ROOT) / "bench/traces" / name).write_bytes(b"x")
+        return 0
+
+    outcomes = {"cache_slack": cache_slack, "traces": traces}
     gc, root, ran = _fake_gpu(monkeypatch, tmp_path, outcomes)
+    (root / "bench/traces").mkdir(parents=True)
     steps = "traces,cache_slack,hf"
     gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "a")])
     assert ran == ["traces", "cache_slack", "hf"]
     rec = json.loads((root / PROGRESS).read_text())["steps"]["cache_slack"]
-    assert rec["status"] == "partial" and rec["provisional"] == ["no real GPU traces"]
-    assert rec["inputs"] == {"gpu_traces": [], "cuda_remap_rows": False}
+    assert rec["status"] == "partial" and rec["provisional"] == ["no GPU trace yet of bert-dyn-b32"]
+    assert rec["inputs"] == {"gpu_traces": ["resnet50-b256-native-gpu.json.gz"],
+                             "cuda_remap_rows": False}
     assert "PROV  cache_slack: its decision is provisional" in (
         tmp_path / "a" / "gpu-check.log").read_text()
     # nothing new to decide from: not run, nothing built for it
@@ -408,44 +415,37 @@ def test_a_provisional_cache_slack_is_partial_and_waits_for_gpu_inputs(monkeypat
     assert ran == []
     assert "SKIP  cache_slack: decided provisionally before" in (
         tmp_path / "b" / "gpu-check.log").read_text()
-    # a traces step in the same call records a GPU trace: it runs in that call
-    (root / "bench/traces").mkdir(parents=True)
+    # a traces step in the same call records another GPU trace: it runs in that call
     progress = json.loads((root / PROGRESS).read_text())
     del progress["steps"]["traces"]   # (as for a changed source)
     for where in (root, gc.STATE):    # (the copy a call on the same machine puts back)
         (where / PROGRESS).write_text(json.dumps(progress))
-
-    def traces(cmd):
-        (Path(gc.ROOT) / "bench/traces/resnet50-b256-native-gpu.json.gz").write_bytes(b"x")
-        return 0
-    outcomes["traces"] = traces
+    outcomes["traces"] = lambda cmd: traces(cmd, "bert-dyn-b32-native-gpu.json.gz")
     ran.clear()
     gc.main(["--next", "--no-build", "--only", steps, str(tmp_path / "c")])
     assert ran == ["traces", "cache_slack"]
 
 
-def test_cache_slack_waits_for_every_trace(monkeypatch, tmp_path):
-    """A traces step that failed (one recording of six timed out) or never ran leaves
-    cache_slack waiting under --next: a decision on some of the traces would be recorded and
-    never revisited. --only without --next runs it anyway."""
-    from gpu_record import PROGRESS
-
-    def cache_slack(cmd):
-        path = Path(gc.ROOT) / "bench/results/cache_slack.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": {}, "decision": {"provisional": False}}))
-        return 0
-
-    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"traces": 1, "cache_slack": cache_slack})
-    with pytest.raises(SystemExit):
+def test_cache_slack_waits_for_a_gpu_trace(monkeypatch, tmp_path):
+    """Without a GPU trace cache_slack would decide on the bundled CPU traces, provisionally,
+    in device time: under --next it waits, left out before the build when no traces step is in
+    the call (--dry-run shows it as the real call would run it: after the traces step)."""
+    gc, root, ran = _fake_gpu(monkeypatch, tmp_path, {"traces": 1})
+    with pytest.raises(SystemExit):   # traces fails, recording nothing
         gc.main(["--next", "--no-build", "--only", "traces,cache_slack,hf", str(tmp_path / "a")])
     assert ran == ["traces", "hf"]
-    assert json.loads((root / PROGRESS).read_text())["steps"]["traces"]["status"] == "failed"
-    assert "SKIP  cache_slack: it rests on traces, which is recorded failed" in (
+    assert "SKIP  cache_slack: no GPU trace recorded yet" in (
         tmp_path / "a" / "gpu-check.log").read_text()
-    ran.clear()
-    gc.main(["--no-build", "--only", "cache_slack", str(tmp_path / "b")])
-    assert ran == ["cache_slack"]
+    ran.clear()   # traces failed for this source: not run again, so cache_slack waits too
+    with pytest.raises(SystemExit):
+        gc.main(["--next", "--no-build", "--only", "traces,cache_slack", str(tmp_path / "b")])
+    log = (tmp_path / "b" / "gpu-check.log").read_text()
+    assert ran == [] and "traces is not run in this call" in log and "NOTHING RUNNABLE" in log
+    gc.main(["--next", "--dry-run", "--only", "hf,cache_slack", str(tmp_path / "c")])
+    assert "traces is not run in this call" in (tmp_path / "c" / "gpu-check.log").read_text()
+    gc2, _, ran2 = _fake_gpu(monkeypatch, tmp_path / "fresh", {})
+    gc2.main(["--next", "--dry-run", "--only", "traces,cache_slack", str(tmp_path / "d")])
+    assert ran2 == ["traces", "cache_slack"]
 
 
 def test_the_traces_step_is_not_started_without_time_for_one_recording(monkeypatch, tmp_path):
