@@ -115,7 +115,10 @@ class Runner:
                 times.append(time.perf_counter() - t0)
                 peaks.append(torch.cuda.max_memory_allocated() - base + x0_bytes if cuda
                              else (cpu_peak() if cpu_peak else 0))
-            return {"status": "ok", "step_s": statistics.median(times), "peak": max(peaks)}
+            # each step's time beside the median: how much two steps of one configuration
+            # differ says whether a gap between configurations is noise
+            return {"status": "ok", "step_s": statistics.median(times), "peak": max(peaks),
+                    "step_times": [round(t, 6) for t in times]}
         except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
             return {"status": "oom", "note": str(e)[:200]}
         except Exception as e:  # noqa: BLE001 - one failed configuration must not end the run
@@ -299,7 +302,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--models", default=None, help="comma-separated subset (GPU: "
                     f"{','.join(GPU_MODELS)}; CPU: {','.join(CPU_MODELS)})")
     ap.add_argument("--steps", type=positive_int, default=None, metavar="N",
-                    help="timed steps per configuration (default 5; 2 with --quick or on CPU)")
+                    help="timed steps per configuration (default 5 on a GPU, 3 with --quick; "
+                         "2 on the CPU)")
     ap.add_argument("--bandwidth", type=positive_float, default=None, metavar="BYTES_PER_S",
                     help="pofo's host-device bytes/s (default: measured on the GPU; 12e9 on CPU)")
     ap.add_argument("--threads", type=positive_int, default=1, metavar="N",
@@ -317,7 +321,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     f"{', '.join(map(repr, unknown))} (known: {', '.join(table)})", parser=ap)
     if device == "cpu":
         torch.set_num_threads(args.threads)
-    steps = args.steps or (2 if args.quick or device == "cpu" else 5)
+    # on a GPU at least 3, so that the median is one (of 2 it is their mean)
+    steps = args.steps or (2 if device == "cpu" else 3 if args.quick else 5)
     bandwidth = args.bandwidth or (pinned_bandwidth(device) if device == "cuda" else 12e9)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {gpu}, pofo bandwidth {bandwidth / 1e9:.1f} GB/s, {steps} timed steps")

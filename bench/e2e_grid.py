@@ -248,10 +248,10 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        # (the name moved between releases: torch.accelerator's in newer ones, the private one
-        # before; without either the pinned cache stays, and the next job counts it)
-        host_empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
-            or getattr(torch._C, "_host_emptyCache", None)
+        # (the private name; torch 2.13 has only torch.accelerator's; without either the
+        # pinned cache stays, and the next job counts it)
+        host_empty = getattr(torch._C, "_host_emptyCache", None) or \
+            getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         if host_empty is not None:
             host_empty()
 
