@@ -11,12 +11,14 @@ measurements, each taken from the best source there is (the JSON says which one 
 * the traces: real allocation traces recorded on a GPU (``*-gpu.json.gz``, from
   ``bench/traces/record_gpu.py``; ``--traces-dir`` first, then ``bench/traces``) when there are
   any (provisional until there is one of every record_gpu.py job), else the bundled CPU-made
-  ones (``bench/traces/make_traces.py``: simulated swap schedules). Each is replayed through vmalloc (host backend: real page mappings, 2 MiB chunks
-  as on a GPU, ``vmalloc.replay.replay``) once per candidate slack, and cut into training steps:
-  at ``meta.step_starts`` (recorded by record_gpu.py), else where no allocation is live (the
+  ones (``bench/traces/make_traces.py``: simulated swap schedules). Each is replayed through
+  vmalloc (host backend: real page mappings, 2 MiB chunks as on a GPU,
+  ``vmalloc.replay.replay``) once per candidate slack, and cut into training steps: at
+  ``meta.step_starts`` (recorded by record_gpu.py), else where no allocation is live (the
   bundled traces free everything at an iteration's end), else the whole trace is one step.
   What a recorded trace allocates before its first step (model, optimizer) is its set-up,
-  counted apart (``setup``), so the steps after the first are the steady ones. Per step: chunks mapped, unmapped and created; over the trace: physical / requested peak.
+  counted apart (``setup``), so the steps after the first are the steady ones. Per step:
+  chunks mapped, unmapped and created; over the trace: physical / requested peak.
   ``prefer_remap=True`` is ``cache_slack=0`` without a budget (``gather`` in
   csrc/alloc/allocator.cpp), and with a budget the slack does not apply: so no second axis.
 * the remap cost per chunk (one unmap + one map): ``bench/results/alloc_micro.json``'s cuda rows
