@@ -240,7 +240,7 @@ def test_a_galloping_repair_finds_the_one_op_walks_plan(name, planner, monkeypat
     steps, then bisects back to the first position past its block: on these bundled chains
     (at 30% of store-all, where galloping alone gave plans up to 1.4% slower) the plan is the
     one-op walk's. (The simulations it saves show on longer sequences: ResNet-50's 700 ops in
-    the swap runtime, 295 down to 200.)"""
+    the swap runtime, 295 down to about 200.)"""
     from pathlib import Path
     chain = Chain.from_json(Path(__file__).parents[1] / "bench" / "chains" / f"{name}.json")
     memory = 0.3 * (sum(chain.xbar) + sum(chain.x))
@@ -265,9 +265,9 @@ def test_a_galloping_repair_finds_the_one_op_walks_plan(name, planner, monkeypat
 @pytest.mark.parametrize("clear_at", [45, 55, 58])
 def test_the_repair_walks_on_where_a_gallop_would_pass_a_consumer(clear_at, monkeypatch):
     """A galloped move of prefetch 0 that would push prefetch 1 past its consumer (op 60,
-    before prefetch 0's: ``schedule(first=...)`` orders them so) or onto a dead end falls back
-    to one op and walks on: the repair finds the placement the one-op walk finds. Simulations
-    stubbed: prefetch 0 blocks itself at its own position until ``clear_at``."""
+    before prefetch 0's: ``schedule(first=...)`` orders them so) falls back to one op and walks
+    on: the repair finds the placement the one-op walk finds (it gave up there before).
+    Simulations stubbed: prefetch 0 blocks itself at its own position until ``clear_at``."""
     from scheduler.plan import Op, Plan
     done = Plan([Op("F_all", 0), Op("B", 0)])
 
