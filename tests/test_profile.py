@@ -1,12 +1,15 @@
 """scheduler.profile: meta_chain's exact sizes and cost-model times on hand-checked models,
 agreement with measure_chain on real CPU tensors, tuples between blocks, and input validation."""
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from scheduler import Chain
 from scheduler.profile import CostModel, measure_chain, meta_chain
@@ -330,3 +333,62 @@ def test_cuda_transients_do_not_run_an_optimizer_stepping_in_the_backward(monkey
     assert (got["xbar"], got["dead_output"]) == (traced["xbar"], traced["dead_output"])
     assert torch.equal(outs[0], block(x)) and not outs[0].requires_grad
     assert min(got[k] for k in ("fw_tmp", "fck_tmp", "bw_tmp")) >= 0
+
+
+class _LiveStorageBytes(TorchDispatchMode):
+    """The bytes of the storages ops create, alive now and at the peak: what CUDA's allocator
+    statistics count, without the buffers kernels keep to themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: dict = {}
+
+    def _note(self, t: torch.Tensor, count: bool) -> None:
+        s = t.untyped_storage()
+        known = self.seen.get(s._cdata)
+        if known is not None and known() is s:
+            return
+        n = s.nbytes() if count else 0
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        self.seen[s._cdata] = weakref.ref(s, lambda _, n=n: setattr(self, "live", self.live - n))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:   # made before: never counted
+            if isinstance(t, torch.Tensor):
+                self._note(t, count=False)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._note(t, count=True)
+        return out
+
+
+def test_cuda_measurement_agrees_with_the_op_tracer(monkeypatch):
+    """The CUDA path's transients (``_cuda_stage``, the allocator statistics stubbed by a
+    counter of live storages) equal the op tracer's, stage by stage: in particular delta[s+1]
+    is let go once its last reader ran, as in a real step, where it once was held through the
+    whole measured backward (small_cnn's residual block: 10528 B for 2336 B)."""
+    from scheduler.profile import _trace as T
+    from scheduler.profile import measure as M
+    from scheduler.profile.storage import keys_held
+    counter = _LiveStorageBytes()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: setattr(counter, "peak", counter.live))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counter.live)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counter.peak)
+    torch.manual_seed(0)
+    values, cpu = (torch.randn(4, 3, 8, 8),), torch.device("cpu")
+    for s, block in enumerate(small_cnn()):
+        inputs = T.fresh_inputs(values, requires_grad=True)
+        params = list(block.parameters())
+
+        def fn(xs, block=block, s=s):
+            return T.call_block(block, xs, s)
+        with M._preserved(block, cpu), keys_held(params + list(block.buffers())) as keys:
+            with counter:
+                values, got = M._cuda_stage(fn, inputs, params, keys, cpu)
+            _, traced = T.trace_stage(fn, inputs, params, keys, cuda_dropout=False, flops=False)
+        for k in ("xbar", "dead_output", "fw_tmp", "fck_tmp", "bw_tmp"):
+            assert got[k] == traced[k], (s, k, got[k], traced[k])

@@ -19,8 +19,9 @@ For each stage s (the blocks, then the loss) with the previous stage's output as
 * ``fw_tmp``, ``fck_tmp``, ``bw_tmp``: on CUDA from ``torch.cuda.max_memory_allocated`` (as
   rotor did): the peak of a saving forward beyond ``xbar`` (``fw_tmp``), of a no-grad forward
   beyond its output (``fck_tmp``), and of the backward beyond the input gradients, run as
-  training runs it (parameter gradients added into an existing ``.grad``), less the stage's
-  output when its graph did not save it (``xbar`` counts it; nothing holds it in ``B s``).
+  training runs it (parameter gradients added into an existing ``.grad``; ``delta[s+1]``
+  freed once its last reader ran, not held by the measurement), less the stage's output when
+  its graph did not save it (``xbar`` counts it; nothing holds it in ``B s``).
   On CPU they are *estimated* by the op tracer of ``meta_chain`` (liveness of every
   intermediate storage, freed after its last use; in the backward, when the node that last
   used it returns) run on the real tensors. The tracer sees the tensors ATen ops return, not
@@ -117,6 +118,20 @@ def _median_time(run: Callable[[], Any], prepare: Callable[[], Any], device: tor
     return statistics.median(times)
 
 
+class _HandOver(torch.autograd.Function):
+    """A scalar root over a stage output whose backward hands autograd the gradient ``box``
+    holds and lets go of it: autograd then owns delta[s+1] alone."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, box: List[torch.Tensor]) -> torch.Tensor:
+        ctx.box = box
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return ctx.box.pop(), None
+
+
 def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
                 params: List[torch.Tensor], state_keys: Set[int], device: torch.device
                 ) -> Tuple[T.Tensors, Dict[str, int]]:
@@ -148,7 +163,13 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     del outs
     with torch.enable_grad():
         outs = fn(inputs)
-        pairs = [(o, torch.randn_like(o)) for o in outs if o.requires_grad and T.differentiable(o)]
+        # delta[s+1] reaches the stage's graph from autograd alone, as in a real step, whose
+        # engine frees it once its last reader has run: a gradient passed from Python
+        # (``backward(outs, grads)``) is held by the caller's frames to the end, and the
+        # peak counted it through the whole backward (the op tracer credits its release)
+        one = torch.ones((), device=device)
+        roots = [_HandOver.apply(o, [torch.randn_like(o)]) for o in outs
+                 if o.requires_grad and T.differentiable(o)]
     # the backward as training runs it from the second step on: each parameter gradient is
     # added into an existing .grad and freed (autograd.grad would hold them all at once);
     # the inputs' gradients are delta[s], held by the chain, not transient
@@ -161,9 +182,9 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        if pairs and leaves:
+        if roots and leaves:
             _, peak_b = peak_of(lambda: torch.autograd.backward(
-                [o for o, _ in pairs], [g for _, g in pairs], inputs=leaves))
+                roots, [one] * len(roots), inputs=leaves))
             made = T.storage_bytes([t.grad for t in ins if t.grad is not None])
     finally:
         for p, g in old:
