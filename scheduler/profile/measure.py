@@ -167,9 +167,9 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
         # engine frees it once its last reader has run: a gradient passed from Python
         # (``backward(outs, grads)``) is held by the caller's frames to the end, and the
         # peak counted it through the whole backward (the op tracer credits its release)
-        one = torch.ones((), device=device)
         roots = [_HandOver.apply(o, [torch.randn_like(o)]) for o in outs
                  if o.requires_grad and T.differentiable(o)]
+        ones = [r.new_ones(()) for r in roots]   # (made before the peak is reset)
     # the backward as training runs it from the second step on: each parameter gradient is
     # added into an existing .grad and freed (autograd.grad would hold them all at once);
     # the inputs' gradients are delta[s], held by the chain, not transient
@@ -184,7 +184,7 @@ def _cuda_stage(fn: Callable[[T.Tensors], T.Tensors], inputs: T.Tensors,
             p.grad = torch.zeros_like(p)
         if roots and leaves:
             _, peak_b = peak_of(lambda: torch.autograd.backward(
-                roots, [one] * len(roots), inputs=leaves))
+                roots, ones, inputs=leaves))
             made = T.storage_bytes([t.grad for t in ins if t.grad is not None])
     finally:
         for p, g in old:
