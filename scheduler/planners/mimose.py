@@ -32,7 +32,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Union
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
-from ..simulate import simulate
+from ..simulate import simulate_checkpointed
 from ..units import exact_number, float_or_none, format_bytes, shown
 # the estimator, re-exported: the runtimes, tests and benchmarks import it from here
 from .mimose_estimator import (BACKWARD_OVER_FORWARD, BLOCK_TMP_FIELDS, DEFAULT_SAMPLES, ORDER,
@@ -195,26 +195,24 @@ class Mimose:
         for _ in range(self.rounds):
             ck = greedy_checkpoints(est.xbar, target, self.bucket_ratio)
             plan = checkpoint_plan(L, ck)
-            res = simulate(chain, plan)
-            plan.predicted_time, plan.predicted_peak = res.makespan, res.peak_memory
-            if res.peak_memory <= budget:
+            plan.predicted_time, plan.predicted_peak = simulate_checkpointed(chain, ck)
+            if plan.predicted_peak <= budget:
                 best = plan
                 break
             if len(ck) == L:
                 break
-            target -= res.peak_memory - budget
+            target -= plan.predicted_peak - budget
         if best is None:
             floor = checkpoint_plan(L, range(L))
-            res = simulate(chain, floor)
-            if res.peak_memory <= budget:  # the rounds ran out before reaching it
-                floor.predicted_time, floor.predicted_peak = res.makespan, res.peak_memory
+            floor.predicted_time, floor.predicted_peak = simulate_checkpointed(chain, range(L))
+            if floor.predicted_peak <= budget:  # the rounds ran out before reaching it
                 best = floor
             else:
                 raise InfeasibleError(
                     f"Mimose: budget {format_bytes(budget)} is below the estimated peak with "
-                    f"every block checkpointed ({format_bytes(res.peak_memory)}) for input size "
-                    f"{exact_number(input_size)}",
-                    res.peak_memory)
+                    f"every block checkpointed ({format_bytes(floor.predicted_peak)}) for input "
+                    f"size {exact_number(input_size)}",
+                    floor.predicted_peak)
         best.chain = chain
         best.memory_limit = budget   # verified under the simulator above
         best.meta["input_size"] = float(input_size)
