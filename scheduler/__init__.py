@@ -28,3 +28,9 @@ def _runtime(module: str, attr: str) -> Callable[[], Any]:
 __getattr__ = submodule_getattr(__name__, {"swap": _runtime("swap", "swap"),
                                            "wrap": _runtime("wrap", "wrap"),
                                            "checkpoint": _runtime("checkpoint", "checkpoint")})
+
+
+def __dir__() -> list:
+    """With the names loaded on first use (the runtimes' entry points, the submodules): what
+    tab completion offers after ``import scheduler``."""
+    return sorted(set(globals()) | set(__all__))

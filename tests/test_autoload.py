@@ -49,6 +49,22 @@ def test_variable_set_hooks_torch_import_without_importing_torch(tmp_path):
     assert "no CUDA device" in r.stderr or "vmalloc" not in r.stderr   # CPU torch: warns, goes on
 
 
+def test_stats_say_why_the_variable_did_not_enable_vmalloc(tmp_path):
+    # a CPU-only torch: VMALLOC=1 warns at import and leaves PyTorch's allocator; stats()
+    # then names that, not "set VMALLOC=1" (a new user's walk-through: it told them so)
+    r = run(tmp_path, """
+        import torch, vmalloc
+        if not torch.cuda.is_available():
+            try:
+                vmalloc.stats()
+            except RuntimeError as e:
+                print(e)
+    """, env={"VMALLOC": "1"})
+    assert r.returncode == 0, r.stderr
+    if r.stdout.strip():   # (on a GPU machine vmalloc is enabled and nothing is printed)
+        assert "VMALLOC=1 is set, but torch sees no CUDA device" in r.stdout, r.stdout
+
+
 def test_malformed_value_stops_the_program_naming_it(tmp_path):
     r = run(tmp_path, "print('should not run')", env={"VMALLOC": "1", "VMALLOC_BUDGET": "lots"})
     assert r.returncode == 2

@@ -93,6 +93,8 @@ def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
         if cuda_present(torch):
             torch_allocator.enable(chunk_size=cfg.chunk_size, budget=cfg.budget)
         else:
+            from .pluggable.registry import REGISTRY
+            REGISTRY.env_not_enabled = "VMALLOC=1 is set, but torch sees no CUDA device"
             _warn_at_import("vmalloc: VMALLOC=1 but torch sees no CUDA device; PyTorch's "
                             "allocator stays in place")
     if cfg.window is not None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..chain import Chain, Number
-from ..plan import checkpoint_plan
-from ..simulate import simulate
+from ..simulate import simulate_checkpointed
 from . import rotor
 from .args import bandwidth_arg, check_chain
 
@@ -47,7 +46,7 @@ def max_memory(chain: Chain) -> Number:
     """M^high of seed 001 section 5.2: the store-all sequence's peak (no recomputation,
     no offloading)."""
     c = check_chain(chain)
-    return simulate(c, checkpoint_plan(c.L, (), planner="")).peak_memory  # (store-all)
+    return simulate_checkpointed(c, ())[1]  # (store-all)
 
 
 def _rotor_min(chain: Chain, slots: Optional[int], memory: Number) -> Number:

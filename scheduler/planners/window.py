@@ -36,11 +36,11 @@ Where the paper leaves things open we chose, and say so here:
 from __future__ import annotations
 
 import bisect
-import warnings
 from typing import Dict, List, Optional, Set
 
 from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
+from .. import user_warning
 from ..errors import InfeasibleError
 from .swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNBORN, SwapSchedule,
                             VariableSequence, record_replay, replay)
@@ -110,7 +110,7 @@ def schedule(sequence: VariableSequence, window: SizeLike,
     if short is not None:
         meta["window_note"] = short
         if warn:
-            warnings.warn(short, WindowWarning, stacklevel=2)
+            user_warning.warn(short, WindowWarning)
     if budget is not None:
         check_budget(sequence, budget)
         plain = replay(sequence, SwapSchedule.empty(n))

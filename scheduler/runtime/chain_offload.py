@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Set,
@@ -23,6 +22,7 @@ from typing import (TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Seq
 
 import torch
 
+from .. import user_warning
 from ..errors import InvalidPlanError
 from . import accounting, fsdp
 from .block_calls import BlockCall
@@ -350,12 +350,12 @@ class Offloader:
             if self._restore_used(copies, self._kept(refs, ids), mine):
                 back.append(s)
         if back:  # (Python's default filter shows it once per message)
-            warnings.warn(
+            user_warning.warn(
                 f"{step.name}: the outputs of blocks {back} are held outside the blocks (the "
                 "model returns or keeps them, or autograd saved them outside the blocks): the "
                 "plan offloaded them, so their memory came back at the end of the forward and "
                 "the budget may be exceeded; plan without offloading (planner='rotor'), or do "
-                "not keep them", RuntimeWarning, stacklevel=2)
+                "not keep them", RuntimeWarning)
 
     def _released_copies(self) -> List[StorageCopy]:
         """The copies whose device memory is released now (F_all results and x[s])."""

@@ -15,14 +15,15 @@ step (``one_plan``).
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from ..chain import Chain, add_outside
+from ..simulate import simulate_checkpointed
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
@@ -157,6 +158,10 @@ class ChainRunner(MimoseSteps):
         self._said_passes = False  # _several_passes's warning, given once
         self._said_profiling = False  # _say_profiling_peak's warning, given once
         self._block0_out: Any = None  # weakref to the step's block 0 output (a repeated block 0)
+        # the last step whose forward ended (weakly: its graph's holders keep it alive) and
+        # _stacked_forwards's warning, given once
+        self._ended: Any = None
+        self._said_stacked = False
         self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees),
         # decided at the first step in a process group
 
@@ -168,7 +173,8 @@ class ChainRunner(MimoseSteps):
         under way: the copy engines' streams, a step in flight, the plans compiled by id."""
         state = self.__dict__.copy()
         state.update(_compiled={}, _transfers={}, current=None, passthrough=False,
-                     _learning={}, _block0_out=None, _one_plan=None, _collecting_into=None,
+                     _learning={}, _block0_out=None, _ended=None, _one_plan=None,
+                     _collecting_into=None,
                      _tail=self.tail)  # (the copy's probe, in a copy of the model)
         return state
 
@@ -178,7 +184,7 @@ class ChainRunner(MimoseSteps):
         self.__dict__.update(state)
         self.tail = tail
         for name, value in (("_learning", {}), ("_said_profiling", False),
-                            ("_tail_failures", {})):
+                            ("_tail_failures", {}), ("_ended", None), ("_said_stacked", False)):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
         self._mimose_unpickled()
 
@@ -315,7 +321,7 @@ class ChainRunner(MimoseSteps):
         chain = self._check_chain(chain, agree_on=agree_on)
         if self.chain_source is None and not failed:
             self._remember(key, chain)
-        self.cache.get_or_plan(key, lambda: self._plan_on(chain, device))
+        self.cache.get_or_plan(key, lambda: self._plan_on(chain, device, key))
         self._say_profiling_peak(chain)
 
     def _measure_again(self, key: Hashable, failed: bool) -> bool:
@@ -338,11 +344,11 @@ class ChainRunner(MimoseSteps):
         if tries < TAIL_TRIES and not self._agrees():
             return True
         self._tail_failures.pop(shape, None)
-        warnings.warn(
+        user_warning.warn(
             f"{self.name}: measuring the model's tail (what runs after the last block of "
             f"'{self.list_name}': final norm, head, loss) failed on {tries} profiling step(s) "
             "of this input shape; it is planned on measure_chain's stand-in loss stage, which "
-            "counts none of the tail's memory: the budget may not hold for it", stacklevel=3)
+            "counts none of the tail's memory: the budget may not hold for it")
         return False
 
     def _say_profiling_peak(self, chain: Chain) -> None:
@@ -363,14 +369,14 @@ class ChainRunner(MimoseSteps):
             budget = (f"'{self.list_name}''s share of the budget ({n}/{n_all} of it, by block "
                       f"count: {format_bytes(self._budget)})")
             need = self._whole_budget(need)
-        warnings.warn(
+        user_warning.warn(
             f"{self.name}: the first step of each new input shape of '{self.list_name}' "
             "checkpoints every block while its chain is measured, and holds about "
             f"{format_bytes(int(every))} by the chain's model (the measurement adds about one "
             f"block's forward and backward), above {budget}; the planned steps after it hold "
             "the budget. Where that first step must fit too, give a budget of at least "
             f"{format_bytes(need)}, or the chain (chain=, measured beforehand with "
-            "scheduler.profile.measure_chain)", stacklevel=2)
+            "scheduler.profile.measure_chain)")
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
@@ -388,15 +394,27 @@ class ChainRunner(MimoseSteps):
         return ((signature(args, kwargs), weights_dtype(self.blocks)), self._budget,
                 self.blocks[0].training, rng.autocast_state())
 
-    def _plan_on(self, chain: Chain, device: Optional[torch.device]) -> CompiledPlan:
-        """The compiled plan the planner makes on ``chain`` (a share's infeasibility says
-        what the whole budget would need)."""
+    def _plan_on(self, chain: Chain, device: Optional[torch.device],
+                 key: Hashable = None) -> CompiledPlan:
+        """The compiled plan the planner makes on ``chain`` for plan key ``key`` (an
+        infeasible budget names the input and what the step holds without checkpointing; a
+        share's, what the whole budget would need)."""
         try:
             plan = make_plan(chain, self._budget, self.planner,
                              self._rate(device) if self._transfers_planned else self.bandwidth)
         except InfeasibleError as e:
-            raise self._in_share(e) from e
+            raise self._in_share(self._for_input(e, chain, key)) from e
         return self._compile(plan)
+
+    def _for_input(self, e: InfeasibleError, chain: Chain, key: Hashable) -> InfeasibleError:
+        """``e`` with the input it was planned for (a new shape can be the first that does
+        not fit, many steps into training) and the other end of the budget's range."""
+        shapes = [] if key is None else \
+            [str(leaf[0]) for leaf in key[0][0][1] if leaf[0] != "const"]  # (see ``_key``)
+        held = format_bytes(int(simulate_checkpointed(chain, ())[1]))
+        where = f"block 0's input {', '.join(shapes)} of " if shapes else ""
+        return InfeasibleError(f"{e} ({where}'{self.list_name}'; without checkpointing the "
+                               f"step holds {held})", e.min_memory)
 
     def _in_share(self, e: InfeasibleError) -> InfeasibleError:
         """A planner's ``InfeasibleError`` for this list's share of the budget, in terms of the
@@ -451,7 +469,7 @@ class ChainRunner(MimoseSteps):
         if chain is None:  # checkpoint every block while the chain is measured on this step
             return self._compile(checkpoint_plan(self.L, range(self.L), planner="profile")), key
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
-        return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev)), None
+        return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev, key)), None
 
     def _remember(self, key: Hashable, chain: Chain) -> None:
         """Keep a measured chain for its shape (the plan key less the budget); at the
@@ -462,13 +480,12 @@ class ChainRunner(MimoseSteps):
         if not self._said_shapes and \
                 len({shape[0] for shape in self._measured}) >= MEASUREMENTS_SAID:
             self._said_shapes = True
-            warnings.warn(
+            user_warning.warn(
                 f"{self.name}: chains measured for {MEASUREMENTS_SAID} input shapes so far, "
                 "each an extra forward and backward of every block. For inputs whose shape "
                 "changes from step to step (dynamic padding), use planner='mimose' or "
                 "chain=scheduler.runtime.input_aware.InputAwareChain(blocks), which predict "
-                "new shapes from a few measured ones, or pad to a few fixed lengths",
-                stacklevel=2)
+                "new shapes from a few measured ones, or pad to a few fixed lengths")
 
     def plan_for(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> Plan:
         """The plan the next forward with block 0 called on ``args`` will run (planned and
@@ -559,13 +576,12 @@ class ChainRunner(MimoseSteps):
         way, and the forward keeps every activation with no plan. Said once."""
         if any(t.requires_grad for t in tensor_leaves(out)):
             self._said_unplanned = True
-            warnings.warn(
+            user_warning.warn(
                 f"{self.name}: block {s} of '{self.list_name}' returned a tensor that needs a "
                 "gradient, but neither block 0's arguments nor the blocks' weights needed one "
                 "when the forward began (a trainable tensor reaches the blocks another way: a "
                 "forward hook, a KV cache holding a trained prefix, ...): such forwards run "
-                "without a plan, keeping every activation; the budget does not hold for them",
-                stacklevel=4)
+                "without a plan, keeping every activation; the budget does not hold for them")
 
     def _sharded(self) -> bool:
         """Whether FSDP (1 or 2) manages the blocks' parameters."""
@@ -633,6 +649,8 @@ class ChainRunner(MimoseSteps):
             step_now = self._needs_grad(args, kwargs)
             if step_now and forward is not None and forward == self._pass_in:
                 self._several_passes()
+            elif step_now:
+                self._stacked_forwards()
             self._step_in = forward
             if step_now:  # a checkpoint/offload wrapper put on the blocks since the call
                 fsdp.refuse_wrapped(self.blocks, self.entries, self.name, at_step=True)
@@ -668,6 +686,7 @@ class ChainRunner(MimoseSteps):
         if s == self.L - 1:
             self.current = None
             self._pass_in = self._step_in
+            self._ended = weakref.ref(step)
             self._end_forward(step, out)
         return out
 
@@ -688,12 +707,33 @@ class ChainRunner(MimoseSteps):
         if self._said_passes:
             return
         self._said_passes = True
-        warnings.warn(
+        user_warning.warn(
             f"{self.name}: the blocks of '{self.list_name}' ran a second time in one forward "
             "of the model (shared layers run in a loop, as ALBERT's and Perceiver's are, or "
             "one block list called twice): each pass is planned with the whole budget and "
             "all of them hold their activations until the backward, so the budget does not "
-            "hold (the gradients are exact)", stacklevel=4)
+            "hold (the gradients are exact)")
+
+    def _stacked_forwards(self) -> None:
+        """A step begins while the last one's graph is alive and its backward has not begun:
+        two forwards and one backward (``(model(a).loss + model(b).loss).backward()``), or
+        outputs with their graphs kept across forwards (an evaluation without ``no_grad``
+        collecting outputs). Each step is planned with the whole budget and holds its
+        activations until its backward, so together they hold more than the budget.
+        Gradients stay exact; the budget does not hold, which must not go unsaid."""
+        last = self._ended() if self._ended is not None else None
+        if self._said_stacked or last is None or last.bptr > 0 or last.b_reached is not None:
+            return
+        self._said_stacked = True
+        user_warning.warn(
+            f"{self.name}: the blocks of '{self.list_name}' began a forward while the last "
+            "forward's graph was still waiting for its backward (two forwards before one "
+            "backward; an output or loss kept with its graph: an evaluation without "
+            "torch.no_grad(), a skipped backward whose loss is still referenced): each "
+            "forward is planned with the whole budget and holds its activations until its "
+            "backward, so together they hold more than the budget (the gradients are exact). "
+            "Run backward after each forward (gradients accumulate in .grad), del a loss "
+            "whose backward is skipped, or give each forward a share of the budget")
 
     # -------------------------------------------------------------------------- report
     def stats(self) -> Dict[str, Any]:

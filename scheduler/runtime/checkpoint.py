@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from . import fsdp
 from .chain_runner import ChainRunner, needs_grad
 from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate
@@ -42,18 +42,56 @@ BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, n
 
 
 class Checkpointed:
-    """What ``checkpoint`` installed on a model: the block lists and their runners."""
+    """What ``checkpoint`` installed on a model: the block lists and their runners.
+    ``budget``: the model's whole budget; a new one (bytes, a size string, ``None``) is shared
+    among the lists as ``checkpoint`` shares it and plans again on the next forward. Other
+    attributes are not set from outside: a misspelt knob would otherwise be taken silently."""
+
+    FIELDS = ("lists", "runners", "tail", "hooks", "total")
 
     def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner],
-                 tail: Optional[TailProbe] = None, hooks: Sequence[Any] = ()):
+                 tail: Optional[TailProbe] = None, hooks: Sequence[Any] = (),
+                 total: Optional[int] = None):
         self.lists = lists
         self.runners = runners
         self.tail = tail  # numbers the model's forwards, measures its tail (the loss stage)
         self.hooks = list(hooks)  # hf_guards.model_cache_off's pre-hooks on the lists' owners
+        self.total = total  # the budget checkpoint() was given (None: no limit)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.FIELDS and name != "budget":
+            raise AttributeError(
+                f"{NAME}: checkpointed(model) has no setting {name!r}; the budget is "
+                "checkpointed(model).budget, the other options are checkpoint()'s arguments "
+                "(call scheduler.checkpoint(model, ...) again to change them)")
+        object.__setattr__(self, name, value)
+
+    @property
+    def budget(self) -> Optional[int]:
+        total = self.__dict__.get("total")   # (a model pickled before it was kept)
+        if total is None and any(r.budget is not None for r in self.runners):
+            return sum(r.budget or 0 for r in self.runners)
+        return total
+
+    @budget.setter
+    def budget(self, value: Any) -> None:
+        total = parse_budget(value, f"{NAME}: budget")
+        sizes = [len(lst) for _, lst in self.lists]
+        for runner, n, share in zip(self.runners, sizes, budget_shares(total, sizes)):
+            runner.budget = share   # (plans again on the next forward)
+            if len(sizes) > 1 and share is not None:
+                runner.budget_share = (n, sum(sizes))
+        self.total = total
 
     def stats(self) -> Dict[str, Any]:
         """Per block list: the runner's figures (plans, cache, last peak)."""
         return {name: r.stats() for (name, _), r in zip(self.lists, self.runners)}
+
+
+def budget_shares(total: Optional[int], sizes: Sequence[int]) -> List[Optional[int]]:
+    """Each block list's share of the whole budget, proportional to its block count."""
+    n_all = sum(sizes)
+    return [None if total is None else max(1, total * n // n_all) for n in sizes]
 
 
 # ------------------------------------------------------------------------------ block lists
@@ -216,14 +254,14 @@ class _BlockForward(WeakFields):
         # would exceed the budget the user set (an out-of-memory later, far from the cause)
         self.said_gone = True
         where = getattr(self, "where", "this list")
-        warnings.warn(
+        user_warning.warn(
             f"{NAME}: the blocks of {where} were checkpointed through a module that is gone "
             "(the one scheduler.checkpoint was called on: a PeftModel after "
             "merge_and_unload(), a wrapper dropped), and their plan went with it: they run "
             "plainly from this step on and the budget no longer applies. Call "
             "scheduler.checkpoint(model, budget) again on the model you train now (it "
             "replaces what is left), or scheduler.runtime.checkpoint.undo(model) to train "
-            "without a plan", RuntimeWarning, stacklevel=3)
+            "without a plan", RuntimeWarning)
 
 
 # ------------------------------------------------------------------------------ installations
@@ -297,12 +335,12 @@ def undo(model: nn.Module) -> nn.Module:
         if id(root) not in inside and not any(m is model for m in root.modules()):
             # neither a wrapper of the model nor a part of it: another model sharing blocks
             # (a trunk under two heads); its call goes, which it must not do unsaid
-            warnings.warn(
+            user_warning.warn(
                 f"{NAME}: {type(model).__name__} shares checkpointed blocks with a "
                 f"{type(root).__name__} that scheduler.checkpoint was called on; that call is "
                 "removed (a block runs one plan): the other model's steps now run its blocks "
                 "plainly, or under this call's plan if it is a new one. Checkpoint the module "
-                "that holds both models instead", RuntimeWarning, stacklevel=2)
+                "that holds both models instead", RuntimeWarning)
         _undo_own(root)
     return model
 
@@ -375,8 +413,8 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     undo(model)
     n_all = sum(len(lst) for _, lst in lists)
     runners = []
-    for (name, lst), (_, owner) in zip(lists, owners):
-        share = None if total is None else max(1, total * len(lst) // n_all)
+    shares = budget_shares(total, [len(lst) for _, lst in lists])
+    for (name, lst), (_, owner), share in zip(lists, owners, shares):
         # a block FSDP1 made a unit (the call after the wrapping): what the unit wraps, as
         # when the call comes first (the unit's forward gathers, then the runner runs)
         blocks = [fsdp.unwrapped(b) for b in lst]
@@ -398,5 +436,5 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     # the KV cache off where the blocks' outputs are read: in the modules looping over them
     unique = {id(o): o for _, o in owners if o is not None}.values()
     hooks = [h for h in map(model_cache_off, unique) if h is not None]
-    model.__dict__[_ATTR] = Checkpointed(lists, runners, tail, hooks)
+    model.__dict__[_ATTR] = Checkpointed(lists, runners, tail, hooks, total)
     return model

@@ -27,13 +27,13 @@ recomputation calls the block.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from .buffers import restore
 from .fsdp import managed
 
@@ -105,13 +105,12 @@ class InPlaceBuffers:
                 kind = (type(list(block.modules())[key[0]]).__name__, key[1])
                 if kind not in self.said:
                     self.said.add(kind)
-                    warnings.warn(
+                    user_warning.warn(
                         f"{name}: block {s}'s buffer {key[1]!r} ({kind[0]}) was changed in "
                         "place by its forward for the first time in these train/eval modes; "
                         "its recomputation in this backward sees the changed value, so this "
                         "step's gradients may differ from plain training's (exact from the "
-                        "next step on; said once for all blocks)", RuntimeWarning,
-                        stacklevel=2)
+                        "next step on; said once for all blocks)", RuntimeWarning)
         return prior
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from . import fsdp
 
 NAME = "scheduler.checkpoint"
@@ -47,10 +47,10 @@ class KVCacheGuard:
         """Warn, once per process, that training steps run without the KV cache."""
         if not cls.warned:
             cls.warned = True
-            warnings.warn(f"{NAME}: training steps run the blocks without their KV cache "
+            user_warning.warn(f"{NAME}: training steps run the blocks without their KV cache "
                           "(use_cache=False), as Hugging Face's gradient checkpointing does: "
                           "a recomputed block would write it twice; the model returns no "
-                          "cache", stacklevel=5)
+                          "cache")
 
     @classmethod
     def clean(cls, block: nn.Module, s: int, args: Tuple[Any, ...],

@@ -17,10 +17,11 @@ measured, and held 1.56x its budget. So ``InputShapes.size_for``:
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
+
+from .. import user_warning
 
 Shape = Tuple[int, ...]
 
@@ -74,7 +75,7 @@ class InputShapes:
         if self.said:
             return
         self.said = True
-        warnings.warn(
+        user_warning.warn(
             f"{self.who}: the input size (elements of block 0's first tensor) is what the bytes "
             f"of a step are predicted from, but the inputs vary in both their batch size "
             f"(dimension 0) and the rest of their shape ({self.first} and {shape}); at one "
@@ -82,5 +83,4 @@ class InputShapes:
             "grow with the length squared), so planned steps can exceed the budget. Keep the "
             "batch size fixed (a smaller last batch is fine) or the rest of the shape fixed, "
             "pass input_size= a number that determines the bytes (then this is not checked), "
-            "or use planner='rotor' without chain= (it measures each shape)", RuntimeWarning,
-            stacklevel=2)
+            "or use planner='rotor' without chain= (it measures each shape)", RuntimeWarning)

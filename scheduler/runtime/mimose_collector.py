@@ -20,12 +20,12 @@ Not on a block with module backward hooks (they would run once more; as the tail
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
 from ..profile.autograd_graph import hooks_silenced
 from ..profile.measure import sync
@@ -110,9 +110,9 @@ class ShuttlingCollector:
                                     state_keys, device)
         except Exception as e:  # measuring must not break training: say so, learn without
             self.failed = f"block {s}: {e!r}"
-            warnings.warn(f"Mimose: measuring the transients of block {s} on a collection "
+            user_warning.warn(f"Mimose: measuring the transients of block {s} on a collection "
                           f"step failed ({e!r}); this step's sample has none (dropped if "
-                          "earlier samples have them, or if none was learnt yet)", stacklevel=4)
+                          "earlier samples have them, or if none was learnt yet)")
             return
         for k in TMP_FIELDS:
             self.transients[k][s] = int(r[k])

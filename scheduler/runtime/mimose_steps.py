@@ -9,12 +9,12 @@ tail when that is measured (``tail.TailProbe``), teaches the Mimose of the step'
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from torch import nn
 
+from .. import user_warning
 from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
@@ -213,23 +213,23 @@ class MimoseSteps:
                        f"{describe_setting(bound)}, in another runner")
             m = m.fresh()
             m.setting = setting
-            warnings.warn(
+            user_warning.warn(
                 f"{self.name}: Mimose: block 0 of '{self.list_name}' is called with "
                 f"{describe_setting(setting)}, where {was}; the bytes a step holds per input "
                 "size depend on that (dtypes, autocast, dropout masks), so those samples do "
                 f"not plan these steps: Mimose collects {m.estimator.samples} input sizes for "
                 "this setting (steps that checkpoint every block and run each block's forward "
                 f"twice), keeping the samples of up to {MIMOSE_SETTINGS} settings for when "
-                "theirs comes back", stacklevel=5)
+                "theirs comes back")
         self._mimoses[setting] = m
         if len(self._mimoses) > MIMOSE_SETTINGS:
             old = next(iter(self._mimoses))
             gone = self._mimoses.pop(old)
-            warnings.warn(
+            user_warning.warn(
                 f"{self.name}: Mimose: more than {MIMOSE_SETTINGS} settings of dtypes, "
                 f"autocast and train mode met on '{self.list_name}'; the samples learnt with "
                 f"{describe_setting(old)} ({len(gone.estimator.sizes)} input sizes) are "
-                "dropped, and collected again if that setting comes back", stacklevel=5)
+                "dropped, and collected again if that setting comes back")
         self.mimose = m
         return m
 
@@ -299,16 +299,16 @@ class MimoseSteps:
             if failed:
                 self._first_failures += 1
                 if self._first_failures < FIRST_SAMPLE_TRIES:
-                    warnings.warn(
+                    user_warning.warn(
                         f"{self.name}: measuring {' and '.join(failed)} failed on a Mimose "
                         "collection step before any sample was learnt; its sample is dropped "
                         "(the size is collected again) rather than learning without them for "
-                        "the whole run", stacklevel=2)
+                        "the whole run")
                     return
-                warnings.warn(
+                user_warning.warn(
                     f"{self.name}: measuring {' and '.join(failed)} failed on the first "
                     f"{FIRST_SAMPLE_TRIES} Mimose collection steps; Mimose learns without "
-                    "them from now on (their memory is not in its plans)", stacklevel=2)
+                    "them from now on (their memory is not in its plans)")
             self._mimose_tails, self._mimose_tmp = tail is not None, tmp is not None
         missing = [what for what, carried, got in (
             ("the model's tail", self._mimose_tails, tail),
@@ -318,14 +318,14 @@ class MimoseSteps:
             if target is not None and target.ready:  # a size beyond the fit's reach
                 failed = target.reach_failures = getattr(target, "reach_failures", 0) + 1
                 if failed == REACH_TRIES:
-                    warnings.warn(
+                    user_warning.warn(
                         f"{self.name}: {' and '.join(missing)} not measured on {failed} Mimose "
                         "collection steps of sizes beyond 1.5x the largest learnt; such sizes "
-                        "are planned from the fit (extrapolated) from now on", stacklevel=2)
+                        "are planned from the fit (extrapolated) from now on")
                     return
-            warnings.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
+            user_warning.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
                           "collection step; its sample is dropped (the size is collected "
-                          "again)", stacklevel=2)
+                          "again)")
             return
         if not self._mimose_tails:
             tail = outside = None

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..chain import Chain
 from ..plan import Plan, checkpoint_plan
-from ..simulate import simulate
+from ..simulate import simulate, simulate_checkpointed
 from .bandwidth import default_bandwidth
 from .compiled_plan import transfer_timing
 from .options import PLANNERS, PlannerArg
@@ -68,5 +68,4 @@ def profiling_peak(chain: Chain) -> float:
     """The peak the chain model gives the step that measured ``chain``: every block
     checkpointed, the plan a profiling step runs (the measurement itself adds about one
     block's forward and backward, as a recomputation does)."""
-    return simulate(chain, checkpoint_plan(chain.L, range(chain.L),
-                                           planner="profile")).peak_memory
+    return simulate_checkpointed(chain, range(chain.L))[1]

@@ -52,13 +52,13 @@ iteration the new sequence gets its own schedule.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any, Dict, Optional
 
 import torch
 
 from vmalloc.sizes import SizeLike, format_size
 
+from .. import user_warning
 from ..errors import InfeasibleError
 from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
@@ -457,8 +457,8 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
         from vmalloc.pluggable.live_report import add_section
         add_section("swap", ctx.stats)
     except Exception as exc:  # noqa: BLE001 - the report is optional; swapping is not
-        warnings.warn(f"VMALLOC_WINDOW: swapping is on, but the report will have no 'swap' "
-                      f"section: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        user_warning.warn(f"VMALLOC_WINDOW: swapping is on, but the report will have no 'swap' "
+                      f"section: {type(exc).__name__}: {exc}", RuntimeWarning)
     return ctx
 
 

@@ -12,11 +12,11 @@ budgets of 131072 and 170393); the window planner's schedules keep it."""
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from .. import user_warning
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Plan
 from ..planners import lms as lms_planner
@@ -149,12 +149,11 @@ class SwapPlanner:
         self._budget_warned = True
         hint = (" (lower planner_options['swapin_ahead'], or use planner='window')"
                 if self.planner == "lms" else "")
-        warnings.warn(
+        user_warning.warn(
             f"{WHERE}: the {self.name!r} planner's schedule keeps {peak} bytes of saved tensors "
             f"on the device at its peak, above budget={self.budget} bytes; the runtime keeps the "
             f"budget anyway: the swap-ins ahead of use that do not fit are skipped and those "
-            f"tensors come back on demand, synchronously{hint}", PlanOverBudgetWarning,
-            stacklevel=3)
+            f"tensors come back on demand, synchronously{hint}", PlanOverBudgetWarning)
 
     def plan(self, seq: VariableSequence) -> SwapSchedule:
         """The schedule of ``seq`` from the configured planner: a callable, ``window``
@@ -172,7 +171,7 @@ class SwapPlanner:
             note = sched.meta.get("window_note")
             if note is not None and not self._window_warned:
                 self._window_warned = True
-                warnings.warn(note, window_planner.WindowWarning, stacklevel=2)
+                user_warning.warn(note, window_planner.WindowWarning)
             return sched
         if self.planner == "lms":
             return lms_planner.schedule(seq, opts.get("swapout_threshold", 1),

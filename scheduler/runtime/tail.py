@@ -46,13 +46,13 @@ import contextlib
 import sys
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
+from .. import user_warning
 from ..chain import Chain, add_outside
 from ..profile.autograd_graph import differentiable
 from ..profile.measure import sync
@@ -133,7 +133,7 @@ class TailProbe(WeakFields):
         measurement failing the same way is said too)."""
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(message, stacklevel=3)
+            user_warning.warn(message)
 
     @property
     def model(self) -> nn.Module:
@@ -230,11 +230,10 @@ class TailProbe(WeakFields):
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensor_leaves(output)):
             runners[0].said_uncalled = True
             names = ", ".join(f"'{r.list_name}'" for r in runners)
-            warnings.warn(
+            user_warning.warn(
                 f"{self.name}: {type(self.model).__name__}'s forward ran with gradients but "
                 f"never called the blocks of {names}: nothing is checkpointed and the budget "
-                "does not hold; name the list its forward loops over with blocks=",
-                stacklevel=3)
+                "does not hold; name the list its forward loops over with blocks=")
 
     # ------------------------------------------------------------------------ the runner's side
     def outside(self, args: Sequence[Any], kwargs: Dict[str, Any],

@@ -58,6 +58,8 @@ class Registry:
     pool_allocator: Any = None             # pool()'s CUDAPluggableAllocator (kept alive)
     # why vmalloc's allocator cannot answer cuDNN's cacheInfo ("": it does; None: not tried)
     cache_info_missing: Optional[str] = None
+    # why VMALLOC=1 left PyTorch's allocator in place (no CUDA device), for stats()' error
+    env_not_enabled: Optional[str] = None
     patched: Dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -138,8 +140,10 @@ def stats(device: Optional[int] = None) -> Dict[str, Any]:
     Raises RuntimeError when vmalloc is not registered with PyTorch.
     """
     if REGISTRY.mode is None:
-        raise RuntimeError("vmalloc.stats: vmalloc is not enabled (vmalloc.enable() or VMALLOC=1); "
-                           "a standalone vmalloc.Allocator has its own .stats()")
+        why = (f" ({REGISTRY.env_not_enabled})" if REGISTRY.env_not_enabled
+               else " (vmalloc.enable() or VMALLOC=1)")
+        raise RuntimeError(f"vmalloc.stats: vmalloc is not enabled{why}; a standalone "
+                           "vmalloc.Allocator has its own .stats()")
     a = device_allocator(device)
     if a is None:   # this device has allocated nothing yet
         cfg = REGISTRY.config
