@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, TYPE_CHECKING
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chain import Chain
@@ -246,14 +246,20 @@ def _non_finite(value: Any, where: str) -> str:
     return ""
 
 
+def checkpointed_blocks(L: int, checkpointed: Iterable[int], where: str) -> Set[int]:
+    """The set of checkpointed blocks of a chain of ``L`` blocks, each checked in 0..L-1."""
+    ck = set(checkpointed)
+    bad = [s for s in ck if not (isinstance(s, int) and 0 <= s < L)]
+    if bad:
+        raise ValueError(f"{where}: checkpointed blocks {bad} not in 0..{L - 1}")
+    return ck
+
+
 def checkpoint_plan(L: int, checkpointed: Iterable[int], planner: str = "mimose") -> Plan:
     """The plan ``torch.utils.checkpoint`` runs on a chain of ``L`` blocks and the loss
     (stage ``L``): checkpointed blocks ``F_ck`` in the forward, ``F_all`` right before their
     ``B``; the other blocks ``F_all``. No checkpointed block: the store-all plan."""
-    ck = set(checkpointed)
-    bad = [s for s in ck if not (isinstance(s, int) and 0 <= s < L)]
-    if bad:
-        raise ValueError(f"checkpoint_plan: checkpointed blocks {bad} not in 0..{L - 1}")
+    ck = checkpointed_blocks(L, checkpointed, "checkpoint_plan")
     ops: List[Any] = [("F_ck" if s in ck else "F_all", s) for s in range(L)]
     ops += [("F_all", L), ("B", L)]
     for s in range(L - 1, -1, -1):

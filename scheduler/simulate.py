@@ -110,7 +110,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from .chain import Chain
 from .errors import InvalidPlanError
-from .plan import FORWARD_KINDS, TRANSFER_KINDS, Plan
+from .plan import FORWARD_KINDS, TRANSFER_KINDS, Plan, checkpointed_blocks
 from .units import format_bytes, limit_tolerance, parse_memory, parse_rate
 
 Key = Tuple[str, int]          # ("x" | "xbar" | "delta", stage)
@@ -645,13 +645,14 @@ def simulate_checkpointed(chain: Chain, checkpointed: Iterable[int]) -> Tuple[fl
     trace (Mimose checks a plan per new input size with it: 6 us at L=12 where simulate takes
     0.2 ms). The plan runs its ops back to back, so memory is the table above applied in plan
     order, each op's allocations before its frees, in ``simulate``'s order of additions;
-    ``tests/test_simulate_checkpointed.py`` holds the two equal."""
+    ``tests/test_simulate_checkpointed.py`` holds the two equal (ints on an integer chain).
+    A block outside 0..L-1 raises ``ValueError``, as ``checkpoint_plan``."""
     L = chain.L
-    ck = set(checkpointed)
+    ck = checkpointed_blocks(L, checkpointed, "simulate_checkpointed")
     x, xbar, delta = chain.x, chain.xbar, chain.delta
     stored = {0}                        # the stages whose input is held as x[s]
     mem = peak = x[0]
-    t = 0.0
+    t: float = 0                        # (an integer chain's times stay ints, as simulate's)
 
     def run(made: float, tmp: float, dur: float) -> None:
         nonlocal mem, peak, t

@@ -28,18 +28,25 @@ def _library_dirs() -> Tuple[str, ...]:
     return tuple(os.path.join(d, "") for d in dirs) + ("<frozen ",)
 
 
-def _level() -> int:
-    """``warnings.warn``'s stacklevel in ``warn`` for the first frame, from ``warn``'s
-    caller out, that is not a library's (``warn``'s caller where all are)."""
+def _user_frame() -> Optional[FrameType]:
+    """The first frame, from ``warn``'s caller out, that is not a library's (None where all
+    are: a thread started inside one)."""
     dirs = _library_dirs()
-    frame: Optional[FrameType] = sys._getframe(2)   # warn's caller: level 2 inside warn
-    level = 2
+    frame: Optional[FrameType] = sys._getframe(2)   # warn's caller
     while frame is not None and frame.f_code.co_filename.startswith(dirs):
         frame = frame.f_back
-        level += 1
-    return level if frame is not None else 2
+    return frame
 
 
 def warn(message: str, category: Type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)`` at the user's line."""
-    warnings.warn(message, category, stacklevel=_level())
+    """``warnings.warn(message, category)`` at the user's line. Given as that frame's own
+    (``warn_explicit``: a stacklevel would miscount the import system's frames, which
+    ``warnings.warn`` passes over, when the warning comes during an import)."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)   # warn's caller
+        return
+    g = frame.f_globals
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=g.get("__name__"),
+                           registry=g.setdefault("__warningregistry__", {}), module_globals=g)

@@ -49,6 +49,8 @@ def test_a_new_budget_is_shared_and_planned_on_the_next_forward():
     for _ in range(2):   # the profiling step, then a planned one
         model(x).sum().backward()
     before = [r.last_plan.predicted_peak for r in c.runners]
+    for name, st in c.stats().items():   # the top of the budget's range, beside the plan's
+        assert st["last_store_all_peak"] >= st["last_predicted_peak"] > 0, (name, st)
     c.budget = "160kB"
     assert c.budget == 160_000 and [r.budget for r in c.runners] == [106_666, 53_333]
     model(x).sum().backward()
@@ -58,7 +60,7 @@ def test_a_new_budget_is_shared_and_planned_on_the_next_forward():
     # a budget too small names the list, its input and the other end of the range
     c.budget = "30kB"
     with pytest.raises(scheduler.InfeasibleError,
-                       match=r"block 0's input \(64, 32\) of 'encoder'; without checkpointing "
+                       match=r"block 0's tensors \(64, 32\) of 'encoder'; without checkpointing "
                              r"the step holds \d+ B") as e:
         model(x)
     assert e.value.min_memory > 30_000
@@ -74,3 +76,37 @@ def test_other_attributes_are_refused():
     with pytest.raises(ValueError, match="budget"):
         c.budget = "lots"
     assert c.budget == 1_000_000
+    with pytest.raises(AttributeError, match="'total'"):
+        c.total = 5
+
+
+def test_a_list_set_on_its_own_shows_in_the_whole():
+    model = scheduler.checkpoint(TwoLists(), "3MB", loss="sum")
+    c = checkpointed(model)
+    c.runners[0].budget = "5MB"
+    assert c.budget == 6_000_000   # 5 MB + the decoder's 1 MB share
+    c.runners[1].budget = None
+    assert c.budget is None        # one list without a limit: no limit on the whole
+
+
+@pytest.mark.parametrize("remove", ["undo", "again"])
+def test_a_removed_installation_refuses_a_budget(remove):
+    model = scheduler.checkpoint(TwoLists(), "3MB", loss="sum")
+    old = checkpointed(model)
+    if remove == "undo":
+        scheduler.runtime.checkpoint.undo(model)
+    else:
+        scheduler.checkpoint(model, "5MB", loss="sum")
+    with pytest.raises(RuntimeError, match="was removed"):
+        old.budget = "1MB"
+    if remove == "again":
+        assert checkpointed(model).budget == 5_000_000
+
+
+def test_mimose_infeasible_names_the_input_and_the_list():
+    torch.manual_seed(0)
+    model = scheduler.checkpoint(TwoLists(), "20kB", planner="mimose", samples=3)
+    with pytest.raises(scheduler.InfeasibleError,
+                       match=r"Mimose: budget .* \(block 0's tensors \(\d+, 32\) of 'encoder'\)"):
+        for n in (16, 24, 32, 48, 64):   # collection steps, then planned ones
+            model(torch.randn(n, 32)).sum().backward()

@@ -3,6 +3,7 @@ PyTorch, transformers (and the other libraries it lists) and Python's own librar
 deep the warning is raised (a hook inside a module's ``__call__``, inside autograd)."""
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -21,7 +22,7 @@ def library_function(depth: int):
                    os.path.join(PACKAGE, "fake_library.py"), "exec")
     space = {"warn": user_warning.warn}
     exec(code, space)
-    return lambda: space["f"](depth)
+    return functools.partial(space["f"], depth)   # (no frame of this file in between)
 
 
 def test_points_past_library_frames_at_the_caller():
@@ -43,3 +44,23 @@ def test_points_past_torch_module_call():
         warnings.simplefilter("always")
         block(torch.zeros(1))   # the hook runs inside torch's Module.__call__
     assert [w.filename for w in got] == [__file__]
+
+
+def test_points_at_the_import_statement_past_the_import_system(tmp_path, monkeypatch):
+    """A library module that warns while it is imported: between it and the user's ``import``
+    line lie the import system's frozen frames, which ``warnings.warn``'s stacklevel passes
+    over, so a counted stacklevel overshot (the warning named ``sys:1``)."""
+    import sys
+    (tmp_path / "library_module_warns.py").write_text(
+        "from scheduler import user_warning\nuser_warning.warn('while imported')\n")
+    library = user_warning._library_dirs
+    monkeypatch.setattr(user_warning, "_library_dirs",
+                        lambda: library() + (os.path.join(str(tmp_path), ""),))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        import library_module_warns  # noqa: F401
+    monkeypatch.delitem(sys.modules, "library_module_warns", raising=False)
+    assert [(w.filename, w.lineno, str(w.message)) for w in got] == \
+        [(__file__, line, "while imported")]

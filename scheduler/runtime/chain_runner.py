@@ -406,15 +406,18 @@ class ChainRunner(MimoseSteps):
             raise self._in_share(self._for_input(e, chain, key)) from e
         return self._compile(plan)
 
-    def _for_input(self, e: InfeasibleError, chain: Chain, key: Hashable) -> InfeasibleError:
+    def _for_input(self, e: InfeasibleError, chain: Optional[Chain], key: Hashable
+                   ) -> InfeasibleError:
         """``e`` with the input it was planned for (a new shape can be the first that does
-        not fit, many steps into training) and the other end of the budget's range."""
+        not fit, many steps into training) and, given the ``chain``, the other end of the
+        budget's range."""
         shapes = [] if key is None else \
             [str(leaf[0]) for leaf in key[0][0][1] if leaf[0] != "const"]  # (see ``_key``)
-        held = format_bytes(int(simulate_checkpointed(chain, ())[1]))
-        where = f"block 0's input {', '.join(shapes)} of " if shapes else ""
-        return InfeasibleError(f"{e} ({where}'{self.list_name}'; without checkpointing the "
-                               f"step holds {held})", e.min_memory)
+        where = f"block 0's tensors {', '.join(shapes)} of " if shapes else ""
+        held = "" if chain is None else \
+            f"; without checkpointing the step holds " \
+            f"{format_bytes(int(simulate_checkpointed(chain, ())[1]))}"
+        return InfeasibleError(f"{e} ({where}'{self.list_name}'{held})", e.min_memory)
 
     def _in_share(self, e: InfeasibleError) -> InfeasibleError:
         """A planner's ``InfeasibleError`` for this list's share of the budget, in terms of the
@@ -718,22 +721,30 @@ class ChainRunner(MimoseSteps):
         """A step begins while the last one's graph is alive and its backward has not begun:
         two forwards and one backward (``(model(a).loss + model(b).loss).backward()``), or
         outputs with their graphs kept across forwards (an evaluation without ``no_grad``
-        collecting outputs). Each step is planned with the whole budget and holds its
-        activations until its backward, so together they hold more than the budget.
-        Gradients stay exact; the budget does not hold, which must not go unsaid."""
+        collecting outputs, a traceback holding a failed step's). Each step is planned with the
+        whole budget and holds its activations until its backward, so together they hold more
+        than the budget. Gradients stay exact; the budget does not hold, which must not go
+        unsaid: once per model (its lists share the tail probe), once per list without one.
+        (A graph kept by ``backward(retain_graph=True)`` is not seen here: the README says it
+        keeps the recomputed tensors.)"""
         last = self._ended() if self._ended is not None else None
         if self._said_stacked or last is None or last.bptr > 0 or last.b_reached is not None:
             return
         self._said_stacked = True
-        user_warning.warn(
+        message = (
             f"{self.name}: the blocks of '{self.list_name}' began a forward while the last "
             "forward's graph was still waiting for its backward (two forwards before one "
             "backward; an output or loss kept with its graph: an evaluation without "
-            "torch.no_grad(), a skipped backward whose loss is still referenced): each "
-            "forward is planned with the whole budget and holds its activations until its "
-            "backward, so together they hold more than the budget (the gradients are exact). "
-            "Run backward after each forward (gradients accumulate in .grad), del a loss "
-            "whose backward is skipped, or give each forward a share of the budget")
+            "torch.no_grad(), a skipped backward whose loss is still referenced, an exception's "
+            "traceback): each forward is planned with the whole budget and holds its "
+            "activations until its backward, so together they hold more than the budget (the "
+            "gradients are exact). Run backward after each forward (gradients accumulate in "
+            ".grad), del a loss whose backward is skipped, or give each forward a share of the "
+            "budget")
+        if self.tail is not None:
+            self.tail.warn_once("stacked forwards", message)
+        else:
+            user_warning.warn(message)
 
     # -------------------------------------------------------------------------- report
     def stats(self) -> Dict[str, Any]:
@@ -750,6 +761,8 @@ class ChainRunner(MimoseSteps):
                        last_offloads=self.last_stats.offloaded)
         if self.last_plan is not None:
             out["last_predicted_peak"] = self.last_plan.predicted_peak
+            if self.last_plan.chain is not None:  # the other end of the budget's range
+                out["last_store_all_peak"] = simulate_checkpointed(self.last_plan.chain, ())[1]
         if self.mimose is not None:
             out.update(mimose_sizes_collected=len(self.mimose.estimator.sizes),
                        mimose_ready=self.mimose.ready, mimose_collections=self.collections)

@@ -44,22 +44,22 @@ BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, n
 class Checkpointed:
     """What ``checkpoint`` installed on a model: the block lists and their runners.
     ``budget``: the model's whole budget; a new one (bytes, a size string, ``None``) is shared
-    among the lists as ``checkpoint`` shares it and plans again on the next forward. Other
-    attributes are not set from outside: a misspelt knob would otherwise be taken silently."""
-
-    FIELDS = ("lists", "runners", "tail", "hooks", "total")
+    among the lists as ``checkpoint`` shares it and plans again on the next forward. Nothing
+    else is set from outside, nor anything on one that ``undo`` (or ``checkpoint`` called
+    again) removed: a misspelt knob or a stale handle would otherwise be taken silently."""
 
     def __init__(self, lists: List[Tuple[str, nn.Module]], runners: List[ChainRunner],
                  tail: Optional[TailProbe] = None, hooks: Sequence[Any] = (),
                  total: Optional[int] = None):
-        self.lists = lists
-        self.runners = runners
-        self.tail = tail  # numbers the model's forwards, measures its tail (the loss stage)
-        self.hooks = list(hooks)  # hf_guards.model_cache_off's pre-hooks on the lists' owners
-        self.total = total  # the budget checkpoint() was given (None: no limit)
+        self.__dict__.update(
+            lists=lists, runners=runners,
+            tail=tail,  # numbers the model's forwards, measures its tail (the loss stage)
+            hooks=list(hooks),  # hf_guards.model_cache_off's pre-hooks on the lists' owners
+            total=total,  # the budget checkpoint() was given, or set since (None: no limit)
+            removed=False)  # by undo() or another checkpoint() call on the model
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self.FIELDS and name != "budget":
+        if name != "budget":
             raise AttributeError(
                 f"{NAME}: checkpointed(model) has no setting {name!r}; the budget is "
                 "checkpointed(model).budget, the other options are checkpoint()'s arguments "
@@ -68,20 +68,27 @@ class Checkpointed:
 
     @property
     def budget(self) -> Optional[int]:
+        """The whole budget: the one given, or the lists' own where one was set on a runner."""
+        own = [r.budget for r in self.runners]
         total = self.__dict__.get("total")   # (a model pickled before it was kept)
-        if total is None and any(r.budget is not None for r in self.runners):
-            return sum(r.budget or 0 for r in self.runners)
-        return total
+        if own == budget_shares(total, [len(lst) for _, lst in self.lists]):
+            return total
+        return None if None in own else sum(own)
 
     @budget.setter
     def budget(self, value: Any) -> None:
-        total = parse_budget(value, f"{NAME}: budget")
+        if self.__dict__.get("removed"):
+            raise RuntimeError(
+                f"{NAME}: this checkpointed(model) was removed (by undo(), or by another "
+                "scheduler.checkpoint call on the model) and plans nothing now; set the budget "
+                "on checkpointed(model) of the model as it is checkpointed now")
+        total = parse_budget(value, NAME)
         sizes = [len(lst) for _, lst in self.lists]
         for runner, n, share in zip(self.runners, sizes, budget_shares(total, sizes)):
             runner.budget = share   # (plans again on the next forward)
             if len(sizes) > 1 and share is not None:
                 runner.budget_share = (n, sum(sizes))
-        self.total = total
+        self.__dict__["total"] = total
 
     def stats(self) -> Dict[str, Any]:
         """Per block list: the runner's figures (plans, cache, last peak)."""
@@ -305,6 +312,7 @@ def _undo_own(model: nn.Module) -> None:
     done: Optional[Checkpointed] = model.__dict__.pop(_ATTR, None)
     if done is None:
         return
+    done.__dict__["removed"] = True   # (a handle kept by the user: its budget setter refuses)
     if done.tail is not None:
         done.tail.remove()
     for hook in done.hooks:

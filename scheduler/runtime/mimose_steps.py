@@ -105,9 +105,11 @@ class MimoseSteps:
     tail: Any
     _budget: Optional[int]
     input_size: Callable[[Sequence[Any]], float]
-    # and the runner's methods: _compile, _in_share, _sharded, _under_fsdp
+    # and the runner's methods: _compile, _in_share, _for_input, _key, _sharded, _under_fsdp
     _compile: Callable[[Plan], CompiledPlan]
     _in_share: Callable[[InfeasibleError], InfeasibleError]
+    _for_input: Callable[[InfeasibleError, Any, Any], InfeasibleError]
+    _key: Callable[[Sequence[Any], Dict[str, Any]], Any]
     _sharded: Callable[[], bool]
     _under_fsdp: Callable[[], bool]
 
@@ -272,7 +274,7 @@ class MimoseSteps:
         try:
             plan = m.plan(size, self._budget)
         except InfeasibleError as e:
-            raise self._in_share(e) from e
+            raise self._in_share(self._for_input(e, None, self._key(args, kwargs))) from e
         return self._compile(plan), None
 
     def _observe_sample(self, sample: Tuple[Any, ...], tail: Optional[List[float]],

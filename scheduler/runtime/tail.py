@@ -124,11 +124,11 @@ class TailProbe(WeakFields):
         # them pushed, and if the model is never called again they go with this probe
         self._live: List[Any] = []
         self._let_go_with_me()
-        self._warned: Set[Hashable] = set()  # this probe's warnings given (``_warn``)
+        self._warned: Set[Hashable] = set()  # this probe's warnings given (``warn_once``)
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
-    def _warn(self, reason: Hashable, message: str) -> None:
+    def warn_once(self, reason: Hashable, message: str) -> None:
         """Say ``message`` once per ``reason`` for this probe's model (another model's
         measurement failing the same way is said too)."""
         if reason not in self._warned:
@@ -273,21 +273,21 @@ class TailProbe(WeakFields):
         if self.rec is not None:
             self._abort(None)
         if self.depth == 0:
-            self._warn("outside", f"{self.name}: the blocks ran outside "
-                       f"{type(self.model).__name__}'s forward; the chain's loss stage is "
-                       "measure_chain's stand-in, not the model's tail")
+            self.warn_once("outside", f"{self.name}: the blocks ran outside "
+                           f"{type(self.model).__name__}'s forward; the chain's loss stage is "
+                           "measure_chain's stand-in, not the model's tail")
             return False
         if not (self.clean[-1] and stacks_clean()):
-            self._warn("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are active "
-                       "around the model's forward; its tail (stage L) is not measured, the "
-                       "chain keeps measure_chain's stand-in loss stage")
+            self.warn_once("hooks", f"{self.name}: saved-tensor hooks or a dispatch mode are "
+                           "active around the model's forward; its tail (stage L) is not "
+                           "measured, the chain keeps measure_chain's stand-in loss stage")
             return False
         passed = step.offloader.passed_through()
         lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
                  storage_key(t) not in passed]
         if not lasts:
-            self._warn("nograd", f"{self.name}: the last block's output needs no gradient; "
-                       "the model's tail (stage L) is not measured")
+            self.warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
+                           "the model's tail (stage L) is not measured")
             return False
         # the tail's own device (where its memory is read and its time synchronised), not
         # block 0's: blocks spread over GPUs (a device_map) end on another one
@@ -333,9 +333,9 @@ class TailProbe(WeakFields):
                 retire(entry)
                 stale = True
         if stale:
-            self._warn("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
-                       "during the model's forward was still open when it returned; the tail "
-                       "measurement's own entries are inert and popped when they can be")
+            self.warn_once("stale", f"{self.name}: a saved-tensor hook or dispatch mode opened "
+                           "during the model's forward was still open when it returned; the tail "
+                           "measurement's own entries are inert and popped when they can be")
 
     def _abort(self, reason: Optional[str], plan: bool = True) -> None:
         """End a recording without a tail: its runner plans on the chain as measured."""
@@ -347,9 +347,9 @@ class TailProbe(WeakFields):
         rec.tracer, rec.lasts, rec.step = None, [], None
         chain = rec.chain
         if reason is not None:
-            self._warn(reason, f"{self.name}: the model's forward {reason} after its last "
-                       "block; the tail (stage L) was not measured on this step: its shape "
-                       f"is measured again at its next step (up to {TAIL_TRIES} tries)")
+            self.warn_once(reason, f"{self.name}: the model's forward {reason} after its last "
+                           "block; the tail (stage L) was not measured on this step: its shape "
+                           f"is measured again at its next step (up to {TAIL_TRIES} tries)")
             # (a failure, not a tail that cannot be measured: Mimose does not learn from it)
             chain = chain.replace(meta={**chain.meta, "tail": {"failed": reason}})
         if plan:
@@ -369,9 +369,9 @@ class TailProbe(WeakFields):
             chain = self._tail_chain(rec, output, fw, held if cuda else 0,
                                      peak if cuda else 0)
         except Exception as e:  # measuring must not break training: say so, plan as before
-            self._warn(("failed", type(e)), f"{self.name}: measuring the model's tail "
-                       f"failed ({e!r}); its shape is measured again at its next step (up "
-                       f"to {TAIL_TRIES} tries)")
+            self.warn_once(("failed", type(e)), f"{self.name}: measuring the model's tail "
+                           f"failed ({e!r}); its shape is measured again at its next step (up "
+                           f"to {TAIL_TRIES} tries)")
             chain = chain.replace(meta={**chain.meta, "tail": {"failed": repr(e)}})
         finally:
             rec.tracer, rec.lasts, rec.step = None, [], None
@@ -398,11 +398,11 @@ class TailProbe(WeakFields):
         saved = {storage_key(t) for t in rec.hooks.saved} - kept
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
-        bw = _replay(self.model, outs, rec, self._warn, saved)
+        bw = _replay(self.model, outs, rec, self.warn_once, saved)
         if bw is None:
-            self._warn("unreached", f"{self.name}: the model's output does not depend on its "
-                       "last block's output through a gradient; the tail (stage L) is not "
-                       "measured, the plan uses measure_chain's stand-in loss stage")
+            self.warn_once("unreached", f"{self.name}: the model's output does not depend on its "
+                           "last block's output through a gradient; the tail (stage L) is not "
+                           "measured, the plan uses measure_chain's stand-in loss stage")
             return chain
         bw_time, bw_tmp, tied = bw
         tail = {"fw": fw, "bw": bw_time, "xbar": int(xbar), "fw_tmp": int(fw_tmp),
@@ -460,7 +460,7 @@ def _replay(model: nn.Module, outs: Sequence[torch.Tensor], rec: _Recording,
     the last block's output. ``saved``: storages the tail saved that its real backward frees
     once the node that reads them has run (the replay keeps the graph: on the CPU, the
     estimate credits them as ``measure_chain`` does; on CUDA the allocator cannot). ``warn``:
-    the probe's ``_warn``."""
+    the probe's ``warn_once``."""
     roots = [t for t in outs if t.requires_grad and differentiable(t)]
     losses = [t for t in roots if t.numel() == 1]
     roots = losses or roots
