@@ -23,11 +23,11 @@ from torch import nn
 
 from .. import user_warning
 from ..chain import Chain, add_outside
-from ..simulate import simulate_checkpointed
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import DEFAULT_SAMPLES, Mimose, chain_from_estimate
+from ..simulate import simulate_checkpointed
 from ..units import format_bytes
 from . import distributed, first_run, fsdp, one_plan, rng
 from .bandwidth import default_bandwidth

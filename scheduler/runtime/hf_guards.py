@@ -48,9 +48,9 @@ class KVCacheGuard:
         if not cls.warned:
             cls.warned = True
             user_warning.warn(f"{NAME}: training steps run the blocks without their KV cache "
-                          "(use_cache=False), as Hugging Face's gradient checkpointing does: "
-                          "a recomputed block would write it twice; the model returns no "
-                          "cache")
+                              "(use_cache=False), as Hugging Face's gradient checkpointing does: "
+                              "a recomputed block would write it twice; the model returns no "
+                              "cache")
 
     @classmethod
     def clean(cls, block: nn.Module, s: int, args: Tuple[Any, ...],

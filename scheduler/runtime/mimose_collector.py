@@ -111,8 +111,8 @@ class ShuttlingCollector:
         except Exception as e:  # measuring must not break training: say so, learn without
             self.failed = f"block {s}: {e!r}"
             user_warning.warn(f"Mimose: measuring the transients of block {s} on a collection "
-                          f"step failed ({e!r}); this step's sample has none (dropped if "
-                          "earlier samples have them, or if none was learnt yet)")
+                              f"step failed ({e!r}); this step's sample has none (dropped if "
+                              "earlier samples have them, or if none was learnt yet)")
             return
         for k in TMP_FIELDS:
             self.transients[k][s] = int(r[k])

@@ -326,8 +326,8 @@ class MimoseSteps:
                         "are planned from the fit (extrapolated) from now on")
                     return
             user_warning.warn(f"{self.name}: {' and '.join(missing)} not measured on this Mimose "
-                          "collection step; its sample is dropped (the size is collected "
-                          "again)")
+                              "collection step; its sample is dropped (the size is collected "
+                              "again)")
             return
         if not self._mimose_tails:
             tail = outside = None

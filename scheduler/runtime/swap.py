@@ -458,7 +458,7 @@ def install_global(window: SizeLike, budget: Optional[SizeLike] = None) -> SwapC
         add_section("swap", ctx.stats)
     except Exception as exc:  # noqa: BLE001 - the report is optional; swapping is not
         user_warning.warn(f"VMALLOC_WINDOW: swapping is on, but the report will have no 'swap' "
-                      f"section: {type(exc).__name__}: {exc}", RuntimeWarning)
+                          f"section: {type(exc).__name__}: {exc}", RuntimeWarning)
     return ctx
 
 
