@@ -69,3 +69,26 @@ def test_usual_loops_say_nothing():
         del loss
         loss_of(model(x)).backward()
     assert outs and no_stacked_warning(record), [str(w.message) for w in record]
+
+
+def test_said_once_per_model_with_two_block_lists():
+    from torch import nn
+
+    class TwoLists(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+            self.decoder = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+        def forward(self, x):
+            for layer in list(self.encoder) + list(self.decoder):
+                x = torch.tanh(layer(x))
+            return x
+
+    model = scheduler.checkpoint(TwoLists(), "1MB", loss="sum")
+    x = torch.randn(8, D)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            (model(x).sum() + model(x).sum()).backward()
+    assert sum(STACKED in str(w.message) for w in record) == 1, [str(w.message) for w in record]
