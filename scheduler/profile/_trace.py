@@ -117,6 +117,11 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     fw_tmp = max(peak_all - xbar, 0)  # F_all: its intermediates are in xbar
     fck_tmp = max(tmp_none, 0)  # F_ck / F_none: nothing saved, the largest freed as it goes
 
+    # the backward frees what the graph saved as a real one does, each once its node ran
+    # (held here, the measurement's own peak stood above the chain's, by up to xbar[s]: a
+    # first step measuring a chain went past the budget its figure was checked against)
+    saved_keys = saved.keys()
+    saved.tensors.clear()
     wrt = requires_grad_leaves(inputs, params)
     grads_out = tuple(torch.ones_like(o) for o in outputs)  # made before the trace: external
     b_trace = OpTracer()
@@ -139,9 +144,12 @@ def trace_stage(fn: Callable[[Tensors], Tensors], inputs: Tensors, params: Seque
     # through), so the backward peak beyond xbar credits what is already released, as the
     # CUDA measurement sees it; the stage's input, output and the weights stay (held by the
     # chain, the runtime, the model)
-    held = in_keys | out_keys | state_keys | made
-    peak_b = b_trace.peak_live(skip=set(), keep=made, by_node=True, release=(
-        saved.keys() | {storage_key(g) for g in grads_out}) - held)
+    # (the saved storages' keys were taken before the backward freed them, and a storage
+    # made since may have one of their addresses, an input gradient too: only what was alive
+    # throughout, the stage's input, output and weights, is taken from them)
+    stays = in_keys | out_keys | state_keys
+    release = (saved_keys - stays) | ({storage_key(g) for g in grads_out} - stays - made)
+    peak_b = b_trace.peak_live(skip=set(), keep=made, by_node=True, release=release)
     bw_tmp = max(peak_b - made_bytes - dead, 0)  # (the output B s does not hold: saved_sizes)
     out = dict(xbar=xbar, fw_tmp=fw_tmp, bw_tmp=bw_tmp, fck_tmp=fck_tmp, dead_output=dead,
                fw_bytes=f_trace.traffic, bw_bytes=b_trace.traffic)

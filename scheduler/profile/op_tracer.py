@@ -155,12 +155,16 @@ class OpTracer(TorchDispatchMode):
         return [k if ref() is not None else -1 - g
                 for g, (k, ref) in enumerate(zip(self._address, self._ref))]
 
-    def _named(self) -> Tuple[List[Tuple[Tuple[int, ...], Tuple[int, ...]]], Dict[int, int]]:
-        """``ops`` and ``sizes``, from one reading of which storages live."""
+    def _named(self, release: Set[int] = frozenset()
+               ) -> Tuple[List[Tuple[Tuple[int, ...], Tuple[int, ...]]], Dict[int, int], Set[int]]:
+        """``ops``, ``sizes`` and the keys ``release`` names now, from one reading of which
+        storages live: ``release`` holds storage_keys taken while those storages lived, and
+        one freed since (its last holder was the graph) has its generation's own key now."""
         keys = self._keys()
         ops = [(tuple(keys[g] for g in reads), tuple(keys[g] for g in writes))
                for reads, writes in self._ops]
-        return ops, {keys[g]: n for g, n in enumerate(self._size)}
+        now = {keys[g] for g, first in enumerate(self._address) if first in release}
+        return ops, {keys[g]: n for g, n in enumerate(self._size)}, now
 
     @property
     def ops(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
@@ -187,8 +191,9 @@ class OpTracer(TorchDispatchMode):
         (not right after that use): a node's incoming gradients and the values its formula
         holds live until it returns (an upper bound for the formula's shorter temporaries).
         The keys are ``storage_key``s of storages alive now (a storage freed since has a
-        negative key of its own, see the class). Never below 0."""
-        ops, sizes = self._named()
+        negative key of its own, see the class), ``release``'s those taken while its storages
+        lived (a release is a storage the trace's own run freed). Never below 0."""
+        ops, sizes, release = self._named(release)
         n = len(ops)
         birth: Dict[int, int] = {}
         last: Dict[int, int] = {}

@@ -359,7 +359,7 @@ class ChainRunner(MimoseSteps):
         if self._said_profiling or not isinstance(self._budget, int) or \
                 isinstance(self.planner, Plan) or callable(self.planner):
             return
-        every = profiling_peak(chain)
+        every = self.profiling_peak(chain)
         if every <= self._budget:
             return
         self._said_profiling = True
@@ -372,11 +372,16 @@ class ChainRunner(MimoseSteps):
         user_warning.warn(
             f"{self.name}: the first step of each new input shape of '{self.list_name}' "
             "checkpoints every block while its chain is measured, and holds about "
-            f"{format_bytes(int(every))} by the chain's model (the measurement adds about one "
-            f"block's forward and backward), above {budget}; the planned steps after it hold "
-            "the budget. Where that first step must fit too, give a budget of at least "
+            f"{format_bytes(int(every))} (the chain's model of that step, and the measurement's "
+            f"own copies and gradients of one block), above {budget}; the planned steps after "
+            "it hold the budget. Where that first step must fit too, give a budget of at least "
             f"{format_bytes(need)}, or the chain (chain=, measured beforehand with "
             "scheduler.profile.measure_chain)")
+
+    def profiling_peak(self, chain: Chain) -> float:
+        """``planning.profiling_peak`` of ``chain``, with these blocks' weight gradients."""
+        return profiling_peak(chain, [sum(p.numel() * p.element_size() for p in b.parameters()
+                                          if p.requires_grad) for b in self.blocks])
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))
