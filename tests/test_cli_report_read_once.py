@@ -52,6 +52,18 @@ def test_a_report_that_is_not_text_says_so(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"vmalloc report: {bad}: not a JSON report (not text)"
 
 
+def test_a_text_report_is_named_as_one(tmp_path, capsys):
+    """``VMALLOC_REPORT=frag.txt`` writes text: ``vmalloc report`` names it so (it gave the
+    first bytes in hex), and a too-large report is a report, not a trace."""
+    path = saved(tmp_path)
+    text = tmp_path / "frag.txt"
+    save(load(path), str(text))
+    assert main(["report", str(text)]) == 2
+    assert "a text report" in capsys.readouterr().err
+    assert main(["report", path, "--max-trace-size", "100"]) == 2
+    assert "the limit for one report" in capsys.readouterr().err
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.dictionaries(st.sampled_from(sorted(STATS)), st.integers(0, 1 << 40)),
        st.sampled_from(["", "  \n", "\ufeff"]))

@@ -15,6 +15,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     def check_head(head: bytes) -> None:  # /dev/zero, a binary file: refused before reading on
         if head.strip() and head.lstrip()[:1] not in (b"{", b"["):  # JSON: loads() judges it
+            if head.startswith(b"vmalloc "):   # VMALLOC_REPORT=name.txt: text, read as it is
+                raise ValueError(f"{args.file}: a text report (VMALLOC_REPORT= a name not "
+                                 "ending in .json writes text); `vmalloc report` reads the "
+                                 "JSON ones (VMALLOC_REPORT=name.json)")
             raise ValueError(f"{args.file}: not a JSON report (starts with {head[:8].hex(' ')})")
     raw = read_bounded(args.file, args.max_size, check_head,
                        option="vmalloc report --max-trace-size", what="report file")

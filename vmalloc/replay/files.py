@@ -75,9 +75,10 @@ def read_bounded(path: PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
                 parts.append(chunk)
                 total += len(chunk)
                 if total > max_bytes:
-                    what = "decompresses to" if gzipped else "holds"
+                    verb = "decompresses to" if gzipped else "holds"
+                    kind = what.split()[0]   # ("trace", "report")
                     raise TraceFileError(
-                        f"{path}: {what} more than {max_bytes} bytes, the limit for one trace "
+                        f"{path}: {verb} more than {max_bytes} bytes, the limit for one {kind} "
                         f"({option} raises it)")
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise TraceFileError(f"{path}: damaged or truncated gzip data ({exc})") from None
