@@ -68,8 +68,8 @@ def profiling_peak(chain: Chain, weight_grads: Sequence[int] = ()) -> float:
     """The peak of the step that measured ``chain``: the chain model's, every block
     checkpointed (the plan a profiling step runs), and beside it what measuring a block holds
     at once, the most over the blocks: its input's copy, its output's gradient and its
-    weights' gradients (``weight_grads[s]`` bytes; the model frees each once made). A helper
-    found a 4-block GPT-2's first step at 1.07x a budget above the model's figure alone."""
+    weights' gradients (``weight_grads[s]`` bytes; the model frees each once made). A 4-block
+    GPT-2's first step held 3.98 MB (CPU) where the model's figure alone was 3.60 MB."""
     measuring = max((chain.x[s] + chain.delta[s + 1] +
                      (weight_grads[s] if s < len(weight_grads) else 0) for s in range(chain.L)),
                     default=0)
