@@ -1,18 +1,17 @@
 """scheduler.profile: meta_chain's exact sizes and cost-model times on hand-checked models,
 agreement with measure_chain on real CPU tensors, tuples between blocks, and input validation."""
 import math
-import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from scheduler import Chain
 from scheduler.profile import CostModel, measure_chain, meta_chain
+
+from _live_bytes import LiveStorageBytes
 
 
 SIZE_FIELDS = ("x", "xbar", "delta", "fw_tmp", "bw_tmp", "fck_tmp")
@@ -335,36 +334,6 @@ def test_cuda_transients_do_not_run_an_optimizer_stepping_in_the_backward(monkey
     assert min(got[k] for k in ("fw_tmp", "fck_tmp", "bw_tmp")) >= 0
 
 
-class _LiveStorageBytes(TorchDispatchMode):
-    """The bytes of the storages ops create, alive now and at the peak: what CUDA's allocator
-    statistics count, without the buffers kernels keep to themselves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: dict = {}
-
-    def _note(self, t: torch.Tensor, count: bool) -> None:
-        s = t.untyped_storage()
-        known = self.seen.get(s._cdata)
-        if known is not None and known() is s:
-            return
-        n = s.nbytes() if count else 0
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        self.seen[s._cdata] = weakref.ref(s, lambda _, n=n: setattr(self, "live", self.live - n))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in tree_flatten((args, kwargs))[0]:   # made before: never counted
-            if isinstance(t, torch.Tensor):
-                self._note(t, count=False)
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._note(t, count=True)
-        return out
-
-
 def test_cuda_measurement_agrees_with_the_op_tracer(monkeypatch):
     """The CUDA path's transients (``_cuda_stage``, the allocator statistics stubbed by a
     counter of live storages) equal the op tracer's, stage by stage: in particular delta[s+1]
@@ -373,7 +342,7 @@ def test_cuda_measurement_agrees_with_the_op_tracer(monkeypatch):
     from scheduler.profile import _trace as T
     from scheduler.profile import measure as M
     from scheduler.profile.storage import keys_held
-    counter = _LiveStorageBytes()
+    counter = LiveStorageBytes()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
                         lambda device=None: setattr(counter, "peak", counter.live))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counter.live)

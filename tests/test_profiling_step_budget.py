@@ -13,6 +13,7 @@ from torch import nn
 import scheduler
 from scheduler.planners import rotor
 from scheduler.runtime.checkpoint import checkpointed
+from _live_bytes import LiveStorageBytes
 from test_checkpoint_hf import budgets, fast, make, step
 
 SAID = "first step of each new input shape"
@@ -123,41 +124,11 @@ def test_the_measurement_holds_no_more_than_its_figure():
     before, so the activations alone) stays within the figure the warning is checked
     against. The CPU measurement once kept what its traced forward saved through its own
     backward: a 4-block GPT-2's first step at 1.38x a budget above the model's figure."""
-    import weakref
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class Live(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live = self.peak = 0
-            self.seen = {}
-
-        def note(self, t, count):
-            s = t.untyped_storage()
-            known = self.seen.get(s._cdata)
-            if known is not None and known() is s:
-                return
-            n = s.nbytes() if count else 0
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            self.seen[s._cdata] = weakref.ref(s, lambda _, n=n: setattr(self, "live", self.live - n))
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    self.note(t, False)
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.note(t, True)
-            return out
-
     model, batch = make("gpt2")
     scheduler.checkpoint(model, budget="1GiB", **fast("rotor"))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    counter = Live()
+    counter = LiveStorageBytes()
     with counter:
         model(**batch).loss.backward()   # the profiling step
     for r in checkpointed(model).runners:
