@@ -111,15 +111,3 @@ def test_mimose_infeasible_names_the_input_and_the_list():
         for n in (16, 24, 32, 48, 64):   # collection steps, then planned ones
             model(torch.randn(n, 32)).sum().backward()
 
-
-def test_a_compiled_block_in_the_list_is_refused_naming_the_fix():
-    """A list entry replaced by ``torch.compile(block)`` failed at its first recomputation,
-    blaming the block's saved tensors' shapes (a second user's walk-through)."""
-    model = TwoLists()
-    for i, layer in enumerate(model.encoder):
-        model.encoder[i] = torch.compile(layer, backend="eager")
-    with pytest.raises(ValueError, match=r"block 0 of 'encoder' is a torch.compile'd module .*"
-                                         r"torch.compile\(model\)"):
-        scheduler.checkpoint(model, "1MB", loss="sum")
-    with pytest.raises(ValueError, match="block 0 of 'blocks' is a torch.compile'd module"):
-        scheduler.wrap(list(model.encoder), "1MB")

@@ -158,8 +158,12 @@ def test_checkpoint_bit_identical(model_type):
                         f"{model_type} all recomputed step {seed}")
         assert all(r.last_stats.recomputed_forwards == 3 for r in checkpointed(model).runners)
     # nothing measured with a stand-in (the model's tail, stage L, included), nothing else said
+    # but that the profiling step at rotor's smallest budget holds more than it (it measures
+    # a block's weight gradients at once: true of these tiny blocks, whose weights dwarf their
+    # activations)
     ours = [str(w.message) for w in said if str(w.message).startswith("scheduler.")]
-    assert all("without their KV cache" in m for m in ours), ours
+    assert all("without their KV cache" in m or "the first step of each new input shape" in m
+               for m in ours), ours
     for runner in runners:
         meta = runner.last_plan.chain.meta
         assert "failed" not in meta.get("tail", {}), meta

@@ -96,7 +96,6 @@ class ChainRunner(MimoseSteps):
         # block there later is what runs it again (``fsdp.unit_of``)
         self.entries = entries
         fsdp.refuse_wrapped(self.blocks, entries, name)
-        _refuse_compiled(self.blocks, name, list_name)
         self.L = len(self.blocks)
         self.planner = planner
         self.bandwidth = parse_rate(bandwidth, name)
@@ -776,19 +775,6 @@ class ChainRunner(MimoseSteps):
             out["offloaded_bytes"] = out.get("offloaded_bytes", 0) + t.offloaded_bytes
             out["prefetched_bytes"] = out.get("prefetched_bytes", 0) + t.prefetched_bytes
         return out
-
-
-def _refuse_compiled(blocks: Sequence[nn.Module], name: str, list_name: str) -> None:
-    """A block that is a ``torch.compile``'d module (``OptimizedModule``, put in the list in
-    place of the block) fails at its first recomputation with a message about the saved
-    tensors' shapes, far from the cause: refused where given, naming the fix."""
-    for s, b in enumerate(blocks):
-        if type(b).__name__ == "OptimizedModule" and hasattr(b, "_orig_mod"):
-            raise ValueError(
-                f"{name}: block {s} of '{list_name}' is a torch.compile'd module "
-                f"({type(b).__name__}); the runner calls the blocks eagerly and recomputes "
-                "them, which a block's own compiled graph does not follow: put the plain "
-                "blocks in the list and compile the model (torch.compile(model)) instead")
 
 
 def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.device]:
