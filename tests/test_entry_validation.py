@@ -254,11 +254,11 @@ def test_bandwidth_zero_is_the_planners_no_channel_only():
 def test_planners_stay_torch_free():
     import subprocess
     import sys
-    # (the planners' warnings point at the user's line: scheduler.user_warning, torch-free;
+    # (the planners' warnings point at the user's line: vmalloc.user_warning, torch-free;
     # dir(scheduler) lists the runtimes' entry points without loading them)
     code = ("import sys; import scheduler.units, scheduler.planners.offload, "
             "scheduler.planners.pofo, scheduler.planners.best, scheduler.planners.mimose, "
-            "scheduler.planners.window, scheduler.user_warning; "
+            "scheduler.planners.window, vmalloc.user_warning; "
             "assert {'checkpoint', 'wrap', 'swap'} <= set(dir(scheduler)); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     from _subproc import python_env

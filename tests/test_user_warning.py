@@ -1,4 +1,4 @@
-"""``scheduler.user_warning.warn`` names the user's line: the first frame outside scheduler,
+"""``vmalloc.user_warning.warn`` names the user's line: the first frame outside scheduler,
 PyTorch, transformers (and the other libraries it lists) and Python's own library, however
 deep the warning is raised (a hook inside a module's ``__call__``, inside autograd)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import scheduler
-from scheduler import user_warning
+from vmalloc import user_warning
 
 PACKAGE = os.path.dirname(os.path.abspath(scheduler.__file__))
 
@@ -52,7 +52,7 @@ def test_points_at_the_import_statement_past_the_import_system(tmp_path, monkeyp
     over, so a counted stacklevel overshot (the warning named ``sys:1``)."""
     import sys
     (tmp_path / "library_module_warns.py").write_text(
-        "from scheduler import user_warning\nuser_warning.warn('while imported')\n")
+        "from vmalloc import user_warning\nuser_warning.warn('while imported')\n")
     library = user_warning._library_dirs
     monkeypatch.setattr(user_warning, "_library_dirs",
                         lambda: library() + (os.path.join(str(tmp_path), ""),))
@@ -64,3 +64,17 @@ def test_points_at_the_import_statement_past_the_import_system(tmp_path, monkeyp
     monkeypatch.delitem(sys.modules, "library_module_warns", raising=False)
     assert [(w.filename, w.lineno, str(w.message)) for w in got] == \
         [(__file__, line, "while imported")]
+
+
+def test_a_warning_under_python_c_is_given_not_raised():
+    """``python -c``'s __main__ has a loader that cannot give source lines: asked for the
+    warning's line (``warn_explicit(module_globals=...)``), it raised ImportError from inside
+    the warning."""
+    import subprocess
+    import sys
+    from _subproc import python_env
+    code = "from vmalloc import user_warning; user_warning.warn('said', RuntimeWarning)"
+    r = subprocess.run([sys.executable, "-c", code], env=python_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "<string>:1: RuntimeWarning: said" in r.stderr

@@ -17,7 +17,6 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-import warnings
 from typing import Any, Callable, Mapping, Optional
 
 from .env import EnvConfig, read_env
@@ -95,8 +94,9 @@ def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
         else:
             from .pluggable.registry import REGISTRY
             REGISTRY.env_not_enabled = "VMALLOC=1 is set, but torch sees no CUDA device"
-            _warn_at_import("vmalloc: VMALLOC=1 but torch sees no CUDA device; PyTorch's "
-                            "allocator stays in place")
+            from . import user_warning  # at the line that imported torch, the user's
+            user_warning.warn("vmalloc: VMALLOC=1 but torch sees no CUDA device; PyTorch's "
+                              "allocator stays in place", RuntimeWarning)
     if cfg.window is not None:
         try:
             from scheduler.runtime.swap import install_global  # noqa: PLC0415 - lazy on purpose
@@ -106,22 +106,6 @@ def on_torch_import(torch: Any, cfg: EnvConfig) -> None:
                 f"scheduler.runtime.swap.install_global, which cannot be imported ({exc}); unset "
                 "VMALLOC_WINDOW or install the full vmalloc distribution") from None
         install_global(cfg.window, budget=cfg.budget)
-
-
-def _warn_at_import(message: str) -> None:
-    """A RuntimeWarning attributed to the line that imported torch (the user's), not to this
-    file: no fixed stacklevel fits, the import machinery's frames lie in between."""
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    f = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename.startswith("<frozen")
-                             or os.path.abspath(f.f_code.co_filename).startswith(here)):
-        f = f.f_back
-    if f is None:  # pragma: no cover - always a caller above vmalloc's frames in practice
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return
-    warnings.warn_explicit(message, RuntimeWarning, f.f_code.co_filename, f.f_lineno,
-                           module=f.f_globals.get("__name__", "?"),
-                           registry=f.f_globals.setdefault("__warningregistry__", {}))
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):

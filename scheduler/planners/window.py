@@ -38,9 +38,9 @@ from __future__ import annotations
 import bisect
 from typing import Dict, List, Optional, Set
 
+from vmalloc import user_warning
 from vmalloc.sizes import SizeLike, format_size, parse_optional_size, parse_size
 
-from .. import user_warning
 from ..errors import InfeasibleError
 from .swap_schedule import (DEVICE, FREED, HOST, IN, OUT, PACK, UNBORN, SwapSchedule,
                             VariableSequence, record_replay, replay)

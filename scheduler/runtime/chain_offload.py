@@ -22,7 +22,7 @@ from typing import (TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Seq
 
 import torch
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..errors import InvalidPlanError
 from . import accounting, fsdp
 from .block_calls import BlockCall

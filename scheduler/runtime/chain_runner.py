@@ -21,12 +21,13 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..chain import Chain, add_outside
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
 from ..planners.mimose import DEFAULT_SAMPLES, Mimose, chain_from_estimate
+from ..profile.storage import grad_bytes
 from ..simulate import simulate_checkpointed
 from ..units import format_bytes
 from . import distributed, first_run, fsdp, one_plan, rng
@@ -380,8 +381,7 @@ class ChainRunner(MimoseSteps):
 
     def profiling_peak(self, chain: Chain) -> float:
         """``planning.profiling_peak`` of ``chain``, with these blocks' weight gradients."""
-        return profiling_peak(chain, [sum(p.numel() * p.element_size() for p in b.parameters()
-                                          if p.requires_grad) for b in self.blocks])
+        return profiling_peak(chain, [grad_bytes(b.parameters()) for b in self.blocks])
 
     def _compile(self, plan: Plan) -> CompiledPlan:
         hit = self._compiled.get(id(plan))

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from . import fsdp
 from .chain_runner import ChainRunner, needs_grad
 from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from .buffers import restore
 from .fsdp import managed
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from . import fsdp
 
 NAME = "scheduler.checkpoint"

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from .. import user_warning
+from vmalloc import user_warning
 
 Shape = Tuple[int, ...]
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..planners.mimose import BLOCK_TMP_FIELDS as TMP_FIELDS  # the estimator's, in its order
 from ..profile.autograd_graph import hooks_silenced
 from ..profile.measure import sync

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import numpy as np
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan

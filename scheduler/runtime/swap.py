@@ -58,7 +58,7 @@ import torch
 
 from vmalloc.sizes import SizeLike, format_size
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..errors import InfeasibleError
 from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence

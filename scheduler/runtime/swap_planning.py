@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..errors import InfeasibleError, InvalidPlanError
 from ..plan import Plan
 from ..planners import lms as lms_planner

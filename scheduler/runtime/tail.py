@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set,
 import torch
 from torch import nn
 
-from .. import user_warning
+from vmalloc import user_warning
 from ..chain import Chain, add_outside
 from ..profile.autograd_graph import differentiable
 from ..profile.measure import sync

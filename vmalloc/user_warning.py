@@ -1,11 +1,13 @@
 """Warnings that point at the user's line.
 
-The runtime warns from inside hooks that autograd, a module's ``__call__`` or a Hugging Face
-model's forward call (a fixed ``stacklevel`` lands in ``torch/nn/modules/module.py``); the
-planners from inside the runtime. ``warn`` names the first frame of the stack outside this
-package, the libraries it runs under (PyTorch, transformers, accelerate, peft, vmalloc) and
-Python's own library: the line of the user's program that led there. Imports nothing but
-the standard library (the planners import it)."""
+vmalloc's start-up warns while ``import torch`` runs (the import system's frozen frames and
+torch's lie in between); the scheduler's runtime warns from inside hooks that autograd, a
+module's ``__call__`` or a Hugging Face model's forward call (a fixed ``stacklevel`` lands in
+``torch/nn/modules/module.py``); its planners from inside the runtime. ``warn`` names the
+first frame of the stack outside the libraries it runs under (vmalloc, scheduler, PyTorch,
+transformers, accelerate, peft) and Python's own library: the line of the user's program
+that led there. Imports nothing but the standard library (the torch-free planners use it).
+"""
 from __future__ import annotations
 
 import os
@@ -46,7 +48,9 @@ def warn(message: str, category: Type[Warning] = UserWarning) -> None:
     if frame is None:
         warnings.warn(message, category, stacklevel=2)   # warn's caller
         return
+    # (no module_globals: its loader would be asked for the source line, and __main__'s of
+    # ``python -c`` raises ImportError from inside the warning)
     g = frame.f_globals
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=g.get("__name__"),
-                           registry=g.setdefault("__warningregistry__", {}), module_globals=g)
+                           registry=g.setdefault("__warningregistry__", {}))
