@@ -6,11 +6,11 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from scheduler.profile.eager_mode import EagerDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class LiveStorageBytes(TorchDispatchMode):
+class LiveStorageBytes(EagerDispatchMode):  # (compiled code it runs stays compiled)
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0

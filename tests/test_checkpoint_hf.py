@@ -554,6 +554,100 @@ def test_torch_compile_inductor_after_the_profiling_step():
     assert 0 < breaks <= 2 * 4, dict(counters["graph_break"])  # ours and the reference's
 
 
+def test_fullgraph_names_scheduler_and_what_to_do():
+    """fullgraph=True over a checkpointed model refuses the graph break at the first block
+    call; Dynamo's error quotes the reason the runner's entry gives: scheduler named, and
+    what works instead."""
+    torch._dynamo.reset()
+    model, batch = make("llama")
+    scheduler.checkpoint(model, budgets("llama")[0], "rotor", measure_options=FAST)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"reason: scheduler.checkpoint runs each checkpointed block "
+                             r"eagerly.*compile the blocks themselves before"):
+        step(compiled, batch, 0)
+    torch._dynamo.reset()
+
+
+def _counting_backend(runs: List[int]) -> Callable[..., Any]:
+    """aot_eager (AOTAutograd's graphs: a compiled block saves other tensors than eager),
+    counting the runs of the graphs it compiled."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            runs[0] += 1
+            return compiled(*args)
+        return run
+    return backend
+
+
+def _compile_blocks(model: nn.Module, backend: Any, how: str) -> None:
+    layers = model.model.layers
+    for i, block in enumerate(layers):
+        if how == "block.compile()":
+            block.compile(backend=backend)
+        else:
+            layers[i] = torch.compile(block, backend=backend)
+
+
+def test_blocks_compiled_before_the_call_stay_compiled():
+    """Blocks compiled as the list's entries, then checkpointed: every run of every block
+    is the compiled one (first runs and recomputations, the profiling step included) and
+    each step is bit-identical to compiled plain training. The profiling step's op tracer
+    (a dispatch mode) used to make Dynamo skip the block's code for good: the recomputation
+    then ran it eagerly, saving other tensors than its compiled first run (a RuntimeError at
+    the first step), and the blocks ran eagerly ever after."""
+    torch._dynamo.reset()
+    ref, batch = make("llama")
+    model = copy.deepcopy(ref)
+    ref_runs, runs = [0], [0]
+    _compile_blocks(ref, _counting_backend(ref_runs), "torch.compile")
+    _compile_blocks(model, _counting_backend(runs), "torch.compile")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        scheduler.checkpoint(model, budgets("llama")[0], "rotor", measure_options=FAST)
+        for seed in range(3):  # profiling step, then the plan
+            before = runs[0]
+            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+                        f"compiled blocks, step {seed}")
+            (runner,) = runners(model)
+            ran = runner.L + runner.last_stats.recomputed_forwards
+            # (the profiling step's measurement times the blocks compiled too)
+            assert runs[0] - before >= ran if seed == 0 else runs[0] - before == ran, \
+                f"step {seed}: {runs[0] - before} compiled runs for {ran} block runs"
+    assert runner.last_stats.recomputed_forwards > 0
+    assert not [w for w in said if "compiled around" in str(w.message)]
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["block.compile()", "torch.compile after"])
+def test_a_compile_around_the_runner_is_said(how):
+    """block.compile(), or torch.compile(block) put in the list after the call, wraps the
+    call the runner intercepts: the blocks run eagerly. Said once, at the user's line; the
+    gradients are still plain training's."""
+    torch._dynamo.reset()
+    ref, batch = make("llama")
+    model = copy.deepcopy(ref)
+    runs = [0]
+    if how == "block.compile()":
+        _compile_blocks(model, _counting_backend(runs), how)
+    scheduler.checkpoint(model, budgets("llama")[0], "rotor", measure_options=FAST)
+    if how != "block.compile()":
+        _compile_blocks(model, _counting_backend(runs), how)
+    with pytest.warns(UserWarning, match=r"block\(s\) \[0, 1, 2, 3\] of 'model.layers' are "
+                      "compiled around") as said:
+        for seed in range(2):
+            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+                        f"{how}, step {seed}")
+    assert sum("compiled around" in str(w.message) for w in said) == 1
+    assert all(w.filename == __file__ for w in said if "compiled around" in str(w.message))
+    assert runs[0] == 0  # what the warning says: nothing of the blocks ran compiled
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------ CNN
 class Stage(nn.Module):
     def __init__(self, c: int):

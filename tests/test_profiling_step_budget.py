@@ -134,3 +134,37 @@ def test_the_measurement_holds_no_more_than_its_figure():
     for r in checkpointed(model).runners:
         figure = r.profiling_peak(next(iter(r._measured.values())))
         assert 0 < counter.peak <= figure, (counter.peak, figure)
+
+
+MIMOSE_SAID = "Mimose's collection steps"
+
+
+def _mimose_steps(budget, sizes=(48, 64, 56, 40)) -> tuple:
+    """_Deep under Mimose, one step per batch size (each a collection step)."""
+    torch.manual_seed(0)
+    model = _Deep()
+    scheduler.checkpoint(model, budget=budget, blocks="layers", planner="mimose")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for n in sizes:
+            model(torch.randn(n, 32)).backward()
+    runner = checkpointed(model).runners[0]
+    assert runner.collections == len(sizes)
+    return [w for w in got if MIMOSE_SAID in str(w.message)], runner
+
+
+def test_said_once_when_a_mimose_collection_step_exceeds_the_budget():
+    """Mimose's collection steps checkpoint every block whatever the budget, and measure each
+    block besides: their memory is the profiling step's figure of the sample's chain. A
+    budget below it was passed over without a word (1.05-1.22x the budget at runtime)."""
+    from scheduler.planners.mimose import chain_from_estimate
+    said, runner = _mimose_steps("1GiB")
+    assert not said
+    figure = runner.profiling_peak(chain_from_estimate(runner.mimose.estimator.measured(48 * 32)))
+    budget = int(figure * 0.9)
+    said, _ = _mimose_steps(budget)
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert "input size 1536" in message   # the first collection step's (48 x 32)
+    assert f"above the budget {scheduler.units.format_bytes(budget)}" in message
+    assert said[0].filename == __file__

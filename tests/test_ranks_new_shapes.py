@@ -33,6 +33,8 @@ MODE = sys.argv[1]
 LENGTHS = [[16, 12, 14, 10], [16, 16, 16, 16]][rank]
 if MODE == "fsdp2-block-cached":  # both meet 16 then 12 together; then each a length it knows
     LENGTHS = [[16, 12, 12], [16, 12, 16]][rank]
+if MODE == "fsdp2-block-first":  # a different length on each rank at the first step
+    LENGTHS = [[16], [12]][rank]
 
 
 class Net(nn.Module):
@@ -51,7 +53,8 @@ class Net(nn.Module):
 def run(checkpointed):
     torch.manual_seed(0)
     net = Net()
-    if checkpointed and MODE in ("ddp", "fsdp2-block", "fsdp2-block-cached"):
+    if checkpointed and MODE in ("ddp", "fsdp2-block", "fsdp2-block-cached",
+                                 "fsdp2-block-first"):
         scheduler.checkpoint(net, 300_000, "rotor", blocks="blocks", loss="sum")
     elif checkpointed:
         scheduler.checkpoint(net, 300_000, "mimose", blocks="blocks", samples=3)
@@ -119,6 +122,20 @@ def test_under_fsdp_units_ranks_running_different_known_plans_stop_every_rank(tm
                "with different input signatures at this step" in out, out[-4000:]
     assert "what differs: args[0]: rank 0 a tensor (8, 12, 32) float32, rank 1 a tensor " \
            "(8, 16, 32) float32" in out, out[-4000:]
+
+
+def test_under_fsdp_units_ranks_with_different_first_shapes_stop_every_rank(tmp_path):
+    """FSDP2 on every block, rotor: at the first step the ranks meet different lengths, new to
+    both: refused on both ranks, saying so (not "each known from an earlier step")."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    proc = torchrun_two_ranks(str(worker), str(tmp_path), "fsdp2-block-first")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank{rank} refused: scheduler.checkpoint: the ranks call block 0 of 'blocks' " \
+               "with different input signatures at this step, new to every rank" in out, \
+            out[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2-whole"])

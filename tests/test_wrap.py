@@ -386,6 +386,16 @@ class _BNBlock(nn.Module):
         return x + torch.sigmoid(self.l2(torch.relu(self.bn(self.l1(x)))))
 
 
+def test_fullgraph_over_the_wrapped_chain_names_scheduler():
+    torch._dynamo.reset()
+    chain = scheduler.wrap(mlp_blocks(2, D), None, planner=plan_from_checkpoints(2, [0]))
+    compiled = torch.compile(Around(chain), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"reason: scheduler.wrap's chain runs eagerly"):
+        loss_of(compiled(torch.randn(8, D))).backward()
+    torch._dynamo.reset()
+
+
 def test_compiled_blocks_under_a_planner_match_compiled_plain_training():
     # each block torch.compile'd (not the chain): the runner's saved-tensor hooks must run
     # eagerly; traced inside a compiled frame, a saved weight's version read 0 and the

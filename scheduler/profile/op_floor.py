@@ -17,10 +17,10 @@ from typing import Any, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import _trace as T
+from .eager_mode import EagerDispatchMode
 from .meta import Shape, _check_blocks, _check_dtypes, _input_shapes
 
 
@@ -35,7 +35,7 @@ class OpFloor:
     param_bytes: int
 
 
-class _LargestOp(TorchDispatchMode):
+class _LargestOp(EagerDispatchMode):
     def __init__(self, exclude: set) -> None:
         super().__init__()
         self.exclude = exclude

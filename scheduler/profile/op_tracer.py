@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, Iterable, List, Sequence, Set, Tuple
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .autograd_graph import graph_nodes
+from .eager_mode import EagerDispatchMode
 from .storage import dense_bytes
 
 
@@ -87,7 +87,7 @@ def _alive() -> bool:
     return True  # a generation whose storage the tracer holds (``OpTracer._keep``)
 
 
-class OpTracer(TorchDispatchMode):
+class OpTracer(EagerDispatchMode):
     """Records, for every ATen op, the storages it reads and writes, and the bytes it moves.
 
     ``traffic`` (bytes) is what the cost model charges against the memory bandwidth: tensor

@@ -163,6 +163,7 @@ class ChainRunner(MimoseSteps):
         # _stacked_forwards's warning, given once
         self._ended: Any = None
         self._said_stacked = False
+        self._said_compiled = False  # _say_compiled_around's warning, given once
         self._one_plan: Optional[bool] = None  # whether the ranks must run one plan (_agrees),
         # decided at the first step in a process group
 
@@ -185,7 +186,8 @@ class ChainRunner(MimoseSteps):
         self.__dict__.update(state)
         self.tail = tail
         for name, value in (("_learning", {}), ("_said_profiling", False),
-                            ("_tail_failures", {}), ("_ended", None), ("_said_stacked", False)):
+                            ("_tail_failures", {}), ("_ended", None), ("_said_stacked", False),
+                            ("_said_compiled", False)):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
         self._mimose_unpickled()
 
@@ -352,10 +354,11 @@ class ChainRunner(MimoseSteps):
             "counts none of the tail's memory: the budget may not hold for it")
         return False
 
-    def _say_profiling_peak(self, chain: Chain) -> None:
+    def _say_profiling_peak(self, chain: Chain, collected: Optional[float] = None) -> None:
         """Say once that the first step of each new shape (every block checkpointed while
-        its chain is measured) holds more than the budget, where it does: planned steps hold
-        the budget, but that one step does not, and a budget chosen to fit a device would
+        its chain is measured), or a Mimose collection step (``collected``: its input size,
+        ``chain`` its sample's), holds more than the budget, where it does: planned steps
+        hold the budget, but those steps do not, and a budget chosen to fit a device would
         fail there without a word of why."""
         if self._said_profiling or not isinstance(self._budget, int) or \
                 isinstance(self.planner, Plan) or callable(self.planner):
@@ -370,14 +373,40 @@ class ChainRunner(MimoseSteps):
             budget = (f"'{self.list_name}''s share of the budget ({n}/{n_all} of it, by block "
                       f"count: {format_bytes(self._budget)})")
             need = self._whole_budget(need)
+        held = (f"{format_bytes(int(every))} (the chain's model of that step, and the "
+                "measurement's own copies and gradients of one block)")
+        if collected is None:
+            said = (f"the first step of each new input shape of '{self.list_name}' checkpoints "
+                    f"every block while its chain is measured, and holds about {held}, above "
+                    f"{budget}; the planned steps after it hold the budget. Where that first "
+                    f"step must fit too, give a budget of at least {format_bytes(need)}, or "
+                    "the chain (chain=, measured beforehand with "
+                    "scheduler.profile.measure_chain)")
+        else:
+            said = (f"Mimose's collection steps of '{self.list_name}' (new input sizes while "
+                    "it learns, and sizes beyond 1.5x the largest learnt) checkpoint every "
+                    f"block while each is measured; the one of input size {collected:g} held "
+                    f"about {held}, above {budget}; the planned steps after them hold the "
+                    "budget. Where the collection steps must fit too, give a budget of at "
+                    f"least {format_bytes(need)} (at that size: larger sizes need more)")
+        user_warning.warn(f"{self.name}: {said}")
+
+    def _say_compiled_around(self) -> None:
+        """Say once that a ``torch.compile`` directive around the blocks' calls compiles
+        nothing of them (``fsdp.compiled_around``): a training run otherwise as fast as eager,
+        without a word, where the user asked for compiled blocks."""
+        found = fsdp.compiled_around(self.blocks, self.entries)
+        if not found:
+            return
+        self._said_compiled = True
         user_warning.warn(
-            f"{self.name}: the first step of each new input shape of '{self.list_name}' "
-            "checkpoints every block while its chain is measured, and holds about "
-            f"{format_bytes(int(every))} (the chain's model of that step, and the measurement's "
-            f"own copies and gradients of one block), above {budget}; the planned steps after "
-            "it hold the budget. Where that first step must fit too, give a budget of at least "
-            f"{format_bytes(need)}, or the chain (chain=, measured beforehand with "
-            "scheduler.profile.measure_chain)")
+            f"{self.name}: block(s) {found} of '{self.list_name}' are compiled around the "
+            "call the runner intercepts (block.compile(), or torch.compile(block) put in the "
+            "list after scheduler.checkpoint): the runner calls each block's own forward "
+            "outside the compiled region, so nothing of theirs is compiled. Compile the blocks "
+            "as the list's entries first, then call scheduler.checkpoint (again): "
+            "layers[i] = torch.compile(layers[i]); the runner runs those compiled, first runs "
+            "and recomputations alike")
 
     def profiling_peak(self, chain: Chain) -> float:
         """``planning.profiling_peak`` of ``chain``, with these blocks' weight gradients."""
@@ -662,6 +691,8 @@ class ChainRunner(MimoseSteps):
             self._step_in = forward
             if step_now:  # a checkpoint/offload wrapper put on the blocks since the call
                 fsdp.refuse_wrapped(self.blocks, self.entries, self.name, at_step=True)
+                if not self.sequential and not self._said_compiled:
+                    self._say_compiled_around()
                 if self.sequential:  # scheduler.wrap's loop calls FSDP1 units itself
                     fsdp.refuse_units_in_mixed_precision(self.blocks, self.entries,
                                                          self.name)

@@ -24,12 +24,12 @@ import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import torch
 from torch import nn
 
 from vmalloc import user_warning
 from . import fsdp
 from .chain_runner import ChainRunner, needs_grad
+from .not_compiled import not_compiled
 from .options import PlannerArg, check_options_used, check_planner, parse_budget, parse_rate
 from .hf_guards import (KVCacheGuard, check_not_hf_checkpointed, layerdrop, model_cache_off,
                         refuse_hf_checkpointing)
@@ -37,6 +37,11 @@ from .tail import TailProbe
 from .weak import WeakFields, gone
 
 NAME = "scheduler.checkpoint"
+BLOCK_CALLS_EAGER = (f"{NAME} runs each checkpointed block eagerly through its runner, a "
+                     "graph break at each block call, which fullgraph=True refuses: compile "
+                     "the blocks themselves before scheduler.checkpoint (layers[i] = "
+                     "torch.compile(layers[i], fullgraph=True) works) and the model "
+                     "without fullgraph")
 _ATTR = "_vmalloc_checkpoint"
 BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, nn.Module]]]
 
@@ -227,7 +232,7 @@ class _BlockForward(WeakFields):
             return self.own(*args, **kwargs)
         return self.function(self._block(), *args, **kwargs)
 
-    @torch.compiler.disable  # as CheckpointedChain.forward: the runner runs eagerly
+    @not_compiled(BLOCK_CALLS_EAGER)  # as CheckpointedChain.forward: the runner runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         r = self._runner()
         if r is None or r.passthrough:  # a recomputation or a measurement: the block itself

@@ -129,6 +129,24 @@ def refuse_wrapped(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Mo
                 "or moved twice; turn that off and let the plan decide")
 
 
+def compiled_around(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]
+                    ) -> List[int]:
+    """Blocks whose calls a ``torch.compile`` directive wraps from outside: ``block.compile()``
+    (or a wrapper's), or ``torch.compile``'s wrapper put around the block in its list. A
+    runner that intercepts the block's own ``forward`` runs it outside the compiled region,
+    eagerly: such a directive compiles nothing of the block. (A block compiled *as* its list
+    entry before the interception keeps its compiled forward: not listed.)"""
+    held = list(entries) if entries is not None else list(blocks)
+    found = []
+    for s, b in enumerate(blocks):
+        outside = wrappers(entries, s, b) if s < len(held) and held[s] is not b else []
+        if any(m.__dict__.get("_compiled_call_impl") is not None or
+               m._modules.get("_orig_mod") is not None for m in outside) or \
+                b.__dict__.get("_compiled_call_impl") is not None:
+            found.append(s)
+    return found
+
+
 def units(blocks: Sequence[nn.Module], entries: Optional[Sequence[nn.Module]]) -> bool:
     """Whether the blocks are FSDP1 units, or units replaced them in the list."""
     return any(_is_unit(m) for _, m in _around(blocks, entries))

@@ -105,13 +105,15 @@ class MimoseSteps:
     tail: Any
     _budget: Optional[int]
     input_size: Callable[[Sequence[Any]], float]
-    # and the runner's methods: _compile, _in_share, _for_input, _key, _sharded, _under_fsdp
+    # and the runner's methods: _compile, _in_share, _for_input, _key, _sharded, _under_fsdp,
+    # _say_profiling_peak
     _compile: Callable[[Plan], CompiledPlan]
     _in_share: Callable[[InfeasibleError], InfeasibleError]
     _for_input: Callable[[InfeasibleError, Any, Any], InfeasibleError]
     _key: Callable[[Sequence[Any], Dict[str, Any]], Any]
     _sharded: Callable[[], bool]
     _under_fsdp: Callable[[], bool]
+    _say_profiling_peak: Callable[..., None]
 
     def _init_mimose(self, mimose: Optional[Mimose], on: bool, samples: int,
                      cache_size: int) -> None:
@@ -333,5 +335,10 @@ class MimoseSteps:
             tail = outside = None
         if not self._mimose_tmp:
             tmp = None
-        (into or self.mimose).observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
+        target = into or self.mimose
+        target.observe(size, input_bytes, xbar, out, fw, tail, outside, tmp)
         self.collections += 1
+        if target is self.mimose:  # (a sample of another setting: not this budget's)
+            est = target.estimator.measured(size)
+            if est is not None:
+                self._say_profiling_peak(chain_from_estimate(est), collected=size)

@@ -48,8 +48,10 @@ def check_same_keys(new: bool, key: Hashable, args: Sequence[Any], kwargs: Dict[
                 f"{'yes' if new else 'no'})")
         must = "meet new shapes at the same steps"
     else:
+        # (not mixed: every rank's ``new`` is this one's)
+        known = "new to every rank" if new else "each known from an earlier step"
         what = (f"the ranks call block 0 of '{list_name}' with different input "
-                "signatures at this step, each known from an earlier step")
+                f"signatures at this step, {known}")
         must = "call the blocks with the same signature at the same step"
     raise RuntimeError(
         f"{name}: {what}; where a recomputation runs collectives (FSDP units, "

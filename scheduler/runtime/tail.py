@@ -61,6 +61,7 @@ from ..profile.storage import dense_bytes, storage_bytes, storage_key
 from .block_calls import tensor_leaves
 from .hook_stack import (Hooks, TailTracer, Within, let_go, module_call_frame, pop_hooks,
                          pop_tracer, retire, stacks_clean, sweep)
+from .not_compiled import not_compiled
 from .outside import Outside, head_census
 from .tail_graph import has_backward_hooks, read_by_tail, tail_graph
 from .weak import WeakFields
@@ -69,6 +70,11 @@ from .weak import WeakFields
 # the stand-in loss stage (``ChainRunner._measure_again``): a failure is that step's (a bad
 # batch, a Ctrl-C), not the shape's
 TAIL_TRIES = 3
+# what Dynamo's fullgraph=True error quotes at the probe's hooks on the model's forward
+HOOKS_EAGER = ("scheduler's hooks on the model's forward (the checkpointed model's tail probe) "
+               "run eagerly, a graph break, which fullgraph=True refuses: compile the blocks "
+               "before scheduler.checkpoint (torch.compile(block, fullgraph=True) works) and "
+               "the model without fullgraph")
 
 
 class _Recording:
@@ -166,7 +172,7 @@ class TailProbe(WeakFields):
 
     # ------------------------------------------------------------------------ model hooks
     # (never traced by torch.compile: they read the autograd and dispatch stacks and push hooks)
-    @torch.compiler.disable
+    @not_compiled(HOOKS_EAGER)
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         here = module_call_frame()
         if self.depth > 0 and self._call is not None and self._call.over(entering=here):
@@ -193,7 +199,7 @@ class TailProbe(WeakFields):
         # only a new one at the forward hook means the forward raised
         self.handling.append(sys.exc_info()[1])
 
-    @torch.compiler.disable
+    @not_compiled(HOOKS_EAGER)
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Sequence, Tuple, Union
 
-import torch
 from torch import nn
 
 from ..plan import Plan
 from .block_calls import as_components, block_list
 from .chain_runner import ChainRunner
+from .not_compiled import not_compiled
 from .options import PlannerArg, check_bool, check_options_used, check_planner
 
 WHERE = "scheduler.wrap"
@@ -52,7 +52,10 @@ class CheckpointedChain(nn.Module):
 
     # torch.compile leaves the runner to run eagerly (it pushes autograd hooks, reads the
     # graph, moves storages): a graph break around the chain, compiled code around it
-    @torch.compiler.disable
+    @not_compiled("scheduler.wrap's chain runs eagerly through its runner, a graph break "
+                  "around it, which fullgraph=True refuses: compile the blocks given to "
+                  "scheduler.wrap (torch.compile(block, fullgraph=True) works) and the model "
+                  "around the chain without fullgraph")
     def forward(self, *args: Any) -> Any:
         """The blocks in order through the runner (which follows the plan): each block's
         output, a tensor or a tuple of them, is the next block's arguments."""

@@ -1,0 +1,22 @@
+"""``torch.compiler.disable`` with the reason Dynamo's errors quote.
+
+The runtimes run eagerly inside compiled code (they push autograd hooks, read the graph, move
+storages): a graph break at each of their entry points. Under ``fullgraph=True`` that break
+raises "Skip inlining `torch.compiler.disable()`d function ... (reason: ...)", and the reason
+is the one line of that error that can name scheduler and what to do instead.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def not_compiled(reason: str) -> Callable[[F], F]:
+    """``torch.compiler.disable``, naming ``reason`` where the torch takes one (2.7 on)."""
+    try:
+        return torch.compiler.disable(reason=reason)  # type: ignore[call-arg]
+    except TypeError:
+        return torch.compiler.disable
