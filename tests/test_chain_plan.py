@@ -71,3 +71,14 @@ def test_chain_json_files_by_pathlib_path(tmp_path):
     for name in ("chain.json", "{odd}.json"):
         c.to_json(tmp_path / name)
         assert Chain.from_json(tmp_path / name) == c
+
+
+@pytest.mark.parametrize("L", [-1, True, 2.0, "3"])
+def test_checkpoint_plan_refuses_a_bad_block_count(L):
+    """Its ops are made unchecked (twice as fast: Mimose makes one per new input size), so
+    the block count they come from is checked once, named."""
+    from scheduler.plan import checkpoint_plan
+    with pytest.raises(ValueError, match=r"checkpoint_plan: L must be a non-negative int"):
+        checkpoint_plan(L, [])
+    assert [tuple(op) for op in checkpoint_plan(2, [0]).ops] == [
+        ("F_ck", 0), ("F_all", 1), ("F_all", 2), ("B", 2), ("B", 1), ("F_all", 0), ("B", 0)]

@@ -593,13 +593,16 @@ def _compile_blocks(model: nn.Module, backend: Any, how: str) -> None:
             layers[i] = torch.compile(block, backend=backend)
 
 
-def test_blocks_compiled_before_the_call_stay_compiled():
+@pytest.mark.parametrize("outer", [False, True])
+def test_blocks_compiled_before_the_call_stay_compiled(outer):
     """Blocks compiled as the list's entries, then checkpointed: every run of every block
     is the compiled one (first runs and recomputations, the profiling step included) and
     each step is bit-identical to compiled plain training. The profiling step's op tracer
     (a dispatch mode) used to make Dynamo skip the block's code for good: the recomputation
     then ran it eagerly, saving other tensors than its compiled first run (a RuntimeError at
-    the first step), and the blocks ran eagerly ever after."""
+    the first step), and the blocks ran eagerly ever after. ``outer``: torch.compile(model)
+    on top, which traced the compiled entries' ``_orig_mod``, past the runner (no plan at
+    all, said only as "never called the blocks")."""
     torch._dynamo.reset()
     ref, batch = make("llama")
     model = copy.deepcopy(ref)
@@ -609,17 +612,19 @@ def test_blocks_compiled_before_the_call_stay_compiled():
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         scheduler.checkpoint(model, budgets("llama")[0], "rotor", measure_options=FAST)
+        run = torch.compile(model, backend="aot_eager") if outer else model
         for seed in range(3):  # profiling step, then the plan
             before = runs[0]
-            assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed),
+            assert_same(ref, model, step(ref, batch, seed), step(run, batch, seed),
                         f"compiled blocks, step {seed}")
             (runner,) = runners(model)
             ran = runner.L + runner.last_stats.recomputed_forwards
             # (the profiling step's measurement times the blocks compiled too)
             assert runs[0] - before >= ran if seed == 0 else runs[0] - before == ran, \
                 f"step {seed}: {runs[0] - before} compiled runs for {ran} block runs"
-    assert runner.last_stats.recomputed_forwards > 0
-    assert not [w for w in said if "compiled around" in str(w.message)]
+    assert runner.last_stats.recomputed_forwards > 0 and runner.profiling_steps == 1
+    assert not [w for w in said if "compiled around" in str(w.message) or
+                "never called the blocks" in str(w.message)]
     torch._dynamo.reset()
 
 

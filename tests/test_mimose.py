@@ -348,3 +348,69 @@ def test_shared_planner_instance_and_budget_change():
     assert len(p2.meta["checkpointed"]) > len(p1.meta["checkpointed"])
     with pytest.raises(ValueError, match="mimose="):
         scheduler.wrap(blocks, "1MiB", planner="mimose", mimose=M.Mimose(3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(2, 8), per_block=st.integers(1_000, 100_000), frac=st.floats(0.0, 1.0))
+def test_the_simulator_check_finds_the_fewest_equal_blocks_that_fit(L, per_block, frac):
+    """Equal blocks: Algorithm 1 checkpoints them in forward order, so the plans it can make
+    are the first k blocks; the best that fits is the smallest k whose peak is within the
+    budget. Where Algorithm 1's first plan was over the budget on the simulator, its target
+    went down by the excess each round and often did not reach the next k within the rounds:
+    every block was checkpointed (a new user's Llama: all 4 blocks where 3 fit)."""
+    from scheduler.simulate import simulate_checkpointed
+    m = M.Mimose(L, samples=3)
+    for n in (10, 20, 30):   # the bytes linear in the size
+        m.observe(n, 4 * n, [per_block * n / 10] * L, [per_block * n / 40] * L, [1e-3] * L)
+    chain = M.chain_from_estimate(m.estimator.measured(20))
+    peaks = [simulate_checkpointed(chain, range(k))[1] for k in range(L + 1)]
+    budget = int(peaks[L] + frac * (peaks[0] - peaks[L])) + 1
+    fewest = next(k for k in range(L + 1) if peaks[k] <= budget)
+    plan = m.plan(20, budget)
+    assert plan.predicted_peak <= budget
+    assert len(plan.meta["checkpointed"]) == fewest, (peaks, budget)
+
+
+def _papers_tightening(m, est, chain, budget):
+    """The reference: Algorithm 1's target down by the simulated excess each round, the
+    first plan that fits (else every block checkpointed), as Mimose planned before."""
+    from scheduler.simulate import simulate_checkpointed
+    target = budget - est.input_bytes
+    for _ in range(m.rounds):
+        ck = M.greedy_checkpoints(est.xbar, target, m.bucket_ratio)
+        time, peak = simulate_checkpointed(chain, ck)
+        if peak <= budget:
+            return time
+        if len(ck) == m.n:
+            break
+        target -= peak - budget
+    time, peak = simulate_checkpointed(chain, range(m.n))
+    return time if peak <= budget else None
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(1_000, 100_000), min_size=2, max_size=9),
+       rounds=st.sampled_from([1, 2, 3, 8]), ratio=st.sampled_from([0.0, 0.1, 0.3]),
+       frac=st.floats(0.0, 1.1))
+def test_the_plan_is_never_slower_than_the_papers_tightening(sizes, rounds, ratio, frac):
+    """Unequal blocks, any rounds and bucket ratio: the plan fits the budget on the simulator,
+    is feasible exactly where the paper's tightening is, and is never slower than it (it
+    tries the paper's targets first, then searches on, keeping the fastest that fits)."""
+    from scheduler.simulate import simulate_checkpointed
+    L = len(sizes)
+    m = M.Mimose(L, samples=3, rounds=rounds, bucket_ratio=ratio)
+    for n in (10, 20, 30):
+        m.observe(n, 4 * n, [x * n / 10 for x in sizes], [x * n / 80 for x in sizes],
+                  [1e-3 * (1 + i % 3) for i in range(L)])
+    est = m.estimator.measured(20)
+    chain = M.chain_from_estimate(est)
+    lo, hi = simulate_checkpointed(chain, range(L))[1], simulate_checkpointed(chain, ())[1]
+    budget = lo + frac * (hi - lo)
+    reference = _papers_tightening(m, est, chain, budget)
+    if reference is None:
+        with pytest.raises(InfeasibleError):
+            m.plan(20, budget)
+        return
+    plan = m.plan(20, budget)
+    assert plan.predicted_peak <= budget
+    assert plan.predicted_time <= reference * (1 + 1e-12)

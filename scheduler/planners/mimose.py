@@ -27,8 +27,9 @@ per model, ``observe(size, ...)`` the per-block measurements, then ``plan(size, 
 from __future__ import annotations
 
 import numbers
-from typing import Dict, Hashable, List, Optional, Sequence, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
+from ..chain import Chain
 from ..errors import InfeasibleError
 from ..plan import Plan, checkpoint_plan
 from ..plan_cache import PlanCache, capacity_arg
@@ -45,6 +46,10 @@ __all__ = ["BUCKET_RATIO", "buckets_of", "greedy_checkpoints", "Mimose", "plan_f
            "chain_from_estimate"]
 
 BUCKET_RATIO = 0.1     # seed 004 section 4.4: "+-10% in our implementation"
+# plans tried between the last target over the budget and the first that fits (bisecting the
+# target) when Algorithm 1's own plan was over: each costs a greedy pass and, for a plan not
+# tried yet, the simulator's check (about 10 us at 12 blocks), against planning's 0.1 ms goal
+SEARCH_ROUNDS = 3
 
 # the plan torch.utils.checkpoint runs (its old name here; scheduler.plan has it now)
 plan_from_checkpoints = checkpoint_plan
@@ -178,6 +183,61 @@ class Mimose:
         return self.cache.get_or_plan(self.cache_key(input_size, budget),
                                       lambda: self._plan(input_size, budget))
 
+    def checked_chain(self, est: Estimate) -> Chain:
+        """The chain an estimate's plans are checked on: ``chain_from_estimate``, with the
+        gradients of weights several blocks share (``extra_bw_tmp``, set by the runtime)."""
+        chain = chain_from_estimate(est)
+        if self.extra_bw_tmp and any(self.extra_bw_tmp):
+            chain = chain.replace(bw_tmp=[b + e for b, e in zip(chain.bw_tmp, self.extra_bw_tmp)])
+        return chain
+
+    def _tightened(self, chain: Chain, est: Estimate, budget: float) -> Optional[Plan]:
+        """The fastest plan found whose simulated peak fits ``budget``, or None. Algorithm
+        1's target is the activation bytes that may stay. First as the paper tightens it:
+        while the plan is over the budget, the target goes down by the excess (``rounds``
+        plans at most). That can stop short (the same plan again, round after round: every
+        block checkpointed then) or skip past plans with fewer recomputations; so where the
+        first plan was over, up to ``rounds`` more: the target down to at least one more
+        block checkpointed until a plan fits, then ``SEARCH_ROUNDS`` bisections between the
+        largest target known to fit and the smallest known not to, the fastest plan tried
+        kept. Each plan is simulated once."""
+        L = self.n
+        tried: Dict[Tuple[int, ...], Tuple[float, float]] = {}   # blocks -> (time, peak)
+
+        def peak_at(target: float) -> Tuple[Tuple[int, ...], float]:
+            ck = tuple(greedy_checkpoints(est.xbar, target, self.bucket_ratio))
+            if ck not in tried:
+                tried[ck] = simulate_checkpointed(chain, ck)
+            return ck, tried[ck][1]
+
+        target, over = budget - est.input_bytes, None   # ``over``: the last target over
+        for i in range(2 * self.rounds):   # down until a plan fits
+            ck, peak = peak_at(target)
+            if peak <= budget:
+                break
+            if len(ck) == L:
+                return None   # every block checkpointed is over: nothing fits
+            over = target
+            target -= peak - budget   # by the excess (the paper)
+            if i + 1 >= self.rounds:   # past its rounds: below what this plan keeps
+                target = min(target, float(sum(est.xbar)) - sum(est.xbar[k] for k in ck) - 1)
+        else:
+            return None
+        if over is not None:   # Algorithm 1's own plan was over: search between
+            fits = target
+            for _ in range(SEARCH_ROUNDS):
+                if over - fits < 1:
+                    break
+                middle = (fits + over) / 2
+                if peak_at(middle)[1] <= budget:
+                    fits = middle
+                else:
+                    over = middle
+            ck = min((c for c, (_, p) in tried.items() if p <= budget), key=lambda c: tried[c][0])
+        plan = checkpoint_plan(L, ck)
+        plan.predicted_time, plan.predicted_peak = tried[ck]
+        return plan
+
     def _plan(self, input_size: float, budget: float) -> Plan:
         # a size measured by the collector is planned from its measurement, others from the fit
         est = self.estimator.measured(input_size) or self.estimator.estimate(input_size)
@@ -187,21 +247,8 @@ class Mimose:
             plan = checkpoint_plan(L, ck)
             plan.meta["input_size"] = float(input_size)
             return plan
-        chain = chain_from_estimate(est)  # checked on the one memory model, the simulator
-        if self.extra_bw_tmp and any(self.extra_bw_tmp):
-            chain = chain.replace(bw_tmp=[b + e for b, e in zip(chain.bw_tmp, self.extra_bw_tmp)])
-        target = budget - est.input_bytes
-        best = None
-        for _ in range(self.rounds):
-            ck = greedy_checkpoints(est.xbar, target, self.bucket_ratio)
-            plan = checkpoint_plan(L, ck)
-            plan.predicted_time, plan.predicted_peak = simulate_checkpointed(chain, ck)
-            if plan.predicted_peak <= budget:
-                best = plan
-                break
-            if len(ck) == L:
-                break
-            target -= plan.predicted_peak - budget
+        chain = self.checked_chain(est)  # checked on the one memory model, the simulator
+        best = self._tightened(chain, est, budget)
         if best is None:
             floor = checkpoint_plan(L, range(L))
             floor.predicted_time, floor.predicted_peak = simulate_checkpointed(chain, range(L))

@@ -354,12 +354,14 @@ class ChainRunner(MimoseSteps):
             "counts none of the tail's memory: the budget may not hold for it")
         return False
 
-    def _say_profiling_peak(self, chain: Chain, collected: Optional[float] = None) -> None:
+    def _say_profiling_peak(self, chain: Chain, collected: Optional[str] = None) -> None:
         """Say once that the first step of each new shape (every block checkpointed while
-        its chain is measured), or a Mimose collection step (``collected``: its input size,
-        ``chain`` its sample's), holds more than the budget, where it does: planned steps
-        hold the budget, but those steps do not, and a budget chosen to fit a device would
-        fail there without a word of why."""
+        its chain is measured), or a Mimose collection step (``collected``: its input in
+        words, ``chain`` its sample's), holds more than the budget, where it does: planned
+        steps hold the budget, but those steps do not, and a budget chosen to fit a device
+        would fail there without a word of why. The figure is the chain model's, with the
+        measurement's own copies: an estimate (the CPU's kernels' scratch buffers are not in
+        it; a few percent on the models tested)."""
         if self._said_profiling or not isinstance(self._budget, int) or \
                 isinstance(self.planner, Plan) or callable(self.planner):
             return
@@ -373,22 +375,22 @@ class ChainRunner(MimoseSteps):
             budget = (f"'{self.list_name}''s share of the budget ({n}/{n_all} of it, by block "
                       f"count: {format_bytes(self._budget)})")
             need = self._whole_budget(need)
-        held = (f"{format_bytes(int(every))} (the chain's model of that step, and the "
+        held = (f"{format_bytes(int(every))} by the chain's model (that step's, with the "
                 "measurement's own copies and gradients of one block)")
         if collected is None:
             said = (f"the first step of each new input shape of '{self.list_name}' checkpoints "
                     f"every block while its chain is measured, and holds about {held}, above "
                     f"{budget}; the planned steps after it hold the budget. Where that first "
-                    f"step must fit too, give a budget of at least {format_bytes(need)}, or "
-                    "the chain (chain=, measured beforehand with "
+                    f"step must fit too, give a budget of at least about {format_bytes(need)}, "
+                    "or the chain (chain=, measured beforehand with "
                     "scheduler.profile.measure_chain)")
         else:
             said = (f"Mimose's collection steps of '{self.list_name}' (new input sizes while "
                     "it learns, and sizes beyond 1.5x the largest learnt) checkpoint every "
-                    f"block while each is measured; the one of input size {collected:g} held "
-                    f"about {held}, above {budget}; the planned steps after them hold the "
-                    "budget. Where the collection steps must fit too, give a budget of at "
-                    f"least {format_bytes(need)} (at that size: larger sizes need more)")
+                    f"block while each is measured; the one of {collected} holds about "
+                    f"{held}, above {budget}; the planned steps after them hold the budget. "
+                    "Where the collection steps must fit too, give a budget of at least about "
+                    f"{format_bytes(need)} (for that input: larger inputs need more)")
         user_warning.warn(f"{self.name}: {said}")
 
     def _say_compiled_around(self) -> None:
@@ -445,13 +447,20 @@ class ChainRunner(MimoseSteps):
         """``e`` with the input it was planned for (a new shape can be the first that does
         not fit, many steps into training) and, given the ``chain``, the other end of the
         budget's range."""
-        shapes = [] if key is None else \
-            [str(leaf[0]) for leaf in key[0][0][1] if leaf[0] != "const"]  # (see ``_key``)
-        where = f"block 0's tensors {', '.join(shapes)} of " if shapes else ""
+        where = self._block0_tensors(key)
+        where = f"{where} of " if where else ""
         held = "" if chain is None else \
             f"; without checkpointing the step holds " \
             f"{format_bytes(int(simulate_checkpointed(chain, ())[1]))}"
         return InfeasibleError(f"{e} ({where}'{self.list_name}'{held})", e.min_memory)
+
+    @staticmethod
+    def _block0_tensors(key: Hashable) -> str:
+        """Block 0's tensors in words (``block 0's tensors (2, 12, 32), (1, 12)``), from the
+        plan key ``key`` (``_key``); empty without a key or tensors."""
+        shapes = [] if key is None else \
+            [str(leaf[0]) for leaf in key[0][0][1] if leaf[0] != "const"]  # (see ``_key``)
+        return f"block 0's tensors {', '.join(shapes)}" if shapes else ""
 
     def _in_share(self, e: InfeasibleError) -> InfeasibleError:
         """A planner's ``InfeasibleError`` for this list's share of the budget, in terms of the

@@ -206,6 +206,11 @@ class _BlockForward(WeakFields):
 
     WEAK = ("_runner", "_block", "_owner", "_root")
     said_gone = False  # whether a step has said that the runner is gone
+    # what Dynamo reads on an OptimizedModule's forward (a block compiled before the call):
+    # without them, a torch.compile(model) tracing the model's loop would trace the compiled
+    # block's _orig_mod, past this forward and the runner (no plan, the budget not held)
+    _torchdynamo_disable = True
+    _torchdynamo_disable_msg = BLOCK_CALLS_EAGER
 
     def __init__(self, runner: ChainRunner, s: int, block: nn.Module, own: Any,
                  owner: Optional[nn.Module], root: nn.Module, list_name: str):

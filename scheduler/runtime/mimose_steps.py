@@ -104,9 +104,10 @@ class MimoseSteps:
     collections: int
     tail: Any
     _budget: Optional[int]
+    _said_profiling: bool
     input_size: Callable[[Sequence[Any]], float]
     # and the runner's methods: _compile, _in_share, _for_input, _key, _sharded, _under_fsdp,
-    # _say_profiling_peak
+    # _say_profiling_peak, _block0_tensors
     _compile: Callable[[Plan], CompiledPlan]
     _in_share: Callable[[InfeasibleError], InfeasibleError]
     _for_input: Callable[[InfeasibleError, Any, Any], InfeasibleError]
@@ -114,6 +115,7 @@ class MimoseSteps:
     _sharded: Callable[[], bool]
     _under_fsdp: Callable[[], bool]
     _say_profiling_peak: Callable[..., None]
+    _block0_tensors: Callable[[Hashable], str]
 
     def _init_mimose(self, mimose: Optional[Mimose], on: bool, samples: int,
                      cache_size: int) -> None:
@@ -268,6 +270,9 @@ class MimoseSteps:
                 checkpoint_plan(self.L, range(self.L), planner="mimose-collect")))
             if not exact:  # every block checkpointed, nothing learnt from a bound
                 return cplan, None
+            if not self._said_profiling:  # the input in words, for _observe_sample's warning
+                self._collecting_input = f"input size {size:g} (" + (
+                    self._block0_tensors(self._key(args, kwargs)) or "block 0's input") + ")"
             # the blocks' transients too (their backward once more), but not under FSDP,
             # whose backward hooks must fire once per step
             return cplan, ShuttlingCollector(self.L, transients=not self._sharded())
@@ -341,4 +346,5 @@ class MimoseSteps:
         if target is self.mimose:  # (a sample of another setting: not this budget's)
             est = target.estimator.measured(size)
             if est is not None:
-                self._say_profiling_peak(chain_from_estimate(est), collected=size)
+                self._say_profiling_peak(target.checked_chain(est), collected=self.__dict__.get(
+                    "_collecting_input", f"input size {size:g}"))
