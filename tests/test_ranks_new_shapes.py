@@ -107,35 +107,27 @@ def test_under_fsdp_units_a_rank_planning_alone_stops_every_rank(tmp_path):
                f"signature for 'blocks' at this step (this rank: {mine})" in out, out[-4000:]
 
 
-def test_under_fsdp_units_ranks_running_different_known_plans_stop_every_rank(tmp_path):
-    """FSDP2 on every block, rotor: at step 2 each rank meets a length it planned for before
-    (no new plan anywhere), but not the same one: their plans differ (one recomputes where the
-    other does not, and their collectives pair wrongly: a hang). Refused on both ranks at
-    that step's first block, naming what differs."""
+@pytest.mark.parametrize("mode, when, lengths", [
+    ("fsdp2-block-cached", "each known from an earlier step", (12, 16)),
+    ("fsdp2-block-first", "new to every rank", (16, 12))])
+def test_under_fsdp_units_ranks_with_different_signatures_stop_every_rank(tmp_path, mode, when,
+                                                                            lengths):
+    """FSDP2 on every block, rotor. ``cached``: at step 2 each rank meets a length it planned
+    for before (no new plan anywhere), but not the same one: their plans differ (one
+    recomputes where the other does not, and their collectives pair wrongly: a hang).
+    ``first``: different lengths at the first step, new to both (once said "each known from
+    an earlier step"). Refused on both ranks at that step's first block, naming what
+    differs."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    proc = torchrun_two_ranks(str(worker), str(tmp_path), "fsdp2-block-cached")
+    proc = torchrun_two_ranks(str(worker), str(tmp_path), mode)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for rank in (0, 1):
         assert f"rank{rank} refused: scheduler.checkpoint: the ranks call block 0 of 'blocks' " \
-               "with different input signatures at this step" in out, out[-4000:]
-    assert "what differs: args[0]: rank 0 a tensor (8, 12, 32) float32, rank 1 a tensor " \
-           "(8, 16, 32) float32" in out, out[-4000:]
-
-
-def test_under_fsdp_units_ranks_with_different_first_shapes_stop_every_rank(tmp_path):
-    """FSDP2 on every block, rotor: at the first step the ranks meet different lengths, new to
-    both: refused on both ranks, saying so (not "each known from an earlier step")."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    proc = torchrun_two_ranks(str(worker), str(tmp_path), "fsdp2-block-first")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    for rank in (0, 1):
-        assert f"rank{rank} refused: scheduler.checkpoint: the ranks call block 0 of 'blocks' " \
-               "with different input signatures at this step, new to every rank" in out, \
-            out[-4000:]
+               f"with different input signatures at this step, {when}" in out, out[-4000:]
+    assert f"what differs: args[0]: rank 0 a tensor (8, {lengths[0]}, 32) float32, rank 1 a " \
+           f"tensor (8, {lengths[1]}, 32) float32" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2-whole"])
