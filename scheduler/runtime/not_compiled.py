@@ -15,7 +15,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def not_compiled(reason: str) -> Callable[[F], F]:
-    """``torch.compiler.disable``, naming ``reason`` where the torch takes one (2.7 on)."""
+    """``torch.compiler.disable``, naming ``reason`` where torch takes one (some do not)."""
     try:
         return torch.compiler.disable(reason=reason)  # type: ignore[call-arg]
     except TypeError:
