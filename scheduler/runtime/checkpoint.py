@@ -37,11 +37,10 @@ from .tail import TailProbe
 from .weak import WeakFields, gone
 
 NAME = "scheduler.checkpoint"
-BLOCK_CALLS_EAGER = (f"{NAME} runs each checkpointed block eagerly through its runner, a "
-                     "graph break at each block call, which fullgraph=True refuses: compile "
-                     "the blocks themselves before scheduler.checkpoint (layers[i] = "
-                     "torch.compile(layers[i], fullgraph=True) works) and the model "
-                     "without fullgraph")
+# what Dynamo's fullgraph=True error quotes at a block call (not_compiled's two parts)
+BLOCK_CALLS_EAGER = (f"{NAME} runs each checkpointed block eagerly through its runner, at "
+                     "each block call", "the blocks themselves before scheduler.checkpoint, "
+                     "as the list's entries")
 _ATTR = "_vmalloc_checkpoint"
 BlocksArg = Union[None, str, nn.ModuleList, nn.Sequential, Sequence[Union[str, nn.Module]]]
 
@@ -210,7 +209,7 @@ class _BlockForward(WeakFields):
     # without them, a torch.compile(model) tracing the model's loop would trace the compiled
     # block's _orig_mod, past this forward and the runner (no plan, the budget not held)
     _torchdynamo_disable = True
-    _torchdynamo_disable_msg = BLOCK_CALLS_EAGER
+    _torchdynamo_disable_msg = BLOCK_CALLS_EAGER[0]
 
     def __init__(self, runner: ChainRunner, s: int, block: nn.Module, own: Any,
                  owner: Optional[nn.Module], root: nn.Module, list_name: str):
@@ -237,7 +236,7 @@ class _BlockForward(WeakFields):
             return self.own(*args, **kwargs)
         return self.function(self._block(), *args, **kwargs)
 
-    @not_compiled(BLOCK_CALLS_EAGER)  # as CheckpointedChain.forward: the runner runs eagerly
+    @not_compiled(*BLOCK_CALLS_EAGER)  # as CheckpointedChain.forward: the runner runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         r = self._runner()
         if r is None or r.passthrough:  # a recomputation or a measurement: the block itself

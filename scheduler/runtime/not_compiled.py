@@ -14,8 +14,12 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def not_compiled(reason: str) -> Callable[[F], F]:
-    """``torch.compiler.disable``, naming ``reason`` where torch takes one (some do not)."""
+def not_compiled(what: str, compile_instead: str) -> Callable[[F], F]:
+    """``torch.compiler.disable``, naming the reason where torch takes one (some do not):
+    ``what`` runs eagerly, which ``fullgraph=True`` refuses, and the blocks to compile
+    instead (``compile_instead``: which, and when)."""
+    reason = (f"{what}, a graph break, which fullgraph=True refuses: compile {compile_instead} "
+              "(torch.compile(block, fullgraph=True) works) and the model without fullgraph")
     try:
         return torch.compiler.disable(reason=reason)  # type: ignore[call-arg]
     except TypeError:

@@ -72,9 +72,7 @@ from .weak import WeakFields
 TAIL_TRIES = 3
 # what Dynamo's fullgraph=True error quotes at the probe's hooks on the model's forward
 HOOKS_EAGER = ("scheduler's hooks on the model's forward (the checkpointed model's tail probe) "
-               "run eagerly, a graph break, which fullgraph=True refuses: compile the blocks "
-               "before scheduler.checkpoint (torch.compile(block, fullgraph=True) works) and "
-               "the model without fullgraph")
+               "run eagerly", "the blocks before scheduler.checkpoint")
 
 
 class _Recording:
@@ -172,7 +170,7 @@ class TailProbe(WeakFields):
 
     # ------------------------------------------------------------------------ model hooks
     # (never traced by torch.compile: they read the autograd and dispatch stacks and push hooks)
-    @not_compiled(HOOKS_EAGER)
+    @not_compiled(*HOOKS_EAGER)
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         here = module_call_frame()
         if self.depth > 0 and self._call is not None and self._call.over(entering=here):
@@ -199,7 +197,7 @@ class TailProbe(WeakFields):
         # only a new one at the forward hook means the forward raised
         self.handling.append(sys.exc_info()[1])
 
-    @not_compiled(HOOKS_EAGER)
+    @not_compiled(*HOOKS_EAGER)
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:

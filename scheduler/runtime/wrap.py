@@ -52,10 +52,8 @@ class CheckpointedChain(nn.Module):
 
     # torch.compile leaves the runner to run eagerly (it pushes autograd hooks, reads the
     # graph, moves storages): a graph break around the chain, compiled code around it
-    @not_compiled("scheduler.wrap's chain runs eagerly through its runner, a graph break "
-                  "around it, which fullgraph=True refuses: compile the blocks given to "
-                  "scheduler.wrap (torch.compile(block, fullgraph=True) works) and the model "
-                  "around the chain without fullgraph")
+    @not_compiled("scheduler.wrap's chain runs eagerly through its runner, around it",
+                  "the blocks given to scheduler.wrap")
     def forward(self, *args: Any) -> Any:
         """The blocks in order through the runner (which follows the plan): each block's
         output, a tensor or a tuple of them, is the next block's arguments."""
