@@ -41,7 +41,7 @@ from bench.readme_gpu_sessions import gpu_progress, gpu_tests  # noqa: E402
 from bench.readme_planners import (checkpointing, new_shape_plan, offloading, planners_time,  # noqa: E402
                                    pofo, pofo_random)
 from bench.readme_runtime import (E2E_GPU_GOALS, checkpoint_real, e2e,  # noqa: E402
-                                  e2e_gpu_goal_pending, hf, mimose, swap)
+                                  e2e_gpu_goal_pending, hf, hook_overhead, mimose, swap)
 
 # what this module answers for: its own names and, re-exported, the helpers and renderers that
 # lived here before the split (tests call rr.num, rr.size, ...)
@@ -51,7 +51,7 @@ __all__ = [
     "Goal", "Ctx", "num", "rate", "size", "pct", "g", "met", "table", "reproduce", "meta_line",
     "alloc_micro", "cache_slack", "fragmentation", "traces_gpu", "gpu_progress", "gpu_tests",
     "planners_time", "checkpointing", "offloading", "pofo", "pofo_random", "new_shape_plan",
-    "swap", "mimose", "checkpoint_real", "e2e", "hf",
+    "swap", "hook_overhead", "mimose", "checkpoint_real", "e2e", "hf",
 ]
 
 
@@ -79,6 +79,8 @@ SECTIONS: List[Section] = [
     ("pofo_random.json", "pofo on random chains: simulated time vs its DP value (issue 14)",
      "python bench/pofo.py --random", pofo_random),
     ("swap.json", "Swap runtime overhead", "python bench/swap.py", swap),
+    ("hook_overhead.json", "The runtimes' hooks: cost per saved tensor",
+     "python bench/hook_overhead.py", hook_overhead),
     ("mimose.json", "Mimose: dynamic input sizes", "python bench/mimose.py", mimose),
     ("new_shape_plan.json", "Input-aware rotor: planning a new shape",
      "python bench/new_shape_plan.py", new_shape_plan),

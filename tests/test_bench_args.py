@@ -261,8 +261,9 @@ def test_help_describes_every_flag_and_docstring_says_how_to_run(tmp_path, path)
 
 @pytest.mark.parametrize("name", ["alloc_micro.py", "alloc_probe.py", "cache_slack.py",
                                   "checkpoint_real.py", "checkpointing.py", "e2e.py",
-                                  "fragmentation.py", "hf.py", "mimose.py", "new_shape_plan.py",
-                                  "offloading.py", "planners_time.py", "pofo.py", "swap.py"])
+                                  "fragmentation.py", "hf.py", "hook_overhead.py", "mimose.py",
+                                  "new_shape_plan.py", "offloading.py", "planners_time.py",
+                                  "pofo.py", "swap.py"])
 def test_every_results_writer_takes_out(tmp_path, name):
     r = run(name, "--help", cwd=tmp_path)
     assert "--out" in help_entries(r.stdout), f"{name}: no --out"

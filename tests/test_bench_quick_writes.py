@@ -56,7 +56,7 @@ def test_output_dir_is_out_else_none_for_quick_else_the_default():
     ("alloc_probe.py", "--out DIR"), ("cache_slack.py", "--out DIR"),
     ("checkpointing.py", "--out DIR"), ("fragmentation.py", "--out FILE"),
     ("new_shape_plan.py", "--out DIR"), ("planners_time.py", "--out DIR"),
-    ("alloc_micro.py", "--out DIR"),
+    ("alloc_micro.py", "--out DIR"), ("hook_overhead.py", "--out DIR"),
 ])
 def test_a_quick_run_without_out_writes_nothing(tmp_path, script, flag):
     before = snapshot()
@@ -183,6 +183,7 @@ def assert_tagged(meta, gpu="cpu"):
     ("fragmentation.py", "out/fragmentation.json", "fragmentation.json"),
     ("new_shape_plan.py", "out", "new_shape_plan.json"),
     ("planners_time.py", "out", "planners_time.json"),
+    ("hook_overhead.py", "out", "hook_overhead.json"),
 ])
 def test_a_quick_run_with_out_tags_its_file(tmp_path, script, out, name):
     r = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick",

@@ -14,6 +14,7 @@ from . import rng
 from .accounting import check_unchanged
 from .block_calls import BlockCall
 from .first_run import FirstRun
+from .not_compiled import eager_hook
 from .chain_transfers import StorageCopy
 
 if TYPE_CHECKING:  # the step owns its frames; a frame calls back into it
@@ -74,13 +75,13 @@ class Frame:
     # hooks of the first run ----------------------------------------------------------
     # (all the hooks run eagerly: a compiled block would otherwise trace them, and inside a
     # compiled frame a saved parameter's version reads 0, which the unpack check refuses)
-    @torch.compiler.disable
+    @eager_hook
     def pack_keep(self, t: torch.Tensor) -> Holder:
         h = Holder(self, _unlinked(t))
         self.holders.append(weakref.ref(h))
         return h
 
-    @torch.compiler.disable
+    @eager_hook
     def pack_drop(self, t: torch.Tensor) -> Holder:
         h = Holder(self, None, _meta(t))
         self.holders.append(weakref.ref(h))
@@ -91,7 +92,7 @@ class Frame:
     inspecting = 0
 
     @staticmethod
-    @torch.compiler.disable
+    @eager_hook
     def unpack(h: Holder) -> torch.Tensor:
         """Autograd reads a saved tensor of a block: its first read in the block's backward
         runs the plan up to ``B s`` (``ChainStep.backward_reaches``: recomputations fill the
@@ -133,7 +134,7 @@ class _Refill:
         self.n = 0
         self.mismatch: Optional[Tuple[int, Any, Any]] = None
 
-    @torch.compiler.disable
+    @eager_hook
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         i = self.n
         self.n += 1
@@ -152,7 +153,7 @@ class _Refill:
         return v
 
     @staticmethod
-    @torch.compiler.disable
+    @eager_hook
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 

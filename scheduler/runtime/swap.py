@@ -70,6 +70,7 @@ from .swap_sequence import SwapSequence
 from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import SwapTransfers
 from .accounting import check_unchanged
+from .not_compiled import eager_hook
 from .swap_vars import DeathQueue, Handle, Kept, Var
 
 NAME = "scheduler.swap"
@@ -229,14 +230,17 @@ class SwapContext:
         if t.requires_grad and t.is_leaf:  # held by the user anyway
             return False
         base = t._base
+        if base is None:  # (most saved tensors: Parameter's isinstance is Python code)
+            return True
         if isinstance(base, torch.nn.Parameter):
             # a view of a weight (``F.linear`` saves ``weight.t()``), frozen ones too: the
             # module holds it, so moving it frees nothing and brings a second copy back
             return False
-        return not (base is not None and base.requires_grad and base.is_leaf)
+        return not (base.requires_grad and base.is_leaf)
 
     # the hooks run eagerly: a compiled forward would otherwise trace (and recompile) them
-    @torch.compiler.disable
+    # (``eager_hook``: without torch.compiler.disable's cost where nothing is compiled)
+    @eager_hook
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._manageable(t):
             return Kept(t)
@@ -301,7 +305,7 @@ class SwapContext:
                 target.set_pressure_callback(self._on_pressure)
             self._pressure_targets[device] = target
 
-    @torch.compiler.disable
+    @eager_hook
     def _unpack(self, handle: Any) -> torch.Tensor:
         if handle.__class__ is not Handle:
             check_unchanged(handle.t, handle.version, "swap runtime")

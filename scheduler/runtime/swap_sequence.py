@@ -110,21 +110,23 @@ class SwapSequence:
         if entry is not None and self.following:
             if k >= len(entry.expected) or entry.expected[k] != event:
                 entry = self._switch_plan(k)
-            if entry is not None and entry.first_event(k) == same_step:
-                # the same events, grouped otherwise: the schedule's steps are not this
-                # iteration's nodes (acting on them could move a tensor a node holds)
-                self.following, entry = False, None
-                self.counters["plan_mismatches"] += 1
-            if entry is not None and entry.first_event(k):
-                sched = entry.schedule
-                j = entry.step_of[k]
-                nvars = len(self.vars)
-                for v in sched.release[j]:
-                    if v < nvars:
-                        t.release(self.vars[v], sched.blocking_release)
-                for v in sched.swap_in[j]:
-                    if v < nvars:
-                        self._prefetch(self.vars[v])
+            if entry is not None:
+                first = entry.first_event(k)
+                if first == same_step:
+                    # the same events, grouped otherwise: the schedule's steps are not this
+                    # iteration's nodes (acting on them could move a tensor a node holds)
+                    self.following = False
+                    self.counters["plan_mismatches"] += 1
+                elif first:
+                    sched = entry.schedule
+                    j = entry.step_of[k]
+                    nvars = len(self.vars)
+                    for v in sched.release[j]:
+                        if v < nvars:
+                            t.release(self.vars[v], sched.blocking_release)
+                    for v in sched.swap_in[j]:
+                        if v < nvars:
+                            self._prefetch(self.vars[v])
         if self.eviction.budget is not None:
             incoming = nbytes if var is None or var.state == HOST else 0
             self.eviction.make_room(incoming, var)
