@@ -18,15 +18,20 @@ L, D = 4, 16
 STACKED = "began a forward while the last forward's graph was still waiting"
 
 
-def make(blocks):
-    return scheduler.wrap(blocks, None, planner=plan_from_checkpoints(L, [1, 2]))
+@pytest.fixture(params=[(1, 2), ()], ids=["checkpoints", "keeps_everything"])
+def make(request):
+    """A wrapped model whose plan checkpoints blocks 1 and 2, or keeps everything (its steps
+    leave all but the last block to autograd: the last one's backward still tells the runner
+    the backward began)."""
+    return lambda blocks: scheduler.wrap(blocks, None,
+                                         planner=plan_from_checkpoints(L, list(request.param)))
 
 
 def no_stacked_warning(record) -> bool:
     return not any(STACKED in str(w.message) for w in record)
 
 
-def test_two_forwards_then_one_backward_is_said_once_and_exact():
+def test_two_forwards_then_one_backward_is_said_once_and_exact(make):
     blocks, ref = twins(lambda: mlp_blocks(L, D))
     a, b = torch.randn(8, D), torch.randn(8, D)
     model = make(blocks)
@@ -52,7 +57,7 @@ def test_two_forwards_then_one_backward_is_said_once_and_exact():
     assert no_stacked_warning(again)   # once per block list
 
 
-def test_usual_loops_say_nothing():
+def test_usual_loops_say_nothing(make):
     blocks, _ = twins(lambda: mlp_blocks(L, D))
     model = make(blocks)
     x = torch.randn(8, D)

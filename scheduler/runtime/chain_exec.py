@@ -33,6 +33,7 @@ owns an ``Offloader`` and calls it at each op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Protocol,
@@ -60,6 +61,26 @@ LAYERDROP = "a model that skips blocks at random, LayerDrop, needs its layerdrop
 
 
 # ------------------------------------------------------------------------------------ state
+def _saved_tensor_hooks_on() -> bool:
+    """Whether saved-tensor hooks are on in this thread, or pushing them is refused
+    (``disable_saved_tensors_hooks``: the chain's hooks then raise at block 0, as always);
+    True where torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None:
+        return True
+    try:
+        return top(True) is not None or not enabled()
+    except (RuntimeError, TypeError):
+        return True
+
+
+def _backward_entered(step: "ChainStep", s: int, grad_outputs: Any) -> None:
+    """Autograd is about to run block ``s``'s backward (a block left to autograd)."""
+    step.entered = True
+    step._check_all_called(s)
+
+
 def _detached(ts: Sequence[torch.Tensor]) -> Tensors:
     return tuple(t.detach() for t in ts)
 
@@ -138,6 +159,8 @@ class ChainStep:
         self.fptr = 0
         self.bptr = 0
         self.next = 0                                 # the block the loop calls next
+        self.autograd_alone = False                   # blocks 0..L-2 left to autograd
+        self.entered = False                          # the backward reached one of those
         # the last block's outputs as the loop may pass them on: by identity (weakly) and
         # their value (detached); see ``_previous``
         self.prev_out: Optional[Tuple[Tuple[weakref.ReferenceType, ...], Tensors]] = None
@@ -255,6 +278,14 @@ class ChainStep:
                 f"{self.name}: block {s} was called but block {self.next} was expected: the "
                 f"model must call each of its {self.L} blocks once, in order, per forward "
                 f"(name the list its loop walks with blocks=; {LAYERDROP})")
+        if s == 0:
+            self.autograd_alone = self._autograd_alone()
+        if self.autograd_alone and s < self.L - 1:
+            self._forward_ops_until(s)
+            out = run_first(args, kwargs)
+            self.next = s + 1
+            self._signal_backward(s, out)
+            return out
         call = BlockCall(args, kwargs, self._previous(), all_inputs=all_inputs)
         self.failed_call = call  # until it ran: abandon() lets go of its arguments too
         if s == 0:
@@ -316,6 +347,42 @@ class ChainStep:
             self.offloader.restore_escaped(loop_outs)
         return out
 
+    def _autograd_alone(self) -> bool:
+        """Whether blocks 0..L-2 are left to autograd, run as the loop calls them with no
+        saved-tensor hooks, frames or held values (``_signal_backward`` tells the step where
+        their backward begins): the plan keeps every activation and moves none (a budget that
+        fits the step, a small Mimose input), the step measures nothing (no profiling, no
+        Mimose collection, no memory tracking), and no other saved-tensor hooks are on (a
+        ``save_on_cpu`` around the model, the swap runtime: they would then get those blocks'
+        saved tensors, which the chain's hooks keep from them) or refused. What the hooks
+        cost, a few us per saved tensor (bench/hook_overhead.py), then buys nothing. The last
+        block keeps them: its backward is the plan's (``backward_reaches``)."""
+        return (self.cplan.keeps_everything and not self.track and self.collector is None
+                and self.profile_key is None and not _saved_tensor_hooks_on())
+
+    def _signal_backward(self, s: int, out: Any) -> None:
+        """What a block left to autograd still owes the step: a sign when its backward begins
+        (one pre-hook on its first output's node, not one per saved tensor), which is where a
+        backward may enter the graph (a loss on an earlier block's output: CLIP's skip, or a
+        forward that stopped before the last block), so the runner knows the backward began
+        (stacked forwards) and a forward that skipped blocks is refused there as before. The
+        hook holds the step while the graph lives, as holders do."""
+        node = next((t.grad_fn for t in tensor_leaves(out) if t.grad_fn is not None), None)
+        if node is not None:
+            node.register_prehook(functools.partial(_backward_entered, self, s))
+
+    @property
+    def backward_began(self) -> bool:
+        """Whether autograd ran any of this step's backward (a block's, or its plan's ops)."""
+        return self.bptr > 0 or self.b_reached is not None or self.entered
+
+    def _check_all_called(self, target: int) -> None:
+        if self.next != self.L:
+            raise RuntimeError(
+                f"{self.name}: backward reached block {target} but the forward called only "
+                f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
+                f"({LAYERDROP})")
+
     def _previous(self) -> Optional[Tensors]:
         """The last block's outputs for the next call's ``BlockCall``: those the loop still
         holds, the very objects (it may pass them on: matched by identity); the step's detached
@@ -351,11 +418,7 @@ class ChainStep:
     def backward_reaches(self, target: int) -> None:
         """Autograd is about to run block ``target``'s backward: run the plan's ops up to
         ``B target`` (recomputations fill its holders)."""
-        if self.next != self.L:
-            raise RuntimeError(
-                f"{self.name}: backward reached block {target} but the forward called only "
-                f"blocks 0..{self.next - 1} of {self.L}: every block must run in each forward "
-                f"({LAYERDROP})")
+        self._check_all_called(target)
         if self.b_reached is not None:  # autograd ran that B since: what it read may go
             self.offloader.after(self.b_reached)
             self.b_reached = None

@@ -773,7 +773,7 @@ class ChainRunner(MimoseSteps):
         (A graph kept by ``backward(retain_graph=True)`` is not seen here: the README says it
         keeps the recomputed tensors.)"""
         last = self._ended() if self._ended is not None else None
-        if self._said_stacked or last is None or last.bptr > 0 or last.b_reached is not None:
+        if self._said_stacked or last is None or last.backward_began:
             return
         self._said_stacked = True
         message = (

@@ -27,6 +27,8 @@ class CompiledPlan:
     release: Dict[int, int] = field(default_factory=dict)
     # compute op index -> offload ops whose copy must be complete before it starts (host wait)
     sync_before: Dict[int, List[int]] = field(default_factory=dict)
+    # every block runs once keeping what it saves (F_all), and nothing moves: plain training
+    keeps_everything: bool = False
 
     @classmethod
     def of(cls, plan: Plan, L: int) -> "CompiledPlan":
@@ -99,7 +101,11 @@ class CompiledPlan:
                 if kind2 in ("prefetch", "offload", "B"):
                     break
             release[i] = last
-        return cls(plan, L, fwd, bwd, recomputed, release, sync_before)
+        # (its backward ops B L .. B 0 in order: the runtime checks the order only where the
+        # step follows the plan's backward, which such a step leaves to autograd)
+        keeps = not recomputed and all(kind == "F_all" for _, kind, s in fwd if s < L) and \
+            [(kind, s) for _, kind, s in bwd] == [("B", s) for s in range(L, -1, -1)]
+        return cls(plan, L, fwd, bwd, recomputed, release, sync_before, keeps)
 
 
 def transfer_timing(sim: Any) -> Dict[str, List[Any]]:

@@ -66,6 +66,9 @@ def eager_hook(fn: F) -> F:
             return fn(*args)
         return disabled(*args)
 
-    skip_code(hook.__code__)  # (every hook made here shares this code object)
+    try:
+        skip_code(hook.__code__)  # (every hook made here shares this code object)
+    except (AttributeError, RuntimeError, TypeError):  # a private API that changed shape
+        return disabled  # type: ignore[return-value]
     hook._torchdynamo_disable = True  # type: ignore[attr-defined]
     return hook  # type: ignore[return-value]
