@@ -99,17 +99,18 @@ class Frame:
         holders, prefetches land), then the value, checked unchanged since it was saved."""
         if Frame.inspecting:
             raise LookupError("a chain's saved tensor: not read while inspecting a graph")
-        f = h.frame
-        if f.step.replaying:  # runtime.tail replays the tail's backward: it must stop above us
-            raise RuntimeError(f"{f.step.name}: the replay of the model's tail reached block "
+        f, step = h.frame, h.step  # (the holder's own link: no weak reference to follow)
+        if step.replaying:  # runtime.tail replays the tail's backward: it must stop above us
+            raise RuntimeError(f"{step.name}: the replay of the model's tail reached block "
                                f"{f.s}'s backward")
         if not f.triggered:
             f.triggered = True
-            f.step.backward_reaches(f.s)
+            step.backward_reaches(f.s)
         if h.value is None:
-            raise RuntimeError(f"{f.step.name}: block {f.s}: a saved tensor was not "
+            raise RuntimeError(f"{step.name}: block {f.s}: a saved tensor was not "
                                "recomputed (the plan has no F_all of this block before its B)")
-        check_unchanged(h.value, h.version, f"{f.step.name}: block {f.s}")
+        if h.value._version != h.version:  # (the message is built only then)
+            check_unchanged(h.value, h.version, f"{step.name}: block {f.s}")
         return h.value
 
     # hooks of the recomputation ------------------------------------------------------
