@@ -23,19 +23,25 @@ def _recording():
     return fn, calls
 
 
-def test_without_compiled_code_the_hook_runs_fn_itself(monkeypatch):
-    fn, calls = _recording()
-    disabled = []
+def _count_disabled_runs(monkeypatch):
+    """torch.compiler.disable whose disabled functions count their calls (in the list)."""
+    runs = []
     real = torch.compiler.disable
 
-    def counting_disable(f, *a, **kw):   # the disabled fn, counted when called
+    def counting_disable(f, *a, **kw):
         wrapped = real(f, *a, **kw)
 
         def run(*args):
-            disabled.append(1)
+            runs.append(1)
             return wrapped(*args)
         return run
     monkeypatch.setattr(torch.compiler, "disable", counting_disable)
+    return runs
+
+
+def test_without_compiled_code_the_hook_runs_fn_itself(monkeypatch):
+    fn, calls = _recording()
+    disabled = _count_disabled_runs(monkeypatch)
     hook = eager_hook(fn)
     x = torch.randn(3, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(hook, hook):
@@ -79,17 +85,7 @@ def test_with_a_callback_set_the_hook_takes_the_disabled_path(monkeypatch):
     monkeypatch.setattr(not_compiled, "_frame_api",
                         lambda: ((lambda: object() if state["set"] else None), skip_code))
     fn, calls = _recording()
-    ran_disabled = []
-    real = torch.compiler.disable
-
-    def counting_disable(f, *a, **kw):
-        wrapped = real(f, *a, **kw)
-
-        def run(*args):
-            ran_disabled.append(1)
-            return wrapped(*args)
-        return run
-    monkeypatch.setattr(torch.compiler, "disable", counting_disable)
+    ran_disabled = _count_disabled_runs(monkeypatch)
     hook = eager_hook(fn)
     hook(torch.ones(2))
     state["set"] = False
