@@ -37,7 +37,8 @@ def full_peak(blocks, x):
 
 @pytest.mark.usefixtures("deterministic_kernels")   # tests/conftest.py: bits, not noise
 @pytest.mark.parametrize("planner", ["rotor", "periodic", "pofo"])
-@pytest.mark.parametrize("frac", [0.9, 0.5])
+# 1.5: a plan that keeps everything (its steps leave all but the last block to autograd)
+@pytest.mark.parametrize("frac", [1.5, 0.9, 0.5])
 def test_cuda_gradients_identical(planner, frac):
     blocks, ref = twins(lambda: [b.to(DEV) for b in mlp_blocks(10, 256)])
     x = torch.randn(512, 256, device=DEV)
