@@ -72,9 +72,9 @@ def hook_overhead(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     meta = d.get("meta", {})
     goal = d.get("goal_us_per_saved", 3.9)
     out = ["Measured on the CPU: what each saved tensor costs the runtimes' saved-tensor hooks "
-           "(pack and unpack), in microseconds a step over plain training, on chains of tiny "
-           "blocks (the compute is nearly nothing); the median over rounds that interleave the "
-           "configurations. `bare hooks` is the floor any hook pays; `runner` is "
+           "(pack and unpack), in microseconds (a step's time over plain training's, over the "
+           "step's saved tensors), on chains of tiny blocks (the compute is nearly nothing); the "
+           "median over rounds that interleave the configurations. `bare hooks` is the floor any hook pays; `runner` is "
            "`scheduler.wrap` with nothing recomputed (its steps leave all blocks but the last "
            "to autograd), `runner hooked` the same with every block hooked (as a step that "
            "recomputes or moves something runs them), `swap` the swap window with nothing "
@@ -82,8 +82,8 @@ def hook_overhead(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            "its 480 saved tensors.",
            meta_line(meta, (("torch", "torch"), ("date", "date"))), ""]
     rows = d["rows"]
-    out += table(["blocks", "saved tensors / step", "plain step us", "bare hooks us",
-                  "runner us", "runner hooked us", "swap us"],
+    out += table(["blocks", "saved tensors / step", "plain step us", "bare hooks us / saved",
+                  "runner", "runner hooked", "swap"],
                  [(r["L"], r["saved_per_step"], num(r["plain_step_us"]),
                    num(r["bare_hooks_us_per_saved"]), num(r["runner_us_per_saved"]),
                    num(r["runner_hooked_us_per_saved"]), num(r["swap_us_per_saved"]))
