@@ -21,8 +21,8 @@ STACKED = "began a forward while the last forward's graph was still waiting"
 @pytest.fixture(params=[(1, 2), ()], ids=["checkpoints", "keeps_everything"])
 def make(request):
     """A wrapped model whose plan checkpoints blocks 1 and 2, or keeps everything (its steps
-    leave all but the last block to autograd: the last one's backward still tells the runner
-    the backward began)."""
+    leave all but the last block to autograd, whose output nodes' pre-hooks still tell the
+    runner the backward began)."""
     return lambda blocks: scheduler.wrap(blocks, None,
                                          planner=plan_from_checkpoints(L, list(request.param)))
 
