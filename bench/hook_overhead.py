@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import scheduler
+from scheduler.profile.autograd_graph import SavedTensors
 
 GOAL_US = 3.9           # per saved tensor: 5% of ResNet-50's H100 step (batch 64) over 480
 WIDTH, LAYERS = 8, 10   # each block: LAYERS x (Linear + ReLU) on WIDTH features
@@ -54,15 +55,9 @@ class TinyBlock(nn.Module):
 
 
 def saved_per_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    n = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal n
-        n += 1
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensors() as saved:
         forward(x).sum().backward()
-    return n
+    return len(saved.tensors)
 
 
 def measure(L: int, rounds: int, steps: int) -> Dict[str, Any]:

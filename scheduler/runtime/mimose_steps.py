@@ -105,6 +105,8 @@ class MimoseSteps:
     tail: Any
     _budget: Optional[int]
     _said_profiling: bool
+    # the last collection step's input in words, for _observe_sample's warning (None: not yet)
+    _collecting_input: Optional[str] = None
     input_size: Callable[[Sequence[Any]], float]
     # and the runner's methods: _compile, _in_share, _for_input, _key, _sharded, _under_fsdp,
     # _say_profiling_peak, _block0_tensors
@@ -346,5 +348,5 @@ class MimoseSteps:
         if target is self.mimose:  # (a sample of another setting: not this budget's)
             est = target.estimator.measured(size)
             if est is not None:
-                self._say_profiling_peak(target.checked_chain(est), collected=self.__dict__.get(
-                    "_collecting_input", f"input size {size:g}"))
+                self._say_profiling_peak(target.checked_chain(est), collected=(
+                    self._collecting_input or f"input size {size:g}"))
