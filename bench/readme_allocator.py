@@ -80,6 +80,23 @@ def _remap_fresh(where: str, remap: List[Dict[str, Any]], fresh: List[Dict[str, 
     return out
 
 
+def _taken(dec: Dict[str, Any]) -> str:
+    """Whether the default the data asked for is the allocator's default now (read from
+    ``vmalloc.Allocator``'s signature; nothing said where vmalloc is not importable)."""
+    if not dec.get("change_default"):
+        return ""
+    try:
+        import inspect
+
+        from vmalloc import Allocator
+        now = inspect.signature(Allocator.__init__).parameters["cache_slack"].default
+    except Exception:  # noqa: BLE001 - vmalloc not built here: the verdict as recorded
+        return ""
+    if now != dec["cache_slack"]:
+        return ""
+    return f" Taken: `cache_slack` defaults to {dec['label']} since this measurement."
+
+
 def cache_slack(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
     meta, cost, dec, rule = d.get("meta", {}), d["remap_cost"], d["decision"], d["rule"]
     traces = d["traces"]
@@ -88,7 +105,7 @@ def cache_slack(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            f"{num(cost['us_per_chunk_remapped'])} us per chunk from alloc_micro.json's "
            f"{cost['source']} rows ({cost['measured_on']}).",
            meta_line(meta, (("gpu", "device"), ("torch", "torch"), ("date", "date"))), "",
-           f"**Verdict:** {d['verdict']}", "",
+           f"**Verdict:** {d['verdict']}" + _taken(dec), "",
            f"Per candidate, the worst over the traces: physical / requested peak (target "
            f"{g(rule['ratio_target'])} + {g(rule['ratio_tolerance'])}, or the trace's slack-0 "
            f"floor + {g(rule['ratio_tolerance'])}) and the remap time of the worst step after "

@@ -78,16 +78,21 @@ def hook_overhead(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            "`scheduler.wrap` with nothing recomputed (its steps leave all blocks but the last "
            "to autograd), `runner hooked` the same with every block hooked (as a step that "
            "recomputes or moves something runs them), `swap` the swap window with nothing "
-           "swapped. The goal is a GPU's: 5% of ResNet-50's H100 step at batch 64 (37 ms) over "
-           "its 480 saved tensors.",
+           "swapped (a budget the step fits: its iterations are kept in place, the saved tensors "
+           "only counted), `swap tracked` the same with every saved tensor through the runtime's "
+           "bookkeeping (no budget, a planner that moves nothing: the path of a step that swaps; "
+           "shown, not judged). The goal is a GPU's: 5% of ResNet-50's H100 step at batch 64 "
+           "(37 ms) over its 480 saved tensors.",
            meta_line(meta, (("torch", "torch"), ("date", "date"))), ""]
     rows = d["rows"]
+    tracked = all("swap_tracked_us_per_saved" in r for r in rows)  # (runs before it: none)
     out += table(["blocks", "saved tensors / step", "plain step us", "bare hooks us / saved",
-                  "runner", "runner hooked", "swap"],
+                  "runner", "runner hooked", "swap"] + (["swap tracked"] if tracked else []),
                  [(r["L"], r["saved_per_step"], num(r["plain_step_us"]),
                    num(r["bare_hooks_us_per_saved"]), num(r["runner_us_per_saved"]),
                    num(r["runner_hooked_us_per_saved"]), num(r["swap_us_per_saved"]))
-                  for r in rows], right=(0, 1, 2, 3, 4, 5, 6))
+                  + ((num(r["swap_tracked_us_per_saved"]),) if tracked else ())
+                  for r in rows], right=tuple(range(8 if tracked else 7)))
     for k, name in (("runner", "chain runner, nothing recomputed"),
                     ("runner_hooked", "chain runner, every block hooked"),
                     ("swap", "swap window, nothing swapped")):

@@ -6,6 +6,7 @@ out-of-memory only when the budget truly cannot hold the request (no external fr
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -37,7 +38,8 @@ def make_machine(backend: str, chunk: int, budget: Optional[int], small_threshol
                  max_size: int = 200 * MiB, **policy):
     """budget None: no cap; then physical memory must stay within the cache_slack soft cap."""
     sizes = size_strategy(max_size)
-    slack = 0.0 if policy.get("prefer_remap") else policy.get("cache_slack", 0.25)
+    slack = 0.0 if policy.get("prefer_remap") else policy.get(
+        "cache_slack", inspect.signature(Allocator).parameters["cache_slack"].default)
 
     class AllocatorMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -164,7 +166,10 @@ CONFIGS = {
     # small threshold above the chunk size: small bins capped at one chunk
     "tiny-chunks": dict(chunk=64 * KiB, budget=192 * MiB, small_threshold=MiB),
     # no budget: the cache_slack soft cap bounds physical memory (sizes capped to keep RAM low)
-    "no-budget": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB),
+    "no-budget": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB,
+                      cache_slack=0.25),
+    # no budget, the default slack (no cap: a caching allocator)
+    "no-budget-default": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB),
     "no-budget-lean": dict(chunk=256 * KiB, budget=None, small_threshold=64 * KiB, max_size=32 * MiB,
                            prefer_remap=True),
 }

@@ -102,7 +102,16 @@ def _tiny_gpu_trace(path):
     Trace(ev, meta).save(path)
 
 
-def test_the_script_on_a_tiny_recorded_trace(tmp_path, monkeypatch):
+@pytest.fixture
+def only_given_traces(tmp_path, monkeypatch):
+    """The script reads --traces-dir, then bench/traces, which holds real GPU traces once a GPU
+    session recorded them: these tests see only the traces they make."""
+    empty = tmp_path / "no-bench"
+    (empty / "traces").mkdir(parents=True)
+    monkeypatch.setattr(cs, "HERE", str(empty))
+
+
+def test_the_script_on_a_tiny_recorded_trace(tmp_path, monkeypatch, only_given_traces):
     monkeypatch.setattr(cs, "missing_gpu_traces", lambda paths: [])   # it stands for them all
     _tiny_gpu_trace(tmp_path / "tiny-b1-native-gpu.json.gz")
     micro = {"host": {"remap": [{"k": 2, "us_per_chunk_remapped": 5.0}], "fresh": []},
@@ -182,7 +191,7 @@ def test_a_tighter_slack_that_remaps_less_is_taken_when_the_largest_costs_too_mu
     assert "0.05 keeps the memory target too, but its remaps cost 4.00% of a step" in d["verdict"]
 
 
-def test_traces_without_time_left_are_left_out_and_said_so(tmp_path):
+def test_traces_without_time_left_are_left_out_and_said_so(tmp_path, only_given_traces):
     _tiny_gpu_trace(tmp_path / "a-gpu.json.gz")
     _tiny_gpu_trace(tmp_path / "b-gpu.json.gz")
     micro = {"cuda": {"device": "Fake GPU",
@@ -203,7 +212,7 @@ def test_provisional_data_never_asks_for_a_new_default():
     assert "this provisional data says 0.05" in d["verdict"]
 
 
-def test_gpu_traces_of_some_jobs_only_are_provisional(tmp_path):
+def test_gpu_traces_of_some_jobs_only_are_provisional(tmp_path, only_given_traces):
     """A traces step cut short records some of record_gpu.py's jobs: a decision on those would
     stand for all of them."""
     from bench.traces.record_gpu import JOBS

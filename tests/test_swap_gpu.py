@@ -63,6 +63,27 @@ def test_cuda_bit_identical(name, setting):
     assert st["resident_bytes"] == 0 and st["host_in_use_bytes"] == 0, st
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_cuda_bit_identical_in_place(name):
+    """A budget the step fits: from the fourth step the iterations are kept in place (saved
+    tensors only counted); losses and gradients equal plain training's bit for bit, and the
+    in-place peak equals the tracked one (a training step holds its saved tensors until its
+    backward)."""
+    ref = _train_cuda(name, steps=6)
+    ctx = scheduler.swap(window="1GiB", budget="1GiB", device="cuda", min_bytes=0)
+    peaks = []
+    from test_swap_runtime import MODELS, train
+    build, batch = MODELS[name]
+    got = train(build, batch, ctx, steps=6, device="cuda",
+                check=lambda i: peaks.append(ctx.stats()["last_iteration_peak_resident_bytes"]))
+    torch.cuda.synchronize()
+    st = ctx.stats()
+    assert st["iterations_in_place"] == 3 and st["swapped_out_bytes"] == 0, st
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert all(torch.equal(a, b) for ga, gb in zip(ref[1], got[1]) for a, b in zip(ga, gb))
+    assert peaks[3:] == [peaks[2]] * 3, peaks
+
+
 def test_copies_overlap_compute():
     """Heavy matmuls between saved tensors: with a window of a few tensors the swap-ins are
     issued ahead of their use (none on demand), and swap-outs are never waited for (no budget:

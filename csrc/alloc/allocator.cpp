@@ -14,11 +14,14 @@
 //      from the tails of cached ranges (oldest first) are mapped into a new VA range. Which of
 //      "create" and "remap cached" comes first is the memory/speed trade-off; the bench's policy
 //      table (bench/results/alloc_micro.json, 2 MiB chunks, training-like traces) measured:
-//        no cap (grow first, a caching allocator): static shapes 0 remaps/malloc in steady state
-//          but physical peak 1.47x requested peak; dynamic shapes 2.8x;
+//        no cap (grow first, a caching allocator; the default): static shapes 0 remaps/malloc in
+//          steady state but physical peak 1.47x requested peak; dynamic shapes 2.8x;
 //        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, but 0.38-0.63 maps/malloc;
-//        cache_slack 0.25 (default): grow while physical <= 1.25 x peak chunks in use, then remap:
+//        cache_slack 0.25: grow while physical <= 1.25 x peak chunks in use, then remap:
 //          1.29-1.33x, 0.11 (static) / 0.48 (dynamic) maps/malloc.
+//      On a GPU a remap is dear (44 us per 2 MiB chunk on an H100): replayed, the real traces
+//      recorded there spent 50-134% of a step remapping under every finite slack (0.25: 65%), and
+//      none under no cap, which is the default (issue 12, bench/results/cache_slack.json).
 //      With a budget, we grow up to the budget first: that memory is ours anyway.
 //   nnabla's fourth path, growing a smaller cached range in place by mapping chunks into the VA
 //   right after it, is not kept: it still maps the missing chunks one by one (the dominant cost of

@@ -27,9 +27,12 @@ struct Config {
   bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
   // Slow path without a budget: new chunks are created only while physical memory stays below
   // (1 + cache_slack) x the peak of chunks in use; past that, cached chunks are remapped first.
-  // < 0: no such cap. With a budget, chunks are created up to the budget first. prefer_remap
-  // overrides both (cache_slack = 0, budget or not).
-  double cache_slack = 0.25;
+  // < 0: no such cap (the default: a caching allocator). With a budget, chunks are created up to
+  // the budget first. prefer_remap overrides both (cache_slack = 0, budget or not).
+  // The default is measured (issue 12, bench/results/cache_slack.json): on an H100 a remap costs
+  // 44 us per 2 MiB chunk, and on the real traces recorded there every finite slack's remaps took
+  // 50-134% of some training step (0.25: 65%, BERT with variable lengths); no cap takes none.
+  double cache_slack = -1.0;
   // Allocation-trace ring (set_trace): the most recent events kept; older ones are dropped and
   // counted (Stats::num_trace_dropped). 0 keeps none.
   size_t trace_capacity = 100000;

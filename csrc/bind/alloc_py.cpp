@@ -133,7 +133,9 @@ void bind_alloc(nb::module_& m) {
   default_config["small_threshold"] = defaults.small_threshold;
   default_config["split_cached"] = defaults.split_cached;
   default_config["prefer_remap"] = defaults.prefer_remap;
-  default_config["cache_slack"] = defaults.cache_slack;
+  // (< 0 is no cap: None, as vmalloc.Allocator takes it)
+  default_config["cache_slack"] =
+      defaults.cache_slack < 0 ? nb::object(nb::none()) : nb::object(nb::float_(defaults.cache_slack));
   default_config["trace_capacity"] = defaults.trace_capacity;
   m.attr("DEFAULT_CONFIG") = default_config;
 
@@ -290,7 +292,11 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("small_threshold", [](const Allocator& a) { return a.config().small_threshold; })
       .def_prop_ro("split_cached", [](const Allocator& a) { return a.config().split_cached; })
       .def_prop_ro("prefer_remap", [](const Allocator& a) { return a.config().prefer_remap; })
-      .def_prop_ro("cache_slack", [](const Allocator& a) { return a.config().cache_slack; })
+      .def_prop_ro("cache_slack",
+                   [](const Allocator& a) -> nb::object {  // (no cap: None, as it is given)
+                     double slack = a.config().cache_slack;
+                     return slack < 0 ? nb::object(nb::none()) : nb::object(nb::float_(slack));
+                   })
       .def_prop_ro("granularity", &Allocator::granularity)
       .def_prop_ro("total_memory", &Allocator::total_memory)
       .def("largest_available", &Allocator::largest_available, nb::call_guard<nb::gil_scoped_release>(),

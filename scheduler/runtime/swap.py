@@ -52,7 +52,7 @@ iteration the new sequence gets its own schedule.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,7 @@ from ..plan_cache import capacity_arg
 from ..planners.swap_schedule import DEVICE, FREED, PACK, UNPACK, VariableSequence
 from .options import parse_budget
 from .swap_eviction import Eviction
+from .swap_in_place import KeptInPlaceWarning
 from .swap_args import device_arg, window_arg
 from .swap_planning import PLANNERS, Entry, PlannerLike, PlanOverBudgetWarning, SwapPlanner
 from .swap_sequence import SwapSequence
@@ -71,12 +72,13 @@ from .swap_stats import Residency, new_counters, stats_dict
 from .swap_transfers import SwapTransfers
 from .accounting import check_unchanged
 from .not_compiled import eager_hook
-from .swap_vars import DeathQueue, Handle, Kept, Var
+from .swap_vars import DeathQueue, Handle, Var
 
 NAME = "scheduler.swap"
+_Tensor, _strided = torch.Tensor, torch.strided  # (read at every pack)
 
 __all__ = ["SwapContext", "swap", "install_global", "uninstall_global", "global_context",
-           "PLANNERS", "PlanOverBudgetWarning"]
+           "PLANNERS", "PlanOverBudgetWarning", "KeptInPlaceWarning"]
 
 
 def _find_vmalloc_allocator(device: torch.device) -> Any:
@@ -184,6 +186,7 @@ class SwapContext:
         if self._allocator is not None:
             self._allocator.set_pressure_callback(self._on_pressure)
             self._pressure_targets["given"] = self._allocator
+            self._no_in_place()
         # vmalloc's allocators are hooked per device at the first tensor saved there
         # (_hook_pressure): resolving "cuda" here would start CUDA on the current device at
         # `import torch` under VMALLOC_WINDOW, before torchrun's ranks pick their GPUs
@@ -218,14 +221,11 @@ class SwapContext:
 
     # --------------------------------------------------------------------------- hooks
     def _manageable(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor:  # parameters, subclasses
+        if type(t) is not _Tensor:  # parameters, subclasses
             return False
-        if self._cuda:
-            if not t.is_cuda:
-                return False
-        elif not t.is_cpu:
+        if not (t.is_cuda if self._cuda else t.is_cpu):
             return False
-        if t.layout is not torch.strided or t.is_conj() or t.is_neg() or t.is_quantized:
+        if t.layout is not _strided or t.is_conj() or t.is_neg() or t.is_quantized:
             return False
         if t.requires_grad and t.is_leaf:  # held by the user anyway
             return False
@@ -238,17 +238,33 @@ class SwapContext:
             return False
         return not (base.requires_grad and base.is_leaf)
 
-    # the hooks run eagerly: a compiled forward would otherwise trace (and recompile) them
-    # (``eager_hook``: without torch.compiler.disable's cost where nothing is compiled)
+    # The hooks run eagerly: a compiled forward would otherwise trace (and recompile) them
+    # (``eager_hook``: without torch.compiler.disable's cost where nothing is compiled).
+    # A tensor left where it is (parameters, small ones, an iteration kept in place) is packed
+    # as ``(t.detach(), t._version)``: detached, or the tensor autograd saved as an output would
+    # hold its own graph through the pack (a cycle only the garbage collector breaks); the
+    # version for ``check_unchanged``; in an iteration kept in place, its ``InPlaceToken`` too.
+    # A plain tuple: this is the path of every saved tensor of an iteration kept in place, where
+    # a class's construction would be most of the cost.
     @eager_hook
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._manageable(t):
-            return Kept(t)
+            return t.detach(), t._version
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes or nbytes == 0:
-            return Kept(t)
+            return t.detach(), t._version
         with self._lock:
+            seq = self._seq
+            if seq.backward_seen and not seq.callback_queued and (seq.events or seq.in_place.on):
+                # the backward ended and no end callback said so (older torch): end it here,
+                # its deaths counted first (as ``_on_backward_end`` does)
+                self._drain()
+                seq.end_iteration()
+            if seq.in_place.on:
+                token = seq.keep_in_place(storage.data_ptr(), nbytes)
+                if token is not None:
+                    return t.detach(), t._version, token
             self._drain()
             self._depth += 1
             try:
@@ -259,7 +275,7 @@ class SwapContext:
     def _pack_locked(self, t: torch.Tensor, storage: Any, nbytes: int) -> Handle:
         seq = self._seq
         if seq.events:
-            if (seq.backward_seen and not seq.callback_queued) or seq.live_in_iter == 0:
+            if seq.live_in_iter == 0:  # (every saved tensor of the iteration died)
                 seq.end_iteration()
             elif seq.dead_recording():  # overlapping forward-only graphs: bounded
                 seq.drop_iteration()
@@ -303,13 +319,23 @@ class SwapContext:
             target = _find_vmalloc_allocator(device)
             if target is not None:
                 target.set_pressure_callback(self._on_pressure)
+                self._no_in_place()
             self._pressure_targets[device] = target
+
+    def _no_in_place(self) -> None:
+        """A pressure callback may ask to evict any saved tensor: none may be kept in place."""
+        self._seq.in_place.allowed = False
+        self._seq.leave_in_place()
 
     @eager_hook
     def _unpack(self, handle: Any) -> torch.Tensor:
-        if handle.__class__ is not Handle:
-            check_unchanged(handle.t, handle.version, "swap runtime")
-            return handle.t
+        if handle.__class__ is tuple:  # left where it is
+            t, version = handle[0], handle[1]
+            if t._version != version:
+                check_unchanged(t, version, "swap runtime")
+            if self._seq.in_place.on and not self._seq.callback_queued:
+                self._in_place_backward(handle)
+            return t
         with self._lock:
             self._drain()
             self._depth += 1
@@ -335,6 +361,9 @@ class SwapContext:
                     check_unchanged(view, view._version, "swap runtime",
                                     handle.changed_since_saved())
                     handle.view, handle.version = view, view._version
+                elif handle.meta is None:  # never dropped: it shares the saved tensor's counter
+                    if handle.modified or view._version != handle.version:
+                        check_unchanged(view, handle.version, "swap runtime", handle.modified)
                 else:  # (a re-attached view has a counter of its own: ask the source too)
                     check_unchanged(view, handle.version, "swap runtime",
                                     handle.changed_since_saved())
@@ -343,6 +372,17 @@ class SwapContext:
                 return view
             finally:
                 self._depth -= 1
+
+    def _in_place_backward(self, packed: Tuple[Any, ...]) -> None:
+        """A backward reads ``packed``: if the running iteration kept it in place, that
+        backward's end ends the iteration (a graph of an earlier one does not)."""
+        if torch._C._current_graph_task_id() == -1:  # (read outside a backward)
+            return
+        with self._lock:
+            seq = self._seq
+            if seq.in_place.on and not seq.callback_queued and seq.in_place.is_current(packed):
+                self._queue_end_callback()
+                seq.backward_seen = True
 
     def _queue_end_callback(self) -> None:
         engine = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -375,6 +415,7 @@ class SwapContext:
         interrupt cut an earlier drain short."""
         if self._depth:
             return
+        self._seq.in_place.settle()  # (tensors kept in place: their tokens' deaths)
         deaths = self._deaths
         while deaths:
             ref = deaths.pop()
@@ -407,8 +448,9 @@ class SwapContext:
             self._transfers.resolve_gpu_stalls(wait=True)
             settings = {"window": self.window, "budget": self.budget,
                         "planner": self._planner.name, "device": str(self.device)}
-            return stats_dict(self._counters, self._residency, self._seq.cache, len(self._live),
-                              settings, self._transfers.pool.stats())
+            seq = self._seq
+            return stats_dict(self._counters, self._residency, seq.cache, len(self._live),
+                              settings, self._transfers.pool.stats(), seq.in_place.resident())
 
 
 def swap(window: SizeLike = "2GiB", budget: Optional[SizeLike] = None,

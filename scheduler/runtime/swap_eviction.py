@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from ..planners.swap_schedule import DEVICE, IN
+from vmalloc import user_warning
+
+from .swap_in_place import KeptInPlaceWarning
 from .swap_stats import Residency
 from .swap_transfers import SwapTransfers
 from .swap_vars import Var
@@ -23,6 +26,7 @@ class Eviction:
         self.budget = budget
         # the vars of the step running (SwapSequence keeps this list): never evicted
         self.in_use: List[Var] = []
+        self.said_unmanaged = False  # (``KeptInPlaceWarning``: once)
 
     def make_room(self, incoming: int, keep: Optional[Var]) -> None:
         """Keep the budget: free resident bytes until ``incoming`` more fit."""
@@ -31,6 +35,17 @@ class Eviction:
             return
         self.counters["budget_evictions"] += self.free_bytes(
             self.residency.bytes + incoming - budget, keep)[1]
+        if self.residency.unmanaged and not self.said_unmanaged and \
+                self.residency.bytes + incoming > budget:
+            self.said_unmanaged = True
+            user_warning.warn(
+                f"scheduler.swap: {self.residency.unmanaged} bytes of saved tensors kept in "
+                f"place (by iterations whose plan moved nothing) are still alive and cannot be "
+                f"swapped out: the budget ({budget} bytes) is passed by up to them. They are "
+                f"those of an iteration that outgrew its plan partway (a longer sequence with "
+                f"the same start), or of a graph kept past its backward (retain_graph, an output "
+                f"whose branch the backward did not run); that plan is not kept in place again",
+                KeptInPlaceWarning)
 
     def room_for_prefetch(self, incoming: int) -> bool:
         """Whether a planned swap-in of ``incoming`` bytes fits the budget, after completing

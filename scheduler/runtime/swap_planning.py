@@ -11,6 +11,7 @@ the sequence, an approximation of the real graph, so the schedule their plan tur
 budgets of 131072 and 170393); the window planner's schedules keep it."""
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from numbers import Integral
@@ -22,7 +23,7 @@ from ..plan import Plan
 from ..planners import lms as lms_planner
 from ..planners import window as window_planner
 from ..planners.offload_follow import chain_from_sequence, schedule_from_plan
-from ..planners.swap_schedule import UNPACK, SwapSchedule, VariableSequence, replay
+from ..planners.swap_schedule import PACK, UNPACK, SwapSchedule, VariableSequence, replay
 from ..units import parse_rate
 from .bandwidth import default_bandwidth
 
@@ -87,6 +88,36 @@ class Entry:
     expected: List[Tuple[int, str, int]]
     step_of: List[int]
     key: int
+
+    # an iteration that began in place under this plan outgrew its room (``swap_sequence``)
+    in_place_refused: bool = False
+
+    def may_keep_in_place(self, budget: Optional[int]) -> bool:
+        """An iteration following this plan may be kept in place: the schedule swaps nothing out
+        or in and releases nothing, and its sequence fits ``budget`` as it is (its replay's peak;
+        a planner may move nothing where the budget is too small for that, leaving the runtime
+        to evict on demand), and no iteration kept in place under it outgrew its room."""
+        return (budget is not None and not self.in_place_refused and self.moves_nothing
+                and self.peak <= budget)
+
+    @functools.cached_property
+    def packs(self) -> int:
+        """The sequence's packs (saved tensors, each time one is saved)."""
+        return sum(1 for e in self.expected if e[1] == PACK)
+
+    @functools.cached_property
+    def moves_nothing(self) -> bool:
+        s = self.schedule
+        return not any(any(steps) for steps in (s.swap_out, s.swap_in, s.release))
+
+    @functools.cached_property
+    def peak(self) -> float:
+        """The replay's peak of saved bytes on the device (infinite if the replay refuses the
+        schedule: a callable's)."""
+        try:
+            return replay(self.sequence, self.schedule).peak
+        except InvalidPlanError:
+            return float("inf")
 
     def first_event(self, k: int) -> bool:
         """Event ``k`` starts its step (the schedule's releases and swap-ins go before it)."""

@@ -14,6 +14,21 @@ tensors of an earlier iteration still on the device) is skipped: its tensor come
 A recording with no backward whose saved tensors mostly died already (forward-only graphs that
 overlap, as in an evaluation loop that forgot ``no_grad``) is dropped once it is as long as the
 longest plan known (at least ``DEAD_RECORDING_EVENTS``), so its bookkeeping stays bounded.
+
+*In place*: a plan that moves nothing (a budget the whole sequence fits in), followed to the
+letter by two iterations in a row, needs no per-tensor bookkeeping: the next iterations keep
+their saved tensors where they are, as parameters are kept, and only add up the bytes the runtime
+would have managed (each storage once, ``swap_in_place``). That count is what keeps the budget:
+while the bytes saved since the iteration began fit the room the budget leaves, no schedule
+could need to move anything, whatever the sequence. An iteration whose first saved tensor
+differs from the plan's (a new input shape) takes the full path from its start, and so finds the
+plan known for its shape; the pack that would pass the room leaves the iteration to the full
+path (``leave_in_place``): the bytes kept so far count as resident until those tensors die
+(they cannot be moved: the budget may be passed by them in that iteration, and
+``peak_resident_bytes`` says so), it is not planned (its start was not recorded), the next one
+records, and that plan is never kept in place again (its sequences outgrow it). An iteration
+whose kept tensors all die before a backward ends, as on the full path. Not under a pressure
+callback (vmalloc's allocator, ``allocator=``): one may ask to evict any saved tensor.
 """
 from __future__ import annotations
 
@@ -22,8 +37,9 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..plan_cache import PlanCache
-from ..planners.swap_schedule import HOST, UNPACK, VariableSequence
+from ..planners.swap_schedule import HOST, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
+from .swap_in_place import InPlace, InPlaceToken
 from .swap_planning import Entry, SwapPlanner
 from .swap_stats import Residency
 from .swap_transfers import SwapTransfers
@@ -48,6 +64,11 @@ class SwapSequence:
         self.it = 0
         self.active: Optional[Entry] = None
         self.longest_plan = 0  # events of the longest plan in ``known``
+        # in place: how many iterations in a row followed ``active`` to the letter (two: the
+        # next may be kept in place; one is not enough where two kinds of iteration alternate,
+        # as the two backwards of a gradient penalty do)
+        self.streak = 0
+        self.in_place = InPlace(residency)
         self.new_iteration()
 
     def new_iteration(self) -> None:
@@ -68,11 +89,60 @@ class SwapSequence:
         self.residency.new_iteration()
         self.following = self.active is not None
         self.eviction.in_use.clear()  # the running step's vars: autograd holds them
+        self.partial = False  # the iteration's start was kept in place, not recorded
+        if self.in_place.finish() and self.active is not None:
+            # its tensors outlive it (a graph kept): they cannot move if a later iteration
+            # needs the room, so this plan is not kept in place again
+            self.active.in_place_refused = True
+        budget = self.eviction.budget
+        active = self.active
+        # what the saved tensors of an iteration kept in place may add to those still resident
+        room = 0 if budget is None else budget - self.residency.bytes
+        if self.streak >= 2 and self.in_place.allowed and room > 0 and active is not None \
+                and active.may_keep_in_place(budget):
+            self.in_place.begin(room, active.packs)
 
     def end_step(self) -> None:
         """No step runs any more (the context exits): nothing in use, no node held."""
         self.eviction.in_use.clear()
         self.node = None
+        if self.in_place.on:  # (the peak so far of an iteration the exit cuts)
+            self.residency.add_peak(self.in_place.bytes)
+
+    # -------------------------------------------------------------------- in place
+    def keep_in_place(self, ptr: int, nbytes: int) -> Optional[InPlaceToken]:
+        """A saved storage (``ptr``, ``nbytes``) in an iteration kept in place: the token its
+        pack holds if it stays where it is, None if the pack takes the full path."""
+        ip = self.in_place
+        if ip.seen:
+            if ip.token_ref() is None:
+                # every tensor it kept died before a backward (a graph dropped, a forward-only
+                # pass): it is over, as on the full path when all its vars died; this pack
+                # begins the next
+                self.counters["iterations_in_place"] += 1
+                self.residency.add_peak(ip.bytes)
+                self.streak = 0
+                self._next_iteration()
+                return None
+        elif self.active.expected[0] != (0, PACK, nbytes):
+            # the first saved tensor differs from the plan's (a new input shape): the full path
+            # from the iteration's start, which switches to the plan known for it or records
+            ip.leave()
+            return None
+        token = ip.keep(ptr, nbytes)
+        if token is None:
+            self.leave_in_place()
+        return token
+
+    def leave_in_place(self) -> None:
+        """The rest of this iteration takes the full path. Nothing kept in place yet: the whole
+        iteration, following its plan as any other. Else recording, not planned
+        (``end_iteration``), with the bytes kept so far counted as resident until those tensors
+        die; the plan is not kept in place again: its sequences outgrow it."""
+        if self.in_place.on and self.in_place.leave():
+            self.following = False
+            self.partial = True
+            self.active.in_place_refused = True
 
     def freed(self, var: Var) -> None:
         """``var`` was freed after the last recorded step (once: a drain cut short by an
@@ -181,28 +251,36 @@ class SwapSequence:
     def drop_iteration(self) -> None:
         """End the running iteration without planning it (``dead_recording``). Its saved
         tensors still alive are an earlier iteration's from now on (used on demand)."""
+        self.streak = 0
         self._next_iteration()
 
     def end_iteration(self) -> None:
         """The iteration is over: plan its recorded sequence (or count a hit when
         every event followed the active schedule, with no sequence rebuilt), make that plan
         the one the next iteration follows, and start recording the next iteration. A step
-        an exception cut short is not planned (``plan_mismatches``)."""
+        an exception cut short is not planned (``plan_mismatches``), nor an iteration that
+        began in place and left it (its start was not recorded)."""
+        if self.in_place.on:  # the plan that moves nothing held: a hit, as a followed one
+            self.counters["iterations_in_place"] += 1
+            self.residency.add_peak(self.in_place.bytes)  # (its tensors may all be dead now)
+            self._hit(self.active)
+            self.streak += 1
+            self._next_iteration()
+            return
         events = self.events
         if not events:
             return
         n = len(events)
+        streak, self.streak = self.streak, 0
         try:
             active = self.active
             if self.following and active is not None and len(active.expected) == n:
                 # every event matched the schedule: the same sequence, no need to rebuild it
-                self.cache.get_or_plan(active.key, lambda: active)
-                self.known[active.key] = active
-                self.known.move_to_end(active.key)
-                self.last_entry = active
+                self.streak = streak + 1 if active is self.last_entry else 1
+                self._hit(active)
                 return
-            seq = self._recorded()
-            if seq is None:  # an exception cut a step short: nothing sound to plan from
+            seq = None if self.partial else self._recorded()
+            if seq is None:  # an exception cut a step short, or the start was kept in place
                 self.counters["plan_mismatches"] += 1
                 return
             self.last_recorded = seq
@@ -218,6 +296,13 @@ class SwapSequence:
             self.last_entry = entry
         finally:
             self._next_iteration()
+
+    def _hit(self, entry: Entry) -> None:
+        """The iteration followed ``entry``: counted a cache hit, the most recent plan known."""
+        self.cache.get_or_plan(entry.key, lambda: entry)
+        self.known[entry.key] = entry
+        self.known.move_to_end(entry.key)
+        self.last_entry = entry
 
     def _next_iteration(self) -> None:
         self.counters["iterations"] += 1

@@ -72,17 +72,6 @@ class Handle:
         return t is not None and t._version != version
 
 
-class Kept:
-    """What autograd keeps of a saved tensor the runtime leaves where it is (parameters,
-    small tensors): the tensor, and its version when saved (``accounting.check_unchanged``)."""
-
-    __slots__ = ("t", "version")
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t.detach()
-        self.version = t._version
-
-
 class HandleRef(weakref.ref):
     """A weak reference to a handle that remembers its var (the handle is gone when read)."""
 

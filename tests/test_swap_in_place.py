@@ -1,0 +1,371 @@
+"""The swap runtime keeps an iteration in place: a plan that moves nothing, followed by two
+iterations in a row, lets the next ones keep their saved tensors where they are and only count
+their bytes (``swap_sequence``, "In place"). Gradients stay bit-identical, the budget holds,
+a new input shape finds its own plan, and an iteration that outgrows the room falls back."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+import scheduler
+from scheduler.planners.swap_schedule import SwapSchedule
+from scheduler.runtime.swap import KeptInPlaceWarning, PlanOverBudgetWarning
+
+from test_swap_runtime import MODELS, assert_bit_identical, batch_mlp, mlp, train
+
+BIG = 1 << 30  # a budget every test model fits in: its plans move nothing
+
+
+def swap(budget=BIG, **kw):
+    kw.setdefault("window", 1 << 20)
+    return scheduler.swap(budget=budget, device="cpu", min_bytes=0, **kw)
+
+
+def per_step(ctx, keys=("iterations_in_place", "last_iteration_peak_resident_bytes",
+                        "peak_resident_bytes", "plans_computed", "plan_switches",
+                        "plan_mismatches")):
+    """A ``train`` check that records the chosen stats after each step."""
+    seen = []
+    return seen, lambda i: seen.append({k: ctx.stats()[k] for k in keys})
+
+
+def linear_step(lin, n=8):
+    lin(torch.randn(n, 16)).exp().sum().backward()
+
+
+def warm_up(ctx, lin, n=8):
+    """Three steps on batch ``n`` inside the open ``ctx`` (record, follow twice): the next
+    iteration is kept in place."""
+    for _ in range(3):
+        linear_step(lin, n)
+    assert ctx._seq.in_place.on
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_identical_in_place(name):
+    """Every model of the swap tests (a transformer with dropout among them), 7 steps: from the
+    fourth on, in place; each step's gradients equal plain training's bit for bit, and its peak
+    the tracked iterations' (a training step holds its saved tensors until its backward)."""
+    build, batch = MODELS[name]
+    ref = train(build, batch, steps=7)
+    ctx = swap()
+    seen, check = per_step(ctx)
+    got = train(build, batch, ctx=ctx, steps=7, check=check)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["iterations"] == 7 and s["iterations_in_place"] == 4
+    assert s["plans_computed"] == 1 and s["plan_cache_hits"] == 6
+    assert s["swapped_out_bytes"] == 0 and s["live_variables"] == 0
+    peaks = [p["last_iteration_peak_resident_bytes"] for p in seen]
+    assert peaks[0] > 0 and peaks == [peaks[0]] * 7
+
+
+def test_gradients_identical_in_place_on_hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def run(ctx):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
+                                           n_positions=32))  # dropout on: masks must match
+        grads = []
+        with ctx if ctx is not None else contextlib.nullcontext():
+            for s in range(6):
+                g = torch.Generator().manual_seed(s)
+                ids = torch.randint(0, 64, (2, 16), generator=g)
+                torch.manual_seed(100 + s)
+                model(ids, labels=ids).loss.backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                model.zero_grad(set_to_none=True)
+        return grads
+
+    ref = run(None)
+    ctx = swap()
+    got = run(ctx)
+    assert ctx.stats()["iterations_in_place"] == 3
+    for a, b in zip(got, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_in_place_peak_equals_the_tracked_peak():
+    """The bytes an iteration kept in place counts are its tracked peak, step by step."""
+    ctx = swap()
+    seen, check = per_step(ctx)
+    train(mlp, batch_mlp, ctx=ctx, steps=5, check=check)
+    assert [s["iterations_in_place"] for s in seen] == [0, 0, 0, 1, 2]
+    tracked = seen[2]["last_iteration_peak_resident_bytes"]
+    assert tracked > 0
+    assert [s["last_iteration_peak_resident_bytes"] for s in seen[3:]] == [tracked, tracked]
+    assert seen[-1]["peak_resident_bytes"] == tracked
+
+
+def test_no_budget_or_a_pressure_callback_never_keeps_in_place():
+    """Without a budget nothing bounds what an unplanned sequence may need; under a pressure
+    callback (vmalloc's allocator, or one given) any saved tensor may have to be evicted."""
+    class Allocator:
+        def set_pressure_callback(self, fn):
+            self.fn = fn
+
+    nothing = lambda seq: SwapSchedule.empty(len(seq))  # noqa: E731
+    for ctx in (swap(budget=None, planner=nothing), swap(allocator=Allocator())):
+        train(mlp, batch_mlp, ctx=ctx, steps=6)
+        s = ctx.stats()
+        assert s["iterations"] == 6 and s["iterations_in_place"] == 0
+        assert s["plan_cache_hits"] == 5
+
+
+def test_a_plan_that_moves_something_is_never_kept_in_place():
+    ref = train(mlp, batch_mlp, steps=6)
+    probe = swap()
+    train(mlp, batch_mlp, ctx=probe, steps=1)
+    ctx = swap(budget=probe.stats()["peak_resident_bytes"] // 2, window=4096)
+    got = train(mlp, batch_mlp, ctx=ctx, steps=6)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["iterations_in_place"] == 0 and s["swapped_out_bytes"] > 0
+
+
+def test_a_new_shape_finds_its_own_plan():
+    """In place on batch 8, then batch 16, whose plan (made at step 1) moves tensors: its first
+    saved tensor differs, so the iteration takes the full path from its start, switches to that
+    plan and keeps the budget."""
+    sizes = [16, 8, 8, 8, 8, 16, 16, 8]
+    probe = swap()
+    train(mlp, batch_mlp, ctx=probe, steps=2, sizes=[16, 8])
+    small = probe.stats()["last_iteration_peak_resident_bytes"]
+    ref = train(mlp, batch_mlp, steps=len(sizes), sizes=sizes)
+    ctx = swap(budget=small + 1024, window=4096)   # batch 8 fits; batch 16 must swap
+    seen, check = per_step(ctx)
+    got = train(mlp, batch_mlp, ctx=ctx, steps=len(sizes), sizes=sizes, check=check)
+    assert_bit_identical(got, ref)
+    assert [s["iterations_in_place"] for s in seen] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [s["plans_computed"] for s in seen] == [1, 2, 2, 2, 2, 2, 2, 2]
+    assert seen[5]["plan_switches"] == seen[4]["plan_switches"] + 1
+    # (step 1: batch 8 departs from batch 16's plan at its first event, none known: recorded)
+    assert [s["plan_mismatches"] for s in seen] == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert seen[-1]["peak_resident_bytes"] <= small + 1024
+    assert ctx.stats()["swapped_out_bytes"] > 0
+
+
+class Grows(nn.Module):
+    """Its first layer's output has the same size every step; ``extra`` more layers run when
+    set (a sequence that departs from the plan after its first saved tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.more = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, 10)
+        self.extra = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        for layer in self.more[:self.extra]:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_outgrowing_the_room_falls_back_and_the_next_iteration_records():
+    """The same first saved tensor, then more layers than the plan knew, past the room: the
+    pack that would pass it takes the full path for the rest of the iteration (the bytes kept
+    so far counted as resident); that iteration is not planned, the next records. Gradients
+    stay exact throughout."""
+    def run(ctx, budget_room=None):
+        torch.manual_seed(0)
+        model = Grows()
+        grads, stats = [], []
+        with ctx if ctx is not None else contextlib.nullcontext():
+            for i in range(7):
+                model.extra = 4 if i >= 3 else 0
+                x, y = batch_mlp(i)
+                nn.functional.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+                model.zero_grad(set_to_none=True)
+                if ctx is not None:
+                    stats.append(ctx.stats())
+        return grads, stats
+
+    ref, _ = run(None)
+    probe = swap()
+    run_probe = run(probe)[1]
+    small = run_probe[0]["last_iteration_peak_resident_bytes"]
+    big = run_probe[-1]["last_iteration_peak_resident_bytes"]
+    assert big > small
+    ctx = swap(budget=(small + big) // 2, window=1 << 20)
+    # what step 3 kept in place cannot move: the budget is passed, loudly
+    with pytest.warns(KeptInPlaceWarning, match="outgrew its plan partway"):
+        got, stats = run(ctx)
+    for a, b in zip(got, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert [s["iterations_in_place"] for s in stats] == [0, 0, 0, 0, 0, 0, 0]
+    # steps 0-2 small (record, follow twice); step 3 in place, outgrows the room: a mismatch,
+    # not planned; step 4 departs from the small plan (a mismatch) and records the grown
+    # sequence; 5-6 follow it
+    assert [s["plan_mismatches"] for s in stats] == [0, 0, 0, 1, 2, 2, 2]
+    assert [s["plans_computed"] for s in stats] == [1, 1, 1, 1, 2, 2, 2]
+    assert stats[-1]["swapped_out_bytes"] > 0
+
+
+def test_a_saved_tensor_changed_in_place_raises_in_place():
+    ctx = swap()
+    lin = nn.Linear(16, 16)
+    with ctx:
+        for _ in range(4):
+            x = torch.randn(8, 16, requires_grad=True)
+            lin(x).exp().sum().backward()
+        assert ctx._seq.in_place.on
+        y = lin(torch.randn(8, 16, requires_grad=True)).exp()
+        y.add_(1)   # exp saved its output
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_without_the_end_callback_the_next_pack_ends_an_iteration_in_place(monkeypatch):
+    """Older torch has no engine callback: the first pack after a backward ends the
+    iteration, in place as on the full path."""
+    from scheduler.runtime import swap as swap_module
+    monkeypatch.setattr(swap_module.SwapContext, "_queue_end_callback", lambda self: None)
+    ref = train(mlp, batch_mlp, steps=7)
+    ctx = swap()
+    got = train(mlp, batch_mlp, ctx=ctx, steps=7)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    # (the last iteration is still open: no pack came after its backward)
+    assert s["iterations"] == 6 and s["iterations_in_place"] == 3
+
+
+def test_stats_during_an_iteration_in_place_count_what_it_saved():
+    ctx = swap()
+    with ctx:
+        lin = nn.Linear(16, 16)
+        warm_up(ctx, lin)
+        before = ctx.stats()
+        y = lin(torch.randn(8, 16)).exp()
+        during = ctx.stats()
+        assert during["resident_bytes"] == before["last_iteration_peak_resident_bytes"] > 0
+        y.sum().backward()
+        after = ctx.stats()
+    assert after["iterations_in_place"] == 1 and after["resident_bytes"] == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=10),
+       st.sampled_from([0.5, 0.8, 1.5]))
+def test_property_any_shapes_any_budget(sizes, frac):
+    """Any sequence of batch sizes, a budget that fits all of them, some or none: gradients
+    equal plain training's and the budget holds (a new batch size shows at the first saved
+    tensor: no iteration kept in place outgrows its room)."""
+    probe = swap()
+    train(mlp, batch_mlp, ctx=probe, steps=1, sizes=[16])
+    full = probe.stats()["peak_resident_bytes"]
+    budget = int(full * frac)
+    ref = train(mlp, batch_mlp, steps=len(sizes), sizes=sizes)
+    ctx = swap(budget=budget, window=4096)
+    got = train(mlp, batch_mlp, ctx=ctx, steps=len(sizes), sizes=sizes)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["peak_resident_bytes"] <= budget
+    if frac >= 1:
+        assert s["swapped_out_bytes"] == 0
+
+
+def test_a_graph_kept_after_its_iteration_still_counts():
+    """A graph kept past its iteration (``retain_graph=True``, still referenced) holds the
+    tensors that iteration kept in place: they count as resident, and against the room, until
+    the graph dies; and since they could not move if a later iteration needed the room, that
+    plan is not kept in place again."""
+    budget = 1 << 20
+    ctx = swap(budget=budget)
+    lin = nn.Linear(16, 16)
+    with ctx:
+        warm_up(ctx, lin)
+        kept = lin(torch.randn(8, 16)).exp().sum()
+        kept.backward(retain_graph=True)
+        s = ctx.stats()
+        assert s["iterations_in_place"] == 1
+        held = s["resident_bytes"]
+        assert held == s["last_iteration_peak_resident_bytes"] > 0
+        assert not ctx._seq.in_place.on and ctx._seq.active.in_place_refused
+        linear_step(lin)
+        assert ctx.stats()["resident_bytes"] == held
+        del kept
+        assert ctx.stats()["resident_bytes"] == 0
+        for _ in range(3):
+            linear_step(lin)
+        assert not ctx._seq.in_place.on
+    assert ctx.stats()["iterations_in_place"] == 1
+
+
+def test_a_second_forward_before_a_backward_leaves_in_place():
+    """An evaluation loop without ``torch.no_grad()`` after training: the second forward is one
+    pack more than the plan has, so the iteration leaves in place there (what it kept counts
+    until it dies) and the plan is not kept in place again; nothing is counted twice."""
+    ctx = swap()
+    lin = nn.Linear(16, 16)
+    with ctx:
+        warm_up(ctx, lin)
+        one = ctx.stats()["last_iteration_peak_resident_bytes"]
+        outs = [lin(torch.randn(8, 16)).exp() for _ in range(5)]   # eval, graphs kept
+        assert not ctx._seq.in_place.on and ctx._seq.active.in_place_refused
+        assert ctx.stats()["resident_bytes"] == 5 * one
+        del outs
+        assert ctx.stats()["resident_bytes"] == 0
+        for _ in range(4):
+            linear_step(lin)
+        assert not ctx._seq.in_place.on
+    assert ctx.stats()["iterations_in_place"] == 0
+
+
+def test_a_plan_that_moves_nothing_over_the_budget_is_not_kept_in_place():
+    """A planner may move nothing where the sequence does not fit (the runtime then evicts on
+    demand): such a plan is followed, never kept in place."""
+    probe = swap()
+    train(mlp, batch_mlp, ctx=probe, steps=1)
+    peak = probe.stats()["peak_resident_bytes"]
+    ref = train(mlp, batch_mlp, steps=6)
+    ctx = swap(budget=peak * 3 // 4, planner=lambda seq: SwapSchedule.empty(len(seq)))
+    with pytest.warns(PlanOverBudgetWarning):
+        got = train(mlp, batch_mlp, ctx=ctx, steps=6)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["iterations_in_place"] == 0 and s["budget_evictions"] > 0
+    assert s["peak_resident_bytes"] <= peak * 3 // 4
+
+
+def test_a_backward_through_an_older_graph_does_not_end_the_iteration():
+    """A tensor kept in place by an earlier iteration, read in a backward during this one,
+    is not this iteration's: only its own tensors' backward ends it."""
+    ctx = swap()
+    lin = nn.Linear(16, 16)
+    with ctx:
+        warm_up(ctx, lin)
+        old = lin(torch.randn(8, 16)).exp().sum()   # kept in place under batch 8's plan
+        old.backward(retain_graph=True)             # kept past its iteration
+        warm_up(ctx, lin, 16)                       # batch 16: a plan of its own
+        before = ctx.stats()["iterations"]
+        y = lin(torch.randn(16, 16)).exp().sum()    # this iteration's forward
+        old.backward()                              # an earlier iteration's graph
+        assert ctx.stats()["iterations"] == before and ctx._seq.in_place.on
+        y.backward()
+        assert ctx.stats()["iterations"] == before + 1
+    assert ctx.stats()["iterations_in_place"] == 2
+
+
+def test_exiting_after_leaving_in_place_keeps_counting_what_was_kept():
+    """The context exits in an iteration that left in place partway: what it kept stays
+    counted until it dies (exit's resync must not drop it)."""
+    ctx = swap(budget=1 << 20)
+    lin = nn.Linear(16, 16)
+    with ctx:
+        warm_up(ctx, lin)
+        outs = [lin(torch.randn(8, 16)).exp() for _ in range(2)]   # the second leaves
+        held = ctx.stats()["resident_bytes"]
+        assert held > 0 and not ctx._seq.in_place.on
+    assert ctx.stats()["resident_bytes"] >= held
+    del outs
+    assert ctx.stats()["resident_bytes"] == 0
