@@ -30,6 +30,9 @@ class InPlaceToken:
 
 
 class InPlace:
+    """The running iteration's count while it is kept in place, and the bytes earlier ones
+    still hold (in ``residency`` as unmanaged)."""
+
     def __init__(self, residency: Residency):
         self.residency = residency
         self.allowed = True   # no pressure callback (the context says)

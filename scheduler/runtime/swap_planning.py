@@ -89,14 +89,15 @@ class Entry:
     step_of: List[int]
     key: int
 
-    # an iteration that began in place under this plan outgrew its room (``swap_sequence``)
+    # an iteration kept in place under this plan outgrew it partway, or left tensors alive past
+    # its end (``swap_sequence``): those could not move if a later iteration needed the room
     in_place_refused: bool = False
 
     def may_keep_in_place(self, budget: Optional[int]) -> bool:
         """An iteration following this plan may be kept in place: the schedule swaps nothing out
         or in and releases nothing, and its sequence fits ``budget`` as it is (its replay's peak;
         a planner may move nothing where the budget is too small for that, leaving the runtime
-        to evict on demand), and no iteration kept in place under it outgrew its room."""
+        to evict on demand), and ``in_place_refused`` is not set."""
         return (budget is not None and not self.in_place_refused and self.moves_nothing
                 and self.peak <= budget)
 

@@ -22,8 +22,9 @@ would have managed (each storage once, ``swap_in_place``). That count is what ke
 while the bytes saved since the iteration began fit the room the budget leaves, no schedule
 could need to move anything, whatever the sequence. An iteration whose first saved tensor
 differs from the plan's (a new input shape) takes the full path from its start, and so finds the
-plan known for its shape; the pack that would pass the room leaves the iteration to the full
-path (``leave_in_place``): the bytes kept so far count as resident until those tensors die
+plan known for its shape; the pack that would pass the room, or is one more than the plan has
+(a longer sequence with the same start), leaves the iteration to the full path
+(``leave_in_place``): the bytes kept so far count as resident until those tensors die
 (they cannot be moved: the budget may be passed by them in that iteration, and
 ``peak_resident_bytes`` says so), it is not planned (its start was not recorded), the next one
 records, and that plan is never kept in place again (its sequences outgrow it). An iteration
