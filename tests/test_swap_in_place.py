@@ -369,3 +369,40 @@ def test_exiting_after_leaving_in_place_keeps_counting_what_was_kept():
     assert ctx.stats()["resident_bytes"] >= held
     del outs
     assert ctx.stats()["resident_bytes"] == 0
+
+
+def test_an_interrupt_between_a_death_and_its_count_is_mended(monkeypatch):
+    """A Ctrl-C inside the runtime's bookkeeping of a kept tensor's death (after the death was
+    taken, before the bytes were uncounted) must not leave those bytes charged for good: the
+    next iteration's end, or the exit, counts again from what is still held."""
+    from scheduler.runtime.swap_stats import Residency
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6))
+    real = Residency.set_unmanaged
+    calls = {"n": 0, "armed": False}
+
+    def interrupted(self, nbytes):
+        if calls["armed"]:
+            calls["n"] += 1
+            if calls["n"] == 2:   # the second: the uncounting of the outgrown iteration's bytes
+                raise KeyboardInterrupt
+        return real(self, nbytes)
+
+    monkeypatch.setattr(Residency, "set_unmanaged", interrupted)
+    ctx = swap(budget=10_000_000)
+    with ctx:
+        for i in range(10):
+            x = torch.randn(16, 64)
+            calls["armed"] = i == 5
+            try:
+                h = x
+                for blk in blocks[:6 if i == 5 else 4]:   # step 5 outgrows the plan
+                    h = blk(h)
+                h.square().mean().backward()
+            except KeyboardInterrupt:
+                pass
+            calls["armed"] = False
+        assert calls["n"] >= 2
+    s = ctx.stats()
+    assert s["resident_bytes"] == 0 and ctx._residency.unmanaged == 0
+    assert not ctx._seq.in_place.held
+

@@ -216,7 +216,8 @@ class SwapContext:
                         self._transfers.hand_over(self._live)
                         self._transfers.pool.reclaim()
                         self._transfers.pool.close()
-                    self._residency.resync()  # (counts an interrupt may have left half done)
+                    self._seq.in_place.settle(force=True)  # (as resync: counts an interrupt
+                    self._residency.resync()  # may have left half done)
                     self._transfers.pool.resync()
 
     # --------------------------------------------------------------------------- hooks
@@ -449,6 +450,8 @@ class SwapContext:
             settings = {"window": self.window, "budget": self.budget,
                         "planner": self._planner.name, "device": str(self.device)}
             seq = self._seq
+            if seq.in_place.on:  # (its count, even if every tensor it kept died since)
+                self._residency.add_peak(seq.in_place.bytes)
             return stats_dict(self._counters, self._residency, seq.cache, len(self._live),
                               settings, self._transfers.pool.stats(), seq.in_place.resident())
 

@@ -51,7 +51,7 @@ class InPlace:
         its token dies (True then); and so stop those of earlier ones whose token died."""
         held = self.on and self._hold()
         self.on, self.room, self.bytes, self.seen, self.token_ref = False, 0, 0, {}, None
-        self.settle()
+        self.settle(force=True)
         return held
 
     def begin(self, room: int, packs: int) -> None:
@@ -100,12 +100,17 @@ class InPlace:
         return self.bytes if self.on and self.token_ref is not None \
             and self.token_ref() is not None else 0
 
-    def settle(self) -> None:
-        """Stop counting the tensors of earlier iterations whose token died since."""
-        if self.deaths:
+    def settle(self, force: bool = False) -> None:
+        """Stop counting the tensors of earlier iterations whose token died since. ``held`` is
+        the truth: ``force`` (an iteration's end, the context's exit) sets the unmanaged bytes
+        from it even without a death, should an interrupt have cut an earlier call between its
+        pops and its count."""
+        if self.deaths or force:
             while self.deaths:
                 self.held.pop(self.deaths.popleft(), None)
-            self.residency.set_unmanaged(sum(self.held.values()))
+            total = sum(self.held.values())
+            if total != self.residency.unmanaged:
+                self.residency.set_unmanaged(total)
 
     def _hold(self) -> bool:
         token = self.token_ref() if self.token_ref is not None else None

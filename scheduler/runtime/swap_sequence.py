@@ -28,7 +28,8 @@ plan known for its shape; the pack that would pass the room, or is one more than
 (they cannot be moved: the budget may be passed by them in that iteration, and
 ``peak_resident_bytes`` says so), it is not planned (its start was not recorded), the next one
 records, and that plan is never kept in place again (its sequences outgrow it). An iteration
-whose kept tensors all die before a backward ends, as on the full path. Not under a pressure
+whose kept tensors all die before a backward ends at the next pack, as a full-path one whose
+vars all died (not planned: it was not recorded; the next two are tracked). Not under a pressure
 callback (vmalloc's allocator, ``allocator=``): one may ask to evict any saved tensor.
 """
 from __future__ import annotations
@@ -119,7 +120,8 @@ class SwapSequence:
             if ip.token_ref() is None:
                 # every tensor it kept died before a backward (a graph dropped, a forward-only
                 # pass): it is over, as on the full path when all its vars died; this pack
-                # begins the next
+                # begins the next, tracked (a forward-only sequence is not the plan's: two
+                # iterations follow the plan again before the next is kept in place)
                 self.counters["iterations_in_place"] += 1
                 self.residency.add_peak(ip.bytes)
                 self.streak = 0
