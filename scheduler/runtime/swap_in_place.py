@@ -49,8 +49,7 @@ class InPlace:
     def finish(self) -> bool:
         """The running iteration is over: its tensors still alive, if any, go on counting until
         its token dies (True then); and so stop those of earlier ones whose token died."""
-        held = self.on and self._hold()
-        self.on, self.room, self.bytes, self.seen, self.token_ref = False, 0, 0, {}, None
+        held = self.leave()  # (not on: no token to hold)
         self.settle(force=True)
         return held
 

@@ -122,10 +122,7 @@ class SwapSequence:
                 # pass): it is over, as on the full path when all its vars died; this pack
                 # begins the next, tracked (a forward-only sequence is not the plan's: two
                 # iterations follow the plan again before the next is kept in place)
-                self.counters["iterations_in_place"] += 1
-                self.residency.add_peak(ip.bytes)
-                self.streak = 0
-                self._next_iteration()
+                self._end_in_place(followed=False)
                 return None
         elif self.active.expected[0] != (0, PACK, nbytes):
             # the first saved tensor differs from the plan's (a new input shape): the full path
@@ -264,11 +261,7 @@ class SwapSequence:
         an exception cut short is not planned (``plan_mismatches``), nor an iteration that
         began in place and left it (its start was not recorded)."""
         if self.in_place.on:  # the plan that moves nothing held: a hit, as a followed one
-            self.counters["iterations_in_place"] += 1
-            self.residency.add_peak(self.in_place.bytes)  # (its tensors may all be dead now)
-            self._hit(self.active)
-            self.streak += 1
-            self._next_iteration()
+            self._end_in_place(followed=True)
             return
         events = self.events
         if not events:
@@ -299,6 +292,19 @@ class SwapSequence:
             self.last_entry = entry
         finally:
             self._next_iteration()
+
+    def _end_in_place(self, followed: bool) -> None:
+        """End an iteration kept in place: its count in the peaks (its tensors may all be dead
+        now); ``followed``: a backward ended it, a hit of the plan, else every tensor it kept
+        died before one (the streak starts again)."""
+        self.counters["iterations_in_place"] += 1
+        self.residency.add_peak(self.in_place.bytes)
+        if followed:
+            self._hit(self.active)
+            self.streak += 1
+        else:
+            self.streak = 0
+        self._next_iteration()
 
     def _hit(self, entry: Entry) -> None:
         """The iteration followed ``entry``: counted a cache hit, the most recent plan known."""

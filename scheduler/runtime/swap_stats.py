@@ -75,9 +75,9 @@ def stats_dict(counters: Dict[str, float], residency: Residency, cache: Any, liv
                settings: Dict[str, Any], pool_stats: Dict[str, int],
                in_place_bytes: int = 0) -> Dict[str, Any]:
     """The public ``stats()`` keys (README, swap runtime section). ``in_place_bytes``: what
-    the running iteration, kept in place, saved so far (resident, and in the peaks)."""
+    the running iteration, kept in place, saved and may still hold (resident; the caller puts
+    its count in the peaks)."""
     c = counters
-    residency.add_peak(in_place_bytes)
     out: Dict[str, Any] = {
         "swapped_out_bytes": int(c["swapped_out_bytes"]),
         "swapped_in_bytes": int(c["swapped_in_bytes"]),
