@@ -15,7 +15,8 @@ import scheduler
 from scheduler.planners.swap_schedule import SwapSchedule
 from scheduler.runtime.swap import KeptInPlaceWarning, PlanOverBudgetWarning
 
-from test_swap_runtime import MODELS, assert_bit_identical, batch_mlp, mlp, train
+from test_swap_runtime import (MODELS, FakeAllocator, assert_bit_identical, batch_mlp, mlp,
+                               train)
 
 BIG = 1 << 30  # a budget every test model fits in: its plans move nothing
 
@@ -104,19 +105,14 @@ def test_in_place_peak_equals_the_tracked_peak():
     assert seen[-1]["peak_resident_bytes"] == tracked
 
 
-def test_no_budget_or_a_pressure_callback_never_keeps_in_place():
-    """Without a budget nothing bounds what an unplanned sequence may need; under a pressure
-    callback (vmalloc's allocator, or one given) any saved tensor may have to be evicted."""
-    class Allocator:
-        def set_pressure_callback(self, fn):
-            self.fn = fn
-
+def test_no_budget_never_keeps_in_place():
+    """Without a budget nothing bounds what an unplanned sequence may need."""
     nothing = lambda seq: SwapSchedule.empty(len(seq))  # noqa: E731
-    for ctx in (swap(budget=None, planner=nothing), swap(allocator=Allocator())):
-        train(mlp, batch_mlp, ctx=ctx, steps=6)
-        s = ctx.stats()
-        assert s["iterations"] == 6 and s["iterations_in_place"] == 0
-        assert s["plan_cache_hits"] == 5
+    ctx = swap(budget=None, planner=nothing)
+    train(mlp, batch_mlp, ctx=ctx, steps=6)
+    s = ctx.stats()
+    assert s["iterations"] == 6 and s["iterations_in_place"] == 0
+    assert s["plan_cache_hits"] == 5
 
 
 def test_a_plan_that_moves_something_is_never_kept_in_place():
@@ -406,3 +402,208 @@ def test_an_interrupt_between_a_death_and_its_count_is_mended(monkeypatch):
     assert s["resident_bytes"] == 0 and ctx._residency.unmanaged == 0
     assert not ctx._seq.in_place.held
 
+
+
+# ------------------------------------------------------------- under a pressure callback
+def pressed_at(fake, ctx, steps, where):
+    """A forward hook for ``train``'s model that asks ``fake``'s pressure callback for 1 MiB in
+    the given steps (counted by the hook's calls: one per forward); it records
+    ``(step, freed, resident before, resident after, storages on the host)``."""
+    calls = []
+
+    def hook(module, args, out):
+        step = len(calls)
+        if step in steps:
+            before = ctx.stats()["resident_bytes"]
+            freed = fake.callback(1 << 20)
+            # per storage evicted: its bytes, and those its tensors have now
+            on_host = [(g.nbytes, [r().untyped_storage().nbytes() for r in g.members])
+                       for g in ctx._seq.in_place.evictor.on_host.values()]
+            calls.append((step, freed, before, ctx.stats()["resident_bytes"], on_host))
+        else:
+            calls.append((step, None))
+    return calls, hook
+
+
+def train_pressed(steps, pressed, where=4, build=mlp):
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    seen, check = per_step(ctx, ("iterations_in_place", "in_place_evicted_bytes",
+                                 "plan_mismatches", "resident_bytes"))
+    calls = []
+
+    def build_hooked():
+        model = build()
+        nonlocal calls
+        calls, hook = pressed_at(fake, ctx, pressed, where)
+        model[where].register_forward_hook(hook)
+        return model
+    got = train(build_hooked, batch_mlp, ctx=ctx, steps=steps, check=check)
+    return ctx, got, seen, calls
+
+
+def test_a_pressure_callback_still_keeps_in_place():
+    """vmalloc's allocator (or one given) may ask for room: tensors kept in place can still
+    be evicted (``swap_in_place_pressure``), so iterations are kept in place under it too."""
+    ref = train(mlp, batch_mlp, steps=6)
+    ctx, got, seen, calls = train_pressed(6, pressed=())
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["iterations_in_place"] == 3 and s["in_place_evicted_bytes"] == 0
+    assert s["pressure_calls"] == 0 and s["resident_bytes"] == 0
+
+
+def test_pressure_in_an_iteration_kept_in_place_evicts_kept_tensors():
+    """Step 3 is kept in place; in its forward the allocator runs short. The callback evicts
+    the kept storages only the graph holds (the ReLU's output, oldest first), to the host:
+    their tensors stay, with no bytes, and the backward brings them back. Gradients equal plain
+    training's; the iteration left in place there and is not planned; its plan is not kept in
+    place again (steps 4-5 are tracked)."""
+    ref = train(mlp, batch_mlp, steps=6)
+    ctx, got, seen, calls = train_pressed(6, pressed={3})
+    assert_bit_identical(got, ref)
+    step, freed, before, after, on_host = calls[3]
+    assert freed is True and on_host
+    # the storages evicted had bytes; their tensors are alive (the graph holds them), with none
+    assert all(n > 0 and now == [0] * len(now) and now for n, now in on_host)
+    evicted = sum(n for n, _ in on_host)
+    assert after == before - evicted
+    assert [p["iterations_in_place"] for p in seen] == [0, 0, 0, 0, 0, 0]
+    assert seen[3]["in_place_evicted_bytes"] == evicted
+    assert seen[3]["plan_mismatches"] == seen[2]["plan_mismatches"] + 1   # not planned
+    s = ctx.stats()
+    assert s["pressure_calls"] == 1 and s["pressure_freed_bytes"] == evicted
+    assert ctx._seq.active.in_place_refused
+    assert not ctx._seq.in_place.evictor.on_host and s["resident_bytes"] == 0
+
+
+def test_a_kept_tensor_the_program_holds_is_not_evicted():
+    """The batch (held by the loop) and the Tanh's output (read by the Linear whose forward
+    runs) are saved too: evicting them would free nothing; they keep their bytes."""
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    model = mlp()
+    seen = {}
+
+    def hook(module, args, out):
+        if ctx._seq.in_place.on:
+            seen["freed"] = fake.callback(1 << 30)   # more than there is: all it can
+            seen["input"] = args[0].untyped_storage().nbytes()
+    model[4].register_forward_hook(hook)
+    x = batch_mlp(0)[0]
+    with ctx:
+        for _ in range(4):
+            model(x).square().mean().backward()
+    assert seen["freed"] is True and seen["input"] > 0
+    assert x.untyped_storage().nbytes() > 0
+    assert ctx.stats()["in_place_evicted_bytes"] > 0
+
+
+class ReadsThenAsks(torch.autograd.Function):
+    """Its backward reads its saved input, then asks the allocator for room (a backward's
+    output allocation under pressure), then computes with what it read."""
+    fake = None
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        ReadsThenAsks.fake.callback(1 << 30)
+        return g * 2 + x * 0
+
+
+def test_pressure_during_a_backward_spares_the_tensors_its_node_reads():
+    """In the backward of an iteration kept in place, the node running has read its saved
+    tensor: the pressure callback it triggers must not evict that one (the node holds a tensor
+    of its own on the storage), but may evict the kept tensors the backward has yet to read,
+    which come back at their unpack. Gradients equal plain training's."""
+    class Quiet:
+        callback = staticmethod(lambda n: False)
+
+    def run(fake):
+        torch.manual_seed(0)
+        layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        grads = []
+        for step in range(5):
+            ReadsThenAsks.fake = fake if step == 4 else Quiet
+            h = batch_mlp(step)[0]
+            for i, lin in enumerate(layers):
+                h = torch.tanh(lin(h))
+                if i == 2:
+                    h = ReadsThenAsks.apply(h)
+            h.square().mean().backward()
+            grads.append([p.grad.clone() for p in layers.parameters()])
+            layers.zero_grad(set_to_none=True)
+        return grads
+
+    ref = run(Quiet)
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    with ctx:
+        got = run(fake)
+    for a, b in zip(got, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    s = ctx.stats()
+    assert s["iterations_in_place"] == 1 and s["pressure_calls"] == 1
+    assert s["in_place_evicted_bytes"] > 0 and s["resident_bytes"] == 0
+
+
+def test_pressure_in_a_tracked_iteration_delays_keeping_in_place():
+    """An iteration that met pressure does not count towards the two that let the next be
+    kept in place: its plan did not fit the device as it was."""
+    ctx, got, seen, calls = train_pressed(7, pressed={2})
+    assert [p["iterations_in_place"] for p in seen] == [0, 0, 0, 0, 0, 1, 2]
+
+
+def test_host_copies_of_a_graph_that_dies_unread_are_dropped():
+    """Kept tensors evicted in a forward whose graph is then dropped (no backward): their host
+    copies go with the graph; nothing stays counted."""
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    lin, act = nn.Linear(16, 64), nn.Linear(64, 16)
+    with ctx:
+        for _ in range(3):
+            act(torch.tanh(lin(torch.randn(8, 16)))).exp().sum().backward()
+        assert ctx._seq.in_place.on
+        out = act(torch.tanh(lin(torch.randn(8, 16)))).exp().sum()
+        assert fake.callback(1 << 20) is True
+        assert ctx._seq.in_place.evictor.on_host
+        del out
+        act(torch.tanh(lin(torch.randn(8, 16)))).exp().sum().backward()
+        assert not ctx._seq.in_place.evictor.on_host
+    assert ctx.stats()["resident_bytes"] == 0 and ctx._residency.unmanaged == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 6),
+                          st.sampled_from([1, 4096, 1 << 30])), max_size=6),
+       st.lists(st.sampled_from([8, 16]), min_size=8, max_size=8))
+def test_property_pressure_anywhere(asks, sizes):
+    """Pressure at any layer's forward of any step (``(step, layer, bytes asked)``), over any
+    batch sizes: whatever was evicted, tracked or kept in place, gradients equal plain
+    training's and nothing stays counted or on the host after the last step."""
+    ref = train(mlp, batch_mlp, steps=len(sizes), sizes=sizes)
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    step = {"i": -1}
+
+    def build():
+        model = mlp()
+        model[0].register_forward_pre_hook(lambda m, a: step.update(i=step["i"] + 1))
+        for layer in range(len(model)):
+            def ask(module, args, out, layer=layer):
+                for s, at, nbytes in asks:
+                    if (s, at) == (step["i"], layer):
+                        fake.callback(nbytes)
+            model[layer].register_forward_hook(ask)
+        return model
+    got = train(build, batch_mlp, ctx=ctx, steps=len(sizes), sizes=sizes)
+    assert_bit_identical(got, ref)
+    s = ctx.stats()
+    assert s["resident_bytes"] == 0 and ctx._residency.unmanaged == 0
+    assert not ctx._seq.in_place.evictor.on_host
+    assert s["pressure_calls"] == len(asks)   # (every step and layer asked for runs)

@@ -186,7 +186,7 @@ class SwapContext:
         if self._allocator is not None:
             self._allocator.set_pressure_callback(self._on_pressure)
             self._pressure_targets["given"] = self._allocator
-            self._no_in_place()
+            self._seq.in_place.under_pressure()
         # vmalloc's allocators are hooked per device at the first tensor saved there
         # (_hook_pressure): resolving "cuda" here would start CUDA on the current device at
         # `import torch` under VMALLOC_WINDOW, before torchrun's ranks pick their GPUs
@@ -265,7 +265,10 @@ class SwapContext:
             if seq.in_place.on:
                 token = seq.keep_in_place(storage.data_ptr(), nbytes)
                 if token is not None:
-                    return t.detach(), t._version, token
+                    kept = t.detach()
+                    if seq.in_place.evictor is not None:  # (a pressure callback may ask)
+                        seq.in_place.evictor.watch(kept)
+                    return kept, t._version, token
             self._drain()
             self._depth += 1
             try:
@@ -320,13 +323,8 @@ class SwapContext:
             target = _find_vmalloc_allocator(device)
             if target is not None:
                 target.set_pressure_callback(self._on_pressure)
-                self._no_in_place()
+                self._seq.in_place.under_pressure()
             self._pressure_targets[device] = target
-
-    def _no_in_place(self) -> None:
-        """A pressure callback may ask to evict any saved tensor: none may be kept in place."""
-        self._seq.in_place.allowed = False
-        self._seq.leave_in_place()
 
     @eager_hook
     def _unpack(self, handle: Any) -> torch.Tensor:
@@ -334,7 +332,11 @@ class SwapContext:
             t, version = handle[0], handle[1]
             if t._version != version:
                 check_unchanged(t, version, "swap runtime")
-            if self._seq.in_place.on and not self._seq.callback_queued:
+            in_place = self._seq.in_place
+            if in_place.evictor is not None and in_place.evictor.on_host and len(handle) == 3:
+                with self._lock:  # (kept in place, then evicted under pressure: brought back)
+                    in_place.restore(t)
+            if in_place.on and not self._seq.callback_queued:
                 self._in_place_backward(handle)
             return t
         with self._lock:
@@ -404,10 +406,22 @@ class SwapContext:
         """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Policy
         (``swap_eviction``): release finished swap-outs, wait for the oldest in flight, swap out
         the oldest resident saved tensors. True if anything was released (the allocator
-        retries once)."""
+        retries once). Tensors kept in place by the running iteration come last
+        (``swap_in_place_pressure``): the iteration leaves in place, and its plan is not kept in
+        place again; any iteration that meets pressure does not count towards keeping one."""
         with self._lock:
             self._drain()
-            return self._eviction.on_pressure(needed) > 0
+            seq = self._seq
+            seq.pressed = True
+            freed = self._eviction.on_pressure(needed)
+            ip = seq.in_place
+            if freed < needed and ip.evictor is not None and ip.evictor.kept:
+                seq.leave_in_place()
+                kept = ip.evict(needed - freed)
+                self._counters["pressure_freed_bytes"] += kept
+                self._counters["in_place_evicted_bytes"] += kept
+                freed += kept
+            return freed > 0
 
     # ------------------------------------------------------------------ freeing
     def _drain(self, sweep: bool = False) -> None:

@@ -8,6 +8,8 @@ weak reference whose callback is ``deque.append``, as ``swap_vars.DeathQueue``),
 bytes are free. Until then they stay counted as resident, outside any var (``unmanaged``): a
 graph kept past its iteration (``retain_graph=True``, an output whose branch the backward did
 not run), or an iteration that left in place partway (its tensors kept so far cannot move).
+Under a pressure callback the running iteration's kept tensors can still be evicted
+(``swap_in_place_pressure``): what they hold on the host is not counted.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import weakref
 from collections import deque
 from typing import Any, Deque, Dict, Optional
 
+import torch
+
+from .swap_in_place_pressure import KeptEvictor
 from .swap_stats import Residency
 
 
@@ -35,7 +40,8 @@ class InPlace:
 
     def __init__(self, residency: Residency):
         self.residency = residency
-        self.allowed = True   # no pressure callback (the context says)
+        # under a pressure callback: the running iteration's kept tensors, to evict
+        self.evictor: Optional[KeptEvictor] = None
         self.on = False       # the running iteration is kept in place
         self.room = 0         # what its saved tensors may add to those resident when it began
         self.bytes = 0        # what they added
@@ -50,8 +56,27 @@ class InPlace:
         """The running iteration is over: its tensors still alive, if any, go on counting until
         its token dies (True then); and so stop those of earlier ones whose token died."""
         held = self.leave()  # (not on: no token to hold)
+        if self.evictor is not None:
+            self.evictor.new_iteration()
         self.settle(force=True)
         return held
+
+    def under_pressure(self) -> None:
+        """A pressure callback may ask for room from now on: kept tensors are watched."""
+        if self.evictor is None:
+            self.evictor = KeptEvictor()
+
+    def evict(self, needed: int) -> int:
+        """Free ``needed`` bytes of the running iteration's kept tensors (pressure): freed."""
+        freed = self.evictor.evict(needed) if self.evictor is not None else 0
+        if freed:
+            self._count()
+        return freed
+
+    def restore(self, t: torch.Tensor) -> None:
+        """An unpack reads the kept tensor ``t``: its bytes back on the device if evicted."""
+        if self.evictor.restore(t):
+            self._count()
 
     def begin(self, room: int, packs: int) -> None:
         """The next iteration is kept in place: its saved tensors may add ``room`` bytes, in at
@@ -107,14 +132,22 @@ class InPlace:
         if self.deaths or force:
             while self.deaths:
                 self.held.pop(self.deaths.popleft(), None)
-            total = sum(self.held.values())
-            if total != self.residency.unmanaged:
-                self.residency.set_unmanaged(total)
+            if self.evictor is not None:
+                self.evictor.prune()
+            self._count()
+
+    def _count(self) -> None:
+        """The unmanaged bytes from ``held``, less the kept bytes evicted to the host."""
+        total = sum(self.held.values())
+        if self.evictor is not None and self.evictor.on_host:
+            total = max(total - self.evictor.off_device(), 0)
+        if total != self.residency.unmanaged:
+            self.residency.set_unmanaged(total)
 
     def _hold(self) -> bool:
         token = self.token_ref() if self.token_ref is not None else None
         if token is None or not self.bytes:
             return False
         self.held[weakref.ref(token, self.deaths.append)] = self.bytes
-        self.residency.set_unmanaged(sum(self.held.values()))
+        self._count()
         return True

@@ -29,8 +29,11 @@ plan known for its shape; the pack that would pass the room, or is one more than
 ``peak_resident_bytes`` says so), it is not planned (its start was not recorded), the next one
 records, and that plan is never kept in place again (its sequences outgrow it). An iteration
 whose kept tensors all die before a backward ends at the next pack, as a full-path one whose
-vars all died (not planned: it was not recorded; the next two are tracked). Not under a pressure
-callback (vmalloc's allocator, ``allocator=``): one may ask to evict any saved tensor.
+vars all died (not planned: it was not recorded; the next two are tracked). Under a pressure
+callback (vmalloc's allocator, ``allocator=``) an iteration that met pressure does not count
+towards the two (its plan did not fit the device as it is), and one kept in place that meets
+it evicts kept tensors (``swap_in_place_pressure``) and leaves in place there, as one that
+outgrows its plan.
 """
 from __future__ import annotations
 
@@ -92,6 +95,7 @@ class SwapSequence:
         self.following = self.active is not None
         self.eviction.in_use.clear()  # the running step's vars: autograd holds them
         self.partial = False  # the iteration's start was kept in place, not recorded
+        self.pressed = False  # the pressure callback was called during it
         if self.in_place.finish() and self.active is not None:
             # its tensors outlive it (a graph kept): they cannot move if a later iteration
             # needs the room, so this plan is not kept in place again
@@ -100,7 +104,7 @@ class SwapSequence:
         active = self.active
         # what the saved tensors of an iteration kept in place may add to those still resident
         room = 0 if budget is None else budget - self.residency.bytes
-        if self.streak >= 2 and self.in_place.allowed and room > 0 and active is not None \
+        if self.streak >= 2 and room > 0 and active is not None \
                 and active.may_keep_in_place(budget):
             self.in_place.begin(room, active.packs)
 
@@ -264,7 +268,7 @@ class SwapSequence:
             self._end_in_place(followed=True)
             return
         events = self.events
-        if not events:
+        if not events and not self.partial:  # (partial: it left in place in its backward)
             return
         n = len(events)
         streak, self.streak = self.streak, 0
@@ -272,7 +276,9 @@ class SwapSequence:
             active = self.active
             if self.following and active is not None and len(active.expected) == n:
                 # every event matched the schedule: the same sequence, no need to rebuild it
-                self.streak = streak + 1 if active is self.last_entry else 1
+                # (one that met pressure does not count: the plan did not fit the device)
+                self.streak = 0 if self.pressed else \
+                    streak + 1 if active is self.last_entry else 1
                 self._hit(active)
                 return
             seq = None if self.partial else self._recorded()

@@ -7,7 +7,7 @@ from typing import Any, Dict
 COUNTERS = ("swapped_out_bytes", "swapped_in_bytes", "reattached_bytes", "stall_seconds",
             "iterations", "on_demand_swap_ins", "late_swap_ins", "plan_switches",
             "plan_mismatches", "pressure_calls", "pressure_freed_bytes", "budget_evictions",
-            "iterations_in_place")
+            "iterations_in_place", "in_place_evicted_bytes")
 
 
 _MISSING = object()
@@ -97,6 +97,7 @@ def stats_dict(counters: Dict[str, float], residency: Residency, cache: Any, liv
         "plan_mismatches": int(c["plan_mismatches"]),
         "budget_evictions": int(c["budget_evictions"]),
         "iterations_in_place": int(c["iterations_in_place"]),
+        "in_place_evicted_bytes": int(c["in_place_evicted_bytes"]),
         "pressure_calls": int(c["pressure_calls"]),
         "pressure_freed_bytes": int(c["pressure_freed_bytes"]),
     }

@@ -1,0 +1,120 @@
+"""Tensors kept in place under a pressure callback (vmalloc's allocator, ``allocator=``): when
+the allocator runs short, they can still leave the device.
+
+An iteration kept in place hands autograd the saved tensor itself (``swap_in_place``), so no
+handle of the runtime's stands between them. What the runtime keeps instead is a weak
+reference to each (``watch``: the pack's only extra cost). To evict one, it copies its storage
+to the host and shrinks the storage to nothing (``resize_(0)``, as FSDP frees a flat
+parameter): every tensor on it stays the same object, only its bytes are gone. The unpack that
+reads it first grows the storage back and copies the bytes in (``restore``); the others find
+them there.
+
+A storage is evicted only if nothing but the kept tensors holds it (its use count): one the
+program holds too (its batch, the output the next layer reads) would free nothing, and one an
+autograd node is reading is held by the node: autograd wraps what an unpack hook returns in a
+tensor of its own when the hook's caller still holds it (``make_variable``'s shallow copy; our
+pack's tuple holds it), so the node's counts (the tests evict during a node that read its
+tensor). Oldest first, as the tracked path's pressure evictions. It is a rescue, not a schedule: the iteration takes the full path from the
+pressure on, and its plan is not kept in place again (``swap.SwapContext._on_pressure``).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..profile.storage import use_count
+
+
+class OnHost:
+    """A kept storage's bytes while it is evicted, and the tensors that may bring them back."""
+
+    __slots__ = ("host", "nbytes", "members")
+
+    def __init__(self, host: torch.UntypedStorage, nbytes: int, members: List[Any]):
+        self.host = host
+        self.nbytes = nbytes
+        self.members = members  # weak references to the kept tensors on the storage
+
+    def alive(self) -> bool:
+        return any(r() is not None for r in self.members)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return any(r() is t for r in self.members)
+
+
+class KeptEvictor:
+    """The running iteration's kept tensors (weakly, in pack order) and the storages evicted."""
+
+    def __init__(self) -> None:
+        self.kept: List[Any] = []  # weak references to the running iteration's kept tensors
+        # storage key (``_cdata``: the same object however many tensors share it) -> its bytes
+        self.on_host: Dict[int, OnHost] = {}
+
+    def watch(self, kept: torch.Tensor) -> None:
+        self.kept.append(weakref.ref(kept))
+
+    def new_iteration(self) -> None:
+        """The running iteration is over: its tensors can no longer be evicted (a graph kept
+        past it holds them where they are, as without a pressure callback)."""
+        self.kept = []
+        self.prune()
+
+    def off_device(self) -> int:
+        """Bytes of kept tensors now on the host (not resident)."""
+        return sum(g.nbytes for g in self.on_host.values())
+
+    def prune(self) -> None:
+        """Forget the host copies no tensor can read any more (their graph died unread)."""
+        if self.on_host:
+            for key in [k for k, g in self.on_host.items() if not g.alive()]:
+                del self.on_host[key]
+
+    def evict(self, needed: int) -> int:
+        """Evict kept storages, oldest first, until ``needed`` bytes are freed: bytes freed."""
+        self.prune()
+        groups: Dict[int, Tuple[torch.UntypedStorage, List[torch.Tensor]]] = {}
+        for r in self.kept:
+            t = r()
+            if t is not None:
+                s = t.untyped_storage()
+                groups.setdefault(s._cdata, (s, []))[1].append(t)
+        freed = 0
+        for key, (storage, members) in groups.items():
+            if freed >= needed:
+                break
+            n = storage.nbytes()
+            if n == 0 or key in self.on_host or not storage.resizable():
+                continue
+            # held by the kept tensors and ``storage`` (this Python object) only
+            if use_count(storage) != len(members) + 1:
+                continue
+            host = torch.UntypedStorage(n, device="cpu")
+            host.copy_(storage)  # (waits for the stream that wrote it: a blocking copy)
+            # recorded before the bytes go: an interrupt between the two leaves an entry whose
+            # storage still has its bytes, which ``restore`` drops
+            self.on_host[key] = OnHost(host, n, [weakref.ref(m) for m in members])
+            storage.resize_(0)
+            freed += n
+        return freed
+
+    def restore(self, t: torch.Tensor) -> int:
+        """Bring back the storage of the kept tensor ``t`` if it was evicted: bytes brought."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        group = self.on_host.get(key)
+        if group is None or not group.holds(t):
+            if storage.nbytes() == 0 and t.numel():
+                raise RuntimeError(
+                    "swap runtime: a saved tensor kept in place has no bytes and no host copy "
+                    f"(shape {tuple(t.shape)}, {t.dtype}): its storage was freed by someone else")
+            return 0
+        if storage.nbytes() == 0:
+            storage.resize_(group.nbytes)  # (may ask the pressure callback: it skips this one)
+            storage.copy_(group.host)
+            brought = group.nbytes
+        else:  # an interrupt came between its record and its eviction
+            brought = 0
+        del self.on_host[key]
+        return brought
