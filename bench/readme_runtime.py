@@ -379,6 +379,10 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
     ok = [r for r in rows if r.get("status") == "ok"]
     exact = sum(1 for r in ok if str(r.get("note", "")).startswith("loss bitwise equal"))
     out += [f"- Losses bitwise equal to plain training: {exact} of {len(ok)} rows that ran."]
+    inexact = sorted({(r["method"], r["note"]) for r in ok
+                      if str(r.get("note", "")).startswith("loss not bitwise equal")})
+    if inexact:   # (``Method.inexact``: PyTorch's save_on_cpu, by design)
+        out += ["- Not bit-exact by design: " + "; ".join(f"{m}: {n}" for m, n in inexact) + "."]
     if meta.get("incomplete"):
         out += [f"- Incomplete: {meta.get('not_run', 'some')} jobs not run yet; a later GPU "
                 "session resumes this file (`scripts/gpu-check --next`)."]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import e2e, e2e_grid, e2e_workers
+from bench import e2e, e2e_grid, e2e_methods, e2e_workers
 from _e2e_fakes import jobs_run, jobs_take
 
 ROW_KEYS = {"model", "method", "batch_size", "throughput", "unit", "peak_bytes", "budget_bytes",
@@ -61,6 +61,49 @@ def test_a_loss_mismatch_fails_the_run_loudly(tmp_path, monkeypatch):
     assert rc == 1
     window = next(r for r in json.loads(out.read_text())["results"] if r["method"] == "window")
     assert window["status"] == "error" and "LOSS MISMATCH" in window["note"]
+
+
+def test_save_on_cpu_need_not_be_bit_exact_but_says_how_far(tmp_path, monkeypatch):
+    """PyTorch's save_on_cpu brings saved tensors back contiguous on a GPU (another cuBLAS
+    kernel for a transposed view: the H100's GPT-2 losses differed in the 7th digit): its row
+    stays ok and its note says how far and why; the same difference in an exact method fails."""
+    real = e2e.run_job
+
+    def off_by_a_bit(method, *args, **kwargs):
+        r = real(method, *args, **kwargs)
+        if method.name in ("save_on_cpu", "window") and r.losses:
+            r.losses[-1] *= 1 + 1e-7
+        return r
+
+    monkeypatch.setattr(e2e_grid, "run_job", off_by_a_bit)
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--smoke", "--models", "gpt2-s32", "--methods", "native,save_on_cpu,window",
+                   "--steps", "2", "--out", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rc == 1 and rows["window"]["status"] == "error"
+    soc = rows["save_on_cpu"]
+    assert soc["status"] == "ok", soc
+    assert soc["note"].startswith("loss not bitwise equal to plain training, relative "
+                                  "difference up to 1.0e-07 ("), soc
+    assert soc["note"].endswith(e2e_methods.SAVE_ON_CPU_STRIDES), soc
+
+
+def test_save_on_cpu_with_pinned_memory_brings_a_transposed_view_back_contiguous():
+    """Why save_on_cpu is ``inexact``: with pin_memory=True (the e2e's choice on a GPU; on the
+    CPU it takes the same path, unpinned) each saved tensor is copied into
+    ``torch.empty(tensor.size())``, so a transposed view comes back contiguous. Should PyTorch
+    keep strides one day, this fails, and save_on_cpu can be held to bit-exactness again."""
+    import torch
+    a = torch.randn(3, 5, requires_grad=True)
+    bt = torch.randn(4, 5).t()          # a (5, 4) view, strides (1, 5)
+    strides = {}
+    for pin in (False, True):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            y = a.mm(bt)                # saves bt for a's gradient
+        saved = y.grad_fn._saved_mat2   # unpacked through save_on_cpu's hook
+        assert torch.equal(saved, bt)
+        strides[pin] = saved.stride()
+    assert strides == {False: (1, 5), True: (4, 1)}
 
 
 def test_unknown_method_is_named():
