@@ -500,27 +500,31 @@ def test_a_kept_tensor_the_program_holds_is_not_evicted():
 
 
 class ReadsThenAsks(torch.autograd.Function):
-    """Its backward reads its saved input, then asks the allocator for room (a backward's
-    output allocation under pressure), then computes with what it read."""
+    """Its backward reads what it saved (its input, and a mask that needs no gradient, as
+    dropout's), then asks the allocator for room (a backward's output allocation under
+    pressure), then computes with what it read."""
     fake = None
 
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 2
+        mask = (x > 0).to(x.dtype)   # (made from a tensor, not autograd's: no history)
+        ctx.save_for_backward(x, mask)
+        return x * mask
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensors
+        x, mask = ctx.saved_tensors
         ReadsThenAsks.fake.callback(1 << 30)
-        return g * 2 + x * 0
+        return g * mask + x * 0
 
 
 def test_pressure_during_a_backward_spares_the_tensors_its_node_reads():
     """In the backward of an iteration kept in place, the node running has read its saved
-    tensor: the pressure callback it triggers must not evict that one (the node holds a tensor
-    of its own on the storage), but may evict the kept tensors the backward has yet to read,
-    which come back at their unpack. Gradients equal plain training's."""
+    tensors: the pressure callback it triggers must not evict them (the node holds tensors of
+    its own on their storages: autograd would hand it our very tensor for the mask, which needs
+    no gradient; evicted, the node read a storage of no bytes and crashed), but may evict the
+    kept tensors the backward has yet to read, which come back at their unpack. Gradients
+    equal plain training's."""
     class Quiet:
         callback = staticmethod(lambda n: False)
 
@@ -607,3 +611,110 @@ def test_property_pressure_anywhere(asks, sizes):
     assert s["resident_bytes"] == 0 and ctx._residency.unmanaged == 0
     assert not ctx._seq.in_place.evictor.on_host
     assert s["pressure_calls"] == len(asks)   # (every step and layer asked for runs)
+
+
+def test_pressure_in_a_backward_before_it_reads_a_kept_tensor_still_ends_the_iteration():
+    """A node that runs first in the backward (before any kept tensor is read) meets pressure:
+    the iteration leaves in place there, and its backward still ends it (it once ran on into
+    the next step's forward, one iteration short for good)."""
+    class AskFirst(torch.autograd.Function):
+        fake = None
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if AskFirst.fake is not None:
+                AskFirst.fake.callback(1 << 30)
+            return g
+
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    model = mlp()
+    counts = []
+    with ctx:
+        for i in range(7):
+            x, y = batch_mlp(i)
+            AskFirst.fake = fake if i == 3 else None
+            loss = AskFirst.apply(nn.functional.cross_entropy(model(x), y))
+            loss.backward()
+            counts.append(ctx.stats()["iterations"])
+    assert counts == [1, 2, 3, 4, 5, 6, 7]
+    s = ctx.stats()
+    assert s["in_place_evicted_bytes"] > 0 and s["resident_bytes"] == 0
+
+
+def test_an_interrupt_in_a_restore_brings_the_right_bytes_back(monkeypatch):
+    """A Ctrl-C between a restore's growing the storage and its copy: the retry copies the
+    bytes in (it once took the storage for one never evicted and read uninitialised memory)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 256)
+    x = torch.randn(8, 16)
+
+    def loss():
+        return lin(x).exp().sum()   # its backward reads exp's result: only autograd holds it
+    ref = torch.autograd.grad(loss(), lin.weight)[0]
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    real = torch.UntypedStorage.copy_
+    armed = {"on": False}
+
+    def cut(self, src, *args):
+        if armed["on"] and src.device.type == "cpu" and self.nbytes():
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return real(self, src, *args)
+    monkeypatch.setattr(torch.UntypedStorage, "copy_", cut)
+    with ctx:
+        for _ in range(3):
+            loss().backward()
+        lin.zero_grad()
+        out = loss()
+        assert fake.callback(1 << 30) is True
+        armed["on"] = True
+        with pytest.raises(KeyboardInterrupt):
+            out.backward()
+        assert not armed["on"]
+        lin.zero_grad()
+        out.backward()   # (its sum's node saved nothing: the graph is whole)
+    assert torch.equal(lin.weight.grad, ref)
+
+
+def test_host_copies_die_with_their_graph_after_the_context_exits():
+    """The host copy of an evicted kept tensor hangs on the tensor: a graph that dies unread
+    after the context exited takes it along (no call into the runtime needed)."""
+    import weakref
+    from scheduler.runtime.swap_in_place_pressure import HOST
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    lin = nn.Linear(16, 256)
+    with ctx:
+        for _ in range(3):
+            lin(torch.randn(8, 16)).exp().sum().backward()
+        out = lin(torch.randn(8, 16)).exp().sum()
+        assert fake.callback(1 << 30) is True
+        kept = [r() for g in ctx._seq.in_place.evictor.on_host.values() for r in g.members]
+        hosts = [weakref.ref(t.__dict__[HOST]) for t in kept]
+        del kept
+    assert hosts and all(h() is not None for h in hosts)
+    del out
+    assert all(h() is None for h in hosts)
+
+
+def test_pressure_in_an_iteration_kept_in_place_restarts_the_streak():
+    """Pressure before an iteration kept in place kept anything (nothing of it to evict) lets
+    it stay in place, but it does not count towards the next: two iterations without pressure
+    come first."""
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    lin = nn.Linear(16, 64)
+    seen = []
+    with ctx:
+        for i in range(8):
+            if i in (3, 6):
+                assert ctx._seq.in_place.on and fake.callback(1) is False
+            lin(torch.randn(8, 16)).exp().sum().backward()
+            seen.append(ctx.stats()["iterations_in_place"])
+    assert seen == [0, 0, 0, 1, 1, 1, 2, 2]

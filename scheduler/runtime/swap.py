@@ -333,9 +333,14 @@ class SwapContext:
             if t._version != version:
                 check_unchanged(t, version, "swap runtime")
             in_place = self._seq.in_place
-            if in_place.evictor is not None and in_place.evictor.on_host and len(handle) == 3:
-                with self._lock:  # (kept in place, then evicted under pressure: brought back)
-                    in_place.restore(t)
+            if in_place.evictor is not None and len(handle) == 3:  # kept: may be evicted
+                if in_place.evictor.on_host:
+                    with self._lock:  # (evicted under pressure: brought back)
+                        in_place.restore(t)
+                # the node reading it must hold a tensor of its own, so that its storage counts
+                # as held: autograd hands the node our very tensor where it needs no gradient
+                # (a dropout mask), and a pressure call during the node would evict it
+                t = t.detach()
             if in_place.on and not self._seq.callback_queued:
                 self._in_place_backward(handle)
             return t
@@ -416,6 +421,11 @@ class SwapContext:
             freed = self._eviction.on_pressure(needed)
             ip = seq.in_place
             if freed < needed and ip.evictor is not None and ip.evictor.kept:
+                if ip.on and not seq.callback_queued and \
+                        torch._C._current_graph_task_id() != -1:
+                    # a backward before it read a kept tensor: it still ends the iteration
+                    self._queue_end_callback()
+                    seq.backward_seen = True
                 seq.leave_in_place()
                 kept = ip.evict(needed - freed)
                 self._counters["pressure_freed_bytes"] += kept

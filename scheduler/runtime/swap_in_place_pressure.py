@@ -11,11 +11,13 @@ them there.
 
 A storage is evicted only if nothing but the kept tensors holds it (its use count): one the
 program holds too (its batch, the output the next layer reads) would free nothing, and one an
-autograd node is reading is held by the node: autograd wraps what an unpack hook returns in a
-tensor of its own when the hook's caller still holds it (``make_variable``'s shallow copy; our
-pack's tuple holds it), so the node's counts (the tests evict during a node that read its
-tensor). Oldest first, as the tracked path's pressure evictions. It is a rescue, not a schedule: the iteration takes the full path from the
-pressure on, and its plan is not kept in place again (``swap.SwapContext._on_pressure``).
+autograd node is reading is held by the node, since under a pressure callback the unpack hands
+the node a tensor of its own (``swap.SwapContext._unpack``: autograd would otherwise hand the
+node our very tensor where it needs no gradient, a dropout mask say). Oldest first, as the
+tracked path's pressure evictions. It is a rescue, not a schedule: the iteration takes the full
+path from the pressure on, and its plan is not kept in place again
+(``swap.SwapContext._on_pressure``). The host copy hangs on the kept tensors themselves
+(``HOST``): it dies with the graph, read or not, even after the context has exited.
 """
 from __future__ import annotations
 
@@ -27,21 +29,35 @@ import torch
 from ..profile.storage import use_count
 
 
+# the attribute of a kept tensor that holds its storage's host copy while it is evicted
+HOST = "_swap_kept_host"
+
+
 class OnHost:
-    """A kept storage's bytes while it is evicted, and the tensors that may bring them back."""
+    """A kept storage while it is evicted: its size, the tensors that may bring it back (their
+    ``HOST`` attribute holds the copy), and whether its bytes are gone (``evicted``: set only
+    once the storage was shrunk, so an interrupt on either side of that leaves a state
+    ``restore`` reads right)."""
 
-    __slots__ = ("host", "nbytes", "members")
+    __slots__ = ("nbytes", "members", "evicted")
 
-    def __init__(self, host: torch.UntypedStorage, nbytes: int, members: List[Any]):
-        self.host = host
+    def __init__(self, nbytes: int, members: List[Any]):
         self.nbytes = nbytes
         self.members = members  # weak references to the kept tensors on the storage
+        self.evicted = False
 
     def alive(self) -> bool:
         return any(r() is not None for r in self.members)
 
     def holds(self, t: torch.Tensor) -> bool:
         return any(r() is t for r in self.members)
+
+    def forget(self) -> None:
+        """Let go of the host copy (its bytes are back on the device, or were never gone)."""
+        for r in self.members:
+            m = r()
+            if m is not None:
+                m.__dict__.pop(HOST, None)
 
 
 class KeptEvictor:
@@ -63,10 +79,11 @@ class KeptEvictor:
 
     def off_device(self) -> int:
         """Bytes of kept tensors now on the host (not resident)."""
-        return sum(g.nbytes for g in self.on_host.values())
+        return sum(g.nbytes for g in self.on_host.values() if g.evicted)
 
     def prune(self) -> None:
-        """Forget the host copies no tensor can read any more (their graph died unread)."""
+        """Forget the storages no tensor can read any more (their graph died unread: the host
+        copy went with it)."""
         if self.on_host:
             for key in [k for k, g in self.on_host.items() if not g.alive()]:
                 del self.on_host[key]
@@ -91,11 +108,15 @@ class KeptEvictor:
             if use_count(storage) != len(members) + 1:
                 continue
             host = torch.UntypedStorage(n, device="cpu")
-            host.copy_(storage)  # (waits for the stream that wrote it: a blocking copy)
-            # recorded before the bytes go: an interrupt between the two leaves an entry whose
-            # storage still has its bytes, which ``restore`` drops
-            self.on_host[key] = OnHost(host, n, [weakref.ref(m) for m in members])
+            host.copy_(storage)  # (a blocking copy on the current stream: the forward's)
+            if storage.device.type == "cuda":  # no kernel of any stream may read it still:
+                torch.cuda.synchronize(storage.device)  # its memory goes back at once
+            group = OnHost(n, [weakref.ref(m) for m in members])
+            for m in members:
+                m.__dict__[HOST] = host
+            self.on_host[key] = group
             storage.resize_(0)
+            group.evicted = True
             freed += n
         return freed
 
@@ -110,11 +131,13 @@ class KeptEvictor:
                     "swap runtime: a saved tensor kept in place has no bytes and no host copy "
                     f"(shape {tuple(t.shape)}, {t.dtype}): its storage was freed by someone else")
             return 0
-        if storage.nbytes() == 0:
-            storage.resize_(group.nbytes)  # (may ask the pressure callback: it skips this one)
-            storage.copy_(group.host)
+        brought = 0
+        if group.evicted:
+            if storage.nbytes() == 0:
+                storage.resize_(group.nbytes)  # (may ask the pressure callback: it skips it)
+            storage.copy_(t.__dict__[HOST])    # (again, should an interrupt have cut it short)
             brought = group.nbytes
-        else:  # an interrupt came between its record and its eviction
-            brought = 0
+        # (not evicted: an interrupt came before the storage was shrunk; its bytes are there)
         del self.on_host[key]
+        group.forget()
         return brought

@@ -307,7 +307,7 @@ class SwapSequence:
         self.residency.add_peak(self.in_place.bytes)
         if followed:
             self._hit(self.active)
-            self.streak += 1
+            self.streak = 0 if self.pressed else self.streak + 1
         else:
             self.streak = 0
         self._next_iteration()
