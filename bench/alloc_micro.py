@@ -1,6 +1,9 @@
 """malloc+free throughput of vmalloc's allocator core (seed 003, section 4).
 
-    python bench/alloc_micro.py [--quick] [--out DIR]
+    python bench/alloc_micro.py [--quick] [--out DIR] [--policies-only]
+
+``--policies-only``: the reuse-policy table alone, measured again and put into the existing
+results file (its counts are the same on any machine; a GPU session's rows stay).
 
 Host backend (always):
   * fast path: a freed range (or small block) handed back without a driver call, malloc+free
@@ -11,8 +14,8 @@ Host backend (always):
     (one unmap + one map);
   * fresh path: trim() after every free, so each malloc creates, maps, and later releases chunks;
   * reuse-policy table: training-like traces (static and dynamic shapes) replayed with and
-    without a budget under each combination of the reuse knobs (split_cached; no cap /
-    cache_slack=0.25 / prefer_remap): maps per malloc (overall and in the steady second half),
+    without a budget under each combination of the reuse knobs (split_cached; merge_cached; no
+    cap / cache_slack=0.25 / prefer_remap): maps per malloc (overall and in the steady second half),
     cache hits, physical peak / requested peak. This is what chose the defaults.
 CUDA backend (only where torch sees a GPU; skipped otherwise and said so in the JSON): the same
 fast/remap numbers next to cudaMalloc/cudaFree and PyTorch's caching allocator (torch.empty/del),
@@ -191,12 +194,15 @@ def policy_table(quick: bool) -> Dict[str, object]:
         modes = (("no cap", dict(cache_slack=None)), ("slack 0.25", dict(cache_slack=0.25)),
                  ("remap first", dict(prefer_remap=True)))
         for split in (True, False):
-            for mode, knobs in modes:
-                for label, b in (("no budget", None), ("budget", budget)):
-                    if mode == "slack 0.25" and b is not None:
-                        continue  # with a budget the slack does not apply: same as "no cap"
-                    name = f"split {'on' if split else 'off'}, {mode} [{label}]"
-                    rows[name] = replay(events, chunk_size=chunk, budget=b, split_cached=split, **knobs)
+            for merge in ((True, False) if split else (False,)):   # (merging needs splits)
+                for mode, knobs in modes:
+                    for label, b in (("no budget", None), ("budget", budget)):
+                        if mode == "slack 0.25" and b is not None:
+                            continue  # with a budget the slack does not apply: same as "no cap"
+                        name = (f"split {'on' if split else 'off'}, merge {'on' if merge else 'off'}, "
+                                f"{mode} [{label}]")
+                        rows[name] = replay(events, chunk_size=chunk, budget=b, split_cached=split,
+                                            merge_cached=merge, **knobs)
         out["traces"][kind] = {"events": len(events), "budget": budget, "rows": rows}
     return out
 
@@ -321,9 +327,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="folder for alloc_micro.json (default bench/results; --quick: none)")
+    ap.add_argument("--policies-only", action="store_true",
+                    help="measure the reuse-policy table again and put it into the existing "
+                         "alloc_micro.json (host.policies, with host.policies_meta): its counts "
+                         "are the same on any machine, the GPU's rows stay")
     args = ap.parse_args(argv)
     out = output_dir(args.quick, args.out, RESULTS.parent)
     path = None if out is None else Path(out) / RESULTS.name
+    if args.policies_only:
+        return policies_only(path, args.quick)
     runs = 3 if args.quick else 5
     pairs = 200_000 if args.quick else 2_000_000
     chunk = 2 * MiB
@@ -357,6 +369,27 @@ def main(argv: Optional[List[str]] = None) -> None:
         say_nothing_written()
     else:
         print(f"\nwrote {path.relative_to(ROOT) if path == RESULTS else path}")
+
+
+def policies_only(path: Optional[Path], quick: bool) -> None:
+    """``--policies-only``: the reuse-policy table measured again (after a change of the reuse
+    policy: maps, unmaps and physical peaks are counts, the same on any machine; only
+    ``us_per_event`` is this machine's) and put into the results file in place of the old one."""
+    if path is None or not path.exists():
+        raise SystemExit(f"alloc_micro --policies-only: no results file to update ({path}); "
+                         "run the whole bench first")
+    res = json.loads(path.read_text())
+    command = "python bench/alloc_micro.py --policies-only" + (" --quick" if quick else "")
+    res["host"]["policies"] = policy_table(quick)
+    res["host"]["policies_meta"] = {**run_tags(command), "command": command,
+                                    "machine": platform.platform(), "cpus": os.cpu_count()}
+    write(path, res)
+    for kind, t in res["host"]["policies"]["traces"].items():
+        for name, r in t["rows"].items():
+            print(f"{kind:8s} {name:50s} maps/malloc {r['maps_per_malloc']:.2f} "
+                  f"(steady {r['steady_maps_per_malloc']:.2f})  physical/requested "
+                  f"{r['physical_peak_over_requested_peak']:.3f}")
+    print(f"\nwrote the policy table into {path}")
 
 
 def run_tags(command: str) -> Dict[str, object]:

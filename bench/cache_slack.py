@@ -37,8 +37,9 @@ physical / requested peak is at most ``max(1.05, floor) + 0.02``, ``floor`` bein
 ratio at slack 0 (the leanest any slack can be: chunk rounding, not caching). The candidate is
 the largest finite slack that does so on every trace (the most cache, so the fewest remaps,
 the memory target allows) whose remaps cost at most 3% of a step on every trace (the worst
-step after the first: the first fills the cache). If none does, the verdict says why, with the
-tightest slack whose remaps stay under 3% as the alternative.
+step after the first: the first fills the cache). If none does, the verdict says why, and the
+alternative is, of the slacks whose remaps stay under 3%, the one with the least ratio on its
+worst trace (the loosest of those that tie: as little memory where it counts, fewer remaps).
 
 The replays run on vmalloc's host-lazy backend (real mappings that take no RAM: a replay never
 writes), so a trace recorded on an 80 GB GPU replays whole on any machine; ``--max-seconds`` /
@@ -379,15 +380,23 @@ def decide(traces: List[Dict[str, Any]], cost: Dict[str, Any], candidates: Seque
                          f"{REMAP_THRESHOLD_PERCENT:g}% threshold, as are every tighter slack's.")
     if meets:
         chosen, found = pick, True
-    else:   # the tightest slack (no cap last) whose remaps stay under the threshold everywhere
+    else:   # of the slacks whose remaps stay under the threshold everywhere, the one with the
+        # least worst ratio (memory is judged on the worst trace, as the target is); of those
+        # that tie (to 3 decimals), the loosest: no fewer bytes at the worst, fewer remaps
         found = bool(cheap)
-        chosen = cheap[0] if cheap else None
+        chosen = None
         if found:
+            least = min(round(worst_ratio(s)[0], 3) for s in cheap)
+            ties = [s for s in cheap if round(worst_ratio(s)[0], 3) == least]
+            chosen = ties[-1]   # (candidates run tightest first, no cap last)
             a_ratio, a_where = worst_ratio(chosen)
-            parts.append(f"The tightest candidate whose remaps stay under "
-                         f"{REMAP_THRESHOLD_PERCENT:g}% of a step is {label(chosen)} (worst "
-                         f"{worst_cost(chosen)[0]:.2f}%), at physical/requested peak up to "
-                         f"{a_ratio:.3f} ({a_where}): the default to take instead.")
+            tied = (f" ({', '.join(label(s) for s in ties[:-1])} reach the same there; the "
+                    f"loosest remaps least)" if len(ties) > 1 else "")
+            parts.append(f"Of the candidates whose remaps stay under "
+                         f"{REMAP_THRESHOLD_PERCENT:g}% of a step, {label(chosen)} (worst "
+                         f"{worst_cost(chosen)[0]:.2f}%) has the least physical/requested peak "
+                         f"on its worst trace, {a_ratio:.3f} ({a_where}){tied}: the default to "
+                         f"take instead.")
         else:
             parts.append("No candidate's remaps stay under the threshold on every trace "
                          "(or no step time is known): no default can be chosen from this data.")
@@ -547,7 +556,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "text": "the largest finite slack whose physical/requested peak is at most "
                          "max(1.05, slack-0 floor) + 0.02 on every trace, if its remaps cost at "
                          "most 3% of a step (worst step after the first) on every trace; else "
-                         "why not, and the tightest slack under 3%",
+                         "why not, and of the slacks under 3% the one with the least ratio "
+                         "on its worst trace (of ties, the loosest)",
                  "prefer_remap": "prefer_remap=True is cache_slack=0 without a budget "
                                  "(csrc/alloc/allocator.cpp gather); not a separate axis"},
         "remap_cost": cost, "traces": traces, "left_out": left_out, "decision": decision,

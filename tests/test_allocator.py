@@ -208,6 +208,64 @@ def test_split_serves_a_smaller_request_from_a_larger_cached_range(backend):
         a.free(q)
 
 
+def test_a_freed_range_joins_its_cached_neighbours(backend):
+    """merge_cached: a split hands out a head and caches the tail; the head, freed, joins the
+    tail again, so the whole size is an exact hit (no fresh mapping). Three ranges freed next to
+    each other in any order make one range."""
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        a.free(a.malloc(5 * c))
+        p = a.malloc(2 * c)             # split: the 3-chunk tail stays cached
+        a.free(p)                       # joins it: one 5-chunk range again
+        s = a.stats()
+        assert s["num_merges"] == 1 and s["num_map"] == 5
+        assert a.malloc(5 * c) == p     # an exact hit: nothing mapped
+        assert a.stats()["num_map"] == 5
+        a.free(p)
+        ps = [a.malloc(2 * c) for _ in range(3)]   # 5 cached: 2 + 2 split off, 1 mapped fresh
+        assert ps[1] == ps[0] + 2 * c
+        for q in (ps[0], ps[2], ps[1]):            # the middle one last: joins both sides
+            a.free(q)
+        s = a.stats()
+        assert s["num_merges"] >= 3 and s["physical_current"] == s["num_chunks_created"] * c
+
+
+def test_merging_can_be_turned_off(backend):
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0, merge_cached=False) as a:
+        assert a.merge_cached is False
+        a.free(a.malloc(5 * c))
+        a.free(a.malloc(2 * c))
+        a.malloc(5 * c)                 # the 2 and 3 cached apart: 5 chunks mapped fresh
+        s = a.stats()
+        assert s["num_merges"] == 0 and s["num_map"] == 10
+
+
+def test_ranges_of_other_streams_or_with_record_stream_do_not_join(backend):
+    """One event guards a cached range: neighbours owned by another stream, on the per-thread
+    handle (another thread's stream each time), or used on a second stream (record_stream) stay
+    apart."""
+    c = chunk_for(backend)
+    s1, s2 = stream_handles(backend, 2)
+
+    def split_then_free(head_stream, tail_stream, record=None):
+        with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+            a.free(a.malloc(4 * c, stream=head_stream))
+            p = a.malloc(2 * c, stream=head_stream)   # split: the tail stays cached
+            q = a.malloc(2 * c, stream=tail_stream)   # the tail (its work complete)
+            assert q == p + 2 * c
+            a.free(q)
+            if record is not None:
+                a.record_stream(p, record)
+            a.free(p)
+            return a.stats()["num_merges"]
+
+    assert split_then_free(s1, s1) == 1      # the control: same stream, joined
+    assert split_then_free(s1, s2) == 0
+    assert split_then_free(2, 2) == 0        # CU_STREAM_PER_THREAD
+    assert split_then_free(s1, s1, record=s2) == 0
+
+
 def test_no_split_remaps_under_a_tight_budget(backend):
     c = chunk_for(backend)
     with Allocator(backend, chunk_size=c, budget=4 * c, small_threshold=0, split_cached=False) as a:

@@ -170,6 +170,8 @@ CONFIGS = {
                       cache_slack=0.25),
     # no budget, the default slack (no cap: a caching allocator)
     "no-budget-default": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB),
+    # cached ranges never joined (merge_cached off: the policy before it)
+    "no-merge": dict(chunk=MiB, budget=320 * MiB, small_threshold=MiB, merge_cached=False),
     "no-budget-lean": dict(chunk=256 * KiB, budget=None, small_threshold=64 * KiB, max_size=32 * MiB,
                            prefer_remap=True),
 }

@@ -321,6 +321,25 @@ def test_a_cuda_section_that_raises_keeps_the_host_section(alloc_micro, monkeypa
     assert "GPU part failed: RuntimeError: driver gone" in render(tmp_path)
 
 
+def test_policies_only_replaces_the_policy_table_and_keeps_the_gpu_rows(alloc_micro,
+                                                                        monkeypatch, tmp_path):
+    """After a change of the reuse policy the table is measured again on any machine (its
+    counts do not depend on it) and put into the committed file: the GPU's rows stay."""
+    with pytest.raises(SystemExit, match="no results file to update"):
+        alloc_micro.main(["--policies-only", "--out", str(tmp_path)])
+    path = tmp_path / "alloc_micro.json"
+    path.write_text(json.dumps({"meta": {"gpu": "H100"}, "cuda": {"device": "H100", "x": 1},
+                                "host": {"remap": [1], "policies": {"old": True}}}))
+    monkeypatch.setattr(alloc_micro, "policy_table",
+                        lambda quick: {"chunk_size": 1, "traces": {"static": {"rows": {}}}})
+    alloc_micro.main(["--policies-only", "--out", str(tmp_path)])
+    d = json.loads(path.read_text())
+    assert d["cuda"] == {"device": "H100", "x": 1} and d["meta"] == {"gpu": "H100"}
+    assert d["host"]["remap"] == [1]
+    assert d["host"]["policies"] == {"chunk_size": 1, "traces": {"static": {"rows": {}}}}
+    assert d["host"]["policies_meta"]["command"] == "python bench/alloc_micro.py --policies-only"
+
+
 def torch_has_cuda():
     import torch
     return torch.backends.cuda.is_built()

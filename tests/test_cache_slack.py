@@ -59,6 +59,17 @@ def test_a_middling_cost_keeps_the_cheapest_slack_under_the_threshold():
     assert "keep it" in d["verdict"]
 
 
+def test_of_slacks_equal_on_the_worst_trace_the_loosest_is_taken():
+    """0.25 and no cap reach the same ratio on the worst trace (1.3): 0.25's remaps buy
+    memory only where it matters less; no cap is taken (no remaps)."""
+    worst = _trace("worst", {0.0: 1.01, 0.05: 1.3, 0.25: 1.3, None: 1.3}, REMAPS)
+    other = _trace("other", {0.0: 1.01, 0.05: 1.04, 0.25: 1.1, None: 1.2}, REMAPS)
+    d = _decide(5.0, [worst, other])   # 0.05: 4%; 0.25: 1.5%; no cap: 0
+    assert not d["meets_target"] and d["cache_slack"] is None
+    assert "None (no cap) (worst 0.00%) has the least physical/requested peak on its worst " \
+           "trace, 1.300 (worst) (0.25 reach the same there; the loosest remaps least)" in d["verdict"]
+
+
 def test_memory_target_uses_the_worst_trace_and_the_slack_0_floor():
     # a trace whose slack-0 floor is 1.12 (chunk rounding): 0.05 is within floor + 0.02 there,
     # but on the other trace 0.05 reaches 1.08: only slack 0 fits both

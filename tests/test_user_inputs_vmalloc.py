@@ -215,7 +215,7 @@ def Allocator():
     return Allocator
 
 
-@pytest.mark.parametrize("knob", ["prefer_remap", "split_cached"])
+@pytest.mark.parametrize("knob", ["prefer_remap", "split_cached", "merge_cached"])
 @pytest.mark.parametrize("value", ["no", "False", None, 2, -1, 0.0, [], b"0"])
 def test_bool_knobs_take_only_bools(Allocator, knob, value):
     with pytest.raises(TypeError, match=re.escape(f"{knob}: expected True or False, got {value!r}")):
@@ -224,8 +224,10 @@ def test_bool_knobs_take_only_bools(Allocator, knob, value):
 
 @pytest.mark.parametrize("value,expected", [(True, True), (False, False), (1, True), (0, False)])
 def test_bool_knobs_accept_bools_and_0_1(Allocator, value, expected):
-    with Allocator(chunk_size=64 << 10, prefer_remap=value, split_cached=value) as a:
+    with Allocator(chunk_size=64 << 10, prefer_remap=value, split_cached=value,
+                   merge_cached=value) as a:
         assert a.free(a.malloc(4096)) is None
+        assert a.merge_cached is expected
 
 
 @pytest.mark.parametrize("value", [10**30, 2**64, -1, 1.5, "10"])

@@ -92,6 +92,10 @@ class Allocator(_core.Allocator):
     small_threshold: requests below this many bytes use the small-block bins (default 1 MiB,
         capped at ``chunk_size``); 0 turns them off.
     split_cached: reuse the head of a larger cached range without remapping (default on).
+    merge_cached: a freed range joins the cached ranges right before and after it in virtual
+        memory (same stream, one reservation), as PyTorch's caching allocator joins free
+        neighbours: a larger request then reuses them without mapping fresh chunks (default on;
+        with ``split_cached`` only, since a joined range is reused by splitting its head off).
     prefer_remap: on a cache miss, remap cached chunks before creating new ones: least physical
         memory, more map/unmap calls (default off). Same as ``cache_slack=0``.
     cache_slack: without a budget, on a cache miss new chunks are created while physical memory
@@ -115,6 +119,7 @@ class Allocator(_core.Allocator):
                  budget: Optional[SizeLike] = None, device: int = _DEFAULTS["device"], *,
                  small_threshold: SizeLike = _DEFAULTS["small_threshold"],
                  split_cached: bool = _DEFAULTS["split_cached"],
+                 merge_cached: bool = _DEFAULTS["merge_cached"],
                  prefer_remap: bool = _DEFAULTS["prefer_remap"],
                  cache_slack: Optional[float] = _DEFAULTS["cache_slack"],
                  trace_capacity: int = _DEFAULTS["trace_capacity"]) -> None:
@@ -140,12 +145,13 @@ class Allocator(_core.Allocator):
             slack = float(cache_slack)
         trace_capacity = _check_event_count(trace_capacity, "trace_capacity")
         split = _check_flag(split_cached, "split_cached")
+        merge = _check_flag(merge_cached, "merge_cached")
         remap = _check_flag(prefer_remap, "prefer_remap")
         # The native constructor checks chunk_size against the device granularity and raises
         # ValueError naming chunk_size; the cuda backend raises RuntimeError without a driver.
         super().__init__(backend=backend, chunk_size=chunk, budget=nbudget or 0, device=device,
                          small_threshold=small, split_cached=split, prefer_remap=remap,
-                         cache_slack=slack, trace_capacity=trace_capacity)
+                         cache_slack=slack, trace_capacity=trace_capacity, merge_cached=merge)
 
     def set_budget(self, budget: Optional[SizeLike]) -> None:
         """Change the cap on physical bytes (``None``: no cap); cached chunks above it are released."""

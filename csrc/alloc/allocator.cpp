@@ -3,8 +3,10 @@
 // Large requests (>= small_threshold) take k = ceil(n / chunk_size) physical chunks mapped back to
 // back into one contiguous virtual range, so internal fragmentation per allocation is < chunk_size
 // (Eq. 1) and any free chunk serves any request. A freed range stays mapped in a cache bucketed by
-// chunk count. Reuse paths, in the order tried (nnabla's VirtualCachingAllocator has four; these
-// are the ones we keep, and why):
+// chunk count, joined to the cached ranges right before and after it in VA (merge_cached, as
+// PyTorch's caching allocator joins a segment's free neighbours: no driver call; a split's head,
+// freed, joins its tail again). Reuse paths, in the order tried (nnabla's VirtualCachingAllocator
+// has four; these are the ones we keep, and why):
 //   1. exact: a cached range with the same chunk count is handed back as is — no driver call.
 //   2. split: the head of the smallest larger cached range is handed out and its tail stays
 //      cached as a shorter mapped range — still no driver call. In the bench's policy table it
@@ -14,11 +16,13 @@
 //      from the tails of cached ranges (oldest first) are mapped into a new VA range. Which of
 //      "create" and "remap cached" comes first is the memory/speed trade-off; the bench's policy
 //      table (bench/results/alloc_micro.json, 2 MiB chunks, training-like traces) measured:
-//        no cap (grow first, a caching allocator; the default): static shapes 0 remaps/malloc in
-//          steady state but physical peak 1.47x requested peak; dynamic shapes 2.8x;
-//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, but 0.38-0.63 maps/malloc;
+//        no cap (grow first, a caching allocator; the default): 0 maps/malloc in steady state,
+//          physical peak 1.19x requested peak (static shapes) / 1.07x (dynamic); without joining
+//          cached neighbours (merge_cached off) 1.47x / 2.8x, and 0.39 maps/malloc (dynamic);
+//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, 0 steady maps/malloc joined
+//          (0.38-0.63 without joining);
 //        cache_slack 0.25: grow while physical <= 1.25 x peak chunks in use, then remap:
-//          1.29-1.33x, 0.11 (static) / 0.48 (dynamic) maps/malloc.
+//          joined, the same as no cap on these traces (1.19x / 1.07x; 1.29-1.33x without).
 //      On a GPU a remap is dear (44 us per 2 MiB chunk on an H100): replayed, the real traces
 //      recorded there spent 50-134% of a step remapping under every finite slack (0.25: 65%), and
 //      none under no cap, which is the default (issue 12, bench/results/cache_slack.json).
@@ -149,6 +153,9 @@ struct Allocator::Impl {
   std::vector<ChunkHandle> free_chunks;        // unmapped, safe for every stream
   size_t chunks_held = 0;                      // physical chunks created and not released
   CacheBuckets cache;                          // mapped cached ranges by chunk count
+  // cached ranges by first address and by end address (merge_cached: a freed range's neighbours)
+  // (open addressing, as `live`: the fast path allocates nothing)
+  PtrMap cached_from, cached_to;
   Range* lru_head = nullptr;                   // oldest cached range
   Range* lru_tail = nullptr;
   size_t cached_range_chunks = 0;
@@ -239,7 +246,15 @@ struct Allocator::Impl {
   bool device_allows_one_more() const { return device_limit == 0 || (chunks_held + 1) * chunk <= device_limit; }
 
   // ---- the cache of mapped ranges ----
+  // merge_cached needs split_cached: a joined range is reused by splitting its head off (without
+  // splits only exact sizes are hits, and joined sizes rarely recur: the cache would only grow)
+  bool merging() const { return cfg.merge_cached && cfg.split_cached; }
+  // (the maps may grow: a failure there is std::bad_alloc, as any allocation's)
   void cache_insert(Range* r) {
+    if (merging()) {
+      cached_from.insert(r->addr, reinterpret_cast<uintptr_t>(r));
+      cached_to.insert(r->addr + r->k * chunk, reinterpret_cast<uintptr_t>(r));
+    }
     cache.push(r);
     r->lru_prev = lru_tail;
     r->lru_next = nullptr;
@@ -248,6 +263,11 @@ struct Allocator::Impl {
     cached_range_chunks += r->k;
   }
   void cache_remove(Range* r) {
+    if (merging()) {
+      uintptr_t v = 0;
+      cached_from.take(r->addr, v);
+      cached_to.take(r->addr + r->k * chunk, v);
+    }
     cache.erase(r);
     (r->lru_prev ? r->lru_prev->lru_next : lru_head) = r->lru_next;
     (r->lru_next ? r->lru_next->lru_prev : lru_tail) = r->lru_prev;
@@ -261,7 +281,55 @@ struct Allocator::Impl {
     r->requested = 0;
     r->id = 0;
     r->is_slab = false;
+    if (merging()) r = merge_neighbours(r);
     cache_insert(r);
+  }
+
+  // merge_cached: join the freed range `r` (not cached yet) with the cached ranges that end where
+  // it begins and begin where it ends, as PyTorch's caching allocator joins free neighbours of a
+  // segment: no driver call, and a larger request can reuse the whole (a split hands out a head
+  // and caches the tail; freed, the head joins it again) instead of mapping fresh chunks. Only
+  // what one event can guard: the same owner stream, not the per-thread handle (another thread's
+  // stream each time), no record_stream events, both accessible, one VA span. `r` is freed now,
+  // so its owner event (if any) is the newest on that stream and covers the neighbours' work: it
+  // stays; theirs go. Returns the range to cache (maybe a neighbour, grown).
+  // Nothing here may throw once a neighbour has left the cache (the free path cannot fail): the
+  // chunk list grows into room reserved first, and dropping an event is quiet (a handle that
+  // would not go leaks, which is harmless).
+  Range* merge_neighbours(Range* r) {
+    auto joinable = [&](Range* n) {
+      return !n->no_access && !r->no_access && n->stream == r->stream && r->stream != kPerThreadStream &&
+             n->extra_events.empty() && r->extra_events.empty();
+    };
+    auto cached_at = [](const PtrMap& m, uintptr_t addr) -> Range* {
+      const uintptr_t* v = m.find(addr);
+      return v ? reinterpret_cast<Range*>(*v) : nullptr;
+    };
+    Range* l = cached_at(cached_to, r->addr);
+    if (l && joinable(l) && va->same_span(l->addr, l->k, r->k)) {
+      l->chunks.reserve(l->k + r->k);
+      cache_remove(l);
+      quiet([&] { events.drop_events(l); });  // r's event (recorded now) covers l's work
+      l->chunks.insert(l->chunks.end(), r->chunks.begin(), r->chunks.end());
+      l->k += r->k;
+      l->owner_event = r->owner_event;
+      l->has_owner_event = r->has_owner_event;
+      l->all_ready = false;
+      ++st.num_merges;
+      delete r;
+      r = l;
+    }
+    Range* n = cached_at(cached_from, r->addr + r->k * chunk);
+    if (n && joinable(n) && va->same_span(r->addr, r->k, n->k)) {
+      r->chunks.reserve(r->k + n->k);
+      cache_remove(n);
+      quiet([&] { events.drop_events(n); });
+      r->chunks.insert(r->chunks.end(), n->chunks.begin(), n->chunks.end());
+      r->k += n->k;
+      ++st.num_merges;
+      delete n;
+    }
+    return r;
   }
   // An emptied slab leaves use: cached as a one-chunk range, never lost.
   void retire_slab(Range* r) {
@@ -738,6 +806,8 @@ struct Allocator::Impl {
       r = next;
     }
     cache.clear();
+    cached_from.clear();
+    cached_to.clear();
     lru_head = lru_tail = nullptr;
     for (auto h : free_chunks) {
       quiet([&] { drv->release(h); });

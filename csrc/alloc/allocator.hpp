@@ -25,6 +25,8 @@ struct Config {
   // --- additions (reuse policy knobs; the defaults are what measured best, see allocator.cpp) ---
   bool split_cached = true;   // serve k chunks from the head of a larger cached mapped range
   bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
+  bool merge_cached = true;   // a freed range joins the cached ranges right before and after it in VA
+                              // (with split_cached only: a joined range is reused by splitting it)
   // Slow path without a budget: new chunks are created only while physical memory stays below
   // (1 + cache_slack) x the peak of chunks in use; past that, cached chunks are remapped first.
   // < 0: no such cap (the default: a caching allocator). With a budget, chunks are created up to
@@ -76,6 +78,7 @@ struct Stats {
                                       // served by a mapped cached range, no driver call
   uint64_t num_remaps = 0;            // range acquisitions that had to map chunks (slow path)
   uint64_t num_splits = 0;            // cache hits served from the head of a larger cached range
+  uint64_t num_merges = 0;            // cached ranges joined to a range freed next to them in VA
   uint64_t num_small_malloc = 0;      // mallocs served by the small-block bins
   uint64_t num_small_free = 0;
   size_t small_requested_current = 0; // requested bytes of live small allocations

@@ -62,6 +62,13 @@ void VaSpace::give(uintptr_t addr, size_t k) {
   insert_run(addr, k, span);
 }
 
+bool VaSpace::same_span(uintptr_t addr, size_t k, size_t k_next) const {
+  uintptr_t end = addr + (k + k_next) * chunk_;
+  for (auto& s : spans_)
+    if (addr >= s->base && addr < s->base + s->chunks * chunk_) return end <= s->base + s->chunks * chunk_;
+  return false;
+}
+
 size_t VaSpace::release_unused() {
   size_t released = 0;
   for (size_t i = 0; i < spans_.size();) {

@@ -26,6 +26,9 @@ class VaSpace {
   uintptr_t take(size_t k);
   // Return `k` chunks starting at `addr` (taken earlier, nothing mapped there any more).
   void give(uintptr_t addr, size_t k);
+  // Whether the `k` chunks at `addr` and those at `addr` + `k` chunks lie in one span (one driver
+  // reservation: a range crossing two could not be given back, nor mapped as one on a GPU).
+  bool same_span(uintptr_t addr, size_t k, size_t k_next) const;
   // Unreserve spans of which nothing is handed out; returns the bytes unreserved.
   size_t release_unused();
   // Unreserve everything (close()): callers guarantee nothing is mapped.

@@ -44,6 +44,7 @@ nb::dict stats_dict(const vmalloc::Stats& s) {
   d["num_cache_hits"] = s.num_cache_hits;
   d["num_remaps"] = s.num_remaps;
   d["num_splits"] = s.num_splits;
+  d["num_merges"] = s.num_merges;
   d["num_small_malloc"] = s.num_small_malloc;
   d["num_small_free"] = s.num_small_free;
   d["small_requested_current"] = s.small_requested_current;
@@ -132,6 +133,7 @@ void bind_alloc(nb::module_& m) {
   default_config["device"] = defaults.device;
   default_config["small_threshold"] = defaults.small_threshold;
   default_config["split_cached"] = defaults.split_cached;
+  default_config["merge_cached"] = defaults.merge_cached;
   default_config["prefer_remap"] = defaults.prefer_remap;
   // (< 0 is no cap: None, as vmalloc.Allocator takes it)
   default_config["cache_slack"] =
@@ -145,7 +147,7 @@ void bind_alloc(nb::module_& m) {
           "__init__",
           [](Allocator* self, const std::string& backend, size_t chunk_size, size_t budget, int device,
              size_t small_threshold, bool split_cached, bool prefer_remap, double cache_slack,
-             size_t trace_capacity) {
+             size_t trace_capacity, bool merge_cached) {
             vmalloc::Config cfg;
             cfg.backend = backend;
             cfg.chunk_size = chunk_size;
@@ -156,13 +158,14 @@ void bind_alloc(nb::module_& m) {
             cfg.prefer_remap = prefer_remap;
             cfg.cache_slack = cache_slack;
             cfg.trace_capacity = trace_capacity;
+            cfg.merge_cached = merge_cached;
             new (self) Allocator(cfg);
           },
           "backend"_a = defaults.backend, "chunk_size"_a = defaults.chunk_size,
           "budget"_a = defaults.budget, "device"_a = defaults.device,
           "small_threshold"_a = defaults.small_threshold, "split_cached"_a = defaults.split_cached,
           "prefer_remap"_a = defaults.prefer_remap, "cache_slack"_a = defaults.cache_slack,
-          "trace_capacity"_a = defaults.trace_capacity)
+          "trace_capacity"_a = defaults.trace_capacity, "merge_cached"_a = defaults.merge_cached)
       .def(
           "malloc",
           [](Allocator& a, nb::handle n, nb::handle s) -> uintptr_t {
@@ -292,6 +295,7 @@ void bind_alloc(nb::module_& m) {
       .def_prop_ro("small_threshold", [](const Allocator& a) { return a.config().small_threshold; })
       .def_prop_ro("split_cached", [](const Allocator& a) { return a.config().split_cached; })
       .def_prop_ro("prefer_remap", [](const Allocator& a) { return a.config().prefer_remap; })
+      .def_prop_ro("merge_cached", [](const Allocator& a) { return a.config().merge_cached; })
       .def_prop_ro("cache_slack",
                    [](const Allocator& a) -> nb::object {  // (no cap: None, as it is given)
                      double slack = a.config().cache_slack;
