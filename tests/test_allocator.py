@@ -197,13 +197,15 @@ def test_large_request_maps_ceil_n_over_chunk_chunks(backend):
 def test_split_serves_a_smaller_request_from_a_larger_cached_range(backend):
     c = chunk_for(backend)
     with Allocator(backend, chunk_size=c, small_threshold=0) as a:
-        a.free(a.malloc(5 * c))
+        base = a.malloc(5 * c)
+        a.free(base)
         p = a.malloc(2 * c)
         q = a.malloc(3 * c)
         s = a.stats()
-        # the 3-chunk tail left by the split is then an exact hit: still no new mapping
+        # the split hands out the range's tail; the 3-chunk head left is then an exact hit:
+        # still no new mapping
         assert s["num_map"] == 5 and s["num_splits"] == 1 and s["num_cache_hits"] == 2
-        assert q == p + 2 * c
+        assert p == base + 3 * c and q == base
         a.free(p)
         a.free(q)
 
@@ -214,20 +216,23 @@ def test_a_freed_range_joins_its_cached_neighbours(backend):
     each other in any order make one range."""
     c = chunk_for(backend)
     with Allocator(backend, chunk_size=c, small_threshold=0) as a:
-        a.free(a.malloc(5 * c))
-        p = a.malloc(2 * c)             # split: the 3-chunk tail stays cached
+        base = a.malloc(5 * c)
+        a.free(base)
+        p = a.malloc(2 * c)             # split: the tail goes, the 3-chunk head stays cached
+        assert p == base + 3 * c
         a.free(p)                       # joins it: one 5-chunk range again
         s = a.stats()
         assert s["num_merges"] == 1 and s["num_map"] == 5
-        assert a.malloc(5 * c) == p     # an exact hit: nothing mapped
+        assert a.malloc(5 * c) == base  # an exact hit: nothing mapped
         assert a.stats()["num_map"] == 5
-        a.free(p)
-        ps = [a.malloc(2 * c) for _ in range(3)]   # 5 cached: 2 + 2 split off, 1 mapped fresh
-        assert ps[1] == ps[0] + 2 * c
-        for q in (ps[0], ps[2], ps[1]):            # the middle one last: joins both sides
+        a.free(base)
+        ps = [a.malloc(c) for _ in range(5)]       # five 1-chunk tails, right to left
+        assert ps == [base + (4 - i) * c for i in range(5)]
+        for q in (ps[4], ps[0], ps[2], ps[3], ps[1]):   # the last ones join both sides
             a.free(q)
         s = a.stats()
-        assert s["num_merges"] >= 3 and s["physical_current"] == s["num_chunks_created"] * c
+        assert s["num_merges"] == 1 + 4 and s["num_map"] == 5
+        assert a.malloc(5 * c) == base and a.stats()["num_map"] == 5
 
 
 def test_merging_can_be_turned_off(backend):
@@ -251,9 +256,9 @@ def test_ranges_of_other_streams_or_with_record_stream_do_not_join(backend):
     def split_then_free(head_stream, tail_stream, record=None):
         with Allocator(backend, chunk_size=c, small_threshold=0) as a:
             a.free(a.malloc(4 * c, stream=head_stream))
-            p = a.malloc(2 * c, stream=head_stream)   # split: the tail stays cached
-            q = a.malloc(2 * c, stream=tail_stream)   # the tail (its work complete)
-            assert q == p + 2 * c
+            p = a.malloc(2 * c, stream=head_stream)   # split: the head stays cached
+            q = a.malloc(2 * c, stream=tail_stream)   # the head (its work complete)
+            assert p == q + 2 * c
             a.free(q)
             if record is not None:
                 a.record_stream(p, record)
@@ -264,6 +269,33 @@ def test_ranges_of_other_streams_or_with_record_stream_do_not_join(backend):
     assert split_then_free(s1, s2) == 0
     assert split_then_free(2, 2) == 0        # CU_STREAM_PER_THREAD
     assert split_then_free(s1, s1, record=s2) == 0
+
+
+def test_once_a_second_stream_allocates_nothing_is_joined(backend):
+    """A joined range is ready for another stream only when its newest free's work is done:
+    apart, each part is as soon as its own is (a side stream would map fresh chunks or wait)."""
+    c = chunk_for(backend)
+    (s1,) = stream_handles(backend, 1)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        a.free(a.malloc(c, stream=s1))           # a second stream seen
+        base = a.malloc(4 * c)
+        a.free(base)
+        a.free(a.malloc(2 * c))                  # split, freed next to the head: not joined
+        assert a.stats()["num_merges"] == 0
+
+
+def test_trimming_to_a_budget_takes_only_what_is_over_it(backend):
+    """A joined range is larger than what is over a new budget: only that leaves (it was all
+    unmapped, and the next mallocs mapped it again)."""
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        ps = [a.malloc(c) for _ in range(16)]
+        for p in ps:
+            a.free(p)
+        assert a.stats()["cached_bytes"] == 16 * c
+        a.set_budget(15 * c)
+        s = a.stats()
+        assert s["physical_current"] == 15 * c and s["num_unmap"] == 1
 
 
 def test_no_split_remaps_under_a_tight_budget(backend):

@@ -16,16 +16,19 @@
 //      from the tails of cached ranges (oldest first) are mapped into a new VA range. Which of
 //      "create" and "remap cached" comes first is the memory/speed trade-off; the bench's policy
 //      table (bench/results/alloc_micro.json, 2 MiB chunks, training-like traces) measured:
-//        no cap (grow first, a caching allocator; the default): 0 maps/malloc in steady state,
-//          physical peak 1.19x requested peak (static shapes) / 1.07x (dynamic); without joining
-//          cached neighbours (merge_cached off) 1.47x / 2.8x, and 0.39 maps/malloc (dynamic);
-//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, 0 steady maps/malloc joined
-//          (0.38-0.63 without joining);
-//        cache_slack 0.25: grow while physical <= 1.25 x peak chunks in use, then remap:
-//          joined, the same as no cap on these traces (1.19x / 1.07x; 1.29-1.33x without).
-//      On a GPU a remap is dear (44 us per 2 MiB chunk on an H100): replayed, the real traces
-//      recorded there spent 50-134% of a step remapping under every finite slack (0.25: 65%), and
-//      none under no cap, which is the default (issue 12, bench/results/cache_slack.json).
+//        no cap (grow first, a caching allocator): 0 maps/malloc in steady state, physical peak
+//          1.19x requested peak (static shapes) / 1.07x (dynamic); without joining cached
+//          neighbours (merge_cached off) 1.47x / 2.8x, and 0.39 maps/malloc (dynamic);
+//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, 0.03 steady maps/malloc
+//          joined (0.38-0.63 without joining);
+//        cache_slack 0.25 / 0.5: grow while physical <= 1.25 / 1.5 x peak chunks in use, then
+//          remap: joined, the same as no cap on these single-stream traces.
+//      On a GPU a remap is dear (44 us per 2 MiB chunk on an H100). Replayed, the real traces
+//      recorded there spent 50-134% of a step remapping under every finite slack before cached
+//      ranges were joined; joined, the single-stream ones need no remap at any slack >= 0.1, and
+//      those with the swap runtime's second stream (nothing joined then) spend at most 2.7% of a
+//      step at 0.5 for up to 13% less memory than no cap: the default (issue 12,
+//      bench/results/cache_slack.json).
 //      With a budget, we grow up to the budget first: that memory is ours anyway.
 //   nnabla's fourth path, growing a smaller cached range in place by mapping chunks into the VA
 //   right after it, is not kept: it still maps the missing chunks one by one (the dominant cost of
@@ -293,21 +296,33 @@ struct Allocator::Impl {
   // stream each time), no record_stream events, both accessible, one VA span. `r` is freed now,
   // so its owner event (if any) is the newest on that stream and covers the neighbours' work: it
   // stays; theirs go. Returns the range to cache (maybe a neighbour, grown).
-  // Nothing here may throw once a neighbour has left the cache (the free path cannot fail): the
-  // chunk list grows into room reserved first, and dropping an event is quiet (a handle that
-  // would not go leaks, which is harmless).
+  // Nothing here may throw (the free path cannot fail): the chunk list grows into room reserved
+  // first (doubling: n neighbours freed one by one cost O(n), not O(n^2)), a join whose room
+  // cannot be had is skipped, and dropping an event is quiet (a handle that would not go leaks,
+  // which is harmless). Once a second stream has allocated, nothing is joined: a joined range
+  // is ready for another stream only when its newest free's work is done, where its parts, apart,
+  // would be as soon as each one's own is (a side stream, the swap runtime's, would map fresh
+  // chunks or wait instead of reusing them).
   Range* merge_neighbours(Range* r) {
+    if (events.multistream()) return r;
     auto joinable = [&](Range* n) {
       return !n->no_access && !r->no_access && n->stream == r->stream && r->stream != kPerThreadStream &&
              n->extra_events.empty() && r->extra_events.empty();
+    };
+    auto room = [](Range* into, size_t more) {
+      try {
+        into->chunks.reserve(std::max(into->k + more, 2 * into->chunks.capacity()));
+        return true;
+      } catch (const std::bad_alloc&) {
+        return false;
+      }
     };
     auto cached_at = [](const PtrMap& m, uintptr_t addr) -> Range* {
       const uintptr_t* v = m.find(addr);
       return v ? reinterpret_cast<Range*>(*v) : nullptr;
     };
     Range* l = cached_at(cached_to, r->addr);
-    if (l && joinable(l) && va->same_span(l->addr, l->k, r->k)) {
-      l->chunks.reserve(l->k + r->k);
+    if (l && joinable(l) && va->same_span(l->addr, l->k, r->k) && room(l, r->k)) {
       cache_remove(l);
       quiet([&] { events.drop_events(l); });  // r's event (recorded now) covers l's work
       l->chunks.insert(l->chunks.end(), r->chunks.begin(), r->chunks.end());
@@ -320,8 +335,7 @@ struct Allocator::Impl {
       r = l;
     }
     Range* n = cached_at(cached_from, r->addr + r->k * chunk);
-    if (n && joinable(n) && va->same_span(r->addr, r->k, n->k)) {
-      r->chunks.reserve(r->k + n->k);
+    if (n && joinable(n) && va->same_span(r->addr, r->k, n->k) && room(r, n->k)) {
       cache_remove(n);
       quiet([&] { events.drop_events(n); });
       r->chunks.insert(r->chunks.end(), n->chunks.begin(), n->chunks.end());
@@ -552,25 +566,21 @@ struct Allocator::Impl {
         for (size_t i = bucket.size(); i-- > 0 && scanned < 16; ++scanned) {
           Range* r = bucket[i];
           if (r->no_access || !events.ready_for(r, stream)) continue;
+          // The piece handed out is r's tail: r keeps its address, its events (they cover what
+          // stays cached) and its chunk list, which only shrinks, so the piece, freed, joins r
+          // again by appending k handles (merge_cached): a split and a join cost O(k), whatever
+          // r's size. Made before r leaves the cache: a failed allocation changes nothing.
+          Range* out = new Range;
+          out->chunks.assign(r->chunks.end() - static_cast<std::ptrdiff_t>(k), r->chunks.end());
           cache_remove(r);
-          Range* tail = new Range;
-          tail->addr = r->addr + k * chunk;
-          tail->k = r->k - k;
-          tail->chunks.assign(r->chunks.begin() + static_cast<std::ptrdiff_t>(k), r->chunks.end());
-          tail->stream = r->stream;
-          tail->all_ready = r->all_ready;  // else r->stream == stream: same-stream reuse is ordered
-          // The owner's event (recorded at free) covers the tail: it moves there, as r is reused
-          // on its own stream.
-          tail->owner_event = r->owner_event;
-          tail->has_owner_event = r->has_owner_event;
-          r->has_owner_event = false;
-          r->k = k;
-          r->chunks.resize(k);
-          events.drop_events(r);
-          cache_insert(tail);
+          out->k = k;
+          out->addr = r->addr + (r->k - k) * chunk;
+          r->k -= k;
+          r->chunks.resize(r->k);
+          cache_insert(r);
           ++st.num_cache_hits;
           ++st.num_splits;
-          return r;
+          return out;
         }
       }
     }
@@ -744,8 +754,10 @@ struct Allocator::Impl {
       bool ready = false;
       attempt([&] { ready = events.fully_ready(r); });
       if (ready) {
+        // only what is over the target (a joined range may be far larger than that)
+        size_t over = (chunks_held * chunk - target + chunk - 1) / chunk;
         std::vector<ChunkHandle> hs;
-        attempt([&] { take_tail(r, r->k, hs); });  // on failure r stays cached with the rest
+        attempt([&] { take_tail(r, std::min(r->k, over), hs); });  // on failure r stays cached with the rest
         free_chunks.reserve(free_chunks.size() + hs.size());
         for (auto h : hs) free_chunks.push_back(h);
         release_free();
@@ -941,6 +953,10 @@ void Allocator::free(void* p) {
   Impl::Guard g(m, Need::open);
   auto addr = reinterpret_cast<uintptr_t>(p);
   uintptr_t v = 0;
+  if (m.merging()) {  // a range cached below adds one key to each: room first (nothing changed yet)
+    m.cached_from.reserve_for(1);
+    m.cached_to.reserve_for(1);
+  }
   if (!m.live.take(addr, v))
     throw std::invalid_argument("ptr: " + hex(addr) +
                                 " is not a live allocation of this allocator (unknown or already freed)");

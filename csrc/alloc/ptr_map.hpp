@@ -15,6 +15,11 @@ class PtrMap {
 
   size_t size() const { return size_; }
 
+  // Room for `extra` more keys without a rehash: an insert that must not fail calls this first.
+  void reserve_for(size_t extra) {
+    while ((size_ + extra) * 4 > slots_.size() * 3) rehash(slots_.size() * 2);
+  }
+
   // Insert a key that is not present (addresses of live allocations are unique).
   void insert(uintptr_t key, uintptr_t value) {
     if ((size_ + 1) * 4 > slots_.size() * 3) rehash(slots_.size() * 2);

@@ -41,6 +41,8 @@ class RangeEvents {
   // streams seen) or when the owner is a stream that may be destroyed later (any handle but the
   // default ones): recording later on a dead stream is an error, or worse, another stream.
   bool owner_event_now(uintptr_t stream) const { return multistream_ || !is_default_stream(stream); }
+  // More than one stream seen: memory one stream freed may go to another once its events complete.
+  bool multistream() const { return multistream_; }
 
   // May cached range `r` be reused on `stream` now? On its owner stream only the record_stream
   // events matter (stream order covers the owner's own work); elsewhere every event does.
