@@ -718,3 +718,120 @@ def test_pressure_in_an_iteration_kept_in_place_restarts_the_streak():
             lin(torch.randn(8, 16)).exp().sum().backward()
             seen.append(ctx.stats()["iterations_in_place"])
     assert seen == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
+def test_pressure_after_the_last_pack_still_lets_the_backward_end_the_iteration():
+    """Pressure between the forward's last saved tensor and the backward (the loss's last
+    allocation, backward's gradient seed): the iteration leaves in place with nothing tracked
+    after, and its backward, reading only kept tensors, still ends it."""
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    lin = nn.Linear(16, 256)
+    counts = []
+    with ctx:
+        for i in range(7):
+            out = lin(torch.randn(8, 16)).exp().sum()
+            if i == 3:
+                assert ctx._seq.in_place.on and fake.callback(1 << 30) is True
+            out.backward()
+            counts.append(ctx.stats()["iterations"])
+    assert counts == [1, 2, 3, 4, 5, 6, 7]
+    assert ctx.stats()["resident_bytes"] == 0
+
+
+def test_an_interrupt_right_after_the_shrink_still_brings_the_bytes_back(monkeypatch):
+    """A Ctrl-C as ``resize_(0)`` returns, before the eviction is done: the backward copies the
+    bytes back (it once took the storage for one never shrunk and read nothing)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 256)
+    x = torch.randn(8, 16)
+
+    def loss():
+        return lin(x).exp().sum()
+    ref = torch.autograd.grad(loss(), lin.weight)[0]
+    real = torch.UntypedStorage.resize_
+    armed = {"on": False}
+
+    def cut(self, n):
+        out = real(self, n)
+        if armed["on"] and n == 0:
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", cut)
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    with ctx:
+        for _ in range(3):
+            loss().backward()
+        lin.zero_grad()
+        out = loss()
+        armed["on"] = True
+        with pytest.raises(KeyboardInterrupt):
+            fake.callback(1 << 30)
+        out.backward()
+    assert torch.equal(lin.weight.grad, ref)
+
+
+def test_a_context_entered_again_hooks_vmalloc_again(monkeypatch):
+    """vmalloc's allocator is hooked at the first tracked pack on its device; exiting unhooks
+    it. Entered again while iterations are kept in place (nothing tracked), the context hooks it
+    again at once: without it a kept iteration would meet an out-of-memory with no rescue."""
+    import scheduler.runtime.swap as swap_mod
+    fake = FakeAllocator()
+    monkeypatch.setattr(swap_mod, "_find_vmalloc_allocator", lambda device: fake)
+    ctx = swap()
+    real = ctx._pack_locked
+
+    def pack_locked(t, storage, nbytes):   # as on a GPU: the first tracked pack hooks vmalloc
+        ctx._hook_pressure(t.device)
+        return real(t, storage, nbytes)
+    monkeypatch.setattr(ctx, "_pack_locked", pack_locked)
+    lin = nn.Linear(16, 256)
+    for epoch in range(2):
+        with ctx:
+            for _ in range(4):
+                lin(torch.randn(8, 16)).exp().sum().backward()
+                assert fake.callback is not None
+        assert fake.callback is None
+    assert ctx.stats()["iterations_in_place"] == 1 + 4
+
+
+def test_another_threads_pressure_never_takes_what_a_node_reads():
+    """A thread allocating under vmalloc (a prefetching loader) may call the pressure callback
+    while a backward reads a kept tensor: the node's own tensor is made before anything else,
+    so the storage it reads is held from then on. Gradients equal plain training's."""
+    import threading
+    fake = FakeAllocator()
+    ctx = swap(allocator=fake)
+    stop = threading.Event()
+    errors = []
+
+    def presser():
+        while not stop.is_set():
+            try:
+                fake.callback(1 << 30)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    xs = [torch.randn(32, 64) for _ in range(12)]
+    ref = []
+    for x in xs:
+        ref.append(torch.autograd.grad(model(x).square().sum(), list(model.parameters())))
+    got = []
+    with ctx:
+        for x in xs[:4]:   # tracked, then kept in place
+            got.append(torch.autograd.grad(model(x).square().sum(), list(model.parameters())))
+        t = threading.Thread(target=presser)
+        t.start()
+        try:
+            for x in xs[4:]:
+                got.append(torch.autograd.grad(model(x).square().sum(),
+                                               list(model.parameters())))
+        finally:
+            stop.set()
+            t.join()
+    assert not errors
+    for a, b in zip(got, ref):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))

@@ -52,7 +52,7 @@ iteration the new sequence gets its own schedule.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -150,6 +150,9 @@ class SwapContext:
         self._lock = threading.RLock()
         self._hooks: Any = None
         self._pressure_targets: Dict[Any, Any] = {}   # device (or "given") -> allocator
+        # devices whose vmalloc allocator was hooked: hooked again when the context is entered
+        # again (iterations kept in place pack nothing that would hook them)
+        self._hooked_devices: List[Any] = []
         self._exited = False
         self._counters = new_counters()
         self._residency = Residency()
@@ -189,7 +192,10 @@ class SwapContext:
             self._seq.in_place.under_pressure()
         # vmalloc's allocators are hooked per device at the first tensor saved there
         # (_hook_pressure): resolving "cuda" here would start CUDA on the current device at
-        # `import torch` under VMALLOC_WINDOW, before torchrun's ranks pick their GPUs
+        # `import torch` under VMALLOC_WINDOW, before torchrun's ranks pick their GPUs. Those
+        # hooked before the last exit are hooked again now
+        for device in self._hooked_devices:
+            self._hook_pressure(device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -324,6 +330,8 @@ class SwapContext:
             if target is not None:
                 target.set_pressure_callback(self._on_pressure)
                 self._seq.in_place.under_pressure()
+                if device not in self._hooked_devices:
+                    self._hooked_devices.append(device)
             self._pressure_targets[device] = target
 
     @eager_hook
@@ -334,14 +342,16 @@ class SwapContext:
                 check_unchanged(t, version, "swap runtime")
             in_place = self._seq.in_place
             if in_place.evictor is not None and len(handle) == 3:  # kept: may be evicted
+                # the node reading it must hold a tensor of its own, so that its storage counts
+                # as held: autograd hands the node our very tensor where it needs no gradient
+                # (a dropout mask), and a pressure call during the node would evict it. Made
+                # first: from then on no pressure call (another thread's) can take the storage
+                d = t.detach()
                 if in_place.evictor.on_host:
                     with self._lock:  # (evicted under pressure: brought back)
                         in_place.restore(t)
-                # the node reading it must hold a tensor of its own, so that its storage counts
-                # as held: autograd hands the node our very tensor where it needs no gradient
-                # (a dropout mask), and a pressure call during the node would evict it
-                t = t.detach()
-            if in_place.on and not self._seq.callback_queued:
+                t = d
+            if (in_place.on or in_place.left_ref is not None) and not self._seq.callback_queued:
                 self._in_place_backward(handle)
             return t
         with self._lock:
@@ -388,7 +398,7 @@ class SwapContext:
             return
         with self._lock:
             seq = self._seq
-            if seq.in_place.on and not seq.callback_queued and seq.in_place.is_current(packed):
+            if not seq.callback_queued and seq.in_place.is_current(packed):
                 self._queue_end_callback()
                 seq.backward_seen = True
 

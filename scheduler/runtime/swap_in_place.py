@@ -48,6 +48,8 @@ class InPlace:
         self.packs_left = 0   # packs the plan has left: one more is a sequence it does not know
         self.seen: Dict[int, int] = {}  # data pointer -> bytes, counted once
         self.token_ref: Any = None      # weak: the kept tensors own the token
+        # the running iteration's token after it left in place: its backward still ends it
+        self.left_ref: Any = None
         # tokens of earlier iterations whose tensors are still alive -> their bytes
         self.held: Dict[Any, int] = {}
         self.deaths: Deque[Any] = deque()
@@ -56,6 +58,7 @@ class InPlace:
         """The running iteration is over: its tensors still alive, if any, go on counting until
         its token dies (True then); and so stop those of earlier ones whose token died."""
         held = self.leave()  # (not on: no token to hold)
+        self.left_ref = None
         if self.evictor is not None:
             self.evictor.new_iteration()
         self.settle(force=True)
@@ -108,14 +111,19 @@ class InPlace:
         return token
 
     def is_current(self, packed: Any) -> bool:
-        """``packed`` (what a pack returned) is a tensor the running iteration kept."""
-        return (len(packed) == 3 and self.token_ref is not None
-                and packed[2] is self.token_ref())
+        """``packed`` (what a pack returned) is a tensor the running iteration kept (also if it
+        left in place since)."""
+        if len(packed) != 3:
+            return False
+        ref = self.token_ref if self.token_ref is not None else self.left_ref
+        return ref is not None and packed[2] is ref()
 
     def leave(self) -> bool:
         """The running iteration takes the full path from here; True if it kept something (its
         bytes go on counting until its token dies)."""
         kept = self._hold()
+        if self.token_ref is not None:
+            self.left_ref = self.token_ref
         self.on, self.room, self.bytes, self.seen, self.token_ref = False, 0, 0, {}, None
         return kept
 

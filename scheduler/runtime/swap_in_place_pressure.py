@@ -35,9 +35,9 @@ HOST = "_swap_kept_host"
 
 class OnHost:
     """A kept storage while it is evicted: its size, the tensors that may bring it back (their
-    ``HOST`` attribute holds the copy), and whether its bytes are gone (``evicted``: set only
-    once the storage was shrunk, so an interrupt on either side of that leaves a state
-    ``restore`` reads right)."""
+    ``HOST`` attribute holds the copy), and whether its host copy is whole (``evicted``: set
+    before the storage is shrunk, so an interrupt on either side of the shrink leaves a state
+    ``restore`` reads right: it copies back whenever the copy is whole)."""
 
     __slots__ = ("nbytes", "members", "evicted")
 
@@ -115,8 +115,10 @@ class KeptEvictor:
             for m in members:
                 m.__dict__[HOST] = host
             self.on_host[key] = group
-            storage.resize_(0)
+            # marked before the bytes go (the host copy is whole): an interrupt on either side
+            # of the shrink leaves ``restore`` copying, harmlessly where the bytes stayed
             group.evicted = True
+            storage.resize_(0)
             freed += n
         return freed
 
@@ -135,9 +137,10 @@ class KeptEvictor:
         if group.evicted:
             if storage.nbytes() == 0:
                 storage.resize_(group.nbytes)  # (may ask the pressure callback: it skips it)
-            storage.copy_(t.__dict__[HOST])    # (again, should an interrupt have cut it short)
+            # (also where an interrupt came before the shrink, or cut an earlier restore short)
+            storage.copy_(t.__dict__[HOST])
             brought = group.nbytes
-        # (not evicted: an interrupt came before the storage was shrunk; its bytes are there)
+        # (not marked: an interrupt came before the host copy was whole; the bytes are there)
         del self.on_host[key]
         group.forget()
         return brought
