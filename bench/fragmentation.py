@@ -7,7 +7,7 @@ bundled allocation traces, replayed without a GPU.
 (``*.json``, ``*.json.gz``, PyTorch snapshots ``*.pickle`` / ``*.pkl``, optionally gzip'ed);
 none there is an error (exit 2) before anything is written.
 
-Per trace and allocator: peak requested, peak physical without a cap (the cache grows),
+Per trace and allocator: peak requested, peak physical without a budget (the default policy),
 fragmentation 1 - requested/physical (GMLake's metric: it reports 15% on average, up to 33%, for
 PyTorch on LLM training), and the smallest physical budget at which the whole trace replays
 (bisection). Goal: vmalloc needs <= 1.05 x the peak requested bytes on every swap-heavy trace.

@@ -151,7 +151,7 @@ def fragmentation(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            meta_line(d, (("machine", "machine"),)), "",
            f"Cell: smallest physical budget that replays the trace / peak requested bytes "
            f"(goal for vmalloc <= {g(goal)}), then fragmentation 1 - requested/physical "
-           "without a cap (GMLake's metric).", ""]
+           "without a budget, under the default policy (GMLake's metric).", ""]
     rows = []
     for t in traces:
         by = {r["allocator"]: r for r in t["rows"]}

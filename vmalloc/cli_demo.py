@@ -196,7 +196,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rows = {r["allocator"]: r for r in cmp["rows"]}
         summary.append((cmp["trace"], rows))
     key = "physical_peak" if args.no_bisect else "min_budget"
-    what = "peak physical without a cap" if args.no_bisect else "smallest budget that runs"
+    what = "peak physical without a budget" if args.no_bisect else "smallest budget that runs"
     print(f"summary ({what}, vs the caching model):")
     model = "pytorch caching (model)"
     for name, rows in summary:
