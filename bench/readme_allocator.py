@@ -92,8 +92,9 @@ def _taken(dec: Dict[str, Any]) -> str:
         now = inspect.signature(Allocator.__init__).parameters["cache_slack"].default
     except Exception:  # noqa: BLE001 - vmalloc not built here: the verdict as recorded
         return ""
-    if now != dec["cache_slack"]:
-        return ""
+    if now != dec["cache_slack"]:   # (the knobs table says why)
+        return (f" Not taken: `cache_slack` stays {'None (no cap)' if now is None else now}; "
+                "its row in the allocator's knobs table says why.")
     return f" Taken: `cache_slack` defaults to {dec['label']} since this measurement."
 
 

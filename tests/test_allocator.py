@@ -235,6 +235,20 @@ def test_a_freed_range_joins_its_cached_neighbours(backend):
         assert a.malloc(5 * c) == base and a.stats()["num_map"] == 5
 
 
+def test_a_range_split_and_joined_again_and_again_stays_one(backend):
+    """64 times a chunk split off a cached range and freed: each time it joins the rest again
+    (its chunk list once doubled at every join, until joins failed for want of memory)."""
+    c = chunk_for(backend)
+    with Allocator(backend, chunk_size=c, small_threshold=0) as a:
+        base = a.malloc(5 * c)
+        a.free(base)
+        for _ in range(64):
+            a.free(a.malloc(c))
+        s = a.stats()
+        assert s["num_merges"] == 64 and s["num_map"] == 5
+        assert a.malloc(5 * c) == base and a.stats()["num_map"] == 5
+
+
 def test_merging_can_be_turned_off(backend):
     c = chunk_for(backend)
     with Allocator(backend, chunk_size=c, small_threshold=0, merge_cached=False) as a:

@@ -247,3 +247,22 @@ def test_probe_bad_inputs_all_get_clear_errors():
 
     out = bad_inputs()
     assert out["unclear"] == [] and out["clear_errors"] == out["tried"]
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOMEM])
+def test_a_failed_remap_under_the_soft_cap_grows_instead(err):
+    """Past cache_slack's soft cap a miss remaps cached chunks rather than create more; that is
+    a preference: an unmap the driver refuses there must not fail a malloc that creating chunks
+    serves (it once raised, even for ENOMEM, before the pressure callback was asked)."""
+    with Allocator("host", chunk_size=C, small_threshold=0, merge_cached=False,
+                   cache_slack=0.5) as a:
+        ps = [a.malloc(4 * C) for _ in range(3)]   # peak in use: 12 chunks
+        for p in ps:
+            a.free(p)
+        a.free(a.malloc(6 * C))                     # 18 held = 1.5 x 12: the cap binds
+        a._inject_fault("unmap", 1, err)
+        p = a.malloc(7 * C)
+        a._inject_fault("unmap", 0, 0)
+        check(a, {p: (7 * C, 0)}, None)
+        a.free(p)
+        check(a, {}, None)

@@ -168,7 +168,7 @@ CONFIGS = {
     # no budget: the cache_slack soft cap bounds physical memory (sizes capped to keep RAM low)
     "no-budget": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB,
                       cache_slack=0.25),
-    # no budget, the default slack
+    # no budget, the default slack (no cap: a caching allocator)
     "no-budget-default": dict(chunk=MiB, budget=None, small_threshold=MiB, max_size=48 * MiB),
     # cached ranges never joined (merge_cached off: the policy before it)
     "no-merge": dict(chunk=MiB, budget=320 * MiB, small_threshold=MiB, merge_cached=False),

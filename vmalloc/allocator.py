@@ -100,12 +100,13 @@ class Allocator(_core.Allocator):
         memory, more map/unmap calls (default off). Same as ``cache_slack=0``.
     cache_slack: without a budget, on a cache miss new chunks are created while physical memory
         stays below ``(1 + cache_slack)`` x the peak of chunks in use; past that, cached chunks
-        are remapped first (default 0.5; ``None``, ``float("inf")`` and any value >= 128 x
-        chunk_size: no cap, like a caching allocator). On a GPU a remap costs tens of
+        are remapped first (default ``None``: no cap, like a caching allocator, as do
+        ``float("inf")`` and any value >= 128 x chunk_size). On a GPU a remap costs tens of
         microseconds per chunk; replayed, the traces recorded on an H100 spent at most 2.7% of a
-        step remapping at 0.5, for up to 13% less memory than no cap
-        (bench/results/cache_slack.json). With a budget, chunks are created up to the budget
-        first.
+        step remapping at 0.5, for up to 13% less memory, but a cap can thrash where cached
+        ranges are not joined (a second stream: malloc+free cycles of mixed sizes remap every
+        time), so there is none by default (bench/results/cache_slack.json). With a budget,
+        chunks are created up to the budget first.
     trace_capacity: the allocation trace (``set_trace``) is a ring of at most this many events
         (default 100000, about 48 bytes each); older events are dropped and counted in
         ``stats()["num_trace_dropped"]``.

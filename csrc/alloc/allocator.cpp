@@ -19,7 +19,7 @@
 //        no cap (grow first, a caching allocator): 0 maps/malloc in steady state, physical peak
 //          1.19x requested peak (static shapes) / 1.07x (dynamic); without joining cached
 //          neighbours (merge_cached off) 1.47x / 2.8x, and 0.39 maps/malloc (dynamic);
-//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, 0.03 steady maps/malloc
+//        remap first (prefer_remap, the paper's scheme): 1.03-1.06x, 0 steady maps/malloc
 //          joined (0.38-0.63 without joining);
 //        cache_slack 0.25 / 0.5: grow while physical <= 1.25 / 1.5 x peak chunks in use, then
 //          remap: joined, the same as no cap on these single-stream traces.
@@ -27,8 +27,9 @@
 //      recorded there spent 50-134% of a step remapping under every finite slack before cached
 //      ranges were joined; joined, the single-stream ones need no remap at any slack >= 0.1, and
 //      those with the swap runtime's second stream (nothing joined then) spend at most 2.7% of a
-//      step at 0.5 for up to 13% less memory than no cap: the default (issue 12,
-//      bench/results/cache_slack.json).
+//      step at 0.5 for up to 13% less memory than no cap; but with nothing joined a cap thrashes
+//      on a cycle of mixed sizes (8.8 us a malloc+free against 36 ns), so no cap is the default
+//      (issue 12, bench/results/cache_slack.json).
 //      With a budget, we grow up to the budget first: that memory is ours anyway.
 //   nnabla's fourth path, growing a smaller cached range in place by mapping chunks into the VA
 //   right after it, is not kept: it still maps the missing chunks one by one (the dominant cost of
@@ -254,11 +255,11 @@ struct Allocator::Impl {
   bool merging() const { return cfg.merge_cached && cfg.split_cached; }
   // (the maps may grow: a failure there is std::bad_alloc, as any allocation's)
   void cache_insert(Range* r) {
-    if (merging()) {
+    cache.push(r);  // first: the one step here that may throw (a bucket growing)
+    if (merging()) {  // (room made first: free() reserves it, the other callers took a key out)
       cached_from.insert(r->addr, reinterpret_cast<uintptr_t>(r));
       cached_to.insert(r->addr + r->k * chunk, reinterpret_cast<uintptr_t>(r));
     }
-    cache.push(r);
     r->lru_prev = lru_tail;
     r->lru_next = nullptr;
     (lru_tail ? lru_tail->lru_next : lru_head) = r;
@@ -310,6 +311,7 @@ struct Allocator::Impl {
              n->extra_events.empty() && r->extra_events.empty();
     };
     auto room = [](Range* into, size_t more) {
+      if (into->chunks.capacity() >= into->k + more) return true;  // (a split only shrinks it)
       try {
         into->chunks.reserve(std::max(into->k + more, 2 * into->chunks.capacity()));
         return true;
@@ -452,8 +454,20 @@ struct Allocator::Impl {
         free_chunks.pop_back();
       }
       create_chunks(k, out, device_full, soft_cap);
-      if (out.size() < k) reclaim_cached(k - out.size(), out, false);
+      // the soft cap's remap is a preference: a driver error there (an unmap refused) must not
+      // fail a malloc that growing would serve; it is raised only if nothing else serves it
+      std::exception_ptr optional_err;
+      if (out.size() < k && soft_cap != SIZE_MAX) {
+        try {
+          reclaim_cached(k - out.size(), out, false);
+        } catch (...) {
+          optional_err = std::current_exception();
+        }
+      } else if (out.size() < k) {
+        reclaim_cached(k - out.size(), out, false);
+      }
       create_chunks(k, out, device_full);
+      if (optional_err && out.size() < k) std::rethrow_exception(optional_err);
       if (out.size() < k) {
         release_empty_slabs();
         reclaim_cached(k - out.size(), out, false);
@@ -570,8 +584,9 @@ struct Allocator::Impl {
           // stays cached) and its chunk list, which only shrinks, so the piece, freed, joins r
           // again by appending k handles (merge_cached): a split and a join cost O(k), whatever
           // r's size. Made before r leaves the cache: a failed allocation changes nothing.
-          Range* out = new Range;
-          out->chunks.assign(r->chunks.end() - static_cast<std::ptrdiff_t>(k), r->chunks.end());
+          std::unique_ptr<Range> piece(new Range);
+          piece->chunks.assign(r->chunks.end() - static_cast<std::ptrdiff_t>(k), r->chunks.end());
+          Range* out = piece.release();
           cache_remove(r);
           out->k = k;
           out->addr = r->addr + (r->k - k) * chunk;

@@ -29,14 +29,15 @@ struct Config {
                               // (with split_cached only: a joined range is reused by splitting it)
   // Slow path without a budget: new chunks are created only while physical memory stays below
   // (1 + cache_slack) x the peak of chunks in use; past that, cached chunks are remapped first.
-  // < 0: no such cap (a caching allocator). With a budget, chunks are created up to the budget
-  // first. prefer_remap overrides both (cache_slack = 0, budget or not).
+  // < 0: no such cap (the default: a caching allocator). With a budget, chunks are created up to
+  // the budget first. prefer_remap overrides both (cache_slack = 0, budget or not).
   // The default is measured (issue 12, bench/results/cache_slack.json): on an H100 a remap costs
   // 44 us per 2 MiB chunk. Before cached ranges were joined (merge_cached) every finite slack's
-  // remaps took 50-134% of some training step on the real traces recorded there, and the default
-  // was no cap; joined, 0.5 remaps at most 2.7% of a step (ResNet-50 with the swap runtime) and
-  // holds 1.62x the requested peak where no cap holds 1.86x (BERT, variable lengths, swapped).
-  double cache_slack = 0.5;
+  // remaps took 50-134% of some training step on the real traces recorded there. Joined, 0.5
+  // remaps at most 2.7% of a step on them, for 13% less memory on one; but once a second stream
+  // stops the joins, a cap thrashes on cycles the traces do not have (4, 2, 6 MiB malloc+free
+  // in turn: 8.8 us a pair at 0.5 against 36 ns), so no cap stays the default.
+  double cache_slack = -1.0;
   // Allocation-trace ring (set_trace): the most recent events kept; older ones are dropped and
   // counted (Stats::num_trace_dropped). 0 keeps none.
   size_t trace_capacity = 100000;

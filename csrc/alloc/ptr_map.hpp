@@ -81,9 +81,8 @@ class PtrMap {
     return static_cast<size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_) & mask_;
   }
   void rehash(size_t n) {
-    std::vector<Slot> old;
+    std::vector<Slot> old(n, Slot{});  // made first: if this throws, the map is as it was
     old.swap(slots_);
-    slots_.assign(n, Slot{});
     mask_ = n - 1;
     shift_ = 64;
     for (size_t m = n; m > 1; m >>= 1) --shift_;
