@@ -91,11 +91,11 @@ class Allocator(_core.Allocator):
     device: CUDA device index (ignored by the host backend).
     small_threshold: requests below this many bytes use the small-block bins (default 1 MiB,
         capped at ``chunk_size``); 0 turns them off.
-    split_cached: reuse the head of a larger cached range without remapping (default on).
+    split_cached: reuse the tail of a larger cached range without remapping (default on).
     merge_cached: a freed range joins the cached ranges right before and after it in virtual
         memory (same stream, one reservation), as PyTorch's caching allocator joins free
         neighbours: a larger request then reuses them without mapping fresh chunks (default on;
-        with ``split_cached`` only, since a joined range is reused by splitting its head off).
+        with ``split_cached`` only, since a joined range is reused by splitting pieces off).
     prefer_remap: on a cache miss, remap cached chunks before creating new ones: least physical
         memory, more map/unmap calls (default off). Same as ``cache_slack=0``.
     cache_slack: without a budget, on a cache miss new chunks are created while physical memory

@@ -4,12 +4,12 @@
 // back into one contiguous virtual range, so internal fragmentation per allocation is < chunk_size
 // (Eq. 1) and any free chunk serves any request. A freed range stays mapped in a cache bucketed by
 // chunk count, joined to the cached ranges right before and after it in VA (merge_cached, as
-// PyTorch's caching allocator joins a segment's free neighbours: no driver call; a split's head,
-// freed, joins its tail again). Reuse paths, in the order tried (nnabla's VirtualCachingAllocator
-// has four; these are the ones we keep, and why):
+// PyTorch's caching allocator joins a segment's free neighbours: no driver call; a piece split off
+// a cached range, freed, joins the rest again). Reuse paths, in the order tried (nnabla's
+// VirtualCachingAllocator has four; these are the ones we keep, and why):
 //   1. exact: a cached range with the same chunk count is handed back as is — no driver call.
-//   2. split: the head of the smallest larger cached range is handed out and its tail stays
-//      cached as a shorter mapped range — still no driver call. In the bench's policy table it
+//   2. split: the last k chunks of the smallest larger cached range are handed out and the rest
+//      stays cached as a shorter mapped range — still no driver call. In the bench's policy table it
 //      halves (or better) the maps per malloc at every setting of the other knobs with no more
 //      physical memory (e.g. static trace under a budget 0.36 vs 0.86, dynamic 0.64 vs 1.71).
 //   3. fresh mapping: k chunks from the free-chunk pool, newly created chunks, or chunks unmapped
@@ -250,7 +250,7 @@ struct Allocator::Impl {
   bool device_allows_one_more() const { return device_limit == 0 || (chunks_held + 1) * chunk <= device_limit; }
 
   // ---- the cache of mapped ranges ----
-  // merge_cached needs split_cached: a joined range is reused by splitting its head off (without
+  // merge_cached needs split_cached: a joined range is reused by splitting pieces off (without
   // splits only exact sizes are hits, and joined sizes rarely recur: the cache would only grow)
   bool merging() const { return cfg.merge_cached && cfg.split_cached; }
   // (the maps may grow: a failure there is std::bad_alloc, as any allocation's)
@@ -291,8 +291,8 @@ struct Allocator::Impl {
 
   // merge_cached: join the freed range `r` (not cached yet) with the cached ranges that end where
   // it begins and begin where it ends, as PyTorch's caching allocator joins free neighbours of a
-  // segment: no driver call, and a larger request can reuse the whole (a split hands out a head
-  // and caches the tail; freed, the head joins it again) instead of mapping fresh chunks. Only
+  // segment: no driver call, and a larger request can reuse the whole (a split hands out a tail
+  // and keeps the rest cached; freed, the tail joins it again) instead of mapping fresh chunks. Only
   // what one event can guard: the same owner stream, not the per-thread handle (another thread's
   // stream each time), no record_stream events, both accessible, one VA span. `r` is freed now,
   // so its owner event (if any) is the newest on that stream and covers the neighbours' work: it
@@ -572,7 +572,7 @@ struct Allocator::Impl {
         }
       }
     }
-    // 2. head of the smallest larger cached range
+    // 2. the tail of the smallest larger cached range
     if (cfg.split_cached) {
       size_t scanned = 0;
       for (size_t kk = cache.next_above(k); kk != 0 && scanned < 16; kk = cache.next_above(kk)) {

@@ -23,7 +23,7 @@ struct Config {
   int device = 0;                      // CUDA device ordinal (ignored by the host backend)
   size_t small_threshold = 1u << 20;   // requests below this come from the small-block bins
   // --- additions (reuse policy knobs; the defaults are what measured best, see allocator.cpp) ---
-  bool split_cached = true;   // serve k chunks from the head of a larger cached mapped range
+  bool split_cached = true;   // serve k chunks from the tail of a larger cached mapped range
   bool prefer_remap = false;  // slow path: remap cached chunks before creating new ones (leaner, slower)
   bool merge_cached = true;   // a freed range joins the cached ranges right before and after it in VA
                               // (with split_cached only: a joined range is reused by splitting it)
@@ -80,7 +80,7 @@ struct Stats {
   uint64_t num_cache_hits = 0;        // range acquisitions (large mallocs and new small-block slabs)
                                       // served by a mapped cached range, no driver call
   uint64_t num_remaps = 0;            // range acquisitions that had to map chunks (slow path)
-  uint64_t num_splits = 0;            // cache hits served from the head of a larger cached range
+  uint64_t num_splits = 0;            // cache hits served from the tail of a larger cached range
   uint64_t num_merges = 0;            // cached ranges joined to a range freed next to them in VA
   uint64_t num_small_malloc = 0;      // mallocs served by the small-block bins
   uint64_t num_small_free = 0;
