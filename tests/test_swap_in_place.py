@@ -835,3 +835,54 @@ def test_another_threads_pressure_never_takes_what_a_node_reads():
     assert not errors
     for a, b in zip(got, ref):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_pressure_from_another_device_takes_nothing_here(monkeypatch):
+    """vmalloc's allocator of one device asks for room there: saved tensors on another device,
+    tracked or kept in place, would free nothing on it and are left alone (each device's
+    allocator gets a callback bound to its device)."""
+    import scheduler.runtime.swap as swap_mod
+    fake = FakeAllocator()
+    monkeypatch.setattr(swap_mod, "_find_vmalloc_allocator", lambda device: fake)
+    ctx = swap()
+    real = ctx._pack_locked
+
+    def pack_locked(t, storage, nbytes):   # as on a GPU: the first tracked pack hooks vmalloc
+        ctx._hook_pressure(t.device)
+        return real(t, storage, nbytes)
+    monkeypatch.setattr(ctx, "_pack_locked", pack_locked)
+    lin = nn.Linear(16, 256)
+    other = torch.device("cuda", 1)
+    asked = []
+    with ctx:
+        for i in range(4):
+            out = lin(torch.randn(8, 16)).exp().sum()
+            if i == 3:   # kept in place: it stays so
+                assert ctx._seq.in_place.on
+                asked.append(ctx._on_pressure(1 << 30, device=other))
+                assert ctx._seq.in_place.on
+            out.backward()
+        for i in range(2):   # (the streak starts again: pressure there too)
+            lin(torch.randn(8, 16)).exp().sum().backward()
+        out = lin(torch.randn(8, 16)).exp().sum()
+        asked.append(ctx._on_pressure(1 << 30, device=other))   # in place again: nothing
+        assert fake.callback.keywords == {"device": torch.device("cpu")}
+        assert fake.callback(1 << 30) is True   # this device's
+        out.backward()
+    s = ctx.stats()
+    assert asked == [False, False]
+    assert s["pressure_calls"] == 3 and s["iterations_in_place"] == 1
+    assert s["pressure_freed_bytes"] == s["in_place_evicted_bytes"] > 0   # this device's call
+
+
+def test_tracked_saved_tensors_of_another_device_are_not_swapped_out_for_pressure():
+    ctx = swap()
+    lin = nn.Linear(16, 256)
+    with ctx:
+        x = lin(torch.randn(8, 16)).exp()   # the first iteration: tracked
+        y = x.exp().sum()
+        assert ctx._on_pressure(1 << 30, device=torch.device("cuda", 1)) is False
+        assert ctx.stats()["pressure_freed_bytes"] == 0
+        assert ctx._on_pressure(1 << 30, device=torch.device("cpu")) is True
+        y.backward()
+    assert ctx.stats()["pressure_freed_bytes"] > 0

@@ -51,6 +51,7 @@ iteration the new sequence gets its own schedule.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -328,7 +329,8 @@ class SwapContext:
         if self._allocator is None and device not in self._pressure_targets:
             target = _find_vmalloc_allocator(device)
             if target is not None:
-                target.set_pressure_callback(self._on_pressure)
+                # (for this device only: what another device holds frees nothing here)
+                target.set_pressure_callback(functools.partial(self._on_pressure, device=device))
                 self._seq.in_place.under_pressure()
                 if device not in self._hooked_devices:
                     self._hooked_devices.append(device)
@@ -417,27 +419,29 @@ class SwapContext:
             self._seq.end_iteration()
             self._drain()
 
-    def _on_pressure(self, needed: int) -> bool:
-        """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Policy
-        (``swap_eviction``): release finished swap-outs, wait for the oldest in flight, swap out
-        the oldest resident saved tensors. True if anything was released (the allocator
-        retries once). Tensors kept in place by the running iteration come last
-        (``swap_in_place_pressure``): the iteration leaves in place, and its plan is not kept in
-        place again; any iteration that meets pressure does not count towards keeping one."""
+    def _on_pressure(self, needed: int, device: Optional[torch.device] = None) -> bool:
+        """vmalloc asks before failing a malloc: ``needed`` bytes are missing (on ``device``,
+        where vmalloc's allocator of one device asks: only what is there is released; None, an
+        ``allocator=`` given: any). Policy (``swap_eviction``): release finished swap-outs, wait
+        for the oldest in flight, swap out the oldest resident saved tensors. True if anything
+        was released (the allocator retries once). Tensors kept in place by the running
+        iteration come last (``swap_in_place_pressure``): the iteration leaves in place, and its
+        plan is not kept in place again; any iteration that meets pressure does not count
+        towards keeping one."""
         with self._lock:
             self._drain()
             seq = self._seq
             seq.pressed = True
-            freed = self._eviction.on_pressure(needed)
+            freed = self._eviction.on_pressure(needed, device)
             ip = seq.in_place
-            if freed < needed and ip.evictor is not None and ip.evictor.kept:
+            if freed < needed and ip.evictor is not None and ip.evictor.keeps_on(device):
                 if ip.on and not seq.callback_queued and \
                         torch._C._current_graph_task_id() != -1:
                     # a backward before it read a kept tensor: it still ends the iteration
                     self._queue_end_callback()
                     seq.backward_seen = True
                 seq.leave_in_place()
-                kept = ip.evict(needed - freed)
+                kept = ip.evict(needed - freed, device)
                 self._counters["pressure_freed_bytes"] += kept
                 self._counters["in_place_evicted_bytes"] += kept
                 freed += kept

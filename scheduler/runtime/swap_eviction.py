@@ -6,7 +6,7 @@ run: swapping one out would free nothing and copy it for nothing). A planned swa
 keeps the budget too, but evicts nothing: it completes pending swap-outs or is skipped."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..planners.swap_schedule import DEVICE, IN
 from vmalloc import user_warning
@@ -59,18 +59,22 @@ class Eviction:
         return self.residency.bytes + incoming <= budget
 
     def free_bytes(self, needed: int, keep: Optional[Var], evict: bool = True,
-                   device_memory: bool = False) -> Tuple[int, int]:
+                   device_memory: bool = False, device: Any = None) -> Tuple[int, int]:
         """Free ``needed`` resident bytes, never ``keep`` nor the running step's vars:
         ``(bytes freed, variables evicted)``. ``evict=False``: only by completing swap-outs.
         ``device_memory`` (vmalloc's pressure): only device memory counts. A var the program
         holds too (``Var.held_elsewhere``) frees none: its finished copy is still released (it
         costs nothing, and is re-attached at its use) but not counted, and it is neither waited
         for nor swapped out. (The saved-tensor budget counts such vars as resident like any
-        other, so its evictions take them in their turn.)"""
+        other, so its evictions take them in their turn.) ``device``: only vars there count or
+        are swapped out (what another device holds frees nothing on this one)."""
         in_use = self.in_use
         t = self.transfers
+
+        def mine(vars_: Any) -> List[Var]:
+            return list(vars_) if device is None else [v for v in vars_ if v.device == device]
         freed = evicted = 0
-        for var in list(t.pending):  # finished copies first: free of charge
+        for var in mine(t.pending):  # finished copies first: free of charge
             if freed >= needed:
                 return freed, evicted
             if var is not keep and var not in in_use and (
@@ -78,7 +82,7 @@ class Eviction:
                 frees = not (device_memory and var.held_elsewhere())
                 t.release(var, True)
                 freed += var.nbytes if frees else 0
-        for var in list(t.pending):  # then wait for the oldest copies
+        for var in mine(t.pending):  # then wait for the oldest copies
             if freed >= needed:
                 return freed, evicted
             if var is not keep and var not in in_use and not (
@@ -87,7 +91,7 @@ class Eviction:
                 freed += var.nbytes
         if not evict:
             return freed, evicted
-        for var in list(self.residency.order):
+        for var in mine(self.residency.order):
             if freed >= needed:
                 break
             if var is keep or var in in_use or var.state not in (DEVICE, IN):
@@ -101,12 +105,12 @@ class Eviction:
                 evicted += 1
         return freed, evicted
 
-    def on_pressure(self, needed: int) -> int:
+    def on_pressure(self, needed: int, device: Any = None) -> int:
         """vmalloc asks before failing a malloc: ``needed`` bytes are missing. Device bytes
         released: a saved tensor the program holds too frees nothing, so it is neither swapped
         out nor counted (counting it made vmalloc retry in vain and fail with "budget" where the
         callback had freed nothing: the program's batch is the oldest saved tensor)."""
         self.counters["pressure_calls"] += 1
-        freed, _ = self.free_bytes(max(int(needed), 1), None, device_memory=True)
+        freed, _ = self.free_bytes(max(int(needed), 1), None, device_memory=True, device=device)
         self.counters["pressure_freed_bytes"] += freed
         return freed

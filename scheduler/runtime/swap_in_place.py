@@ -69,9 +69,10 @@ class InPlace:
         if self.evictor is None:
             self.evictor = KeptEvictor()
 
-    def evict(self, needed: int) -> int:
-        """Free ``needed`` bytes of the running iteration's kept tensors (pressure): freed."""
-        freed = self.evictor.evict(needed) if self.evictor is not None else 0
+    def evict(self, needed: int, device: Any = None) -> int:
+        """Free ``needed`` bytes of the running iteration's kept tensors (pressure; on
+        ``device`` only, if given): freed."""
+        freed = self.evictor.evict(needed, device) if self.evictor is not None else 0
         if freed:
             self._count()
         return freed

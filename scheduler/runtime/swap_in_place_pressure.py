@@ -71,6 +71,14 @@ class KeptEvictor:
     def watch(self, kept: torch.Tensor) -> None:
         self.kept.append(weakref.ref(kept))
 
+    def keeps_on(self, device: Any = None) -> bool:
+        """Whether the running iteration keeps a tensor still alive on ``device`` (any: None)."""
+        for r in self.kept:
+            t = r()
+            if t is not None and (device is None or t.device == device):
+                return True
+        return False
+
     def new_iteration(self) -> None:
         """The running iteration is over: its tensors can no longer be evicted (a graph kept
         past it holds them where they are, as without a pressure callback)."""
@@ -88,13 +96,14 @@ class KeptEvictor:
             for key in [k for k, g in self.on_host.items() if not g.alive()]:
                 del self.on_host[key]
 
-    def evict(self, needed: int) -> int:
-        """Evict kept storages, oldest first, until ``needed`` bytes are freed: bytes freed."""
+    def evict(self, needed: int, device: Any = None) -> int:
+        """Evict kept storages, oldest first, until ``needed`` bytes are freed (on ``device``
+        only, if given: another device's free nothing there): bytes freed."""
         self.prune()
         groups: Dict[int, Tuple[torch.UntypedStorage, List[torch.Tensor]]] = {}
         for r in self.kept:
             t = r()
-            if t is not None:
+            if t is not None and (device is None or t.device == device):
                 s = t.untyped_storage()
                 groups.setdefault(s._cdata, (s, []))[1].append(t)
         freed = 0
