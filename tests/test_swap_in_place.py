@@ -773,20 +773,27 @@ def test_an_interrupt_right_after_the_shrink_still_brings_the_bytes_back(monkeyp
     assert torch.equal(lin.weight.grad, ref)
 
 
-def test_a_context_entered_again_hooks_vmalloc_again(monkeypatch):
-    """vmalloc's allocator is hooked at the first tracked pack on its device; exiting unhooks
-    it. Entered again while iterations are kept in place (nothing tracked), the context hooks it
-    again at once: without it a kept iteration would meet an out-of-memory with no rescue."""
+def hooked_like_vmalloc(monkeypatch):
+    """A context whose tracked packs hook a fake "vmalloc" allocator per device, as they hook
+    vmalloc's on a GPU (``_hook_pressure``): ``(context, allocator)``."""
     import scheduler.runtime.swap as swap_mod
     fake = FakeAllocator()
     monkeypatch.setattr(swap_mod, "_find_vmalloc_allocator", lambda device: fake)
     ctx = swap()
     real = ctx._pack_locked
 
-    def pack_locked(t, storage, nbytes):   # as on a GPU: the first tracked pack hooks vmalloc
+    def pack_locked(t, storage, nbytes):
         ctx._hook_pressure(t.device)
         return real(t, storage, nbytes)
     monkeypatch.setattr(ctx, "_pack_locked", pack_locked)
+    return ctx, fake
+
+
+def test_a_context_entered_again_hooks_vmalloc_again(monkeypatch):
+    """vmalloc's allocator is hooked at the first tracked pack on its device; exiting unhooks
+    it. Entered again while iterations are kept in place (nothing tracked), the context hooks it
+    again at once: without it a kept iteration would meet an out-of-memory with no rescue."""
+    ctx, fake = hooked_like_vmalloc(monkeypatch)
     lin = nn.Linear(16, 256)
     for epoch in range(2):
         with ctx:
@@ -841,16 +848,7 @@ def test_pressure_from_another_device_takes_nothing_here(monkeypatch):
     """vmalloc's allocator of one device asks for room there: saved tensors on another device,
     tracked or kept in place, would free nothing on it and are left alone (each device's
     allocator gets a callback bound to its device)."""
-    import scheduler.runtime.swap as swap_mod
-    fake = FakeAllocator()
-    monkeypatch.setattr(swap_mod, "_find_vmalloc_allocator", lambda device: fake)
-    ctx = swap()
-    real = ctx._pack_locked
-
-    def pack_locked(t, storage, nbytes):   # as on a GPU: the first tracked pack hooks vmalloc
-        ctx._hook_pressure(t.device)
-        return real(t, storage, nbytes)
-    monkeypatch.setattr(ctx, "_pack_locked", pack_locked)
+    ctx, fake = hooked_like_vmalloc(monkeypatch)
     lin = nn.Linear(16, 256)
     other = torch.device("cuda", 1)
     asked = []
