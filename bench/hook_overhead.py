@@ -88,16 +88,15 @@ def measure(L: int, rounds: int, steps: int) -> Dict[str, Any]:
     def bare() -> Any:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
-    def swap() -> Any:   # a context a round: its first steps record and plan (warm-up)
-        return scheduler.swap(window=1 << 40, budget=1 << 40, planner="window",
-                              device=torch.device("cpu"), min_bytes=0)
+    def swap(**kw: Any) -> Any:   # a context a round: its first steps record and plan (warm-up)
+        kw = {"budget": 1 << 40, "planner": "window", **kw}
+        return scheduler.swap(window=1 << 40, device=torch.device("cpu"), min_bytes=0, **kw)
+
     def swap_pressure() -> Any:   # vmalloc's place: a pressure callback, never called
-        return scheduler.swap(window=1 << 40, budget=1 << 40, planner="window",
-                              device=torch.device("cpu"), min_bytes=0, allocator=NeverAsks())
+        return swap(allocator=NeverAsks())
 
     def swap_tracked() -> Any:   # no budget: no iteration is kept in place
-        return scheduler.swap(window=1 << 40, budget=None, planner=move_nothing,
-                              device=torch.device("cpu"), min_bytes=0)
+        return swap(budget=None, planner=move_nothing)
     none = contextlib.nullcontext
     configs: Dict[str, Any] = {"plain": (plain, none), "bare hooks": (plain, bare),
                                "runner": (runner, none), "runner hooked": (runner, bare),

@@ -87,10 +87,11 @@ def hook_overhead(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
            "(37 ms) over its 480 saved tensors.",
            meta_line(meta, (("torch", "torch"), ("date", "date"))), ""]
     rows = d["rows"]
-    # (columns added later: runs before them have none)
+
+    def measured(k: str) -> bool:   # (columns added later: runs before them have none)
+        return all(f"{k}_us_per_saved" in r for r in rows)
     extra = [(k, name) for k, name in (("swap_pressure", "swap pressure"),
-                                       ("swap_tracked", "swap tracked"))
-             if all(f"{k}_us_per_saved" in r for r in rows)]
+                                       ("swap_tracked", "swap tracked")) if measured(k)]
     out += table(["blocks", "saved tensors / step", "plain step us", "bare hooks us / saved",
                   "runner", "runner hooked", "swap"] + [name for _, name in extra],
                  [(r["L"], r["saved_per_step"], num(r["plain_step_us"]),
@@ -103,7 +104,7 @@ def hook_overhead(ctx: Ctx, d: Dict[str, Any]) -> List[str]:
                     ("swap", "swap window, nothing swapped"),
                     ("swap_pressure", "swap window under vmalloc's pressure callback, nothing "
                                       "swapped")):
-        if not all(f"{k}_us_per_saved" in r for r in rows):
+        if not measured(k):
             continue
         worst = max(r[f"{k}_us_per_saved"] for r in rows)
         ctx.goal("hook_overhead", f"{name}: <= {g(goal)} us a saved tensor (CPU; 5% of an H100 "

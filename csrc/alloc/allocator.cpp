@@ -323,27 +323,27 @@ struct Allocator::Impl {
       const uintptr_t* v = m.find(addr);
       return v ? reinterpret_cast<Range*>(*v) : nullptr;
     };
+    auto append = [&](Range* into, Range* next) {  // `next` follows `into` in VA; goes
+      into->chunks.insert(into->chunks.end(), next->chunks.begin(), next->chunks.end());
+      into->k += next->k;
+      ++st.num_merges;
+      delete next;
+    };
     Range* l = cached_at(cached_to, r->addr);
     if (l && joinable(l) && va->same_span(l->addr, l->k, r->k) && room(l, r->k)) {
       cache_remove(l);
       quiet([&] { events.drop_events(l); });  // r's event (recorded now) covers l's work
-      l->chunks.insert(l->chunks.end(), r->chunks.begin(), r->chunks.end());
-      l->k += r->k;
       l->owner_event = r->owner_event;
       l->has_owner_event = r->has_owner_event;
       l->all_ready = false;
-      ++st.num_merges;
-      delete r;
+      append(l, r);
       r = l;
     }
     Range* n = cached_at(cached_from, r->addr + r->k * chunk);
     if (n && joinable(n) && va->same_span(r->addr, r->k, n->k) && room(r, n->k)) {
       cache_remove(n);
       quiet([&] { events.drop_events(n); });
-      r->chunks.insert(r->chunks.end(), n->chunks.begin(), n->chunks.end());
-      r->k += n->k;
-      ++st.num_merges;
-      delete n;
+      append(r, n);
     }
     return r;
   }
@@ -456,15 +456,14 @@ struct Allocator::Impl {
       create_chunks(k, out, device_full, soft_cap);
       // the soft cap's remap is a preference: a driver error there (an unmap refused) must not
       // fail a malloc that growing would serve; it is raised only if nothing else serves it
+      // (without a cap creating has already stopped: the error is raised as before)
       std::exception_ptr optional_err;
-      if (out.size() < k && soft_cap != SIZE_MAX) {
+      if (out.size() < k) {
         try {
           reclaim_cached(k - out.size(), out, false);
         } catch (...) {
           optional_err = std::current_exception();
         }
-      } else if (out.size() < k) {
-        reclaim_cached(k - out.size(), out, false);
       }
       create_chunks(k, out, device_full);
       if (optional_err && out.size() < k) std::rethrow_exception(optional_err);

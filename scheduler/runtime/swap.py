@@ -435,11 +435,6 @@ class SwapContext:
             freed = self._eviction.on_pressure(needed, device)
             ip = seq.in_place
             if freed < needed and ip.evictor is not None and ip.evictor.keeps_on(device):
-                if ip.on and not seq.callback_queued and \
-                        torch._C._current_graph_task_id() != -1:
-                    # a backward before it read a kept tensor: it still ends the iteration
-                    self._queue_end_callback()
-                    seq.backward_seen = True
                 seq.leave_in_place()
                 kept = ip.evict(needed - freed, device)
                 self._counters["pressure_freed_bytes"] += kept

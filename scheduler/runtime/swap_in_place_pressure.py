@@ -22,7 +22,7 @@ path from the pressure on, and its plan is not kept in place again
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -71,13 +71,15 @@ class KeptEvictor:
     def watch(self, kept: torch.Tensor) -> None:
         self.kept.append(weakref.ref(kept))
 
-    def keeps_on(self, device: Any = None) -> bool:
-        """Whether the running iteration keeps a tensor still alive on ``device`` (any: None)."""
+    def kept_on(self, device: Any = None) -> Iterator[torch.Tensor]:
+        """The running iteration's kept tensors still alive, on ``device`` (any: None)."""
         for r in self.kept:
             t = r()
             if t is not None and (device is None or t.device == device):
-                return True
-        return False
+                yield t
+
+    def keeps_on(self, device: Any = None) -> bool:
+        return next(self.kept_on(device), None) is not None
 
     def new_iteration(self) -> None:
         """The running iteration is over: its tensors can no longer be evicted (a graph kept
@@ -101,11 +103,9 @@ class KeptEvictor:
         only, if given: another device's free nothing there): bytes freed."""
         self.prune()
         groups: Dict[int, Tuple[torch.UntypedStorage, List[torch.Tensor]]] = {}
-        for r in self.kept:
-            t = r()
-            if t is not None and (device is None or t.device == device):
-                s = t.untyped_storage()
-                groups.setdefault(s._cdata, (s, []))[1].append(t)
+        for t in self.kept_on(device):
+            s = t.untyped_storage()
+            groups.setdefault(s._cdata, (s, []))[1].append(t)
         freed = 0
         for key, (storage, members) in groups.items():
             if freed >= needed:
