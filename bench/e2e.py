@@ -107,6 +107,7 @@ from bench.e2e_workers import (COEXIST_BATCH, FIRST_STEP_GRACE, JOB_TIMEOUT,  # 
                                WORKER_ENV_DROP, Watch, deterministic_kernels, run_coexist,
                                run_workers, uncapped, worker_env, worker_main, worker_output)
 from bench.e2e_output import meta, plots, table  # noqa: E402
+from bench.e2e_remeasure import carried, earlier_meta  # noqa: E402
 from vmalloc.atomic_file import write_atomic  # noqa: E402
 from vmalloc.sizes import format_size, parse_size  # noqa: E402
 
@@ -292,7 +293,6 @@ def load_resume(path: Path, settings: Optional[Dict[str, Any]] = None) -> List[J
     except FileNotFoundError:
         print(f"--resume {path}: no such file yet, starting from nothing", file=sys.stderr)
         return []
-    names = set(JobResult.__dataclass_fields__) - {"losses"}
     try:
         doc = json.loads(text)
         results = doc["results"]
@@ -303,7 +303,7 @@ def load_resume(path: Path, settings: Optional[Dict[str, Any]] = None) -> List[J
             missing = {"model", "method", "batch_size", "status"} - set(row)
             if missing:
                 raise KeyError(f"a row lacks {sorted(missing)}")
-            rows.append(JobResult(**{k: v for k, v in row.items() if k in names}))
+            rows.append(JobResult.of_row(row))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"--resume {path}: not a bench/e2e.py results file "
                          f"({type(exc).__name__}: {exc})") from None
@@ -358,6 +358,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "again", file=sys.stderr)
     if args.resume:
         info["resumed_from"] = len(kept)
+        remeasured = carried(earlier_meta(Path(args.resume)), kept)
+        if remeasured:   # (bench/e2e_remeasure.py's notes on the rows kept)
+            info["remeasured"] = remeasured
     out = Path(args.out or args.resume or RESULTS / (
         f"e2e-{info['gpu'].replace(' ', '_')}-{info['date']}.json"))
     made: List[Dict[str, Any]] = []

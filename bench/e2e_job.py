@@ -41,6 +41,12 @@ class JobResult:
             d.pop("error")
         return d
 
+    @classmethod
+    def of_row(cls, row: Dict[str, Any]) -> "JobResult":
+        """A results file's row back (``row()`` left out the losses; keys it lacks are ignored)."""
+        names = set(cls.__dataclass_fields__) - {"losses"}
+        return cls(**{k: v for k, v in row.items() if k in names})
+
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+from bench.e2e_remeasure import entries
 from bench.readme_format import Ctx, g, met, meta_line, num, pct, reproduce, size, table
 
 
@@ -384,6 +385,12 @@ def e2e(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
                       if str(r.get("note", "")).startswith("loss not bitwise equal")})
     if inexact:   # (``Method.inexact``: PyTorch's save_on_cpu, by design)
         out += ["- Not bit-exact by design: " + "; ".join(f"{m}: {n}" for m, n in inexact) + "."]
+    for e in entries(meta):   # (bench/e2e_remeasure.py)
+        before = "; ".join(f"{k} {num(v)}" for k, v in e.get("earlier_throughput", {}).items()
+                           if isinstance(v, (int, float)))
+        out += [f"- Re-measured on {e.get('date')} in one call (`{e.get('command')}`): "
+                f"{', '.join(e['rows'])}. Why: {e.get('why')}."
+                + (f" Before: {before}." if before else "")]
     if meta.get("incomplete"):
         out += [f"- Incomplete: {meta.get('not_run', 'some')} jobs not run yet; a later GPU "
                 "session resumes this file (`scripts/gpu-check --next`)."]
