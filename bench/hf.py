@@ -68,6 +68,7 @@ BELOW_HF = 0.8
 # --stop-at: a model's process given this long and still running is recorded as timed out
 # (kept), not left for --resume to start over in every later device call
 MODEL_TIMEOUT_S = 300
+TAIL_OUTPUTS = "watched"   # scheduler/runtime/tail_outputs.py
 GOAL = ("at HF checkpointing's peak rotor is faster; at HF checkpointing's step time rotor "
         "holds less memory; rotor reaches budgets below HF checkpointing's peak")
 
@@ -470,6 +471,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     results: Dict[str, Any] = {"meta": {**run_meta(command, device), "bench": "hf",
                                         "quick": quick, "steps": steps, "goal": GOAL,
                                         "checkpoint_available": checkpoint_missing() is None,
+                                        # how plans count the model's outputs: watched at the
+                                        # profiling step's backward (a file from before
+                                        # counted them through the tail's backward only)
+                                        "tail_outputs": TAIL_OUTPUTS,
                                         "budget_fractions_of_plain_peak": list(fractions)},
                                "models": []}
     write = args.out is not None   # None: --quick without --out (common.output_dir)
@@ -538,14 +543,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 def resumed(path: str, meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The models of an earlier run's results file to keep (``--resume``): those without an
     error (of the model or of a row), when that run measured the same way (device, quick,
-    timed steps); else none."""
+    timed steps, ``tail_outputs``); else none."""
     import json
     try:
         with open(path) as f:
             old = json.load(f)
     except (OSError, ValueError):
         return {}
-    same = all(old.get("meta", {}).get(k) == meta.get(k) for k in ("device_tag", "quick", "steps"))
+    same = all(old.get("meta", {}).get(k) == meta.get(k)
+               for k in ("device_tag", "quick", "steps", "tail_outputs"))
     def whole(m: Dict[str, Any]) -> bool:   # no error of its own or in a row
         return "error" not in m and all(r.get("status") != "error" for r in m.get("rows", []))
     return {m["model"]: m for m in old.get("models", []) if same and whole(m)} \

@@ -53,6 +53,12 @@ class PlanCache(Generic[T]):
         self._plans.move_to_end(key)
         return self._plans[key]
 
+    def drop_if(self, which: Callable[[Hashable], bool]) -> None:
+        """Forget the plans whose keys ``which`` picks (their chain changed): the next
+        ``get_or_plan`` of each plans anew."""
+        for key in [k for k in self._plans if which(k)]:
+            del self._plans[key]
+
     def clear(self) -> None:
         self._plans.clear()
 

@@ -72,3 +72,18 @@ def test_classifier_gets_one_label_per_sequence():
     lm = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100,
                                         n_positions=8))
     assert hf.labels_for(lm, ids) is ids
+
+
+def test_resume_keeps_only_models_measured_with_the_outputs_watched(tmp_path):
+    """A results file from before the tail's outputs were watched (its plans counted the
+    logits through the tail's backward) is measured again, not resumed."""
+    sys.path.insert(0, f"{ROOT}/bench")
+    import hf
+    meta = {"device_tag": "cpu", "quick": False, "steps": 7, "tail_outputs": hf.TAIL_OUTPUTS}
+    model = {"model": "gpt2", "rows": [{"method": "plain", "status": "ok"}]}
+    path = tmp_path / "hf-cpu.json"
+    path.write_text(json.dumps({"meta": meta, "models": [model]}))
+    assert list(hf.resumed(str(path), meta)) == ["gpt2"]
+    path.write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "tail_outputs"},
+                                "models": [model]}))
+    assert hf.resumed(str(path), meta) == {}

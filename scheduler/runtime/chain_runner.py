@@ -139,6 +139,10 @@ class ChainRunner(MimoseSteps):
         self.profiling_steps = 0
         self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
+        # shapes planned with the model's outputs guessed dropped before the backward, until a
+        # backward says so: shape (_shape_of) -> the chain that counts them held
+        # (``tail_outputs``)
+        self._tail_unverified: Dict[Hashable, Chain] = {}
         # profiling steps whose chain an InputAwareChain learns: profile key -> input size
         self._learning: Dict[Hashable, float] = {}
         # profiling steps whose tail measurement failed, by shape (``_tail_failed``)
@@ -503,6 +507,9 @@ class ChainRunner(MimoseSteps):
             if self._one_plan:
                 one_plan.check_same_keys(key not in self.cache, key, args, kwargs, self.blocks,
                                          self._budget, self.name, self.list_name)
+        if step and _shape_of(key) in self._tail_unverified:
+            # no backward came after its profiling step (whatever the budget now): held
+            self.correct_tail(key, self._tail_unverified.pop(_shape_of(key)))
         cached = self.cache.get(key)
         if cached is not None:
             return cached, None
@@ -516,6 +523,36 @@ class ChainRunner(MimoseSteps):
             return self._compile(checkpoint_plan(self.L, range(self.L), planner="profile")), key
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
         return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev, key)), None
+
+    def adapts_tail(self, key: Hashable) -> bool:
+        """Whether a profiling step's plan for ``key`` may count the model's outputs by what
+        the caller does with them (``tail_outputs``): only a chain this runner measured and
+        plans alone, the caller's own code not run on it, and no process group (DDP hands the
+        caller copies of the outputs: ``_DDPSink``, so those seen would always look dropped)."""
+        return (self.chain_source is None and self.mimose is None and self.on_chain is None
+                and not (isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE)
+                and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+
+    def tail_unverified(self, key: Hashable, held: Chain) -> None:
+        """``key``'s plan guesses which outputs the caller drops, before a backward has said:
+        ``held``, the chain that counts them all held, plans its shape at its next step unless
+        ``tail_seen`` comes first."""
+        self._tail_unverified[_shape_of(key)] = held
+
+    def tail_seen(self, key: Hashable, chain: Optional[Chain]) -> None:
+        """The profiling step's backward saw which outputs the caller dropped: the plans for
+        ``key``'s shape stand (``chain`` None) or are made again on ``chain`` at its next
+        forward."""
+        self._tail_unverified.pop(_shape_of(key), None)
+        if chain is not None:
+            self.correct_tail(key, chain)
+
+    def correct_tail(self, key: Hashable, chain: Chain) -> None:
+        """Plan ``key``'s shape, at any budget, on ``chain`` at its next forward (not here:
+        this may be a backward, on autograd's thread)."""
+        shape = _shape_of(key)
+        self._measured[shape] = chain
+        self.cache.drop_if(lambda k: _shape_of(k) == shape)
 
     def _remember(self, key: Hashable, chain: Chain) -> None:
         """Keep a measured chain for its shape (the plan key less the budget); at the

@@ -38,7 +38,8 @@ module backward hooks in the model (the replay would call them), a forward that 
 computed *after* the model returns (no ``labels=``) is outside the tail measured here.
 
 The stacks' side (what is pushed, popped, left stale) is ``hook_stack``'s; the questions about
-the tail's autograd graph before the replay are ``tail_graph``'s.
+the tail's autograd graph before the replay are ``tail_graph``'s; what the tail returns and
+the caller drops or holds through the backward (the logits) is ``tail_outputs``'.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ from .hook_stack import (Hooks, TailTracer, Within, let_go, module_call_frame, p
 from .not_compiled import not_compiled
 from .outside import Outside, head_census
 from .tail_graph import has_backward_hooks, read_by_tail, tail_graph
+from .tail_outputs import created_outputs, planned
 from .weak import WeakFields
 
 # profiling steps of one shape whose tail measurement failed before the shape is planned on
@@ -129,6 +131,9 @@ class TailProbe(WeakFields):
         self._live: List[Any] = []
         self._let_go_with_me()
         self._warned: Set[Hashable] = set()  # this probe's warnings given (``warn_once``)
+        # positions in the model's output of what the tail made and the caller had dropped
+        # when the last profiling step's backward began (``tail_outputs``); None: not seen yet
+        self.dropped: Optional[Set[int]] = None
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
@@ -397,9 +402,13 @@ class TailProbe(WeakFields):
             xbar, fw_tmp = _cpu_forward(rec, outs, state | {storage_key(t) for t in rec.lasts})
         # what the tail saved, bar what outlives its backward (weights, the last block's
         # output, what the model returned): the real backward frees it node by node
-        kept = {storage_key(t) for t in list(self.model.parameters()) +
-                list(self.model.buffers()) + rec.lasts + outs}
+        weights = {storage_key(t) for t in list(self.model.parameters()) +
+                   list(self.model.buffers()) + rec.lasts}
+        kept = weights | {storage_key(t) for t in outs}
         saved = {storage_key(t) for t in rec.hooks.saved} - kept
+        # the outputs the tail made that its backward does not read: maybe dropped before it
+        returned = created_outputs(outs, rec.lasts, weights | {
+            storage_key(t) for t in rec.hooks.saved}) if rec.runner.adapts_tail(rec.key) else []
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
         bw = _replay(self.model, outs, rec, self.warn_once, saved)
@@ -426,7 +435,9 @@ class TailProbe(WeakFields):
         for k in ("fw_tmp", "fck_tmp", "bw_tmp"):
             cols[k][L] += fwd
         chain = chain.replace(meta=meta, **cols)  # other fields as measured
-        return add_outside(chain, 0, tied) if tied else chain
+        chain = add_outside(chain, 0, tied) if tied else chain
+        return planned(self, rec.runner, rec.key, rec.lasts, chain, returned) if returned \
+            else chain
 
 
 def _born(tracer: OpTracer) -> Set[int]:
