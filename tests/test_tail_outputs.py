@@ -177,21 +177,57 @@ def test_kept_logits_are_planned_again_with_them():
 
 
 def test_a_new_shape_is_planned_on_what_the_last_backward_saw():
+    """Only profiling steps are watched: a shape's plan follows what its profiling step's
+    caller did (README: a loop must do at its first step of a shape what it does later); a
+    new shape guesses what the last one saw and is corrected at its next step if wrong."""
     ref, model, batch = plain("gpt2")
     short = {k: v[:, :8] for k, v in batch.items()}
-    for b in (batch, short):   # kept at the first shape: the second assumes kept, no re-plan
+    for b in (batch, short):   # held at the first shape: the second guesses held, no re-plan
         for seed in range(2):
             assert_same(ref, model, keep_step(ref, b, seed), keep_step(model, b, seed), "gpt2")
     r = runner_of(model)
     assert r.profiling_steps == 2 and r.stats()["plans_computed"] == 3   # 1 re-plan, not 2
     assert r.last_plan.chain.meta["tail"]["outputs"]["dropped"] == 0
-    for seed in range(2):   # the caller changes its loop: that shape is planned again
+    for seed in range(2):   # the loop drops them now: that shape's plan stays (held: safe)
         assert_same(ref, model, step(ref, short, seed), step(model, short, seed), "gpt2")
+    assert r.stats()["plans_computed"] == 3
     third = {k: v[:, :6] for k, v in batch.items()}
-    for seed in range(2):
+    for seed in range(2):   # a new shape: guessed held, seen dropped, planned again
         assert_same(ref, model, step(ref, third, seed), step(model, third, seed), "gpt2")
+    assert r.stats()["plans_computed"] == 5
     assert r.last_plan.chain.meta["tail"]["outputs"] == {"dropped": logits_bytes(model, third),
                                                          "held": 0}
+
+
+def test_outputs_a_caller_term_saved_count_as_held():
+    """The model returns its loss and the caller adds a term of the logits (a z-loss): they
+    are freed during the backward, not before it, so they count as held (as dropped, the
+    plan peaked at 1.13x its prediction)."""
+    lo_held, _ = budgets("gpt2-wide")
+    ref, model, batch = plain("gpt2-wide", lo_held)
+
+    def zloss(m: nn.Module, seed: int) -> torch.Tensor:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        return zloss_step(m, batch)
+
+    for seed in range(3):
+        assert_same(ref, model, zloss(ref, seed), zloss(model, seed), "gpt2")
+    r = runner_of(model)
+    assert r.last_plan.chain.meta["tail"]["outputs"] == {
+        "dropped": 0, "held": logits_bytes(model, batch)}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert cpu_peak(lambda: zloss_step(model, batch)) <= r.last_plan.predicted_peak
+
+
+def zloss_step(model: nn.Module, batch: Dict[str, Any]) -> torch.Tensor:
+    """A step whose loss adds a z-loss term of the logits to the model's own."""
+    out = model(**batch)
+    loss = out.loss + 1e-4 * torch.logsumexp(out.logits, -1).square().mean()
+    del out
+    loss.backward()
+    return loss.detach()
 
 
 def test_no_backward_after_the_profiling_forward_plans_with_the_outputs():

@@ -507,9 +507,9 @@ class ChainRunner(MimoseSteps):
             if self._one_plan:
                 one_plan.check_same_keys(key not in self.cache, key, args, kwargs, self.blocks,
                                          self._budget, self.name, self.list_name)
-        if step and _shape_of(key) in self._tail_unverified:
-            # no backward came after its profiling step (whatever the budget now): held
-            self.correct_tail(key, self._tail_unverified.pop(_shape_of(key)))
+        held = self._tail_unverified.pop(_shape_of(key), None) if step else None
+        if held is not None:  # no backward came after its profiling step (any budget): held
+            self.correct_tail(key, held)
         cached = self.cache.get(key)
         if cached is not None:
             return cached, None
@@ -543,9 +543,9 @@ class ChainRunner(MimoseSteps):
         """The profiling step's backward saw which outputs the caller dropped: the plans for
         ``key``'s shape stand (``chain`` None) or are made again on ``chain`` at its next
         forward."""
-        self._tail_unverified.pop(_shape_of(key), None)
-        if chain is not None:
+        if chain is not None:   # (first: a forward on another thread finds one or the other)
             self.correct_tail(key, chain)
+        self._tail_unverified.pop(_shape_of(key), None)
 
     def correct_tail(self, key: Hashable, chain: Chain) -> None:
         """Plan ``key``'s shape, at any budget, on ``chain`` at its next forward (not here:

@@ -10,8 +10,9 @@ for HF's own plan, measured 4.97 GiB), too little for the second (1.08x the pred
 least budget, CPU, vocabulary 1024).
 
 So each profiling step watches the outputs the tail created that no backward node saved
-(``created_outputs``: weak references to their storages) and, once its backward reaches the
-last block's output (``on_backward``), reads which are gone (``Returned.gone``). ``counted``
+(``created_outputs``: a finalizer on each storage) and, once its backward reaches the last
+block's output (``on_backward``), reads which were freed before that backward began
+(``Returned.gone``). ``counted``
 moves their bytes from ``xbar[L]`` to the tail's forward; those still held are counted beside
 every op too. The plan made at the end of the profiling forward guesses (the first time: all
 dropped; later shapes: what the last backward saw): it is used from the next step on, and a
@@ -28,7 +29,6 @@ import weakref
 from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Sequence, Set, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..chain import Chain, add_outside
 from ..profile.autograd_graph import graph_nodes
@@ -37,15 +37,26 @@ from ..profile.storage import storage_bytes, storage_key
 
 class Returned:
     """The tail's own outputs nothing saved, by position in the model's output (its tensor
-    leaves): their bytes, and weak references that say whether the caller still holds them."""
+    leaves): their bytes, and which storages were freed outside any backward, i.e. (read
+    from within the step's backward) before it began. Freed during a backward means alive
+    at its start (a term of the caller's loss saved them: a z-loss's logsumexp of the
+    logits), which counts as held."""
 
     def __init__(self, found: Sequence[Tuple[int, torch.Tensor]]):
         self.bytes: Dict[int, int] = {i: storage_bytes([t]) for i, t in found}
-        self._refs = {i: StorageWeakRef(t.untyped_storage()) for i, t in found}
+        self._freed_outside: Set[int] = set()
+        for i, t in found:
+            # a storage's Python object lives as long as the storage (PyTorch preserves it),
+            # so this runs when the memory is freed, on the thread that frees it
+            weakref.finalize(t.untyped_storage(), self._freed, i).atexit = False
+
+    def _freed(self, i: int) -> None:
+        if torch._C._current_graph_task_id() == -1:   # not inside a backward
+            self._freed_outside.add(i)
 
     def gone(self) -> FrozenSet[int]:
-        """The positions whose storage nothing holds any more."""
-        return frozenset(i for i, ref in self._refs.items() if ref.expired())
+        """The positions freed outside any backward so far."""
+        return frozenset(self._freed_outside)
 
     def bytes_of(self, positions: Set[int]) -> int:
         return sum(n for i, n in self.bytes.items() if i in positions)
