@@ -97,7 +97,12 @@ def test_dry_run_lists_every_step_and_full_mode_only_e2e(tmp_path):
                for name in ln.split(" SKIP ", 1)[1].strip().split(":", 1)[0].split(",")}
     at = [r.stdout.index(cmd) for name, cmd in order if name not in skipped]
     assert at == sorted(at) and len(at) >= len(order) // 2, r.stdout
-    assert "--resume bench/results/e2e-GPU-quick.json --stop-at" in r.stdout
+    resumes = {"e2e-quick": "--quick --resume bench/results/e2e-GPU-quick.json --stop-at",
+               "e2e-resnet50": "--resume bench/results/e2e-GPU-resnet50.json --stop-at"}
+    left = [name for name in resumes if name not in skipped]
+    assert left, r.stdout   # (the full grid's steps are not done yet)
+    for name in left:   # each resumes its own file (GPU: the device's name there)
+        assert resumes[name] in r.stdout, (name, r.stdout)
     # the coexist pair alone: not ResNet-50's window+vmalloc sweep again before it
     coexist = next(ln for ln in r.stdout.splitlines() if "DRY   e2e-coexist:" in ln)
     assert "--coexist-only" in coexist and "--methods" not in coexist, coexist

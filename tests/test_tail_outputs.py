@@ -302,24 +302,51 @@ with socket.socket() as s:
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=60))
 try:
-    _, model, batch = T.plain("gpt2-wide")
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    for seed in range(2):
-        T.keep_step(ddp, batch, seed)
-    print(sorted(T.runner_of(model).last_plan.chain.meta["tail"]))
+    for options in ({}, {"outputs": "held"}):
+        _, model, batch = T.plain("gpt2-wide", **options)
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        for seed in range(2):
+            T.keep_step(ddp, batch, seed)
+        print(T.runner_of(model).last_plan.chain.meta["tail"].get("outputs"))
 finally:
     dist.destroy_process_group()
 """
 
 
-def test_under_a_process_group_the_outputs_count_as_before():
+def test_under_a_process_group_the_outputs_count_as_before_unless_told():
     """DDP hands the caller copies of the outputs (``_DDPSink``): the model's own would always
-    look dropped, so under a process group they are not watched."""
+    look dropped, so under a process group they are not watched; ``outputs="held"`` says."""
     import subprocess
     r = subprocess.run([sys.executable, "-c", DDP, f"{ROOT}/tests"], env=python_env(),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "outputs" not in r.stdout and "measured" in r.stdout, r.stdout
+    _, batch = build("gpt2-wide")
+    n = batch["input_ids"].numel() * WIDE * 4
+    assert r.stdout.split("\n")[:2] == ["None", str({"dropped": 0, "held": n})], r.stdout
+
+
+@pytest.mark.parametrize("said", ["dropped", "held"])
+def test_outputs_said_are_counted_so_unwatched(said):
+    ref, model, batch = plain("gpt2-wide", outputs=said)
+    for seed in range(3):   # the loop drops them; "held" is believed all the same
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2")
+    r = runner_of(model)
+    n = logits_bytes(model, batch)
+    assert r.last_plan.chain.meta["tail"]["outputs"] == (
+        {"dropped": n, "held": 0} if said == "dropped" else {"dropped": 0, "held": n})
+    assert r.stats()["plans_computed"] == 1 and checkpointed(model).tail.dropped is None
+
+
+def test_outputs_refused_where_it_means_nothing_or_is_misspelt():
+    model, _ = build("gpt2")
+    with pytest.raises(ValueError, match="outputs must be one of .*got 'kept'"):
+        scheduler.checkpoint(copy.deepcopy(model), 1 << 40, outputs="kept")
+    with pytest.raises(ValueError, match="outputs='held' has no effect with planner='mimose'"):
+        scheduler.checkpoint(copy.deepcopy(model), 1 << 40, "mimose", outputs="held")
+    with pytest.raises(ValueError, match="outputs='dropped' has no effect.*loss= stand-in"):
+        scheduler.checkpoint(copy.deepcopy(model), 1 << 40, outputs="dropped", loss="sum")
+    with pytest.raises(TypeError, match=r"scheduler.wrap: unknown option\(s\) \['outputs'\]"):
+        scheduler.wrap(nn.Sequential(nn.Linear(4, 4)), 1 << 20, outputs="held")
 
 
 # ------------------------------------------------------------------------------ CUDA

@@ -76,7 +76,8 @@ class ChainRunner(MimoseSteps):
     block call goes through; ``name`` prefixes errors (the entry point the user called)."""
 
     OPTIONS = ("chain", "track_memory", "cache_size", "samples", "input_size", "mimose",
-               "loss", "measure_options", "on_chain")
+               "loss", "measure_options", "on_chain", "outputs")
+    OUTPUTS = ("watch", "dropped", "held")   # ``outputs=``: ``tail_outputs``
 
     def __init__(self, blocks: Sequence[nn.Module], budget: Any, planner: PlannerArg = "rotor",
                  bandwidth: Any = None, *, chain: ChainArg = None, track_memory: bool = False,
@@ -85,6 +86,7 @@ class ChainRunner(MimoseSteps):
                  mimose: Optional[Mimose] = None, loss: Any = "sum",
                  measure_options: Optional[Dict[str, Any]] = None,
                  on_chain: Optional[Callable[[Chain], Chain]] = None,
+                 outputs: Optional[str] = None,
                  sequential: bool = False, entries: Optional[Sequence[nn.Module]] = None,
                  name: str = "scheduler.wrap", list_name: str = "blocks"):
         self.name = name
@@ -120,6 +122,10 @@ class ChainRunner(MimoseSteps):
             raise TypeError(f"{name}: on_chain= must be a callable Chain -> Chain, got "
                             f"{type(on_chain).__name__}")
         self.on_chain = on_chain
+        if outputs is not None and outputs not in self.OUTPUTS:
+            raise ValueError(f"{name}: outputs must be one of {', '.join(map(repr, self.OUTPUTS))}"
+                             f" (what the caller does with the model's outputs), got {outputs!r}")
+        self.outputs = outputs or "watch"
         self.loss = "sum" if loss is None else loss  # (None: the default, as for every option)
         # checked here: measure_chain would see them only at the first step, deep inside it
         self.measure_options = check_measure(self.loss, measure_options, name)
@@ -524,14 +530,23 @@ class ChainRunner(MimoseSteps):
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
         return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev, key)), None
 
-    def adapts_tail(self, key: Hashable) -> bool:
-        """Whether a profiling step's plan for ``key`` may count the model's outputs by what
-        the caller does with them (``tail_outputs``): only a chain this runner measured and
-        plans alone, the caller's own code not run on it, and no process group (DDP hands the
-        caller copies of the outputs: ``_DDPSink``, so those seen would always look dropped)."""
-        return (self.chain_source is None and self.mimose is None and self.on_chain is None
-                and not (isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE)
-                and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+    def outputs_mode(self, key: Hashable) -> Optional[str]:
+        """How a profiling step's plan for ``key`` counts the model's outputs
+        (``tail_outputs``): ``outputs=`` as given ("dropped", "held"), "watch" (by what the
+        caller does at that step), or None: through the tail's backward only, as before. Only
+        a chain this runner measured (not Mimose's, an ``InputAwareChain``'s); watched only
+        where the caller's code is not run on it (``on_chain``) and there is no process group
+        (DDP hands the caller copies of the outputs, ``_DDPSink``: those seen would always
+        look dropped)."""
+        if self.chain_source is not None or self.mimose is not None or \
+                (isinstance(key, tuple) and key and key[0] == MIMOSE_SAMPLE):
+            return None
+        if self.outputs != "watch":
+            return self.outputs
+        if self.on_chain is not None or (torch.distributed.is_available()
+                                         and torch.distributed.is_initialized()):
+            return None
+        return "watch"
 
     def tail_unverified(self, key: Hashable, held: Chain) -> None:
         """``key``'s plan guesses which outputs the caller drops, before a backward has said:

@@ -391,8 +391,10 @@ def checkpoint(model: nn.Module, budget: Any, planner: PlannerArg = "rotor",
     ``blocks``: the ``nn.ModuleList`` (or its dotted path, or a list of them) the model's
     forward loops over; default: found (see module doc). Several lists (T5's encoder and
     decoder) each get a runner and a share of the budget proportional to their block count.
-    Options: ``bandwidth`` (bytes/s, for pofo; default measured on a GPU, 12e9 on CPU) and
-    those of ``scheduler.wrap`` (``chain``, ``track_memory``, ``cache_size``, ``samples``,
+    Options: ``bandwidth`` (bytes/s, for pofo; default measured on a GPU, 12e9 on CPU),
+    ``outputs`` (``"watch"``, ``"dropped"`` or ``"held"``: what the caller does with the
+    model's outputs before the backward; ``runtime.tail_outputs``) and those of
+    ``scheduler.wrap`` (``chain``, ``track_memory``, ``cache_size``, ``samples``,
     ``input_size``, ``mimose``, ``loss``, ``measure_options``, ``on_chain``; ``mimose``: a
     ``Mimose`` for a model with one block list, ``ValueError`` with several); a ``chain``
     callable gets block 0's arguments ``(*args, **kwargs)``. Without ``chain``, the first training step of

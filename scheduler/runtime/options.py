@@ -114,6 +114,13 @@ def _why_unused(planner: PlannerArg, key: str, given: Dict[str, Any]) -> Optiona
         return "Mimose measures the blocks itself, in the training step"
     if key in _MEASURING and isinstance(planner, Plan):
         return "the Plan runs as given, on no chain"
+    if key == "outputs" and name == "mimose":
+        return "Mimose learns the model's tail, outputs and all, from its samples"
+    if key == "outputs" and isinstance(planner, Plan):
+        return "the Plan runs as given, on no chain"
+    if key == "outputs" and (given.get("chain") is not None or given.get("loss") is not None):
+        return ("a chain given, or a loss= stand-in, has no measured tail: outputs= says how "
+                "the model's tail counts what it returns")
     if key == "sample_input" and name == "mimose":
         return ("Mimose cannot plan before it has learnt the chain on its first `samples` "
                 "training steps")

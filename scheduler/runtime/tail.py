@@ -407,8 +407,9 @@ class TailProbe(WeakFields):
         kept = weights | {storage_key(t) for t in outs}
         saved = {storage_key(t) for t in rec.hooks.saved} - kept
         # the outputs the tail made that its backward does not read: maybe dropped before it
+        mode = rec.runner.outputs_mode(rec.key)
         returned = created_outputs(outs, rec.lasts, weights | {
-            storage_key(t) for t in rec.hooks.saved}) if rec.runner.adapts_tail(rec.key) else []
+            storage_key(t) for t in rec.hooks.saved}) if mode is not None else []
         rec.tracer = None  # the trace's tensors go before the replay
         rec.hooks.saved.clear()
         bw = _replay(self.model, outs, rec, self.warn_once, saved)
@@ -436,8 +437,8 @@ class TailProbe(WeakFields):
             cols[k][L] += fwd
         chain = chain.replace(meta=meta, **cols)  # other fields as measured
         chain = add_outside(chain, 0, tied) if tied else chain
-        return planned(self, rec.runner, rec.key, rec.lasts, chain, returned) if returned \
-            else chain
+        return planned(self, rec.runner, rec.key, rec.lasts, chain, returned, mode) \
+            if returned else chain
 
 
 def _born(tracer: OpTracer) -> Set[int]:

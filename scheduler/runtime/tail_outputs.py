@@ -12,16 +12,18 @@ least budget, CPU, vocabulary 1024).
 So each profiling step watches the outputs the tail created that no backward node saved
 (``created_outputs``: a finalizer on each storage) and, once its backward reaches the last
 block's output (``on_backward``), reads which were freed before that backward began
-(``Returned.gone``). ``counted``
-moves their bytes from ``xbar[L]`` to the tail's forward; those still held are counted beside
-every op too. The plan made at the end of the profiling forward guesses (the first time: all
+(``Returned.gone``). ``counted`` moves their bytes from ``xbar[L]`` to the tail's forward;
+those still held are counted beside every op too. The plan made at the end of the profiling forward guesses (the first time: all
 dropped; later shapes: what the last backward saw): it is used from the next step on, and a
 wrong guess is planned again at that step (``ChainRunner.tail_seen``); no backward before it:
-planned with all held. Only where ``ChainRunner.adapts_tail``: the runner's own measurement,
-planned alone, no ``on_chain=`` (the caller's code, maybe a collective, would run in a
-backward), no process group (DDP hands the caller copies of the outputs), and a model that
-returns its loss (a loss computed by the caller saves what the tail does not see: the logits
-counted through the tail's backward stand for it). Elsewhere the outputs count as before.
+planned with all held. ``outputs="dropped"`` or ``"held"`` (an option of
+``scheduler.checkpoint``) says it instead, unwatched: for a loop that holds them only now
+and then, or under DDP. Where (``ChainRunner.outputs_mode``): the runner's own measurement
+(not Mimose's, not an ``InputAwareChain``'s) of a model that returns its loss (a loss the
+caller computes saves what the tail does not see: the logits counted through the tail's
+backward stand for it); watched only without ``on_chain=`` (the caller's code, maybe a
+collective, would run in a backward) and without a process group (DDP hands the caller
+copies of the outputs). Elsewhere the outputs count as before.
 """
 from __future__ import annotations
 
@@ -128,11 +130,16 @@ def on_backward(lasts: Sequence[torch.Tensor], then: Callable[[], None]) -> None
 
 
 def planned(probe: Any, runner: Any, key: Hashable, lasts: Sequence[torch.Tensor], kept: Chain,
-            found: Sequence[Tuple[int, torch.Tensor]]) -> Chain:
+            found: Sequence[Tuple[int, torch.Tensor]], mode: str = "watch") -> Chain:
     """The chain a profiling step of ``key`` plans on: ``kept`` (the tail's outputs ``found``
-    counted through its backward only) with those ``probe`` (the model's ``TailProbe``) last
-    saw dropped counted in the tail's forward, the others beside every op (all dropped the
-    first time). Its backward, reaching ``lasts``, tells ``runner`` what it saw."""
+    counted through its backward only) with the outputs dropped counted in the tail's
+    forward, the held ones beside every op: all of them one way where ``mode`` (the runner's
+    ``outputs=``) says so; watched (``mode`` "watch"): those ``probe`` (the model's
+    ``TailProbe``) last saw dropped (all, the first time), and the step's backward, reaching
+    ``lasts``, tells ``runner`` what it saw."""
+    if mode != "watch":
+        n = sum(storage_bytes([t]) for _, t in found)
+        return counted(kept, n if mode == "dropped" else 0, n if mode == "held" else 0)
     watch = Returned(found)
     every = set(watch.bytes)
     assumed = every if probe.dropped is None else probe.dropped & every
