@@ -13,17 +13,19 @@ So each profiling step watches the outputs the tail created that no backward nod
 (``created_outputs``: a finalizer on each storage) and, once its backward reaches the last
 block's output (``on_backward``), reads which were freed before that backward began
 (``Returned.gone``). ``counted`` moves their bytes from ``xbar[L]`` to the tail's forward;
-those still held are counted beside every op too. The plan made at the end of the profiling forward guesses (the first time: all
-dropped; later shapes: what the last backward saw): it is used from the next step on, and a
-wrong guess is planned again at that step (``ChainRunner.tail_seen``); no backward before it:
-planned with all held. ``outputs="dropped"`` or ``"held"`` (an option of
-``scheduler.checkpoint``) says it instead, unwatched: for a loop that holds them only now
-and then, or under DDP. Where (``ChainRunner.outputs_mode``): the runner's own measurement
-(not Mimose's, not an ``InputAwareChain``'s) of a model that returns its loss (a loss the
-caller computes saves what the tail does not see: the logits counted through the tail's
-backward stand for it); watched only without ``on_chain=`` (the caller's code, maybe a
-collective, would run in a backward) and without a process group (DDP hands the caller
-copies of the outputs). Elsewhere the outputs count as before.
+those still held are counted beside every op too. The plan made at the end of the profiling
+forward guesses (the first time: all dropped; later shapes: what the last backward saw): it
+is used from the next step on, and a wrong guess is planned again at that step
+(``ChainRunner.tail_seen``); no backward before it: planned with all held.
+``outputs="dropped"`` or ``"held"`` (an option of ``scheduler.checkpoint``) says it
+instead, unwatched: for a loop that holds them only now and then, or under DDP.
+
+Where (``ChainRunner.outputs_mode``): the runner's own measurement (not Mimose's, not an
+``InputAwareChain``'s) of a model that returns its loss (a loss the caller computes saves
+what the tail does not see: the logits counted through the tail's backward stand for it);
+watched only without ``on_chain=`` (the caller's code, maybe a collective, would run in a
+backward) and without a process group (DDP hands the caller copies of the outputs).
+Elsewhere the outputs count as before.
 """
 from __future__ import annotations
 
