@@ -426,8 +426,8 @@ class SwapContext:
         for the oldest in flight, swap out the oldest resident saved tensors. True if anything
         was released (the allocator retries once). Tensors kept in place by the running
         iteration come last (``swap_in_place_pressure``): the iteration leaves in place, and its
-        plan is not kept in place again; any iteration that meets pressure does not count
-        towards keeping one."""
+        plan is kept in place again only after twice as long a streak as before (at most
+        ``IN_PLACE_AFTER_MAX``); any iteration that meets pressure does not count towards it."""
         with self._lock:
             self._drain()
             seq = self._seq
@@ -435,7 +435,7 @@ class SwapContext:
             freed = self._eviction.on_pressure(needed, device)
             ip = seq.in_place
             if freed < needed and ip.evictor is not None and ip.evictor.keeps_on(device):
-                seq.leave_in_place()
+                seq.leave_in_place(pressed=True)
                 kept = ip.evict(needed - freed, device)
                 self._counters["pressure_freed_bytes"] += kept
                 self._counters["in_place_evicted_bytes"] += kept

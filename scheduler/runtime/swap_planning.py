@@ -30,6 +30,10 @@ from .bandwidth import default_bandwidth
 PLANNERS = ("window", "lms", "greedy", "dynprog")
 PlannerLike = Union[str, Callable[[VariableSequence], SwapSchedule]]
 WHERE = "scheduler.swap"
+# followed iterations in a row before one is kept in place (``Entry.in_place_after``), and the
+# most that doubling it after pressure makes of it
+IN_PLACE_AFTER = 2
+IN_PLACE_AFTER_MAX = 64
 
 
 class PlanOverBudgetWarning(RuntimeWarning):
@@ -92,6 +96,10 @@ class Entry:
     # an iteration kept in place under this plan outgrew it partway, or left tensors alive past
     # its end (``swap_sequence``): those could not move if a later iteration needed the room
     in_place_refused: bool = False
+    # iterations in a row that must follow this plan before one is kept in place: doubled
+    # each time the pressure callback made one leave (a spike, a cuDNN workspace: the fast
+    # path comes back, less often while the pressure does)
+    in_place_after: int = IN_PLACE_AFTER
 
     def may_keep_in_place(self, budget: Optional[int]) -> bool:
         """An iteration following this plan may be kept in place: the schedule swaps nothing out

@@ -45,7 +45,7 @@ from ..plan_cache import PlanCache
 from ..planners.swap_schedule import HOST, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_in_place import InPlace, InPlaceToken
-from .swap_planning import Entry, SwapPlanner
+from .swap_planning import IN_PLACE_AFTER_MAX, Entry, SwapPlanner
 from .swap_stats import Residency
 from .swap_transfers import SwapTransfers
 from .swap_vars import Var
@@ -104,7 +104,7 @@ class SwapSequence:
         active = self.active
         # what the saved tensors of an iteration kept in place may add to those still resident
         room = 0 if budget is None else budget - self.residency.bytes
-        if self.streak >= 2 and room > 0 and active is not None \
+        if active is not None and self.streak >= active.in_place_after and room > 0 \
                 and active.may_keep_in_place(budget):
             self.in_place.begin(room, active.packs)
 
@@ -138,15 +138,20 @@ class SwapSequence:
             self.leave_in_place()
         return token
 
-    def leave_in_place(self) -> None:
+    def leave_in_place(self, pressed: bool = False) -> None:
         """The rest of this iteration takes the full path. Nothing kept in place yet: the whole
         iteration, following its plan as any other. Else recording, not planned
         (``end_iteration``), with the bytes kept so far counted as resident until those tensors
-        die; the plan is not kept in place again: its sequences outgrow it."""
+        die; the plan is not kept in place again (its sequences outgrow it), or, ``pressed``
+        (the pressure callback evicts what it kept), only after twice as long a streak."""
         if self.in_place.on and self.in_place.leave():
             self.following = False
             self.partial = True
-            self.active.in_place_refused = True
+            active = self.active
+            if pressed:
+                active.in_place_after = min(2 * active.in_place_after, IN_PLACE_AFTER_MAX)
+            else:
+                active.in_place_refused = True
 
     def freed(self, var: Var) -> None:
         """``var`` was freed after the last recorded step (once: a drain cut short by an
