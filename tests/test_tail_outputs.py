@@ -345,8 +345,22 @@ def test_outputs_refused_where_it_means_nothing_or_is_misspelt():
         scheduler.checkpoint(copy.deepcopy(model), 1 << 40, "mimose", outputs="held")
     with pytest.raises(ValueError, match="outputs='dropped' has no effect.*loss= stand-in"):
         scheduler.checkpoint(copy.deepcopy(model), 1 << 40, outputs="dropped", loss="sum")
-    with pytest.raises(TypeError, match=r"scheduler.wrap: unknown option\(s\) \['outputs'\]"):
+    with pytest.raises(ValueError, match="scheduler.wrap: outputs='held' has no effect.*no tail"):
         scheduler.wrap(nn.Sequential(nn.Linear(4, 4)), 1 << 20, outputs="held")
+    scheduler.wrap(nn.Sequential(nn.Linear(4, 4)), 1 << 20, outputs=None)   # (the default)
+
+
+def test_a_runner_pickled_before_outputs_existed_still_steps():
+    """``__setstate__`` fills in what a runner pickled by an older version lacks."""
+    ref, model, batch = plain("gpt2")
+    step(model, batch, 0)
+    r = runner_of(model)
+    state = r.__getstate__()
+    for name in ("outputs", "_tail_unverified"):
+        state.pop(name)
+    r.__setstate__(state)
+    assert r.outputs == "watch" and r._tail_unverified == {}
+    assert_same(ref, model, step(ref, batch, 1), step(model, batch, 1), "gpt2")
 
 
 # ------------------------------------------------------------------------------ CUDA

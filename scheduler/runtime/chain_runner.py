@@ -197,7 +197,8 @@ class ChainRunner(MimoseSteps):
         self.tail = tail
         for name, value in (("_learning", {}), ("_said_profiling", False),
                             ("_tail_failures", {}), ("_ended", None), ("_said_stacked", False),
-                            ("_said_compiled", False)):
+                            ("_said_compiled", False), ("outputs", "watch"),
+                            ("_tail_unverified", {})):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
         self._mimose_unpickled()
 

@@ -15,8 +15,8 @@ autograd node is reading is held by the node, since under a pressure callback th
 the node a tensor of its own (``swap.SwapContext._unpack``: autograd would otherwise hand the
 node our very tensor where it needs no gradient, a dropout mask say). Oldest first, as the
 tracked path's pressure evictions. It is a rescue, not a schedule: the iteration takes the full
-path from the pressure on, and its plan is not kept in place again
-(``swap.SwapContext._on_pressure``). The host copy hangs on the kept tensors themselves
+path from the pressure on, and its plan is kept in place again only after twice as long a
+streak as before (``swap.SwapContext._on_pressure``, ``swap_planning.Entry.in_place_after``). The host copy hangs on the kept tensors themselves
 (``HOST``): it dies with the graph, read or not, even after the context has exited.
 """
 from __future__ import annotations

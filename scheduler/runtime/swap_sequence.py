@@ -33,7 +33,9 @@ vars all died (not planned: it was not recorded; the next two are tracked). Unde
 callback (vmalloc's allocator, ``allocator=``) an iteration that met pressure does not count
 towards the two (its plan did not fit the device as it is), and one kept in place that meets
 it evicts kept tensors (``swap_in_place_pressure``) and leaves in place there, as one that
-outgrows its plan.
+outgrows its plan, but its plan is kept in place again after twice as long a streak as before
+(``Entry.in_place_after``: 4, 8, ... at most 64; it does not come down again: a plan that met
+pressure five times stays at 64 until the plan cache drops it).
 """
 from __future__ import annotations
 

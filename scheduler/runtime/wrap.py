@@ -102,9 +102,13 @@ def wrap(blocks: Union[nn.Module, Sequence[nn.Module]], budget: Any, planner: Pl
     e.g. so that all ranks plan on one agreed chain). An option ``planner`` would not read
     raises ``ValueError`` naming both.
     """
-    unknown = set(options) - set(ChainRunner.OPTIONS) | ({"outputs"} & set(options))
-    if unknown:   # (outputs=: how scheduler.checkpoint counts the model's tail; none here)
+    unknown = set(options) - set(ChainRunner.OPTIONS)
+    if unknown:
         raise TypeError(f"scheduler.wrap: unknown option(s) {sorted(unknown)}")
+    if options.get("outputs") is not None:
+        raise ValueError(f"scheduler.wrap: outputs={options['outputs']!r} has no effect: it says "
+                         "how scheduler.checkpoint counts what the model's tail returns, and a "
+                         "bare chain has no tail")
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
         raise TypeError("scheduler.wrap: pass the model as an nn.Sequential or a list of blocks "
                         f"(got a single {type(blocks).__name__})")
