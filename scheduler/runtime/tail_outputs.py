@@ -68,26 +68,27 @@ class Returned:
 
 def created_outputs(outs: Sequence[torch.Tensor], lasts: Sequence[torch.Tensor],
                     held: Set[int]) -> List[Tuple[int, torch.Tensor]]:
-    """The model's outputs (``outs``, its tensor leaves) the tail computed from the last
-    block's outputs (``lasts``), one per storage, bar the storages in ``held`` (what the tail
-    saved, the weights, the last block's outputs) and one-element tensors (the loss, which the
-    caller holds to call its backward). An output without a gradient, or from before the tail
-    (a block's hidden states), is not one of them: it stays counted. None at all when the
-    model returns no loss: the caller computes it from the outputs, saving what the tail
-    does not see (the log-softmax of the logits), which the logits counted through the tail's
-    backward stand for, as before."""
-    if not any(t.numel() == 1 and t.requires_grad for t in outs):
+    """The model's outputs (``outs``, its tensor leaves) its loss was computed from in the
+    tail (their autograd nodes lie between the loss's and the last block's outputs'
+    ``lasts``), one per storage, bar the storages in ``held`` (what the tail saved, the
+    weights, the last block's outputs) and one-element tensors (the loss, which the caller
+    holds to call its backward). An output without a gradient, one the loss does not read,
+    or one from before the tail (a block's hidden states) is not one of them: it stays
+    counted. None at all when the model returns no loss: the caller computes it from the
+    outputs, saving what the tail does not see (the log-softmax of the logits), which the
+    logits counted through the tail's backward stand for, as before."""
+    losses = [t.grad_fn for t in outs if t.numel() == 1 and t.grad_fn is not None]
+    if not losses:
         return []
-    stops = [t.grad_fn for t in lasts if t.grad_fn is not None]  # held for the walks
-    stop_ids = {id(fn) for fn in stops}
+    stops = [t.grad_fn for t in lasts if t.grad_fn is not None]
+    # one walk over the tail's graph; its nodes held, so that their ids stay theirs
+    nodes = list(graph_nodes(losses, stops))
+    inside = {id(n) for n in nodes}
     found: List[Tuple[int, torch.Tensor]] = []
     seen = set(held)
     for i, t in enumerate(outs):
         key = storage_key(t)
-        if key in seen or t.numel() <= 1 or t.grad_fn is None or id(t.grad_fn) in stop_ids:
-            continue
-        if any(id(fn) in stop_ids for node in graph_nodes([t.grad_fn], stops)
-               for fn, _ in node.next_functions):
+        if key not in seen and t.numel() > 1 and id(t.grad_fn) in inside:
             seen.add(key)
             found.append((i, t))
     return found
