@@ -439,6 +439,11 @@ def hf(ctx: Ctx, d: Dict[str, Any], name: str) -> List[str]:
            meta_line(meta, (("gpu", "device"), ("torch", "torch"),
                             ("transformers", "transformers"), ("date", "date"),
                             ("steps", "timed steps"))), ""]
+    if "tail_outputs" not in meta:   # (bench/hf.py --resume measures such a file again)
+        out[-1:-1] = ["Measured before plans counted the model's outputs as the caller treats "
+                      "them (scheduler/runtime/tail_outputs.py): the logits counted through "
+                      "the tail's backward, which this loop (`model(...).loss`) drops before "
+                      "it; `bench/hf.py --resume` measures it again."]
     rows = []
     measured_any = False
     for m in d["models"]:
