@@ -43,9 +43,10 @@ def cpu_peak(run: Callable[[], Any]) -> int:
 
 
 def peak_of(model: nn.Module, batch: Dict[str, Any], how: Callable[..., torch.Tensor]) -> int:
-    """The CPU allocator's peak over a step, gradients allocated before (as the planner
-    counts them: outside the chain); for ``keep_step``, with the last step's output alive
-    through the forward, as ``out = model(**batch)`` keeps it until it is bound again."""
+    """The allocator's peak over a step (the CPU's from the profiler's events; CUDA's
+    max_memory_allocated), gradients allocated before (as the planner counts them: outside
+    the chain); for ``keep_step``, with the last step's output alive through the forward, as
+    ``out = model(**batch)`` keeps it until it is bound again."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     torch.manual_seed(7)
@@ -60,7 +61,14 @@ def peak_of(model: nn.Module, batch: Dict[str, Any], how: Callable[..., torch.Te
             state["out"].loss.backward()
         else:
             model(**batch).loss.backward()
-    return cpu_peak(run)
+    if not next(model.parameters()).is_cuda:
+        return cpu_peak(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 WIDE = 1024   # a vocabulary whose logits set the least memory a plan needs (VOCAB's do not)
@@ -383,19 +391,5 @@ def test_cuda_outputs_as_the_caller_treats_them(how):
     n = logits_bytes(model, batch)
     assert r.last_plan.chain.meta["tail"]["outputs"] == (
         {"dropped": n, "held": 0} if how is step else {"dropped": 0, "held": n})
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    if how is keep_step:   # the last step's output, held through the next forward
-        out = model(**batch)
-        out.loss.backward()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    if how is keep_step:
-        out = model(**batch)
-        out.loss.backward()
-    else:
-        model(**batch).loss.backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = peak_of(model, batch, how)
     assert peak <= 1.05 * r.last_plan.predicted_peak, (peak, r.last_plan.predicted_peak)
