@@ -28,7 +28,8 @@ naming what differs: its rows would be mixed with this run's in one table.
 
 On a GPU the parent watches each worker: one silent for ``--job-timeout`` seconds (default
 180; a worker prints a line after every training step) is killed, the job it was in gets a
-``timeout`` row, and a new worker goes on with the next job. A method whose optional package
+``timeout`` row, and a new worker goes on with the next job; so does one that dies in a job
+(the host's OOM killer, a segfault), that job getting a ``crashed`` row. A method whose optional package
 does not import (torchtune) gets ``unavailable`` rows, the import error in ``note`` and
 ``error``. Workers get the parent's environment less ``VMALLOC*`` and
 ``PYTORCH_CUDA_ALLOC_CONF`` (the method sets its allocator), and plain training's reference
@@ -59,7 +60,7 @@ log-softmax backward) is not run: its row says ``infeasible`` and why, for every
 a job of an offloading method (save_on_cpu, torchtune, the swap runtimes, pofo) whose pinned
 host memory would pass 0.8 x the host's MemAvailable (``host_floor_note``: the saved
 activations it offloads, each rounded up to a power of two as PyTorch's pinned cache does):
-it would end its worker, and with it the rest of that worker's jobs.
+it would end its worker (the job a ``crashed`` row, and a new worker started for the rest).
 
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.

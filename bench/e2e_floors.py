@@ -138,8 +138,8 @@ def host_floor_note(model: str, method: Method, batch: int, budget: Optional[int
     """Why ``method`` cannot train ``model`` at ``batch`` in this host's memory, or "": the
     pinned bytes it would offload (``pinned_need``) exceed ``HOST_FRACTION`` of MemAvailable
     (read just before the job, after the previous one's pinned cache was given back). Such a
-    job would end its worker (the host's OOM killer, or a failed ``cudaHostAlloc``) and, the
-    grid being method-major, the rest of that worker's jobs for the session."""
+    job would end its worker (the host's OOM killer, or a failed ``cudaHostAlloc``): a
+    ``crashed`` row, and a new worker started (with its own warm-up) for the jobs after it."""
     need = pinned_need(model, method, batch, budget)
     if not need:
         return ""

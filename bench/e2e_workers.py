@@ -189,7 +189,9 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
     at ``--stop-at`` (each worker obeys it too); the jobs not started go to ``plan.left``.
     ``report(ROW, row)`` hears each row, checked, as its worker prints it. A worker silent for
     ``job_timeout`` seconds is killed (``Watch``): the job it was in gets a ``timeout`` row
-    (kept by --resume) and a new worker for the same allocator goes on with the next job."""
+    (kept by --resume); one that dies in a job (the host's OOM killer, a segfault) gives it a
+    ``crashed`` row (kept too). Either way a new worker for the same allocator goes on with
+    the jobs after it: one job killing its worker costs that job's row, not the session's."""
     plan = plan or Plan.of(grid)
     tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
@@ -217,8 +219,8 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
             rows += got
             if not again:
                 break
-            # a job timed out: the next worker goes on with the jobs after it (the references
-            # it already gave are not run again, unless its own jobs need them)
+            # a job hung or crashed its worker: the next worker goes on with the jobs after it
+            # (the references it already gave are not run again, unless its own jobs need them)
             done |= {row_key(r) for r in got}
             todo, refs = unfinished, [m for m in refs if m not in ref]
     return rows
@@ -229,7 +231,8 @@ def _one_worker(grid: Grid, plan: Plan, allocator: str, methods: Sequence[Method
                 base: Dict[str, List[float]], tell: Callable[[str, Any], None],
                 job_timeout: float) -> Tuple[List[JobResult], List[Key], bool]:
     """Run one worker process over ``todo``: (its rows, the jobs it left unfinished, whether
-    a new worker should go on with those: it timed out in a job, now a ``timeout`` row)."""
+    a new worker should go on with those: it hung or died in a job, now a ``timeout`` or
+    ``crashed`` row)."""
     spec = dict(grid.__dict__, methods=[m.name for m in methods], references=refs,
                 done=sorted(done), durations=plan.duration_list())
     print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
@@ -275,7 +278,9 @@ def _one_worker(grid: Grid, plan: Plan, allocator: str, methods: Sequence[Method
         plan.note(model, b, job_timeout if watch.timed_out else None)
         got.append(row)
         tell(ROW, row.row())
-        if watch.timed_out and unfinished:
+        if unfinished:
+            # the jobs after it are not to blame: a new worker goes on with them (a worker
+            # that dies before starting any job does not get here: no loop)
             return got, unfinished, True
     # the jobs it did not finish, in its order
     got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",
