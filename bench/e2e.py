@@ -26,6 +26,12 @@ the same command until the file is complete. A FILE measured on another GPU, und
 ``--budget`` or ``--steps``, or with a method this run does not run (``meta.grid``) is refused,
 naming what differs: its rows would be mixed with this run's in one table.
 
+Each job trains ``--steps`` timed steps after its warm-up, or fewer once they have taken 15 s
+(``TIMED_SECONDS``; at least 3, a dynamic workload its whole cycle of lengths; the row's
+``detail.timed_steps`` says how many): the offloading methods at large batches take 5-10 s a
+step, and their steady state shows in three. Jobs at a model's smallest batch, whose every
+loss is checked against plain training's, run all their steps.
+
 On a GPU the parent watches each worker: one silent for ``--job-timeout`` seconds (default
 180; a worker prints a line after every training step) is killed, the job it was in gets a
 ``timeout`` row, and a new worker goes on with the next job; so does one that dies in a job

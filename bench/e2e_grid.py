@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
-from bench.e2e_job import JobResult, run_job
+from bench.e2e_job import TIMED_SECONDS, JobResult, run_job
 from bench.e2e_methods import BY_NAME, Method
 from bench.e2e_workloads import Workload, build_workload
 
@@ -218,8 +218,11 @@ def run_grid(grid: Grid, methods: Sequence[Method], device: torch.device,
                 if why:
                     r = JobResult(model, m.name, b, None, "", None, budget, "infeasible", why)
                 else:
+                    # (at the smallest batch every step's loss is checked against plain
+                    # training's: those jobs run all their steps)
                     r = run_job(m, _factory(model, b, device, grid), budget, device,
-                                grid.steps, grid.warmup, grid.seed, beat=beat, alive=alive)
+                                grid.steps, grid.warmup, grid.seed, beat=beat, alive=alive,
+                                timed_seconds=None if b == smallest else TIMED_SECONDS)
                     # after run_job returned: nothing of the job (its wrapped model, pinned
                     # pool) is referenced any more, so the caches can give it all back
                     release_memory(device)

@@ -124,14 +124,25 @@ def step_counts(n_inputs: int, warmup: int, steps: int, gpu: bool) -> Tuple[int,
     return -(-max(warmup, n_inputs) // n_inputs) * n_inputs, max(steps, n_inputs)
 
 
+# A job's timed steps stop early once they have taken this long (and at least MIN_TIMED ran):
+# the slow methods at large batches (offloading everything, 5-10 s a step) would otherwise
+# spend a GPU session's minutes on steps 4-10 of a steady state the first three already show
+TIMED_SECONDS = 15.0
+MIN_TIMED = 3
+
+
 def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional[int],
             device: torch.device, steps: int, warmup: int, seed: int,
             segments: Optional[int] = None,
             beat: Optional[Callable[[], None]] = None,
-            alive: Optional[Callable[[], None]] = None) -> JobResult:
+            alive: Optional[Callable[[], None]] = None,
+            timed_seconds: Optional[float] = None) -> JobResult:
     """Train ``steps`` SGD steps after ``warmup`` ones (``step_counts``); time them; never
     raise. ``beat()``: called after every step (a GPU worker's heartbeat); ``alive()``: once
-    the model is built and once the method is set up (planned), before the first step."""
+    the model is built and once the method is set up (planned), before the first step.
+    ``timed_seconds``: stop timing once the timed steps took that long, after at least
+    ``MIN_TIMED`` of them (a dynamic workload: its full cycle of inputs); the row's
+    ``detail.timed_steps`` then says how many ran (None: all ``steps``)."""
     wl: Optional[Workload] = None
     beat = beat or (lambda: None)
     alive = alive or (lambda: None)
@@ -139,6 +150,8 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         wl = wl_factory()
         alive()   # (the watchdog hears each phase of a job: built, planned, every step)
         warmup, steps = step_counts(len(wl.inputs), warmup, steps, device.type == "cuda")
+        # (a dynamic workload's throughput is over every input length: never cut its cycle)
+        min_timed = steps if len(wl.inputs) > 1 else min(steps, MIN_TIMED)
         _reset_peak(device)
         # dict: tied weights (GPT-2's embedding and head) are one parameter
         params = list({id(p): p for b in wl.blocks for p in b.parameters()}.values())
@@ -155,23 +168,31 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
             # the peak is training's: not what planning measured on entering (wrap's chain)
             _sync(device)
             _reset_peak(device)
-            t0, items = 0.0, 0
+            t0, items, timed = 0.0, 0, 0
             for step in range(warmup + steps):
                 if step == warmup:
                     _sync(device)
                     t0 = time.perf_counter()
                 if step >= warmup:
                     items += wl.items(step)
+                    timed += 1
                 opt.zero_grad(set_to_none=True)
                 loss = loss_of(forward(wl.input(step)), wl)
                 loss.backward()
                 opt.step()
                 losses.append(loss.detach())  # (.item() here would sync every step)
                 beat()
+                # (the host's clock, unsynchronized: it runs ahead of the GPU by at most the
+                # launch queue, and the elapsed time below is measured after a sync)
+                if timed_seconds is not None and timed >= min_timed and timed < steps \
+                        and time.perf_counter() - t0 >= timed_seconds:
+                    break
             _sync(device)
             elapsed = time.perf_counter() - t0
             st = stats()
         detail = {k: st[k] for k in DETAIL_KEYS if st.get(k) is not None}
+        if timed < steps:
+            detail["timed_steps"] = timed
         if runtime_budget != budget:
             detail["activation_budget"] = runtime_budget
         return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,

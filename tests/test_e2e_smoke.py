@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import e2e, e2e_grid, e2e_methods, e2e_workers
+from bench import e2e, e2e_grid, e2e_job, e2e_methods, e2e_workers
 from _e2e_fakes import jobs_run, jobs_take
 
 ROW_KEYS = {"model", "method", "batch_size", "throughput", "unit", "peak_bytes", "budget_bytes",
@@ -191,6 +191,40 @@ def test_a_jobs_peak_leaves_out_what_the_previous_job_left_cached(monkeypatch):
                     warmup=0, seed=0)
     assert r.status == "ok", r.note
     assert r.peak_bytes == a.live   # not the 10 GiB an earlier job left cached
+
+
+def test_slow_timed_steps_stop_after_three_but_a_dynamic_cycle_is_never_cut():
+    """``timed_seconds`` (0 here: every step is past it) cuts a job's timed steps to
+    MIN_TIMED, says so in ``detail.timed_steps`` and times what ran; a dynamic workload keeps
+    its whole cycle of lengths (its throughput is over all of them)."""
+    import torch
+    cpu = torch.device("cpu")
+    static = lambda: e2e.build_workload("gpt2-s32", 2, cpu, True, 0)  # noqa: E731
+    cut = e2e.run_job(e2e.BY_NAME["native"], static, None, cpu, steps=6, warmup=1, seed=0,
+                      timed_seconds=0.0)
+    assert cut.status == "ok", cut.note
+    assert cut.detail["timed_steps"] == e2e_job.MIN_TIMED and len(cut.losses) == 1 + 3
+    assert cut.throughput > 0
+    whole = e2e.run_job(e2e.BY_NAME["native"], static, None, cpu, steps=6, warmup=1, seed=0)
+    assert "timed_steps" not in whole.detail and len(whole.losses) == 7
+    assert whole.losses[:4] == cut.losses   # the same steps, fewer of them
+    dynamic = lambda: e2e.build_workload("bert-dyn", 2, cpu, True, 0)  # noqa: E731
+    assert len(dynamic().inputs) > 1
+    dyn = e2e.run_job(e2e.BY_NAME["native"], dynamic, None, cpu, steps=5, warmup=1, seed=0,
+                      timed_seconds=0.0)
+    assert dyn.status == "ok" and "timed_steps" not in dyn.detail and len(dyn.losses) == 6
+
+
+def test_jobs_at_the_smallest_batch_run_every_step_their_losses_are_checked_on(monkeypatch):
+    import torch
+    monkeypatch.setattr(e2e_grid, "TIMED_SECONDS", 0.0)
+    grid = e2e.Grid({"gpt2-s32": [2, 4]}, [e2e.BY_NAME["native+expandable"]], None, 5, 1)
+    rows, refs = e2e.run_grid(grid, grid.methods, torch.device("cpu"))
+    by = {r.batch_size: r for r in rows}
+    assert by[2].status == by[4].status == "ok", (by[2].note, by[4].note)
+    assert "timed_steps" not in by[2].detail and len(by[2].losses) == len(refs["gpt2-s32"]) == 6
+    assert "loss bitwise equal" in by[2].note
+    assert by[4].detail["timed_steps"] == 3
 
 
 def test_a_worker_that_dies_keeps_the_rows_it_finished(monkeypatch):
