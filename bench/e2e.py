@@ -67,6 +67,11 @@ a job of an offloading method (save_on_cpu, torchtune, the swap runtimes, pofo) 
 host memory would pass 0.8 x the host's MemAvailable (``host_floor_note``: the saved
 activations it offloads, each rounded up to a power of two as PyTorch's pinned cache does):
 it would end its worker (the job a ``crashed`` row, and a new worker started for the rest).
+Each row's ``detail`` records what the host held over the job, where Linux tells it:
+``host_peak_bytes`` (the worker's peak resident memory, pinned copies included: ``VmHWM``,
+reset at the job's start through /proc/self/clear_refs) from ``host_base_bytes`` at its start,
+to check that estimate against (on the H200, torchtune's offload at ResNet-50 b512 was killed
+for host memory where ``save_on_cpu``, estimated the same, ran).
 
 Multi-GPU DDP under ``torchrun`` is not part of this script yet: the lent machines have one
 GPU, where ``--coexist`` shows per-process allocators side by side instead.

@@ -49,6 +49,35 @@ class JobResult:
 
 
 
+def host_peak_reset() -> Optional[int]:
+    """Start this process's peak resident memory (``VmHWM``) over from now (Linux: ``5``
+    written to /proc/self/clear_refs) and return the resident bytes now (``VmRSS``); None
+    where either cannot be done (not Linux, a sandbox without clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def host_peak() -> Optional[int]:
+    """This process's peak resident bytes since ``host_peak_reset`` (pinned host memory is
+    resident: the offloading methods' copies count), or None."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024   # (in kB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _is_oom(exc: BaseException) -> bool:
     """Does not fit the budget: the allocator ran out, or a planner proved it would."""
     from scheduler.errors import InfeasibleError
@@ -149,6 +178,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
     try:
         wl = wl_factory()
         alive()   # (the watchdog hears each phase of a job: built, planned, every step)
+        host_base = host_peak_reset()   # (after the model is built: the job's own growth)
         warmup, steps = step_counts(len(wl.inputs), warmup, steps, device.type == "cuda")
         # (a dynamic workload's throughput is over every input length: never cut its cycle)
         min_timed = steps if len(wl.inputs) > 1 else min(steps, MIN_TIMED)
@@ -193,6 +223,9 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
         detail = {k: st[k] for k in DETAIL_KEYS if st.get(k) is not None}
         if timed < steps:
             detail["timed_steps"] = timed
+        top = host_peak() if host_base is not None else None
+        if top is not None:   # what the host held: the offloading methods' pinned copies
+            detail["host_base_bytes"], detail["host_peak_bytes"] = host_base, top
         if runtime_budget != budget:
             detail["activation_budget"] = runtime_budget
         return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,

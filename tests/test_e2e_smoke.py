@@ -215,6 +215,26 @@ def test_slow_timed_steps_stop_after_three_but_a_dynamic_cycle_is_never_cut():
     assert dyn.status == "ok" and "timed_steps" not in dyn.detail and len(dyn.losses) == 6
 
 
+def test_a_job_records_the_host_memory_it_held():
+    """The host's peak over a job (the offloading methods' pinned copies, which a host-memory
+    floor predicts and the OOM killer ends a worker for) is measured: VmHWM, reset at the
+    job's start."""
+    base = e2e_job.host_peak_reset()
+    if base is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    block = bytearray(64 << 20)   # (bytearray writes its zeros: resident)
+    top = e2e_job.host_peak()
+    del block
+    assert top - base >= 64 << 20
+    assert e2e_job.host_peak_reset() < top   # (its peak starts over from what is held now)
+    assert e2e_job.host_peak() < top
+    import torch
+    cpu = torch.device("cpu")
+    r = e2e.run_job(e2e.BY_NAME["native"], lambda: e2e.build_workload("gpt2-s32", 2, cpu, True, 0),
+                    None, cpu, steps=2, warmup=1, seed=0)
+    assert r.status == "ok" and r.detail["host_peak_bytes"] >= r.detail["host_base_bytes"] > 0
+
+
 def test_jobs_at_the_smallest_batch_run_every_step_their_losses_are_checked_on(monkeypatch):
     import torch
     monkeypatch.setattr(e2e_grid, "TIMED_SECONDS", 0.0)
