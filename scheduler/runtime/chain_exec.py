@@ -172,10 +172,13 @@ class ChainStep:
         self.replaying = False  # runtime.tail replays the tail's backward (must not reach us)
         # set by the runner: the plan key a profiling step measures its chain for, the input
         # size of a Mimose collection step, and what a profiling or collection step holds
-        # outside the chain (``tail.outside`` at block 0, when the model's tail is measured)
+        # outside the chain (``tail.outside`` at block 0, when the model's tail is measured);
+        # on a later step, what its plan counts of the model's outputs, to check (a
+        # ``tail_outputs.ShapeWatch``)
         self.profile_key: Hashable = None
         self.input_size: Optional[float] = None
         self.outside: Optional["Outside"] = None
+        self.watch: Any = None
 
     def abandon(self) -> None:
         """The forward failed half way: drop every reference to values and to the partial

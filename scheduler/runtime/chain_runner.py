@@ -47,15 +47,9 @@ from .outside import with_outside
 from .planning import make_plan, profiling_peak
 from .weak import gone
 from .tail import TAIL_TRIES
+from .tail_outputs import OutputsBook, shape_of as _shape_of
 
 MEASUREMENTS_SAID = 8  # input shapes measured (a chain each) before saying how to avoid it
-
-
-def _shape_of(key: Hashable) -> Hashable:
-    """A plan key (``ChainRunner._key``: signature, budget, train mode, autocast state) less
-    its budget: what a measured chain depends on."""
-    signature_, _budget, training, autocast = key  # type: ignore[misc]
-    return signature_, training, autocast
 
 
 def needs_grad(blocks: Sequence[nn.Module], args: Sequence[Any],
@@ -145,10 +139,9 @@ class ChainRunner(MimoseSteps):
         self.profiling_steps = 0
         self.measurements = 0  # chains measured (measure_chain), one per new shape
         self._measured: Dict[Hashable, Chain] = {}  # measured chains by shape (_shape_of)
-        # shapes planned with the model's outputs guessed dropped before the backward, until a
-        # backward says so: shape (_shape_of) -> the chain that counts them held
-        # (``tail_outputs``)
-        self._tail_unverified: Dict[Hashable, Chain] = {}
+        # how each shape's plans count the model's outputs, and what backwards saw the
+        # caller do with them since (``tail_outputs``)
+        self.outputs_book = OutputsBook(name)
         # profiling steps whose chain an InputAwareChain learns: profile key -> input size
         self._learning: Dict[Hashable, float] = {}
         # profiling steps whose tail measurement failed, by shape (``_tail_failed``)
@@ -197,9 +190,11 @@ class ChainRunner(MimoseSteps):
         self.tail = tail
         for name, value in (("_learning", {}), ("_said_profiling", False),
                             ("_tail_failures", {}), ("_ended", None), ("_said_stacked", False),
-                            ("_said_compiled", False), ("outputs", "watch"),
-                            ("_tail_unverified", {})):
+                            ("_said_compiled", False), ("outputs", "watch")):
             self.__dict__.setdefault(name, value)  # (a runner pickled before they existed)
+        self.__dict__.pop("_tail_unverified", None)   # (its guesses: measured again)
+        if "outputs_book" not in self.__dict__:
+            self.outputs_book = OutputsBook(self.name)
         self._mimose_unpickled()
 
     # -------------------------------------------------------------------------- knobs
@@ -499,14 +494,15 @@ class ChainRunner(MimoseSteps):
         return self.planner == "pofo"
 
     def _plan(self, args: Sequence[Any], kwargs: Dict[str, Any], step: bool = False
-              ) -> Tuple[CompiledPlan, Any]:
-        """The compiled plan for this forward, and the cache key to fill after it if the
-        chain must first be measured on it (a profiling step), else ``None``. ``step`` (a
-        step, not a query: every rank calls it at once): the ranks check they plan together."""
+              ) -> Tuple[CompiledPlan, Any, Any]:
+        """The compiled plan for this forward; the cache key to fill after it if the chain
+        must first be measured on it (a profiling step), else ``None``; and the plan's key
+        (None: a plan given, or no budget). ``step`` (a step, not a query: every rank calls
+        it at once): the ranks check they plan together."""
         if isinstance(self.planner, Plan):
-            return self._compile(self.planner), None
+            return self._compile(self.planner), None, None
         if self._budget is None and not callable(self.planner):
-            return self._compile(checkpoint_plan(self.L, [], planner="none")), None
+            return self._compile(checkpoint_plan(self.L, [], planner="none")), None, None
         key = self._key(args, kwargs)
         if step and distributed.active():  # before any measurement (``_chain_for`` agrees)
             if self._one_plan is None:
@@ -514,12 +510,13 @@ class ChainRunner(MimoseSteps):
             if self._one_plan:
                 one_plan.check_same_keys(key not in self.cache, key, args, kwargs, self.blocks,
                                          self._budget, self.name, self.list_name)
-        held = self._tail_unverified.pop(_shape_of(key), None) if step else None
-        if held is not None:  # no backward came after its profiling step (any budget): held
-            self.correct_tail(key, held)
+        _, budget, _, _ = key
+        for shape, chain in self.outputs_book.take(key, step, self._measured,
+                                                   self._peak_at(key), budget):
+            self._replan(shape, chain)
         cached = self.cache.get(key)
         if cached is not None:
-            return cached, None
+            return cached, None, key
         # a new budget for a shape measured before plans on that chain (no measurement)
         chain = self._measured.get(_shape_of(key)) if self.chain_source is None else None
         if chain is None:
@@ -527,9 +524,23 @@ class ChainRunner(MimoseSteps):
             if chain is not None and self.chain_source is None:  # measured (a bare chain)
                 self._remember(key, chain)
         if chain is None:  # checkpoint every block while the chain is measured on this step
-            return self._compile(checkpoint_plan(self.L, range(self.L), planner="profile")), key
+            return self._compile(checkpoint_plan(self.L, range(self.L), planner="profile")), \
+                key, key
         dev = _device_of(args, kwargs) if self._transfers_planned else None  # (a tree walk)
-        return self.cache.get_or_plan(key, lambda: self._plan_on(chain, dev, key)), None
+        shape = _shape_of(key)
+
+        def plan() -> CompiledPlan:   # (on the chain measured now: ``settle`` may go back)
+            on = self._measured.get(shape, chain) if self.chain_source is None else chain
+            return self.cache.get_or_plan(key, lambda: self._plan_on(on, dev, key))
+        return self.outputs_book.settle(key, plan, self._replan), None, key
+
+    def _peak_at(self, key: Hashable) -> Callable[[Hashable], Optional[float]]:
+        """A shape's plan's predicted peak at ``key``'s budget, if planned (for
+        ``OutputsBook.take``)."""
+        def peak(shape: Hashable) -> Optional[float]:
+            cached = self.cache.get(key) if shape == _shape_of(key) else None
+            return cached.plan.predicted_peak if cached is not None else None
+        return peak
 
     def outputs_mode(self, key: Hashable) -> Optional[str]:
         """How a profiling step's plan for ``key`` counts the model's outputs
@@ -549,24 +560,8 @@ class ChainRunner(MimoseSteps):
             return None
         return "watch"
 
-    def tail_unverified(self, key: Hashable, held: Chain) -> None:
-        """``key``'s plan guesses which outputs the caller drops, before a backward has said:
-        ``held``, the chain that counts them all held, plans its shape at its next step unless
-        ``tail_seen`` comes first."""
-        self._tail_unverified[_shape_of(key)] = held
-
-    def tail_seen(self, key: Hashable, chain: Optional[Chain]) -> None:
-        """The profiling step's backward saw which outputs the caller dropped: the plans for
-        ``key``'s shape stand (``chain`` None) or are made again on ``chain`` at its next
-        forward."""
-        if chain is not None:   # (first: a forward on another thread finds one or the other)
-            self.correct_tail(key, chain)
-        self._tail_unverified.pop(_shape_of(key), None)
-
-    def correct_tail(self, key: Hashable, chain: Chain) -> None:
-        """Plan ``key``'s shape, at any budget, on ``chain`` at its next forward (not here:
-        this may be a backward, on autograd's thread)."""
-        shape = _shape_of(key)
+    def _replan(self, shape: Hashable, chain: Chain) -> None:
+        """Plan ``shape``, at any budget, on ``chain`` from now on (its plans made again)."""
         self._measured[shape] = chain
         self.cache.drop_if(lambda k: _shape_of(k) == shape)
 
@@ -575,6 +570,13 @@ class ChainRunner(MimoseSteps):
         MEASUREMENTS_SAID-th input signature, say how to avoid a measurement per shape."""
         if len(self._measured) >= 4 * self.cache.capacity:
             self._measured.clear()
+            # (the shapes' watches go too, and those shapes count the outputs as planned
+            # without a check; the shape just profiled registered its watch before this)
+            watches = self.outputs_book.watches
+            watch = watches.get(_shape_of(key))
+            watches.clear()
+            if watch is not None:
+                watches[_shape_of(key)] = watch
         self._measured[_shape_of(key)] = chain
         if not self._said_shapes and \
                 len({shape[0] for shape in self._measured}) >= MEASUREMENTS_SAID:
@@ -607,13 +609,13 @@ class ChainRunner(MimoseSteps):
         return self._transfers[str(dev)]
 
     def _begin(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> ChainStep:
-        collector, profile_key = None, None
+        collector, profile_key, key = None, None, None
         if self.mimose is not None:
             cplan, collector = self._plan_mimose(args, kwargs, agree=True)
             # the collection's samples go to the Mimose of the setting it ran under
             self._collecting_into = self.mimose if collector is not None else None
         else:
-            cplan, profile_key = self._plan(args, kwargs, step=True)
+            cplan, profile_key, key = self._plan(args, kwargs, step=True)
         needs_transfers = any(k in ("offload", "prefetch") for _, k, _ in
                               cplan.forward_ops + cplan.backward_ops)
         held: List[torch.Tensor] = []
@@ -630,6 +632,10 @@ class ChainRunner(MimoseSteps):
         for t in self._transfers.values():  # copies a failed step dropped: their buffers go
             t.drain_orphans()
         step.profile_key = profile_key
+        if profile_key is None and key is not None and self.outputs_book.watches:
+            watch = self.outputs_book.watches.get(_shape_of(key))
+            if watch is not None and watch.assumed and self.outputs_mode(key) == "watch":
+                step.watch = watch   # (``_end_forward`` hands it to the model's probe)
         step.input_size = self.input_size(args) if collector is not None else None
         if profile_key is not None and isinstance(self.chain_source, InputAwareChain):
             if len(self._learning) > self.cache.capacity:  # (steps that never ended)
@@ -659,6 +665,8 @@ class ChainRunner(MimoseSteps):
             self._plan_measured(key, chain, agree_on, dev)
         elif step.collector is not None:  # a Mimose collection step
             self._end_collection(step, out)
+        elif step.watch is not None and self.tail is not None:
+            self.tail.watch_outputs(self, step.watch, out, step)
 
     def _rng_bytes(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
         """Host bytes of the random states a step keeps: one per block it may recompute

@@ -44,6 +44,7 @@ the caller drops or holds through the backward (the logits) is ``tail_outputs``'
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import time
@@ -59,6 +60,7 @@ from ..profile.autograd_graph import differentiable
 from ..profile.measure import sync
 from ..profile.op_tracer import OpTracer, _mark_nodes
 from ..profile.storage import dense_bytes, storage_bytes, storage_key
+from ..units import format_bytes
 from .block_calls import tensor_leaves
 from .hook_stack import (Hooks, TailTracer, Within, let_go, module_call_frame, pop_hooks,
                          pop_tracer, retire, stacks_clean, sweep)
@@ -134,6 +136,9 @@ class TailProbe(WeakFields):
         # positions in the model's output of what the tail made and the caller had dropped
         # when the last profiling step's backward began (``tail_outputs``); None: not seen yet
         self.dropped: Optional[Set[int]] = None
+        # a later step's outputs to watch once the model's forward returns them, per runner
+        # (``watch_outputs``): what its plan counts of them, and where they go
+        self._watch_next: List[Tuple[Any, List[Any]]] = []
         self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                         model.register_forward_hook(self._exit, always_call=True)]
 
@@ -161,7 +166,8 @@ class TailProbe(WeakFields):
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
-        state.update(_live=[], rec=None, _call=None, depth=0, clean=[], handling=[])
+        state.update(_live=[], rec=None, _call=None, depth=0, clean=[], handling=[],
+                     _watch_next=[])
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -192,6 +198,7 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             self.calls += 1
             self.clean, self.handling = [], []
+            self._watch_next = []   # (a call that ended without its forward hook)
             self._call = Within(here)
             # the caller's tensors existed before the step: never counted as its memory
             self.given = {storage_key(t) for t in tensor_leaves((args, kwargs))}
@@ -213,6 +220,15 @@ class TailProbe(WeakFields):
         before = self.handling.pop() if self.handling else None
         if self.depth == 0 and sys.exc_info()[1] not in (None, before):
             self._abandon_steps()  # it raised between blocks: no backward will come
+            self._watch_next = []
+        elif self.depth == 0 and self._watch_next and output is not None:
+            pending, self._watch_next = self._watch_next, []
+            for watch, box in pending:
+                try:
+                    watch.see(output, box)
+                except Exception as e:  # noqa: BLE001 - watching must not break training
+                    self.warn_once(("watch", type(e)), f"{self.name}: watching the model's "
+                                   f"outputs failed ({e!r}); the plans stand as they are")
         rec = self.rec
         if rec is None or rec.depth != self.depth + 1 or rec.thread != threading.get_ident():
             return
@@ -259,6 +275,23 @@ class TailProbe(WeakFields):
         out = head_census(args, kwargs, state | self.given)
         out.bytes += runner_bytes
         return out
+
+    def watch_outputs(self, runner: Any, watch: Any, last_outs: Any, step: Any) -> None:
+        """A later step of a shape whose profiling step watched the model's outputs: watch
+        this step's too (``tail_outputs.ShapeWatch``): the backward's arrival at the last
+        block's outputs ``last_outs`` hooked now, while they live; the outputs when the
+        model's forward returns them."""
+        if self.depth == 0:
+            return   # (the blocks ran outside the model's forward: nothing returns them)
+        try:
+            passed = step.offloader.passed_through()
+            lasts = [t for t in tensor_leaves(last_outs) if isinstance(t, torch.Tensor) and
+                     t.requires_grad and storage_key(t) not in passed]
+            if lasts:
+                self._watch_next.append((watch, watch.start(lasts, runner)))
+        except Exception as e:  # noqa: BLE001 - watching must not break training
+            self.warn_once(("watch", type(e)), f"{self.name}: watching the model's outputs "
+                           f"failed ({e!r}); the plans stand as they are")
 
     def forward_number(self) -> Optional[int]:
         """Which outermost call of the model is running (``calls``), or None outside one: two
@@ -383,9 +416,10 @@ class TailProbe(WeakFields):
                            f"to {TAIL_TRIES} tries)")
             chain = chain.replace(meta={**chain.meta, "tail": {"failed": repr(e)}})
         finally:
-            rec.tracer, rec.lasts, rec.step = None, [], None
+            rec.tracer, lasts, rec.lasts, rec.step = None, rec.lasts, [], None
             rec.hooks.saved.clear()
         rec.runner._plan_measured(rec.key, chain, rec.agree_on, rec.device)
+        self._say_caller_loss(output, lasts, rec.runner.budget)   # (a filter may raise it)
 
     def _tail_chain(self, rec: _Recording, output: Any, fw: float, held: int,
                     peak: int) -> Chain:
@@ -439,6 +473,35 @@ class TailProbe(WeakFields):
         chain = add_outside(chain, 0, tied) if tied else chain
         return planned(self, rec.runner, rec.key, rec.lasts, chain, returned, mode) \
             if returned else chain
+
+
+    def _say_caller_loss(self, output: Any, lasts: Sequence[torch.Tensor],
+                         budget: Optional[int]) -> None:
+        """A training forward that returned no loss (no ``labels=``): the caller computes it
+        from the outputs, saving what no measurement sees (cross-entropy's log-softmax of the
+        logits: GPT-2 on the CPU at its least budget peaked at 1.31x it). Said once, where the
+        largest output the tail made that needs a gradient (the logits, not the blocks'
+        hidden states) is 1% of ``budget`` or more (a classifier's few logits are not)."""
+        model = self.model
+        outs = list(tensor_leaves(output))
+        if not model.training or any(t.numel() == 1 and t.grad_fn is not None for t in outs):
+            return
+        # (the last block's outputs, and what the blocks returned before them, are the chain's)
+        chain = {storage_key(t) for t in lasts}
+        made = [storage_bytes([t]) for t in outs if t.requires_grad and
+                storage_key(t) not in chain]
+        largest = max(made, default=0)
+        if not largest or (isinstance(budget, int) and 100 * largest < budget):
+            return
+        takes = "labels" in inspect.signature(model.forward).parameters
+        self.warn_once("caller_loss", (
+            f"{self.name}: {type(model).__name__}'s forward returned no loss, only outputs (the "
+            f"largest that needs a gradient: {format_bytes(largest)}): the loss your code "
+            "computes from them saves memory no plan counts (cross-entropy keeps a "
+            "log-softmax the size of the logits: GPT-2 at its least budget peaked at 1.31x "
+            "it), so the budget may not hold. " +
+            ("Pass labels= so the model computes its loss, or leave that room in the budget"
+             if takes else "Leave that room in the budget")))
 
 
 def _born(tracer: OpTracer) -> Set[int]:
