@@ -547,3 +547,23 @@ def test_cuda_outputs_as_the_caller_treats_them(how):
         {"dropped": n, "held": 0} if how is step else {"dropped": 0, "held": n})
     peak = peak_of(model, batch, how)
     assert peak <= 1.05 * r.last_plan.predicted_peak, (peak, r.last_plan.predicted_peak)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic_kernels")
+def test_cuda_a_later_step_that_keeps_the_outputs_plans_them_held():
+    """On CUDA, where the backward's hooks and the outputs' frees run on autograd's device
+    thread: a logging step after dropped ones is seen, the next step plans them held (said),
+    and a held step's real peak then stays within the prediction (5%, as above)."""
+    lo_held, _ = budgets("gpt2-wide", "cuda")
+    ref, model, batch = plain("gpt2-wide", int(1.02 * lo_held), "cuda")
+    for seed in range(3):
+        assert_same(ref, model, step(ref, batch, seed), step(model, batch, seed), "gpt2 cuda")
+    assert_same(ref, model, keep_step(ref, batch, 3), keep_step(model, batch, 3), "gpt2 cuda")
+    with pytest.warns(UserWarning, match="counted as dropped"):
+        assert_same(ref, model, step(ref, batch, 4), step(model, batch, 4), "gpt2 cuda")
+    r = runner_of(model)
+    assert r.last_plan.chain.meta["tail"]["outputs"] == {
+        "dropped": 0, "held": logits_bytes(model, batch)}
+    peak = peak_of(model, batch, keep_step)
+    assert peak <= 1.05 * r.last_plan.predicted_peak, (peak, r.last_plan.predicted_peak)
