@@ -48,6 +48,10 @@ class PlanCache(Generic[T]):
         ``None`` (not counted: the caller plans, through ``get_or_plan``, or not at all)."""
         return self._hit(key) if key in self._plans else None
 
+    def peek(self, key: Hashable) -> Optional[T]:
+        """The cached plan for ``key`` or ``None``, neither counted nor moved."""
+        return self._plans.get(key)
+
     def _hit(self, key: Hashable) -> T:
         self.hits += 1
         self._plans.move_to_end(key)

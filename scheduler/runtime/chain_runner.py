@@ -538,7 +538,7 @@ class ChainRunner(MimoseSteps):
         """A shape's plan's predicted peak at ``key``'s budget, if planned (for
         ``OutputsBook.take``)."""
         def peak(shape: Hashable) -> Optional[float]:
-            cached = self.cache.get(key) if shape == _shape_of(key) else None
+            cached = self.cache.peek(key) if shape == _shape_of(key) else None
             return cached.plan.predicted_peak if cached is not None else None
         return peak
 

@@ -474,7 +474,6 @@ class TailProbe(WeakFields):
         return planned(self, rec.runner, rec.key, rec.lasts, chain, returned, mode) \
             if returned else chain
 
-
     def _say_caller_loss(self, output: Any, lasts: Sequence[torch.Tensor],
                          budget: Optional[int]) -> None:
         """A training forward that returned no loss (no ``labels=``): the caller computes it
@@ -486,14 +485,18 @@ class TailProbe(WeakFields):
         outs = list(tensor_leaves(output))
         if not model.training or any(t.numel() == 1 and t.grad_fn is not None for t in outs):
             return
-        # (the last block's outputs, and what the blocks returned before them, are the chain's)
+        # (the last block's outputs are the chain's; the largest of the rest is the logits,
+        # not a block's hidden state)
         chain = {storage_key(t) for t in lasts}
         made = [storage_bytes([t]) for t in outs if t.requires_grad and
                 storage_key(t) not in chain]
         largest = max(made, default=0)
         if not largest or (isinstance(budget, int) and 100 * largest < budget):
             return
-        takes = "labels" in inspect.signature(model.forward).parameters
+        try:
+            takes = "labels" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):   # (a forward without a signature to read)
+            takes = False
         self.warn_once("caller_loss", (
             f"{self.name}: {type(model).__name__}'s forward returned no loss, only outputs (the "
             f"largest that needs a gradient: {format_bytes(largest)}): the loss your code "
