@@ -492,6 +492,20 @@ def test_after_pressure_the_plan_is_kept_in_place_again_after_a_longer_streak():
     assert ctx._seq.active.in_place_after == 8 and not ctx._seq.active.in_place_refused
 
 
+def test_the_wait_after_pressure_comes_down_after_a_long_run_in_place():
+    """One spike (step 3) doubles the wait to 4; twice that many iterations kept in place in
+    a row (8-15) halve it back to 2, so the next spike (step 20) doubles it to 4, not 8:
+    a rare spike costs less each time, while steady pressure keeps it high."""
+    ref = train(mlp, batch_mlp, steps=24)
+    ctx, got, seen, calls = train_pressed(24, pressed={3, 20})
+    assert_bit_identical(got, ref)
+    done = [p["iterations_in_place"] for p in seen]
+    # 0-2 followed; 3 leaves; 4-7 followed; 8-19 in place (the wait halves at 15, no pause);
+    # 20 leaves (pressure); 21-23 followed (3 < the wait of 4)
+    assert [b - a for a, b in zip([0] + done, done)] == [0] * 8 + [1] * 12 + [0] * 4
+    assert ctx._seq.active.in_place_after == 4 and not ctx._seq.active.in_place_refused
+
+
 def test_a_kept_tensor_the_program_holds_is_not_evicted():
     """The batch (held by the loop) and the Tanh's output (read by the Linear whose forward
     runs) are saved too: evicting them would free nothing; they keep their bytes."""

@@ -98,7 +98,7 @@ class Entry:
     in_place_refused: bool = False
     # iterations in a row that must follow this plan before one is kept in place: doubled
     # each time the pressure callback made one leave (a spike, a cuDNN workspace: the fast
-    # path comes back, later each time; it does not come down again)
+    # path comes back, later each time), halved after twice as many kept in place in a row
     in_place_after: int = IN_PLACE_AFTER
 
     def may_keep_in_place(self, budget: Optional[int]) -> bool:

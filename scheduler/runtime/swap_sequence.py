@@ -34,8 +34,9 @@ callback (vmalloc's allocator, ``allocator=``) an iteration that met pressure do
 towards the two (its plan did not fit the device as it is), and one kept in place that meets
 it evicts kept tensors (``swap_in_place_pressure``) and leaves in place there, as one that
 outgrows its plan, but its plan is kept in place again after twice as long a streak as before
-(``Entry.in_place_after``: 4, 8, ... at most 64; it does not come down again: a plan that met
-pressure five times stays at 64 until the plan cache drops it).
+(``Entry.in_place_after``: 4, 8, ... at most 64); it comes down again by half after each run of
+iterations kept in place twice as long as the wait (``in_place_run``): rare spikes cost less
+and less, a steady pressure keeps the fast path rare.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from ..plan_cache import PlanCache
 from ..planners.swap_schedule import HOST, PACK, UNPACK, VariableSequence
 from .swap_eviction import Eviction
 from .swap_in_place import InPlace, InPlaceToken
-from .swap_planning import IN_PLACE_AFTER_MAX, Entry, SwapPlanner
+from .swap_planning import IN_PLACE_AFTER, IN_PLACE_AFTER_MAX, Entry, SwapPlanner
 from .swap_stats import Residency
 from .swap_transfers import SwapTransfers
 from .swap_vars import Var
@@ -75,6 +76,10 @@ class SwapSequence:
         # next may be kept in place; one is not enough where two kinds of iteration alternate,
         # as the two backwards of a gradient penalty do)
         self.streak = 0
+        # iterations kept in place in a row since pressure last made one leave, or since the
+        # wait last came down (``_end_in_place``)
+        self.in_place_run = 0
+        self.in_place_run_of: Any = None   # (the plan's key: a run is one plan's)
         self.in_place = InPlace(residency)
         self.new_iteration()
 
@@ -150,6 +155,7 @@ class SwapSequence:
             self.following = False
             self.partial = True
             active = self.active
+            self.in_place_run = 0
             if pressed:
                 active.in_place_after = min(2 * active.in_place_after, IN_PLACE_AFTER_MAX)
             else:
@@ -315,8 +321,17 @@ class SwapSequence:
         if followed:
             self._hit(self.active)
             self.streak = 0 if self.pressed else self.streak + 1
+            active = self.active
+            if self.in_place_run_of != active.key:
+                self.in_place_run, self.in_place_run_of = 0, active.key
+            self.in_place_run = 0 if self.pressed else self.in_place_run + 1
+            if self.in_place_run >= 2 * active.in_place_after > 2 * IN_PLACE_AFTER:
+                # (pressure has not come back for twice the wait: the wait comes down)
+                active.in_place_after //= 2
+                self.in_place_run = 0
         else:
             self.streak = 0
+            self.in_place_run = 0
         self._next_iteration()
 
     def _hit(self, entry: Entry) -> None:
