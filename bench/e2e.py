@@ -27,7 +27,7 @@ the same command until the file is complete. A FILE measured on another GPU, und
 naming what differs: its rows would be mixed with this run's in one table.
 
 Each job trains ``--steps`` timed steps after its warm-up, or fewer once they have taken 15 s
-(``TIMED_SECONDS``; at least 3, a dynamic workload its whole cycle of lengths; the row's
+(``TIMED_SECONDS``; at least 3, a dynamic workload all of them; the row's
 ``detail.timed_steps`` says how many): the offloading methods at large batches take 5-10 s a
 step, and their steady state shows in three. Jobs at a model's smallest batch, whose every
 loss is checked against plain training's, run all their steps.
@@ -68,8 +68,8 @@ host memory would pass 0.8 x the host's MemAvailable (``host_floor_note``: the s
 activations it offloads, each rounded up to a power of two as PyTorch's pinned cache does):
 it would end its worker (the job a ``crashed`` row, and a new worker started for the rest).
 Each row's ``detail`` records what the host held over the job, where Linux tells it:
-``host_peak_bytes`` (the worker's peak resident memory, pinned copies included: ``VmHWM``,
-reset at the job's start through /proc/self/clear_refs) from ``host_base_bytes`` at its start,
+``host_rss_peak_bytes`` (the worker's peak resident memory, pinned copies included: ``VmHWM``,
+reset at the job's start through /proc/self/clear_refs) from ``host_rss_base_bytes`` at its start,
 to check that estimate against (on the H200, torchtune's offload at ResNet-50 b512 was killed
 for host memory where ``save_on_cpu``, estimated the same, ran).
 
@@ -107,8 +107,8 @@ from bench.e2e_workloads import (DYNAMIC_LENGTHS, DYNAMIC_STEPS, SMOKE_SIZES,  #
                                  parse_model, zoo_spec)
 from bench.e2e_methods import (ALLOCATORS, BY_NAME, GPU_DEFAULT, METHODS, Method,  # noqa: E402
                                MethodUnavailable, method_context)
-from bench.e2e_job import (DETAIL_KEYS, JobResult, activation_budget, run_job,  # noqa: E402
-                           step_counts)
+from bench.e2e_job import (DETAIL_KEYS, MIN_TIMED, TIMED_SECONDS, JobResult,  # noqa: E402
+                           activation_budget, run_job, step_counts)
 from bench.e2e_grid import (ALIVE, BEAT, FULL_BATCHES, LEFT, QUICK_BATCHES, REF,  # noqa: E402
                             ROW, SMOKE_BATCHES, START, STOP_MARGIN, Grid, Key, Plan,
                             check_losses, release_memory, row_key, run_grid, stopped_note)
@@ -260,7 +260,8 @@ def write_results(out: Path, info: Dict[str, Any], rows: List[Dict[str, Any]]) -
 def grid_settings(grid: Grid) -> Dict[str, Any]:
     """What the rows of a run were measured under (the results file's ``meta.grid``): rows of
     another budget, step count or method list must not be kept by a ``--resume`` of this one."""
-    return {"budget": grid.budget, "steps": grid.steps, "methods": [m.name for m in grid.methods]}
+    return {"budget": grid.budget, "steps": grid.steps, "methods": [m.name for m in grid.methods],
+            "timed_seconds": TIMED_SECONDS, "min_timed": MIN_TIMED}
 
 
 def resume_mismatch(earlier: Any, settings: Dict[str, Any]) -> List[str]:

@@ -49,10 +49,12 @@ class Plan:
     it in this process. Once it refuses a job it refuses every later one."""
 
     def __init__(self, stop_at: Optional[float] = None, done: Sequence[Sequence[Any]] = (),
-                 durations: Sequence[Sequence[Any]] = ()):
+                 durations: Sequence[Sequence[Any]] = (), longest: float = 0.0):
         self.stop_at = stop_at
         self.done = {(str(m), str(n), int(b)) for m, n, b in done}
-        self.longest = 0.0          # seconds, the longest job this process has run
+        # seconds, the longest job this process has run (a worker that replaces a dead one:
+        # the longest its predecessors ran)
+        self.longest = float(longest)
         self.last = 0.0             # seconds, the last job's
         self.durations: Dict[Tuple[str, int], float] = {}
         for m, b, sec in durations:
@@ -62,7 +64,7 @@ class Plan:
 
     @classmethod
     def of(cls, grid: "Grid") -> "Plan":
-        return cls(grid.stop_at, grid.done, grid.durations)
+        return cls(grid.stop_at, grid.done, grid.durations, grid.longest)
 
     def pending(self, model: str, method: str, batch: int) -> bool:
         return (model, method, batch) not in self.done
@@ -128,6 +130,7 @@ class Grid:
     # whether this process runs the reference at all (not the coexist pair: two uncapped
     # references at once would not fit the GPU, and no loss is checked there)
     reference: bool = True
+    longest: float = 0.0   # seconds: the longest job the worker this process replaces ran
 
     def budget_for(self, model: str) -> Optional[int]:
         return self.budgets.get(model, self.budget)

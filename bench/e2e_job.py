@@ -170,7 +170,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
     raise. ``beat()``: called after every step (a GPU worker's heartbeat); ``alive()``: once
     the model is built and once the method is set up (planned), before the first step.
     ``timed_seconds``: stop timing once the timed steps took that long, after at least
-    ``MIN_TIMED`` of them (a dynamic workload: its full cycle of inputs); the row's
+    ``MIN_TIMED`` of them (a dynamic workload: all of them); the row's
     ``detail.timed_steps`` then says how many ran (None: all ``steps``)."""
     wl: Optional[Workload] = None
     beat = beat or (lambda: None)
@@ -225,7 +225,7 @@ def run_job(method: Method, wl_factory: Callable[[], Workload], budget: Optional
             detail["timed_steps"] = timed
         top = host_peak() if host_base is not None else None
         if top is not None:   # what the host held: the offloading methods' pinned copies
-            detail["host_base_bytes"], detail["host_peak_bytes"] = host_base, top
+            detail["host_rss_base_bytes"], detail["host_rss_peak_bytes"] = host_base, top
         if runtime_budget != budget:
             detail["activation_budget"] = runtime_budget
         return JobResult(wl.model, method.name, wl.batch, items / elapsed, wl.unit,

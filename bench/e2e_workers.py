@@ -191,7 +191,9 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
     ``job_timeout`` seconds is killed (``Watch``): the job it was in gets a ``timeout`` row
     (kept by --resume); one that dies in a job (the host's OOM killer, a segfault) gives it a
     ``crashed`` row (kept too). Either way a new worker for the same allocator goes on with
-    the jobs after it: one job killing its worker costs that job's row, not the session's."""
+    the jobs after it and the references it still owed, with its predecessors' longest job
+    as its ``--stop-at`` margin: one job killing its worker costs that job's row, not the
+    session's."""
     plan = plan or Plan.of(grid)
     tell = report or (lambda kind, payload: None)
     rows: List[JobResult] = []
@@ -209,13 +211,15 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
         refs = need_ref if allocator == "native" else []
         ref = references.setdefault(allocator, {})
         done = set(plan.done)
+        longest = 0.0   # the longest job this allocator's workers ran: a replacement's margin
         while todo or refs:
             if not plan.may_start():
                 plan.left += todo
                 break
             got, unfinished, again = _one_worker(grid, plan, allocator, methods, todo, refs,
                                                  done, ref, references.get("native", {}),
-                                                 tell, job_timeout)
+                                                 tell, job_timeout, longest)
+            longest = max([longest] + [r.seconds for r in got if r.seconds is not None])
             rows += got
             if not again:
                 break
@@ -229,12 +233,13 @@ def run_workers(grid: Grid, plan: Optional[Plan] = None,
 def _one_worker(grid: Grid, plan: Plan, allocator: str, methods: Sequence[Method],
                 todo: List[Key], refs: List[str], done: set, ref: Dict[str, List[float]],
                 base: Dict[str, List[float]], tell: Callable[[str, Any], None],
-                job_timeout: float) -> Tuple[List[JobResult], List[Key], bool]:
+                job_timeout: float, longest: float = 0.0
+                ) -> Tuple[List[JobResult], List[Key], bool]:
     """Run one worker process over ``todo``: (its rows, the jobs it left unfinished, whether
     a new worker should go on with those: it hung or died in a job, now a ``timeout`` or
     ``crashed`` row)."""
     spec = dict(grid.__dict__, methods=[m.name for m in methods], references=refs,
-                done=sorted(done), durations=plan.duration_list())
+                done=sorted(done), durations=plan.duration_list(), longest=longest)
     print(f"-- worker: {allocator} allocator, {len(todo)} jobs", file=sys.stderr)
     left: List[Key] = []
     started: List[Key] = []
@@ -278,9 +283,10 @@ def _one_worker(grid: Grid, plan: Plan, allocator: str, methods: Sequence[Method
         plan.note(model, b, job_timeout if watch.timed_out else None)
         got.append(row)
         tell(ROW, row.row())
-        if unfinished:
-            # the jobs after it are not to blame: a new worker goes on with them (a worker
-            # that dies before starting any job does not get here: no loop)
+        if unfinished or any(m not in ref for m in refs):
+            # the jobs after it, and the references it still owed, are not to blame: a new
+            # worker goes on with them (one that dies before starting a job does not get
+            # here: no loop)
             return got, unfinished, True
     # the jobs it did not finish, in its order
     got += [JobResult(model, name, b, None, "", None, grid.budget_for(model), "error",

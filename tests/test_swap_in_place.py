@@ -506,6 +506,17 @@ def test_the_wait_after_pressure_comes_down_after_a_long_run_in_place():
     assert ctx._seq.active.in_place_after == 4 and not ctx._seq.active.in_place_refused
 
 
+def test_a_run_in_place_is_counted_from_the_last_pressure():
+    """The 6 iterations kept in place before the second spike do not count towards halving
+    the wait it doubled (8): 11 kept in place after it are fewer than 16."""
+    ref = train(mlp, batch_mlp, steps=34)
+    ctx, got, seen, calls = train_pressed(34, pressed={3, 14})
+    assert_bit_identical(got, ref)
+    # 3 leaves: wait 4; 4-7 followed; 8-13 in place; 14 leaves: wait 8; 15-22 followed;
+    # 23-33 in place
+    assert ctx._seq.active.in_place_after == 8
+
+
 def test_a_kept_tensor_the_program_holds_is_not_evicted():
     """The batch (held by the loop) and the Tanh's output (read by the Linear whose forward
     runs) are saved too: evicting them would free nothing; they keep their bytes."""

@@ -114,6 +114,8 @@ class SwapSequence:
         if active is not None and self.streak >= active.in_place_after and room > 0 \
                 and active.may_keep_in_place(budget):
             self.in_place.begin(room, active.packs)
+        else:   # (a run kept in place is one in a row: ``_end_in_place``)
+            self.in_place_run = 0
 
     def end_step(self) -> None:
         """No step runs any more (the context exits): nothing in use, no node held."""

@@ -485,8 +485,8 @@ class TailProbe(WeakFields):
         outs = list(tensor_leaves(output))
         if not model.training or any(t.numel() == 1 and t.grad_fn is not None for t in outs):
             return
-        # (the last block's outputs are the chain's; the largest of the rest is the logits,
-        # not a block's hidden state)
+        # (the last block's outputs are the chain's; the largest of the rest is most often the
+        # logits: a classifier's hidden states, with output_hidden_states, can be larger)
         chain = {storage_key(t) for t in lasts}
         made = [storage_bytes([t]) for t in outs if t.requires_grad and
                 storage_key(t) not in chain]
