@@ -86,7 +86,8 @@ def resumed_file(tmp_path):
     first = json.loads(out.read_text())
     assert first["results"] == [] and first["meta"]["incomplete"] is True
     assert first["meta"]["grid"] == {"budget": 300 << 10, "steps": 1,
-                                     "methods": ["native", "window"]}
+                                     "methods": ["native", "window"], "timed_seconds": 15.0,
+                                     "min_timed": 3}
     assert e2e.main(GRID + ["--resume", str(out), "--stop-at", FAR]) == 0
     return out
 
