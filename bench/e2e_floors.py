@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from bench.e2e_job import activation_budget
+from bench.e2e_job import activation_budget, proc_bytes
 from bench.e2e_methods import Method
 from bench.e2e_workloads import parse_model, zoo_spec
 from vmalloc.sizes import format_size
@@ -119,15 +119,7 @@ def pinned_need(model: str, method: Method, batch: int, budget: Optional[int]) -
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> Optional[int]:
     """The host's MemAvailable in bytes, or None where ``meminfo`` cannot say (not Linux)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key == "MemAvailable":
-                number, _, unit = value.strip().partition(" ")
-                return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
-    except (OSError, ValueError):
-        return None
-    return None
+    return proc_bytes(meminfo, "MemAvailable")
 
 
 HOST_NOTE = "host memory:"   # how a row infeasible for host memory starts its note

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -49,6 +50,23 @@ class JobResult:
 
 
 
+STATUS = Path("/proc/self/status")
+
+
+def proc_bytes(path: Path, name: str) -> Optional[int]:
+    """A ``name: N kB`` line of a /proc file (meminfo, self/status) in bytes, or None where
+    it cannot say (not Linux, no such line)."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == name:
+                number, _, unit = value.strip().partition(" ")
+                return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def host_peak_reset() -> Optional[int]:
     """Start this process's peak resident memory (``VmHWM``) over from now (Linux: ``5``
     written to /proc/self/clear_refs) and return the resident bytes now (``VmRSS``); None
@@ -58,24 +76,13 @@ def host_peak_reset() -> Optional[int]:
             f.write("5")
     except OSError:
         return None
-    return _status_bytes("VmRSS")
+    return proc_bytes(STATUS, "VmRSS")
 
 
 def host_peak() -> Optional[int]:
     """This process's peak resident bytes since ``host_peak_reset`` (pinned host memory is
     resident: the offloading methods' copies count), or None."""
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024   # (in kB)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return proc_bytes(STATUS, "VmHWM")
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -284,9 +284,7 @@ class TailProbe(WeakFields):
         if self.depth == 0:
             return   # (the blocks ran outside the model's forward: nothing returns them)
         try:
-            passed = step.offloader.passed_through()
-            lasts = [t for t in tensor_leaves(last_outs) if isinstance(t, torch.Tensor) and
-                     t.requires_grad and storage_key(t) not in passed]
+            lasts = _last_outputs(step, tensor_leaves(last_outs))
             if lasts:
                 self._watch_next.append((watch, watch.start(lasts, runner)))
         except Exception as e:  # noqa: BLE001 - watching must not break training
@@ -324,9 +322,7 @@ class TailProbe(WeakFields):
                            "active around the model's forward; its tail (stage L) is not "
                            "measured, the chain keeps measure_chain's stand-in loss stage")
             return False
-        passed = step.offloader.passed_through()
-        lasts = [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
-                 storage_key(t) not in passed]
+        lasts = _last_outputs(step, last_outs)
         if not lasts:
             self.warn_once("nograd", f"{self.name}: the last block's output needs no gradient; "
                            "the model's tail (stage L) is not measured")
@@ -505,6 +501,15 @@ class TailProbe(WeakFields):
             "it), so the budget may not hold. " +
             ("Pass labels= so the model computes its loss, or leave that room in the budget"
              if takes else "Leave that room in the budget")))
+
+
+def _last_outputs(step: Any, last_outs: Any) -> List[torch.Tensor]:
+    """The last block's outputs the tail's backward reaches them through: those that want a
+    gradient, less what the blocks passed through unchanged (T5's position bias comes from
+    further down the chain)."""
+    passed = step.offloader.passed_through()
+    return [t for t in last_outs if isinstance(t, torch.Tensor) and t.requires_grad and
+            storage_key(t) not in passed]
 
 
 def _born(tracer: OpTracer) -> Set[int]:
